@@ -1,0 +1,163 @@
+"""The engine loop on its own thread, with an asyncio face: `async for out in generate(...)`.
+
+Only the loop thread touches engine state. Callers post adds and aborts to an inbox; outputs
+go back to each request's asyncio queue on the caller's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+from actors.config import EngineConfig
+from actors.engine import LLMEngine
+from actors.outputs import RequestOutput
+from actors.sampling_params import SamplingParams
+
+log = logging.getLogger("shoal.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can be served any more."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._rate = TokenRate()
+        self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread with an event loop) --------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(prompt_token_ids, params)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0, prompt: str | None = None):
+        """Yield delta RequestOutputs until the request finishes. Closing the generator aborts it."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed: {self.error}")
+        self.check_request(prompt_token_ids, params)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._post(("add", request_id, prompt_token_ids, params, priority, prompt))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._post(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def stats(self) -> dict:
+        e = self.engine
+        return {
+            "running": len(e.scheduler.running),
+            "waiting": len(e.scheduler.waiting),
+            "kv_cache_usage": round(e.blocks.usage(), 4),
+            "kv_blocks_total": e.blocks.num_blocks,
+            "kv_blocks_free": e.blocks.num_free_blocks,
+            "prefix_cache_hit_rate": round(e.blocks.hit_rate(), 4),
+            "preemptions": e.scheduler.num_preemptions,
+            "generated_tokens": e.stats.generated_tokens,
+            "prompt_tokens": e.stats.prompt_tokens,
+            "steps": e.stats.steps,
+            "tokens_per_second": round(self._rate.value(), 1),
+            "engine_alive": self.error is None,
+        }
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _post(self, message: tuple) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    # ---- loop thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # the engine is unusable now: fail every stream
+                log.exception("engine step failed")
+                self.error = exc
+                self._fail_all(EngineDeadError(f"the engine failed: {exc}"))
+                return
+            self._rate.add(sum(len(o.token_ids) for out in outputs for o in out.outputs))
+            for out in outputs:
+                self._send(out.request_id, out)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "abort":
+                self.engine.abort_request(message[1])
+                continue
+            _, rid, ids, params, priority, prompt = message
+            if rid not in self._streams:
+                continue  # the caller went away before the engine saw the request
+            try:
+                self.engine.add_request(rid, ids, params, priority, prompt)
+            except ValueError as exc:
+                self._send(rid, exc)
+
+    def _send(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            self.engine.abort_request(request_id)  # nobody is listening any more
+            return
+        loop, stream = target
+        loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._streams):
+            self._send(rid, exc)
+
+
+class TokenRate:
+    """Generated tokens per second over the last few seconds."""
+
+    def __init__(self, window: float = 5.0):
+        self.window = window
+        self.events: list[tuple[float, int]] = []
+
+    def add(self, n: int) -> None:
+        now = time.monotonic()
+        self.events.append((now, n))
+        while self.events and self.events[0][0] < now - self.window:
+            self.events.pop(0)
+
+    def value(self) -> float:
+        if not self.events:
+            return 0.0
+        span = max(time.monotonic() - self.events[0][0], 1e-3)
+        return sum(n for _, n in self.events) / span

@@ -1,0 +1,47 @@
+"""Engine settings: one dataclass, filled by the CLI, YAML configs or Python callers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    model_path: str | None = None  # None: the bundled demo model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory-based size
+    kv_cache_memory: float | None = None  # GiB; None: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.3
+    enable_prefix_caching: bool = True
+    # Scheduling
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    # Compute
+    attn_backend: str = "native"  # native | flash (falls back to native where flash can't run)
+    num_threads: int | None = None  # torch intra-op threads; None: all cores
+    # Parallel layout (the distributed issue fills these in)
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.block_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("--block-size and --max-num-seqs must be positive")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("--max-num-batched-tokens must be at least --block-size")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("--num-kv-blocks must be at least 2")

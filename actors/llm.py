@@ -1,0 +1,59 @@
+"""In-process use: `LLM(model_path).generate(prompts, SamplingParams(...))`. No HTTP, no Ray."""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+from tqdm import tqdm
+
+from actors.config import EngineConfig
+from actors.engine import LLMEngine
+from actors.outputs import RequestOutput, accumulate
+from actors.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model_path: str | None = None, **options):
+        self.engine = LLMEngine(EngineConfig(model_path=model_path, **options))
+        self.tokenizer = self.engine.tokenizer
+        self.config = self.engine.config
+        self.max_model_len = self.engine.max_model_len
+        self._ids = itertools.count()
+        self._pending: list[str] = []
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request; raises ValueError for one the engine can never serve."""
+        text = prompt if isinstance(prompt, str) else None
+        self.engine.add_request(request_id, self.encode(prompt), params, priority, prompt=text)
+        self._pending.append(request_id)
+
+    def run(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:
+        """Step until every queued request has finished; cumulative outputs by request id."""
+        deltas = defaultdict(list)
+        bar = tqdm(total=len(self._pending), desc="requests", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                deltas[out.request_id].append(out)
+                bar.update(out.finished)
+        bar.close()
+        done = {rid: accumulate(deltas[rid]) for rid in self._pending}
+        self._pending = []
+        return done
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        done = self.run(use_tqdm)
+        return [done[rid] for rid in ids]

@@ -1,0 +1,140 @@
+"""Find a checkpoint on disk, read its config and tokenizer, and load its weights."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from actors.models import model_class
+from actors.models.args import ModelArgs
+
+log = logging.getLogger("shoal.loader")
+
+BUNDLED_MODEL = Path(__file__).resolve().parent / "demo_model"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A local directory, or a repo id already in the local Hugging Face cache (never downloads)."""
+    if model is None:
+        if not (BUNDLED_MODEL / "config.json").exists():
+            raise FileNotFoundError(f"the bundled model is missing at {BUNDLED_MODEL}; pass --model-path")
+        return BUNDLED_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local directory nor in the local Hugging Face cache "
+            f"(offline only: download it first, e.g. `huggingface-cli download {model}`)") from None
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
+    if dtype == "auto":
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(path: Path, cfg: dict, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer together."""
+    ids: set[int] = set()
+    sources = [cfg.get("eos_token_id")]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, list):
+            ids.update(i for i in s if isinstance(i, int))
+    return ids
+
+
+def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> nn.Module:
+    args = ModelArgs.from_hf(cfg)
+    cls = model_class(args.architecture)
+    with torch.device("meta"):
+        model = cls(args, max_positions)
+    model = model.to_empty(device=device)
+    if args.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Rotary tables are not weights: compute them for real after leaving the meta device.
+    cos, sin = _rope_tables(args, max_positions)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    load_weights(model, path)
+    return model.to(dtype).eval()
+
+
+def _rope_tables(args: ModelArgs, max_positions: int):
+    from kernels.rotary import cos_sin_cache, inv_frequencies
+    return cos_sin_cache(inv_frequencies(args.head_dim, args.rope_theta, args.rope_scaling), max_positions)
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    files = weight_files(path)
+    show = os.environ.get("SHOAL_PROGRESS", "1") != "0"
+    for file in tqdm(files, desc="loading weights", disable=not show or len(files) < 2):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                loaded.add(_load_one(model, params, name, f.get_tensor(name)))
+    tied = {"lm_head.weight"} if getattr(model.args, "tie_word_embeddings", False) else set()
+    missing = set(params) - loaded - tied
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
+
+
+def _load_one(model, params: dict, name: str, tensor: torch.Tensor) -> str:
+    if "rotary_emb.inv_freq" in name:
+        return name
+    for fused, hf_part, part in model.stacked_params:
+        if f".{hf_part}." in name:
+            target = name.replace(hf_part, fused)
+            param = params[target]
+            start, size = model.shard_offset(target, part, param)
+            with torch.no_grad():
+                param[start:start + size].copy_(tensor)
+            return target
+    if name not in params:
+        if name == "lm_head.weight" and model.args.tie_word_embeddings:
+            return name
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    with torch.no_grad():
+        params[name].copy_(tensor)
+    return name

@@ -1,0 +1,270 @@
+"""Runs one engine step on the model: builds the batch tensors, runs the forward, samples.
+
+It owns the weights and the KV pool (allocated once at start-up). Rows are laid out decodes
+first, then prefill chunks, which is the order the attention kernel expects.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from actors.config import EngineConfig
+from actors.loader import build_model
+from actors.models.args import ModelArgs
+from actors.scheduler import ScheduledSeq
+from kernels.attention import AttentionMetadata
+from kernels.sampling import SamplingBatch, sample, token_logprobs
+
+log = logging.getLogger("shoal.runner")
+
+
+@dataclass
+class StepResult:
+    tokens: list[int | None]  # sampled token per scheduled seq (None: mid-prefill chunk)
+    logprobs: list[dict | None]  # {chosen: lp, alternatives...} when the request asked
+    prompt_logprobs: list[list | None]  # per prompt position covered by this chunk
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, path, hf_config: dict, dtype: torch.dtype,
+                 max_model_len: int, eos_ids: set[int]):
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = dtype
+        self.eos_ids = eos_ids
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.args = ModelArgs.from_hf(hf_config)
+        self.model = build_model(path, hf_config, dtype, self.device, max_model_len)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks(max_model_len)
+        self._allocate_kv_cache()
+
+    # ---- start-up -------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        a = self.args
+        per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            return max(2, int(c.kv_cache_memory * 2**30) // self.block_bytes())
+        budget = int(_available_memory(self.device) * c.kv_cache_fraction)
+        useful = c.max_num_seqs * (-(-max_model_len // self.block_size))  # more is never used
+        return max(2, min(budget // self.block_bytes(), useful))
+
+    def _allocate_kv_cache(self) -> None:
+        a = self.args
+        slots = self.num_blocks * self.block_size
+        self.kv_cache = torch.zeros(a.num_layers, 2, slots, a.num_kv_heads, a.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                 self.kv_cache.numel() * self.dtype.itemsize / 2**20)
+
+    # ---- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> StepResult:
+        order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens != 1)
+        batch = [batch[i] for i in order]
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        rows, wants_prompt = self._logit_rows(batch)
+        logits = self.model.compute_logits(hidden[rows]) if rows else None
+        result = self._sample(batch, logits, wants_prompt)
+        inverse = [0] * len(order)  # back to the caller's order
+        for new, old in enumerate(order):
+            inverse[old] = new
+        return StepResult(*[[field[i] for i in inverse] for field in
+                            (result.tokens, result.logprobs, result.prompt_logprobs)])
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _prepare(self, batch: list[ScheduledSeq]):
+        ids, pos, slot_mapping = [], [], []
+        for s in batch:
+            start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens
+            ids.extend(s.seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slot_mapping.extend(self._slots(s.seq.block_table, start, end))
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev),
+                                 num_decode_tokens=sum(1 for s in batch if s.num_tokens == 1))
+        decodes = [s for s in batch if s.num_tokens == 1]
+        prefills = [s for s in batch if s.num_tokens != 1]
+        if decodes:
+            ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
+            meta.decode_kv_slots = self._context_slots(decodes, int(ctx.max())).to(dev)
+            meta.decode_mask = (torch.arange(int(ctx.max()))[None, :] < ctx[:, None])[:, None, None, :].to(dev)
+        if prefills:
+            self._prepare_prefills(meta, prefills, offset=len(decodes))
+        return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
+
+    def _context_slots(self, group: list[ScheduledSeq], length: int) -> torch.Tensor:
+        """[B, length] slot of every context position (padding points at slot 0, masked)."""
+        bs = self.block_size
+        nblocks = -(-length // bs)
+        table = torch.zeros(len(group), nblocks, dtype=torch.long)
+        for row, s in enumerate(group):
+            bt = s.seq.block_table[:nblocks]
+            table[row, :len(bt)] = torch.tensor(bt, dtype=torch.long)
+        slots = table[:, :, None] * bs + torch.arange(bs)[None, None, :]
+        return slots.view(len(group), -1)[:, :length]
+
+    def _prepare_prefills(self, meta: AttentionMetadata, group: list[ScheduledSeq], offset: int):
+        n = torch.tensor([s.num_tokens for s in group])
+        start = torch.tensor([s.seq.num_computed_tokens for s in group])
+        lq, lk = int(n.max()), int((start + n).max())
+        row_start = offset + torch.cumsum(n, 0) - n
+        i = torch.arange(lq)[None, :]
+        valid = i < n[:, None]
+        rows = torch.where(valid, row_start[:, None] + i, row_start[:, None])
+        j = torch.arange(lk)[None, None, :]
+        causal = j <= (start[:, None] + i)[:, :, None]
+        mask = (causal & valid[:, :, None]) | (~valid[:, :, None] & (j == 0))
+        dev = self.device
+        meta.prefill_q_rows, meta.prefill_q_valid = rows.to(dev), valid.to(dev)
+        meta.prefill_kv_slots = self._context_slots(group, lk).to(dev)
+        meta.prefill_mask = mask[:, None].to(dev)
+
+    def _logit_rows(self, batch: list[ScheduledSeq]):
+        """Rows whose logits are needed: the last row of sampling seqs, every row for prompt logprobs."""
+        rows, wants_prompt, offset = [], [], 0
+        for s in batch:
+            prompt = s.seq.params.prompt_logprobs is not None and not s.seq.prompt_logprobs_sent
+            wants_prompt.append(prompt)
+            if prompt:
+                rows.extend(range(offset, offset + s.num_tokens))
+            elif s.samples:
+                rows.append(offset + s.num_tokens - 1)
+            offset += s.num_tokens
+        return rows, wants_prompt
+
+    def _sample(self, batch, logits, wants_prompt) -> StepResult:
+        n = len(batch)
+        tokens, logprobs, prompt_lps = [None] * n, [None] * n, [None] * n
+        last_rows, sampling, cursor = [], [], 0
+        for i, s in enumerate(batch):
+            if wants_prompt[i]:
+                prompt_lps[i] = self._prompt_logprobs(s, logits[cursor:cursor + s.num_tokens])
+                cursor += s.num_tokens
+                if s.samples:
+                    last_rows.append(cursor - 1)
+                    sampling.append(i)
+            elif s.samples:
+                last_rows.append(cursor)
+                sampling.append(i)
+                cursor += 1
+        if not sampling:
+            return StepResult(tokens, logprobs, prompt_lps)
+        seqs = [batch[i].seq for i in sampling]
+        last = logits[last_rows]
+        chosen = sample(last, self._sampling_batch(seqs, last.shape[-1]))
+        k = max((sq.params.logprobs or 0) for sq in seqs)
+        want = any(sq.params.logprobs is not None for sq in seqs)
+        if want:
+            lp, top_ids, top_lp = token_logprobs(last, chosen, k)
+        for row, (i, sq) in enumerate(zip(sampling, seqs)):
+            tokens[i] = int(chosen[row])
+            if sq.params.logprobs is not None:
+                logprobs[i] = _lp_dict(int(chosen[row]), float(lp[row]), top_ids, top_lp, row, sq.params.logprobs)
+        return StepResult(tokens, logprobs, prompt_lps)
+
+    def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list:
+        """Log-probs of the prompt tokens this chunk predicts (position p predicts token p+1)."""
+        seq, start = s.seq, s.seq.num_computed_tokens
+        k = seq.params.prompt_logprobs
+        targets = [seq.token_ids[p + 1] for p in range(start, start + s.num_tokens)
+                   if p + 1 < seq.num_prompt_tokens]
+        if not targets:
+            return []
+        rows = logits[:len(targets)]
+        lp, top_ids, top_lp = token_logprobs(rows, torch.tensor(targets, device=rows.device), k)
+        return [_lp_dict(t, float(lp[r]), top_ids, top_lp, r, k) for r, t in enumerate(targets)]
+
+    def _sampling_batch(self, seqs, vocab: int) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        dev = self.device
+        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
+        b = SamplingBatch(temperature=f([p.temperature for p in params]),
+                          all_greedy=all(p.temperature == 0 for p in params))
+        b.generators = [s.generator for s in seqs] if any(s.generator for s in seqs) else None
+        if any(p.top_p < 1 for p in params):
+            b.top_p = f([p.top_p for p in params])
+        if any(p.top_k > 0 for p in params):
+            b.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        if any(p.min_p > 0 for p in params):
+            b.min_p = f([p.min_p for p in params])
+        self._penalties(b, seqs, vocab)
+        b.bias = self._bias(seqs, vocab)
+        return b
+
+    def _penalties(self, b: SamplingBatch, seqs, vocab: int) -> None:
+        params = [s.params for s in seqs]
+        dev = self.device
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            counts = torch.zeros(len(seqs), vocab, device=dev)
+            for row, s in enumerate(seqs):
+                out = s.output_token_ids
+                if out:
+                    counts[row].index_add_(0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))
+            b.output_counts = counts
+            b.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
+            b.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+            for row, s in enumerate(seqs):
+                seen[row, torch.tensor(s.token_ids, device=dev)] = True
+            b.seen = seen
+            b.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
+
+    def _bias(self, seqs, vocab: int) -> torch.Tensor | None:
+        """Logit bias, min_tokens bans and constraint masks, as one additive [B, V] tensor."""
+        rows = [(row, s) for row, s in enumerate(seqs)
+                if s.params.logit_bias or s.num_output_tokens < s.params.min_tokens
+                or s.params.logits_processor is not None]
+        if not rows:
+            return None
+        bias = torch.zeros(len(seqs), vocab, device=self.device)
+        for row, s in rows:
+            p = s.params
+            for tok, value in (p.logit_bias or {}).items():
+                if 0 <= int(tok) < vocab:
+                    bias[row, int(tok)] += float(value)
+            if s.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+                bias[row, [t for t in banned if 0 <= t < vocab]] = float("-inf")
+            if p.logits_processor is not None:
+                p.logits_processor(s.output_token_ids, bias[row])
+        return bias
+
+
+def _lp_dict(chosen: int, chosen_lp: float, top_ids, top_lp, row: int, k: int) -> dict:
+    d = {chosen: chosen_lp}
+    for j in range(k):
+        d.setdefault(int(top_ids[row, j]), float(top_lp[row, j]))
+    return d
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,56 @@
+"""One sequence being generated: its tokens, how many are computed, and its KV blocks."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from actors.sampling_params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt then output
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    prompt_logprobs_sent: bool = False
+    generator: object | None = None  # torch.Generator for seeded sampling
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order under the priority policy: lower priority value first, then age."""
+        return (self.priority, self.arrival)

@@ -1,0 +1,303 @@
+"""Tiny random Hugging Face checkpoints, built offline for parity tests.
+
+`make_checkpoint(path, arch)` writes config.json + safetensors + a BPE tokenizer trained
+here with `tokenizers` + a ChatML chat template, so no test ever needs the hub.
+Same arguments -> byte-identical files.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+]
+BPE_VOCAB = 505  # + 7 special tokens appended after training = 512 ids in total
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+DEFAULTS = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+)
+# Random weights at std 0.02 give a near-uniform next-token distribution and greedy
+# output that repeats one token; a larger std gives confident, varied argmax choices.
+INIT_STD = 0.2
+SEED = 1234
+
+# --------------------------------------------------------------------------- corpus
+
+_PARAGRAPHS = """\
+The quick brown fox jumps over the lazy dog. A small boat drifted across the quiet bay
+while the fishermen mended their nets and talked about the weather, the price of fuel and
+the long winter ahead. Nobody expected the storm to arrive so early in the season.
+
+Once upon a time there was a little server that answered questions all day long. It read
+every request carefully, thought about the answer, and wrote it back one token at a time.
+When many people asked at once, it grouped their questions into batches and worked faster.
+
+Shoals of fish move together as if they were one animal: each fish watches its neighbours
+and turns when they turn. Scientists have studied this behaviour for many years, and they
+still find new patterns in the way the groups split, merge and change direction.
+
+User: What is the capital of France?
+Assistant: The capital of France is Paris. It is known for the Eiffel Tower, museums,
+cafes and long walks along the river Seine.
+User: Can you call a tool to check the weather in Paris today?
+Assistant: Sure, I will call the get_weather function with the city name.
+
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+{"type": "function", "function": {"name": "add", "parameters": {"a": 1, "b": 2}}}
+
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 256 1024 2048 3.14159 2.71828 -7 +8 1e-3.
+Dates and times: 2024-01-15, 12:30:45, Monday, Tuesday, Wednesday, Thursday, Friday.
+Punctuation: hello, world! (yes) [no] {maybe} "quoted" 'single' a-b a_b a/b a\\b 50% $9.99
+#tag @user & * ^ ~ ` | < > = ; : ? ... -- __init__ def main(): return x + y * z
+"""
+
+_WORDS = (
+    "the a an and or but if then when while because so of to in on at by for with from "
+    "about into over under between after before model token server request batch cache "
+    "block prefix layer head weight value key query tensor shard rank node cluster ray "
+    "fish boat sea river city water light dark green blue red quick slow small large new "
+    "old good bad first last next each every some many few one two three four five is are "
+    "was were be been has have had do does did can will would should may might must say "
+    "go make take see know think come give find tell ask work seem feel try leave call"
+).split()
+
+
+def _corpus() -> list[str]:
+    """A few fixed paragraphs plus deterministic pseudo-sentences for more merges."""
+    rng = random.Random(7)
+    lines = _PARAGRAPHS.splitlines()
+    for _ in range(400):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        sentence = " ".join(words).capitalize() + rng.choice([".", "!", "?", ",", ";"])
+        lines.append(sentence + " " + str(rng.randint(0, 9999)))
+    return lines
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+def build_tokenizer():
+    """Train a byte-level BPE (any UTF-8 round-trips) and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    # Specials go after the learned vocab, like Qwen's added tokens.
+    tok.add_special_tokens(SPECIAL_TOKENS)
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)],
+        clean_up_tokenization_spaces=False,
+        model_max_length=DEFAULTS["max_position_embeddings"],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+# --------------------------------------------------------------------------- chat template
+
+# ChatML in the style of Qwen2.5/Qwen3: tools go into the system message inside
+# <tools></tools>, tool calls are JSON inside <tool_call></tool_call>, tool results are
+# user turns with <tool_response>, and enable_thinking=false pre-fills an empty think block.
+CHAT_TEMPLATE = r"""
+{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}
+        {%- endfor -%}
+    {%- elif content is not none -%}
+        {{- content -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages and messages[0].role == 'system' %}
+        {{- render_content(messages[0].content) + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages and messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'user' or message.role == 'system' %}
+        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if message.reasoning_content %}
+            {{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' }}
+        {%- endif %}
+        {%- if message.content %}
+            {{- render_content(message.content) }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {%- if not loop.first or message.content %}
+                    {{- '\n' }}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+""".strip()
+
+
+# --------------------------------------------------------------------------- model
+
+def _rope_parameters(cfg: dict) -> dict:
+    """Accept the 4.x `rope_scaling` spelling too; transformers 5 writes `rope_parameters`
+    (rope_type, rope_theta and the scaling fields in one dict)."""
+    scaling = cfg.pop("rope_scaling", None)
+    rope = dict(cfg.pop("rope_parameters", None) or scaling or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))  # 4.x also said "type"
+    rope.setdefault("rope_theta", cfg.pop("rope_theta", 10000.0))
+    return rope
+
+
+def _config(arch: str, vocab_size: int, overrides: dict):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cfg = {**DEFAULTS, "vocab_size": vocab_size, **overrides}
+    cfg["rope_parameters"] = _rope_parameters(cfg)
+    cfg.setdefault("tie_word_embeddings", False)
+    cfg.setdefault("rms_norm_eps", 1e-6)
+    common = dict(bos_token_id=None, dtype="float32")
+    if arch == "llama":
+        return LlamaConfig(**common, **cfg)
+    if arch == "mistral":
+        cfg.setdefault("sliding_window", None)
+        return MistralConfig(**common, **cfg)
+    if arch == "qwen2":
+        return Qwen2Config(**common, **cfg)  # q/k/v projections always carry a bias
+    if arch == "qwen3":
+        # head_dim != hidden/heads on purpose, so a loader cannot assume it.
+        cfg.setdefault("head_dim", 32)
+        return Qwen3Config(**common, **cfg)
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _init_weights(model, seed: int, std: float) -> None:
+    """Seeded, scaled-up init. Norm weights and biases are random too (not 1 / 0) so a
+    loader that forgets to load them gives different logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(std * noise)
+
+
+def make_checkpoint(path, arch: str = "llama", *, sharded: bool = False, seed: int = SEED,
+                    init_std: float = INIT_STD, **overrides) -> pathlib.Path:
+    """Write a tiny random `arch` checkpoint (float32) with tokenizer and chat template.
+
+    `overrides` are config fields (hidden_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads, intermediate_size, vocab_size, max_position_embeddings, head_dim,
+    tie_word_embeddings, rope_scaling / rope_parameters, rope_theta, ...).
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # "Writing model shards" bars only clutter test output
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer()
+    eos, pad = tok.convert_tokens_to_ids(EOS_TOKEN), tok.convert_tokens_to_ids(PAD_TOKEN)
+    if overrides.get("vocab_size", len(tok)) < len(tok):
+        raise ValueError(f"vocab_size must be >= the tokenizer's {len(tok)} ids")
+    config = _config(arch, len(tok), overrides)
+    config.eos_token_id, config.pad_token_id = eos, pad
+    config.initializer_range = init_std
+
+    with torch.random.fork_rng():  # transformers' own init is overwritten; keep global RNG as is
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_weights(model, seed, init_std)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad,
+                                               bos_token_id=None, do_sample=False)
+    # A shard limit below the model size gives several files + model.safetensors.index.json.
+    shard = max(_model_bytes(model) // 3, 1) if sharded else "50GB"
+    model.save_pretrained(path, max_shard_size=shard)
+    tok.model_max_length = config.max_position_embeddings
+    tok.save_pretrained(path)
+    return path
+
+
+def _model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+_TOKENIZER = None
+
+
+def _tokenizer():
+    """Training takes ~1 s; every checkpoint uses the same tokenizer, so train once."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = build_tokenizer()
+    return _TOKENIZER

@@ -1,0 +1,52 @@
+"""Shared test set-up: offline Hugging Face, 2 torch threads, tiny checkpoints on demand."""
+import os
+import sys
+
+# Nothing may come from the hub: checkpoints are built locally (tests/checkpoints.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no fork warnings / deadlocks with Ray
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)  # the machine has 2 cores; be explicit rather than rely on defaults
+
+# Let tests in sub-folders `import checkpoints` / `import oracle`.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from checkpoints import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """`factory(arch="llama", **overrides) -> Path`; one build per distinct argument set."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    built = {}
+
+    def factory(arch="llama", **overrides):
+        key = json.dumps([arch, overrides], sort_keys=True, default=str)
+        if key not in built:
+            name = f"{arch}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+            built[key] = make_checkpoint(root / name, arch, **overrides)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(checkpoint_factory):
+    return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_ckpt(checkpoint_factory):
+    return checkpoint_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(checkpoint_factory):
+    return checkpoint_factory("qwen3")
