@@ -23,6 +23,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed; no request can be served any more."""
 
 
+class QueueFullError(RuntimeError):
+    """More requests are waiting than --max-queued-requests allows; retry later."""
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.engine = LLMEngine(config)
@@ -47,6 +51,9 @@ class AsyncEngine:
         if self.error is not None:
             raise EngineDeadError(f"the engine failed: {self.error}")
         self.check_request(prompt_token_ids, params)
+        limit = self.engine.config.max_queued_requests
+        if limit is not None and self.num_waiting() >= limit:
+            raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit {limit})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
@@ -64,6 +71,10 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._post(("abort", request_id))
+
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued in the scheduler or still in the inbox."""
+        return len(self._streams) - len(self.engine.scheduler.running)
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     scheduling_policy: str = "fcfs"  # fcfs | priority
+    max_queued_requests: int | None = None  # over this many waiting, new requests are refused
     # Compute
     attn_backend: str = "native"  # native | flash (falls back to native where flash can't run)
     num_threads: int | None = None  # torch intra-op threads; None: all cores

@@ -1,0 +1,52 @@
+"""What the HTTP layer needs from an engine, and the in-process implementation of it.
+
+The ingress talks to an `EngineClient`: in production the Ray Serve replica pool (see
+app/server.py), in `shoal chat --model-path` and in tests of the HTTP layer an in-process
+AsyncEngine. Both stream delta `RequestOutput`s.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from actors.async_engine import AsyncEngine
+from actors.config import EngineConfig
+from actors.outputs import RequestOutput
+from actors.sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    max_model_len: int
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Delta outputs until finished. Raises ValueError for a request that can't be served."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def stats(self) -> dict: ...
+
+    async def ready(self) -> bool: ...
+
+
+class LocalEngineClient:
+    """An AsyncEngine in this process."""
+
+    def __init__(self, config: EngineConfig):
+        self.engine = AsyncEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+
+    def generate(self, prompt_token_ids, params, request_id, priority=0):
+        return self.engine.generate(prompt_token_ids, params, request_id, priority)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def stats(self) -> dict:
+        return {"replicas": [self.engine.stats()]}
+
+    async def ready(self) -> bool:
+        return self.engine.error is None
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
