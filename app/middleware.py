@@ -1,0 +1,85 @@
+"""Pure ASGI middleware (no BaseHTTPMiddleware, which buffers and hides client disconnects).
+
+`RequestContext`: every request gets an id (X-Request-Id honoured or generated), echoed in
+the response and written in one log line; any unhandled exception becomes a 500 without a
+traceback. `ApiKeyAuth`: the bearer token check, before any body is parsed.
+Both read the live settings from `app.state` so `attach` may replace them.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+import uuid
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.http_errors import internal_error, unauthorized
+
+log = logging.getLogger("shoal.api")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+# Ids go into headers and log lines: keep them printable, short and free of separators.
+VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# Probes and docs stay open: orchestrators and browsers reach them without the key.
+OPEN_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+def route_path(scope: Scope) -> str:
+    """The path inside the app (behind a Serve route prefix the root path comes first)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+class RequestContext:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get(REQUEST_ID_HEADER, "")
+        request_id = given if VALID_REQUEST_ID.fullmatch(given) else new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id  # request.state.request_id
+        status, start = [0], time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("%s %s %s failed", request_id, scope["method"], route_path(scope))
+            if not status[0]:  # nothing sent yet: answer without the traceback
+                await internal_error(request_id).response()(scope, receive, send_with_id)
+        finally:
+            log.info("%s %s %s %d %.1fms", request_id, scope["method"], route_path(scope),
+                     status[0], 1000 * (time.perf_counter() - start))
+
+
+class ApiKeyAuth:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.allowed(scope):
+            return await unauthorized().response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def allowed(scope: Scope) -> bool:
+        key = scope["app"].state.settings.api_key
+        if not key or route_path(scope) in OPEN_PATHS:
+            return True
+        given = Headers(scope=scope).get("authorization", "")
+        # Constant-time comparison: the key must not leak through response timing.
+        return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())

@@ -1,0 +1,150 @@
+"""`shoal run-batch`: line parsing (no engine), then the real command on a tiny checkpoint."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.sampling_params import SamplingParams
+from app.chat_template import render_chat
+from app.run_batch import parse_line
+
+SHOAL = str(Path(sys.executable).parent / "shoal")
+ENGINE = ["--dtype", "float32", "--device", "cpu", "--num-threads", "2"]
+CHAT_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The quick brown fox"
+TOKEN_PROMPT = [71, 72, 73, 74]
+
+
+def line(custom_id, url, body):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+INPUT = [
+    line("chat", "/v1/chat/completions",
+         {"model": "any", "messages": CHAT_MESSAGES, "max_tokens": 8, "temperature": 0}),
+    line("chat-n", "/v1/chat/completions",
+         {"messages": CHAT_MESSAGES, "max_tokens": 4, "n": 2, "seed": 1, "logprobs": True,
+          "top_logprobs": 2}),
+    line("text", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}),
+    line("ids", "/v1/completions", {"prompt": TOKEN_PROMPT, "max_tokens": 8, "temperature": 0}),
+    line("echo", "/v1/completions",
+         {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}),
+    line("multi", "/v1/completions",
+         {"prompt": [PROMPT, "Once upon a time"], "n": 2, "max_tokens": 3, "seed": 5}),
+    "{not json",
+    line("bad-field", "/v1/completions", {"prompt": PROMPT, "temperature": -1}),
+    line("too-long", "/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}),
+    line("bad-url", "/v1/embeddings", {"input": "x"}),
+    "",  # a trailing blank line is not a request
+]
+
+
+# --------------------------------------------------------------------------- parsing only
+
+def test_parse_line_errors():
+    assert parse_line(1, "{nope").line_error["code"] == "invalid_json"
+    assert parse_line(1, "[1]").line_error is not None
+    bad_url = parse_line(1, line("a", "/v1/embeddings", {}))
+    assert bad_url.error["error"]["param"] == "url" and bad_url.custom_id == "a"
+    bad_body = parse_line(1, line("b", "/v1/completions", {"prompt": "x", "top_p": 2}))
+    assert bad_body.error["error"]["param"] == "top_p"
+    ok = parse_line(1, line("c", "/v1/chat/completions", {"messages": CHAT_MESSAGES, "x": 1}))
+    assert ok.error is None and ok.request.messages[0].content == CHAT_MESSAGES[0]["content"]
+
+
+# --------------------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def results(llama_ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run_batch")
+    src, dst = root / "in.jsonl", root / "out.jsonl"
+    src.write_text("\n".join(INPUT) + "\n")
+    proc = subprocess.run([SHOAL, "run-batch", "--model-path", str(llama_ckpt), "-i", str(src),
+                           "-o", str(dst), *ENGINE], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(text) for text in dst.read_text().splitlines()]
+    return {row["custom_id"] or "malformed": row for row in rows}, rows, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def llm(llama_ckpt):
+    from actors.llm import LLM
+    return LLM(str(llama_ckpt), dtype="float32", device="cpu", num_threads=2)
+
+
+def body(results, custom_id):
+    row = results[0][custom_id]
+    assert row["error"] is None and row["response"]["status_code"] == 200
+    assert row["id"].startswith("batch_req_") and row["response"]["request_id"]
+    return row["response"]["body"]
+
+
+def greedy(llm, prompt, max_tokens=8):
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0].outputs[0]
+
+
+def test_one_line_per_input_line_in_order(results):
+    _, rows, stderr = results
+    ids = [row["custom_id"] for row in rows]
+    assert ids == ["chat", "chat-n", "text", "ids", "echo", "multi", None, "bad-field",
+                   "too-long", "bad-url"]
+    assert len({row["id"] for row in rows}) == len(rows)
+    assert "requests" in stderr  # the tqdm bar
+
+
+def test_chat_matches_in_process_generate(results, llm):
+    chat = body(results, "chat")
+    assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+    choice = chat["choices"][0]
+    expected = greedy(llm, render_chat(llm.tokenizer, CHAT_MESSAGES))
+    assert choice["message"]["content"] == expected.text
+    assert choice["finish_reason"] == expected.finish_reason
+    assert chat["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+def test_completions_match_in_process_generate(results, llm):
+    for custom_id, prompt in (("text", PROMPT), ("ids", TOKEN_PROMPT)):
+        completion = body(results, custom_id)
+        assert completion["object"] == "text_completion" and completion["id"].startswith("cmpl-")
+        assert completion["choices"][0]["text"] == greedy(llm, prompt).text
+
+
+def test_n_and_logprobs(results):
+    choices = body(results, "chat-n")["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for choice in choices:
+        content = choice["logprobs"]["content"]
+        assert len(content) == 4
+        assert all(len(entry["top_logprobs"]) == 2 for entry in content)
+        assert all(entry["logprob"] <= 0 for entry in content)
+
+
+def test_echo_logprobs(results, llm):
+    choice = body(results, "echo")["choices"][0]
+    assert choice["text"] == PROMPT + greedy(llm, PROMPT, 3).text
+    logprobs = choice["logprobs"]
+    n_prompt = len(llm.tokenizer.encode(PROMPT))
+    assert len(logprobs["tokens"]) == n_prompt + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(lp is not None for lp in logprobs["token_logprobs"][1:])
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+
+
+def test_list_prompt_gives_prompt_major_choices(results):
+    completion = body(results, "multi")
+    assert [c["index"] for c in completion["choices"]] == [0, 1, 2, 3]
+    assert completion["usage"]["completion_tokens"] == 4 * 3
+
+
+def test_bad_lines_get_errors_and_do_not_stop_the_rest(results):
+    malformed = results[0]["malformed"]
+    assert malformed["response"] is None and malformed["error"]["code"] == "invalid_json"
+    for custom_id, param in (("bad-field", "temperature"), ("too-long", "max_tokens"),
+                             ("bad-url", "url")):
+        response = results[0][custom_id]["response"]
+        assert response["status_code"] == 400
+        assert response["body"]["error"]["param"] == param
+    too_long = results[0]["too-long"]["response"]["body"]["error"]
+    assert too_long["code"] == "context_length_exceeded" and "100000" in too_long["message"]
