@@ -106,32 +106,32 @@ class ModelRunner:
             slot_mapping.extend(self._slots(s.seq.block_table, start, end))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev),
-                                 num_decode_tokens=sum(1 for s in batch if s.num_tokens == 1))
+                                 num_decode_tokens=sum(1 for s in batch if s.num_tokens == 1),
+                                 block_size=self.block_size)
         decodes = [s for s in batch if s.num_tokens == 1]
         prefills = [s for s in batch if s.num_tokens != 1]
         if decodes:
-            ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
-            meta.decode_kv_slots = self._context_slots(decodes, int(ctx.max())).to(dev)
-            meta.decode_mask = (torch.arange(int(ctx.max()))[None, :] < ctx[:, None])[:, None, None, :].to(dev)
+            ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
+            table = self._block_tables(decodes, int(ctx.max()))
+            meta.decode_block_tables, meta.decode_context_lens = table.to(dev), ctx.to(dev)
+            keys = torch.arange(table.shape[1] * self.block_size)
+            meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :].to(dev)
         if prefills:
             self._prepare_prefills(meta, prefills, offset=len(decodes))
         return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
 
-    def _context_slots(self, group: list[ScheduledSeq], length: int) -> torch.Tensor:
-        """[B, length] slot of every context position (padding points at slot 0, masked)."""
-        bs = self.block_size
-        nblocks = -(-length // bs)
-        table = torch.zeros(len(group), nblocks, dtype=torch.long)
-        for row, s in enumerate(group):
-            bt = s.seq.block_table[:nblocks]
-            table[row, :len(bt)] = torch.tensor(bt, dtype=torch.long)
-        slots = table[:, :, None] * bs + torch.arange(bs)[None, None, :]
-        return slots.view(len(group), -1)[:, :length]
+    def _block_tables(self, group: list[ScheduledSeq], length: int) -> torch.Tensor:
+        """[B, blocks covering `length` keys] (padding points at block 0, masked)."""
+        nblocks = -(-length // self.block_size)
+        rows = [s.seq.block_table[:nblocks] for s in group]
+        return torch.tensor([r + [0] * (nblocks - len(r)) for r in rows], dtype=torch.long)
 
     def _prepare_prefills(self, meta: AttentionMetadata, group: list[ScheduledSeq], offset: int):
         n = torch.tensor([s.num_tokens for s in group])
         start = torch.tensor([s.seq.num_computed_tokens for s in group])
-        lq, lk = int(n.max()), int((start + n).max())
+        lq = int(n.max())
+        table = self._block_tables(group, int((start + n).max()))
+        lk = table.shape[1] * self.block_size
         row_start = offset + torch.cumsum(n, 0) - n
         i = torch.arange(lq)[None, :]
         valid = i < n[:, None]
@@ -141,7 +141,7 @@ class ModelRunner:
         mask = (causal & valid[:, :, None]) | (~valid[:, :, None] & (j == 0))
         dev = self.device
         meta.prefill_q_rows, meta.prefill_q_valid = rows.to(dev), valid.to(dev)
-        meta.prefill_kv_slots = self._context_slots(group, lk).to(dev)
+        meta.prefill_block_tables = table.to(dev)
         meta.prefill_mask = mask[:, None].to(dev)
 
     def _logit_rows(self, batch: list[ScheduledSeq]):

@@ -1,10 +1,11 @@
 """Paged attention in plain torch.
 
-The KV cache is a flat pool of slots ([num_slots, kv_heads, head_dim] per layer); a sequence's
-keys live in the slots its block table names. Each step the batch is laid out with the
-single-token queries (decodes) first, then the multi-token chunks (prefills). Each group
-gathers its keys from the pool once and runs one scaled-dot-product attention call, so the
-whole batch costs two kernel calls per layer, whatever its mix.
+The KV cache is a flat pool of slots ([num_slots, kv_heads, head_dim] per layer), cut into
+blocks of `block_size` slots; a sequence's keys live in the blocks its block table names.
+Each step the batch is laid out with the single-token queries (decodes) first, then the
+multi-token chunks (prefills). Each group gathers its blocks from the pool once (whole
+blocks: a row copy each) and runs one scaled-dot-product attention call, so the whole batch
+costs two kernel calls per layer, whatever its mix.
 """
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ import torch.nn.functional as F
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decode_tokens: int  # the first rows are single-token queries
-    decode_kv_slots: torch.Tensor | None = None  # [Bd, Ld] slots each decode row attends to
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Ld] True where a key is valid
+    block_size: int = 16
+    decode_block_tables: torch.Tensor | None = None  # [Bd, nb] blocks each decode row attends to
+    decode_context_lens: torch.Tensor | None = None  # [Bd] int32 keys per decode row
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * block_size] True where a key is valid
     prefill_q_rows: torch.Tensor | None = None  # [Bp, Lq] token rows of each chunk (padded)
     prefill_q_valid: torch.Tensor | None = None  # [Bp, Lq] True for real (not padding) rows
-    prefill_kv_slots: torch.Tensor | None = None  # [Bp, Lk]
-    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Lq, Lk] causal over the context
+    prefill_block_tables: torch.Tensor | None = None  # [Bp, nb]
+    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Lq, nb * block_size] causal over the context
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -38,19 +41,28 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache,
-                           meta.decode_kv_slots, meta.decode_mask, scale).squeeze(1)
+        out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_block_tables,
+                           meta.block_size, meta.decode_mask, scale).squeeze(1)
     if meta.prefill_q_rows is not None:
         rows, valid = meta.prefill_q_rows, meta.prefill_q_valid
-        o = _attend(q[rows], k_cache, v_cache, meta.prefill_kv_slots, meta.prefill_mask, scale)
+        o = _attend(q[rows], k_cache, v_cache, meta.prefill_block_tables, meta.block_size,
+                    meta.prefill_mask, scale)
         out[rows[valid]] = o[valid]
     return out
 
 
-def _attend(q, k_cache, v_cache, slots, mask, scale):
-    """q: [B, Lq, h, d]; slots: [B, Lk] -> [B, Lq, h, d]."""
-    k = k_cache[slots].transpose(1, 2)  # [B, kvh, Lk, d]
-    v = v_cache[slots].transpose(1, 2)
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[num_slots, kvh, d] pool -> [B, nb * block_size, kvh, d], whole blocks at a time."""
+    b, nb = block_tables.shape
+    _, kvh, d = cache.shape
+    blocks = cache.view(-1, block_size * kvh * d)
+    return blocks.index_select(0, block_tables.reshape(-1)).view(b, nb * block_size, kvh, d)
+
+
+def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale):
+    """q: [B, Lq, h, d]; block_tables: [B, nb] -> [B, Lq, h, d]."""
+    k = gather_blocks(k_cache, block_tables, block_size).transpose(1, 2)  # [B, kvh, Lk, d]
+    v = gather_blocks(v_cache, block_tables, block_size).transpose(1, 2)
     q = q.transpose(1, 2)  # [B, h, Lq, d]
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]

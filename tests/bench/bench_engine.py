@@ -1,0 +1,106 @@
+"""Engine throughput vs transformers, and engine step overhead vs a bare forward.
+
+    .venv/bin/python tests/bench/bench_engine.py [--requests 64] [--output-len 128]
+
+Everything is measured in this one process on the same checkpoint, so the ratios hold even
+on a noisy machine. Prints a markdown table for docs/benchmarks.md.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import bench_checkpoint, workload
+
+from actors.llm import LLM
+from actors.sampling_params import SamplingParams
+
+
+def shoal_throughput(path, prompts, out_len) -> float:
+    llm = LLM(str(path), max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory=2.0)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_throughput(model, prompts, out_len, batch) -> float:
+    tokens, start = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=out_len,
+                             min_new_tokens=out_len, pad_token_id=0, eos_token_id=[])
+        tokens += (out.shape[1] - width) * len(group)
+    return tokens / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def step_overhead(path, batch: int, steps: int = 30):
+    """Median engine step vs median bare forward on the same decode batch."""
+    llm = LLM(str(path), max_num_seqs=batch, kv_cache_memory=2.0)
+    engine = llm.engine
+    for i, ids in enumerate(workload(batch, 96, 160, seed=1)):
+        engine.add_request(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=600, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    step_times, forward_times = [], []
+    runner = engine.runner
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t)
+        # The next step's batch, timed as a bare forward. Scheduling running sequences twice is
+        # harmless: their blocks are already there and nothing was computed.
+        batch_now = engine.scheduler.schedule()
+        ids, pos, meta = runner._prepare(batch_now)
+        t = time.perf_counter()
+        hidden = runner.model(ids, pos, meta)
+        runner.model.compute_logits(hidden)
+        forward_times.append(time.perf_counter() - t)
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    step, fwd = statistics.median(step_times), statistics.median(forward_times)
+    return step, fwd
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-single", type=int, default=8, help="requests timed for transformers batch 1")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = bench_checkpoint()
+    prompts = workload(args.requests)
+    shoal = shoal_throughput(path, prompts, args.output_len)
+    model = hf_model(path)
+    hf1 = hf_throughput(model, prompts[:args.hf_single], args.output_len, batch=1)
+    hf16 = hf_throughput(model, prompts, args.output_len, batch=16)
+    step, fwd = step_overhead(path, batch=32)
+    print("| measure | value | target |")
+    print("| --- | --- | --- |")
+    print(f"| shoal output tokens/s ({args.requests} requests) | {shoal:.0f} | |")
+    print(f"| transformers generate, batch 1 | {hf1:.0f} tok/s | |")
+    print(f"| transformers generate, static batches of 16 | {hf16:.0f} tok/s | |")
+    print(f"| shoal / transformers batch 1 | {shoal / hf1:.1f}x | >= 10x |")
+    print(f"| shoal / transformers batch 16 | {shoal / hf16:.2f}x | >= 2x |")
+    print(f"| engine step at batch 32 (median) | {step * 1e3:.1f} ms | |")
+    print(f"| bare forward at batch 32 (median) | {fwd * 1e3:.1f} ms | |")
+    print(f"| step overhead over the forward | {100 * (step / fwd - 1):.1f}% | <= 15% |")
+
+
+if __name__ == "__main__":
+    main()
