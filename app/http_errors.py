@@ -94,15 +94,15 @@ class _BodyErrors:
 
 
 def validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = list(exc.errors())
-    if any(e.get("type") == "json_invalid" for e in errors):
-        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {})
-        message = f"Invalid JSON body: {detail.get('error', 'could not parse')}"
-        return ApiError(400, message, code="invalid_json").response()
-    body = validation_error_body(_BodyErrors(errors) if errors else _BodyErrors(
-        [{"loc": ("body",), "msg": "invalid request"}]))
+    errors = list(exc.errors()) or [{"loc": ("body",), "msg": "invalid request"}]
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if bad_json:
+        reason = bad_json[0].get("ctx", {}).get("error", "could not parse")
+        return ApiError(400, f"Invalid JSON body: {reason}", code="invalid_json").response()
+    body = validation_error_body(_BodyErrors(errors))
     if body["error"]["param"] is None:  # the body as a whole: missing, or not an object
-        body["error"]["message"] = f"Invalid request body: {body['error']['message']}"
+        body["error"]["message"] = ("Invalid request body (send a JSON object): "
+                                    f"{body['error']['message']}")
     return JSONResponse(body, status_code=400)
 
 

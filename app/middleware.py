@@ -24,6 +24,8 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # Ids go into headers and log lines: keep them printable, short and free of separators.
 VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # Probes and docs stay open: orchestrators and browsers reach them without the key.
+# Orchestrators poll these every few seconds: their access lines go to DEBUG.
+PROBE_PATHS = {"/healthz", "/readyz", "/health"}
 OPEN_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 
 
@@ -62,8 +64,10 @@ class RequestContext:
             if not status[0]:  # nothing sent yet: answer without the traceback
                 await internal_error(request_id).response()(scope, receive, send_with_id)
         finally:
-            log.info("%s %s %s %d %.1fms", request_id, scope["method"], route_path(scope),
-                     status[0], 1000 * (time.perf_counter() - start))
+            path = route_path(scope)
+            level = logging.DEBUG if path in PROBE_PATHS else logging.INFO
+            log.log(level, "%s %s %s %d %.1fms", request_id, scope["method"], path, status[0],
+                    1000 * (time.perf_counter() - start))
 
 
 class ApiKeyAuth:

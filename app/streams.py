@@ -137,9 +137,9 @@ class EventStream(StreamingResponse):
             await asyncio.wait({sending, watching})
             if hasattr(self.body_iterator, "aclose"):
                 await self.body_iterator.aclose()
-        if not sending.cancelled() and isinstance(sending.exception(), Exception) \
-                and not isinstance(sending.exception(), OSError):  # OSError: the client left
-            raise sending.exception()
+        error = None if sending.cancelled() else sending.exception()
+        if isinstance(error, Exception) and not isinstance(error, OSError):  # OSError: client left
+            raise error
 
 
 # --------------------------------------------------------------------------- SSE bodies
@@ -161,7 +161,8 @@ async def event_body(streams: EngineStreams, first: Batch | None, opening: list[
     try:
         yield sse(opening + (to_chunks(first) if first else []))
         while (batch := await streams.next_batch()) is not None:
-            yield sse(to_chunks(batch))
+            if chunks := to_chunks(batch):  # none when all new text is held back (stop prefix)
+                yield sse(chunks)
         yield sse(closing()) + SSE_DONE
     except Exception as exc:
         yield sse([on_error(exc)]) + SSE_DONE

@@ -1,0 +1,76 @@
+"""Routes for operators and orchestrators: /health, /healthz, /readyz, /stats, /version.
+
+/healthz and /readyz are the probes (no API key, never touch the engine more than needed);
+/health and /stats report the replica pool from `client.stats()`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from importlib import metadata
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+log = logging.getLogger("shoal.api")
+
+router = APIRouter(tags=["Operations"])
+
+
+def shoal_version() -> str:
+    try:
+        return metadata.version("shoal")
+    except metadata.PackageNotFoundError:  # running from a checkout that was never installed
+        return "unknown"
+
+
+async def is_ready(request: Request) -> bool:
+    client = getattr(request.app.state, "client", None)
+    try:
+        return client is not None and bool(await client.ready())
+    except Exception:  # a pool that can't answer yet is not ready
+        log.warning("readiness check failed", exc_info=True)
+        return False
+
+
+@router.get("/healthz")
+async def healthz():
+    """The process is up (liveness): always 200."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request):
+    """200 once the model is loaded and the engine can take requests, else 503."""
+    if await is_ready(request):
+        return {"status": "ready"}
+    return JSONResponse({"status": "not ready"}, status_code=503)
+
+
+@router.get("/health")
+async def health(request: Request):
+    """The replica pool: 200 while every replica's engine is alive and the pool is ready."""
+    client = getattr(request.app.state, "client", None)
+    if client is None:
+        return JSONResponse({"status": "loading", "replicas": 0, "alive": 0}, status_code=503)
+    replicas = (await client.stats()).get("replicas", [])
+    alive = sum(bool(r.get("engine_alive", True)) for r in replicas)
+    ready = await is_ready(request)
+    status = "ok" if ready and alive == len(replicas) else "degraded" if ready and alive else \
+        "unavailable"
+    return JSONResponse({"status": status, "replicas": len(replicas), "alive": alive},
+                        status_code=200 if status != "unavailable" else 503)
+
+
+@router.get("/stats")
+async def stats(request: Request):
+    """`client.stats()`: per replica running/waiting requests, KV usage, tokens/s."""
+    client = getattr(request.app.state, "client", None)
+    if client is None:
+        return JSONResponse({"replicas": []}, status_code=503)
+    return JSONResponse(await client.stats())
+
+
+@router.get("/version")
+async def version():
+    return {"version": shoal_version(), "python": sys.version.split()[0]}
