@@ -13,18 +13,13 @@ import time
 
 from actors.config import EngineConfig
 from actors.engine import LLMEngine
+from actors.errors import EngineDeadError, QueueFullError
 from actors.outputs import RequestOutput
 from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.engine")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can be served any more."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than --max-queued-requests allows; retry later."""
 
 
 class AsyncEngine:

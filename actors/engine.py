@@ -100,7 +100,7 @@ class LLMEngine:
         req.pending_children = req.seqs[1:]
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
-        if params.max_tokens == 0:
+        if params.max_tokens == 0 and params.prompt_logprobs is None:
             req.pending_children = []
             for seq in req.seqs:
                 self._finish(seq, "length")
@@ -157,6 +157,12 @@ class LLMEngine:
 
     def _append_token(self, req: Request, seq: Sequence, token: int, lps, deltas) -> None:
         p = seq.params
+        if p.max_tokens == 0:  # only the prompt was wanted (prompt log-probs): drop the token
+            req.pending_children = []
+            for s in req.seqs:
+                self._finish(s, "length")
+                _output(self._delta(req, deltas), s.index).finish_reason = "length"
+            return
         seq.token_ids.append(token)
         detok = req.detoks[seq.index]
         out = _output(self._delta(req, deltas), seq.index)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
-from actors.async_engine import AsyncEngine
 from actors.config import EngineConfig
 from actors.outputs import RequestOutput
 from actors.sampling_params import SamplingParams
@@ -32,6 +31,7 @@ class LocalEngineClient:
     """An AsyncEngine in this process."""
 
     def __init__(self, config: EngineConfig):
+        from actors.async_engine import AsyncEngine  # torch: only where the engine runs
         self.engine = AsyncEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.async_engine import EngineDeadError, QueueFullError
+from actors.errors import EngineDeadError, QueueFullError
 from app.protocol import error_body, validation_error_body
 
 RETRY_AFTER_S = "1"  # queue-full clients retry soon: the queue drains at the engine's pace

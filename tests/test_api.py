@@ -21,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 
-from actors.async_engine import EngineDeadError, QueueFullError
+from actors.errors import EngineDeadError, QueueFullError
 from actors.config import EngineConfig
 from actors.llm import LLM
 from actors.outputs import CompletionOutput, RequestOutput

@@ -297,3 +297,15 @@ def test_priority_policy_runs_urgent_first(llama_ckpt):
     while llm.engine.has_unfinished():
         order += [o.request_id for o in llm.engine.step() if o.finished]
     assert order == ["p1", "p2", "p0"]
+
+
+def test_prompt_logprobs_with_no_new_tokens(llama_ckpt):
+    """Scoring calls (echo + logprobs + max_tokens=0) get the prompt's log-probs and no token."""
+    llm = LLM(str(llama_ckpt), num_kv_blocks=64)
+    ids = prompts_of([15], seed=15)[0]
+    out = llm.generate([ids], SamplingParams(n=2, max_tokens=0, prompt_logprobs=0))[0]
+    assert [o.token_ids for o in out.outputs] == [[], []]
+    assert all(o.finish_reason == "length" for o in out.outputs)
+    ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+    assert ours == pytest.approx(hf_prompt_logprobs(llama_ckpt, ids), abs=1e-4)
+    assert_pool_free(llm)

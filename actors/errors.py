@@ -1,0 +1,9 @@
+"""Errors the engine reports to its callers (torch-free, so the ingress can import them)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can be served any more."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than --max-queued-requests allows; retry later."""
