@@ -74,14 +74,14 @@ def eos_token_ids(path: Path, cfg: dict, tokenizer) -> set[int]:
 
 
 def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> nn.Module:
+                max_positions: int, parallel=None) -> nn.Module:
+    """This rank's shard of the model, with only its slices of the weights read from disk."""
     args = ModelArgs.from_hf(cfg)
     cls = model_class(args.architecture)
     with torch.device("meta"):
-        model = cls(args, max_positions)
+        model = cls(args, max_positions, parallel)
     model = model.to_empty(device=device)
-    if args.tie_word_embeddings:  # to_empty gives each module its own tensor: tie again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()  # to_empty gives each module its own tensor: tie again
     # Rotary tables are not weights: compute them for real after leaving the meta device.
     cos, sin = _rope_tables(args, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
@@ -107,34 +107,34 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters())
+    for param in params.values():  # vocab padding rows (tensor parallel) stay zero
+        param.data.zero_()
     loaded: set[str] = set()
     files = weight_files(path)
     show = os.environ.get("SHOAL_PROGRESS", "1") != "0"
     for file in tqdm(files, desc="loading weights", disable=not show or len(files) < 2):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                loaded.add(_load_one(model, params, name, f.get_tensor(name)))
-    tied = {"lm_head.weight"} if getattr(model.args, "tie_word_embeddings", False) else set()
-    missing = set(params) - loaded - tied
+                rule = model.weight_rule(name)
+                if rule is not None:
+                    loaded.add(_load_slice(params, rule, f.get_slice(name), name))
+    missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
 
 
-def _load_one(model, params: dict, name: str, tensor: torch.Tensor) -> str:
-    if "rotary_emb.inv_freq" in name:
-        return name
-    for fused, hf_part, part in model.stacked_params:
-        if f".{hf_part}." in name:
-            target = name.replace(hf_part, fused)
-            param = params[target]
-            start, size = model.shard_offset(target, part, param)
-            with torch.no_grad():
-                param[start:start + size].copy_(tensor)
-            return target
-    if name not in params:
-        if name == "lm_head.weight" and model.args.tie_word_embeddings:
-            return name
+def _load_slice(params: dict, rule, tensor_slice, name: str) -> str:
+    """Copy this rank's slice of one checkpoint tensor into (a row range of) its parameter."""
+    target, offset, dim, start, size = rule
+    if target not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    if dim is None:
+        src = tensor_slice[:]
+    elif dim == 0:
+        src = tensor_slice[start:start + size]
+    else:
+        src = tensor_slice[:, start:start + size]
+    param = params[target]
     with torch.no_grad():
-        params[name].copy_(tensor)
-    return name
+        param[offset:offset + src.shape[0]].copy_(src)
+    return target

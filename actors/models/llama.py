@@ -1,26 +1,49 @@
 """Llama-family decoder: Llama (GQA, rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
-q/k/v and gate/up are fused into one matmul each; `stacked_params` tells the weight loader
-where each Hugging Face tensor goes.
+q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
+its share of the heads and of the MLP; under pipeline parallelism each stage holds a slice of
+the layers (the first also the embedding, the last the final norm and LM head).
+`weight_rule` says where each Hugging Face tensor, or the slice of it this rank needs, goes.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
 
 from actors.models.args import ModelArgs
+from actors.models.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard
+from actors.parallel import Parallel
 from kernels.activation import silu_and_mul
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.norms import RMSNorm
 from kernels.rotary import apply_rotary, cos_sin_cache, inv_frequencies
 
 
+def local_heads(a: ModelArgs, p: Parallel) -> tuple[int, int, int]:
+    """(q heads, kv heads, first kv head) on this rank; kv heads are replicated when fewer than ranks."""
+    t = p.tp_size
+    if a.num_heads % t or a.intermediate_size % t:
+        raise ValueError(f"tensor parallel size {t} must divide the attention heads ({a.num_heads}) "
+                         f"and the MLP width ({a.intermediate_size})")
+    if a.num_kv_heads >= t:
+        if a.num_kv_heads % t:
+            raise ValueError(f"tensor parallel size {t} must divide the KV heads ({a.num_kv_heads})")
+        kvh = a.num_kv_heads // t
+        return a.num_heads // t, kvh, p.tp_rank * kvh
+    if t % a.num_kv_heads:
+        raise ValueError(f"KV heads ({a.num_kv_heads}) must divide the tensor parallel size {t}")
+    return a.num_heads // t, 1, p.tp_rank * a.num_kv_heads // t
+
+
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, p: Parallel):
         super().__init__()
-        self.h, self.kvh, self.d = a.num_heads, a.num_kv_heads, a.head_dim
+        self.h, self.kvh, _ = local_heads(a, p)
+        self.d = a.head_dim
         self.qkv_proj = nn.Linear(a.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, a.hidden_size, bias=a.o_bias)
+        self.o_proj = RowParallelLinear(self.h * self.d, a.hidden_size, a.o_bias, p)
         self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
         self.scale = self.d ** -0.5
@@ -39,20 +62,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, p: Parallel):
         super().__init__()
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        width = a.intermediate_size // p.tp_size
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * width, bias=a.mlp_bias)
+        self.down_proj = RowParallelLinear(width, a.hidden_size, a.mlp_bias, p)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, p: Parallel):
         super().__init__()
-        self.self_attn = Attention(a)
-        self.mlp = MLP(a)
+        self.self_attn = Attention(a, p)
+        self.mlp = MLP(a, p)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -62,48 +86,88 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, p: Parallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        if p.first_stage:
+            self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, p)
+        self.layers = nn.ModuleList(DecoderLayer(a, p) for _ in p.layers(a.num_layers))
+        if p.last_stage:
+            self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    # (our fused parameter, Hugging Face's name, which part of it)
-    stacked_params = [
-        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
-    ]
-
-    def __init__(self, args: ModelArgs, max_positions: int):
+    def __init__(self, args: ModelArgs, max_positions: int, p: Parallel | None = None):
         super().__init__()
-        self.args = args
-        self.model = LlamaModel(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq = inv_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
-        cos, sin = cos_sin_cache(inv_freq, max_positions)
+        self.args, self.p = args, p or Parallel()
+        self.model = LlamaModel(args, self.p)
+        self.first_layer = self.p.layers(args.num_layers).start
+        if self.p.last_stage:
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, self.p)
+        cos, sin = cos_sin_cache(inv_frequencies(args.head_dim, args.rope_theta, args.rope_scaling),
+                                 max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
-        x = self.model.embed_tokens(input_ids)
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings and self.p.first_stage and self.p.last_stage:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, x, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Token ids (first stage) or hidden states (later stages) -> this stage's output."""
+        if self.p.first_stage:
+            x = self.model.embed_tokens(x)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta)
-        return self.model.norm(x)
+        return self.model.norm(x) if self.p.last_stage else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def shard_offset(self, param_name: str, part, param: torch.Tensor) -> tuple[int, int]:
-        """Row range of `part` inside a fused parameter."""
-        a = self.args
-        if "qkv_proj" in param_name:
-            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[part]
-        half = param.shape[0] // 2
-        return part * half, half
+    # ---- weight loading -----------------------------------------------------------------
+    def weight_rule(self, name: str):
+        """(param name, row offset in the param, dim to slice, start, size) or None to skip.
+
+        dim/start/size pick this rank's slice of the checkpoint tensor (dim None: all of it).
+        """
+        a, p = self.args, self.p
+        if "rotary_emb.inv_freq" in name:
+            return None
+        m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+        if m:
+            layer = int(m.group(1))
+            if layer not in self.p.layers(a.num_layers):
+                return None
+            return self._layer_rule(f"model.layers.{layer - self.first_layer}.", m.group(2))
+        vocab_start, vocab_rows = vocab_shard(a.vocab_size, p)
+        rows = min(vocab_rows, a.vocab_size - vocab_start)
+        if name == "model.embed_tokens.weight":
+            if p.last_stage and a.tie_word_embeddings and not p.first_stage:
+                return ("lm_head.weight", 0, 0, vocab_start, rows)
+            return ("model.embed_tokens.weight", 0, 0, vocab_start, rows) if p.first_stage else None
+        if name == "lm_head.weight":
+            return ("lm_head.weight", 0, 0, vocab_start, rows) if p.last_stage else None
+        if name.startswith("model.norm."):
+            return (name, 0, None, 0, 0) if p.last_stage else None
+        return (name, 0, None, 0, 0)
+
+    def _layer_rule(self, prefix: str, rest: str):
+        a, p = self.args, self.p
+        h, kvh, kv0 = local_heads(a, p)
+        d, width = a.head_dim, a.intermediate_size // p.tp_size
+        kind = rest.rsplit(".", 1)[-1]  # weight | bias
+        row_parallel = 1 if kind == "weight" else None  # their biases stay whole
+        rules = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, 0, p.tp_rank * h * d, h * d),
+            "self_attn.k_proj": ("self_attn.qkv_proj", h * d, 0, kv0 * d, kvh * d),
+            "self_attn.v_proj": ("self_attn.qkv_proj", (h + kvh) * d, 0, kv0 * d, kvh * d),
+            "self_attn.o_proj": ("self_attn.o_proj", 0, row_parallel, p.tp_rank * h * d, h * d),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, 0, p.tp_rank * width, width),
+            "mlp.up_proj": ("mlp.gate_up_proj", width, 0, p.tp_rank * width, width),
+            "mlp.down_proj": ("mlp.down_proj", 0, row_parallel, p.tp_rank * width, width),
+        }
+        module = rest.rsplit(".", 1)[0]
+        if module in rules:
+            target, offset, dim, start, size = rules[module]
+            return (f"{prefix}{target}.{kind}", offset, dim, start, size)
+        return (prefix + rest, 0, None, 0, 0)

@@ -1,0 +1,59 @@
+"""Tensor-parallel building blocks. With tp_size 1 each is exactly its plain torch layer.
+
+Column-parallel layers are plain nn.Linear with this rank's share of the output rows; the
+row-parallel one sums the partial products of all ranks before adding its bias; the vocab is
+split across ranks for the embedding and the LM head.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.parallel import Parallel
+
+
+class RowParallelLinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, p: Parallel):
+        super().__init__(in_features, out_features, bias=bias)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.p.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def vocab_shard(vocab: int, p: Parallel) -> tuple[int, int]:
+    """(first id, rows) of this rank's slice of a vocab padded to a multiple of tp_size."""
+    rows = -(-vocab // p.tp_size)
+    return p.tp_rank * rows, rows
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, p: Parallel):
+        super().__init__()
+        self.p = p
+        self.start, rows = vocab_shard(vocab, p)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.p.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.p.all_reduce(x.masked_fill(outside[:, None], 0.0))
+
+
+class ParallelLMHead(nn.Module):
+    def __init__(self, vocab: int, hidden: int, p: Parallel):
+        super().__init__()
+        self.p, self.vocab = p, vocab
+        _, rows = vocab_shard(vocab, p)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.p.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., :self.vocab]
