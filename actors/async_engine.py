@@ -23,8 +23,8 @@ log = logging.getLogger("shoal.engine")
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, placement: tuple | None = None):
+        self.engine = LLMEngine(config, placement)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -51,9 +51,12 @@ class AsyncEngine:
             raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit {limit})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if params.structured is not None:  # compiling can take seconds: not on the loop thread
+            grammar = await asyncio.to_thread(self.engine.grammars.compile, params.structured)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._post(("add", request_id, prompt_token_ids, params, priority, prompt))
+        self._post(("add", request_id, prompt_token_ids, params, priority, prompt, grammar))
         finished = False
         try:
             while not finished:
@@ -95,6 +98,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     def _post(self, message: tuple) -> None:
         self._inbox.put(message)
@@ -128,11 +132,11 @@ class AsyncEngine:
             if message[0] == "abort":
                 self.engine.abort_request(message[1])
                 continue
-            _, rid, ids, params, priority, prompt = message
+            _, rid, ids, params, priority, prompt, grammar = message
             if rid not in self._streams:
                 continue  # the caller went away before the engine saw the request
             try:
-                self.engine.add_request(rid, ids, params, priority, prompt)
+                self.engine.add_request(rid, ids, params, priority, prompt, grammar)
             except ValueError as exc:
                 self._send(rid, exc)
 

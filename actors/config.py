@@ -25,9 +25,13 @@ class EngineConfig:
     # Compute
     attn_backend: str = "native"  # native | flash (falls back to native where flash can't run)
     num_threads: int | None = None  # torch intra-op threads; None: all cores
-    # Parallel layout (the distributed issue fills these in)
+    # Parallel layout: tp x pp ranks per model instance; rank 0 lives in the scheduler process
     tp_size: int = 1
     pp_size: int = 1
+    pp_layer_split: str | None = None  # layers per stage, e.g. "5,3"; None: even
+    placement_strategy: str | None = None  # None: STRICT_PACK if it fits one node, else PACK
+    shard_cpus: float = 1.0  # CPUs reserved per shard (rank)
+    dist_timeout: float = 120.0  # seconds for shards to start and join the process group
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -44,5 +48,9 @@ class EngineConfig:
             raise ValueError("--block-size and --max-num-seqs must be positive")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("--max-num-batched-tokens must be at least --block-size")
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError("--tp-size and --pp-size must be at least 1")
+        if self.placement_strategy not in (None, "STRICT_PACK", "PACK", "STRICT_SPREAD", "SPREAD"):
+            raise ValueError("--placement-strategy must be STRICT_PACK, PACK, STRICT_SPREAD or SPREAD")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("--num-kv-blocks must be at least 2")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -14,9 +15,12 @@ from actors.detokenizer import IncrementalDetokenizer
 from actors.loader import eos_token_ids, load_tokenizer, read_config, resolve_dtype, resolve_model_path
 from actors.model_runner import ModelRunner
 from actors.outputs import CompletionOutput, RequestOutput
+from actors.parallel import Parallel, parse_layer_split
 from actors.sampling_params import SamplingParams
 from actors.scheduler import Scheduler
+from actors.shard_actor import start_shards
 from actors.sequence import Sequence
+from actors.structured import Grammars, accept
 
 log = logging.getLogger("shoal.engine")
 
@@ -41,7 +45,8 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, placement: tuple | None = None):
+        """placement: (placement group, first bundle for shard rank 1) when the caller reserved one."""
         config.validate()
         self.config = config
         self.model_path = resolve_model_path(config.model_path)
@@ -55,10 +60,21 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         dtype = resolve_dtype(config.dtype, hf_config)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.model_path, hf_config, dtype, self.max_model_len, self.eos_ids)
+        start = time.perf_counter()
+        split = parse_layer_split(config.pp_layer_split, hf_config["num_hidden_layers"], config.pp_size)
+        parallel = Parallel(config.tp_size, config.pp_size, 0, layer_split=split)
+        self.runner = ModelRunner(config, self.model_path, hf_config, dtype, self.max_model_len,
+                                  self.eos_ids, parallel)
+        log.info("rank 0 loaded in %.2f s, peak RSS %.0f MiB", time.perf_counter() - start,
+                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        self.shards = None
+        if parallel.world_size > 1:
+            self.shards = start_shards(config, self.runner, self.runner.num_blocks, self.max_model_len,
+                                       placement)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.requests: dict[str, Request] = {}
+        self.grammars = Grammars(self.tokenizer, self.runner.args.vocab_size, sorted(self.eos_ids))
         self.stats = EngineStats()
 
     # ---- requests ---------------------------------------------------------------------
@@ -80,10 +96,13 @@ class LLMEngine:
             raise ValueError(f"the request needs {need} KV blocks but the pool has {self.blocks.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, prompt: str | None = None) -> None:
+                    priority: int = 0, prompt: str | None = None, grammar=None) -> None:
+        """`grammar`: params.structured already compiled (AsyncEngine compiles off this thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)
         params = copy.copy(params)  # callers may share one SamplingParams between requests
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(prompt_token_ids)
@@ -92,6 +111,8 @@ class LLMEngine:
             seq = Sequence(request_id, i, list(prompt_token_ids), len(prompt_token_ids), params, priority)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            if grammar is not None:
+                seq.matcher = self.grammars.matcher(grammar)
             req.seqs.append(seq)
             req.detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                      params.skip_special_tokens,
@@ -116,6 +137,15 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def shutdown(self) -> None:
+        """Stop the shard actors of a multi-rank layout and leave the process group."""
+        if self.shards is not None:
+            self.runner.stop_workers()
+            self.shards.shutdown()
+            self.shards = None
+            import torch.distributed as dist
+            dist.destroy_process_group()
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -171,6 +201,8 @@ class LLMEngine:
             out.logprobs = (out.logprobs or []) + [lps]
         stopped_by_token = (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos))
         past_min = seq.num_output_tokens >= p.min_tokens
+        if seq.matcher is not None and accept(seq.matcher, token):
+            stopped_by_token = past_min = True  # the grammar is complete: nothing may follow
         stop_str = None
         if not (stopped_by_token and past_min):  # a stop token's text is never shown
             stop_str = detok.add(token, check_stop=past_min)

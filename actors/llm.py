@@ -13,13 +13,17 @@ from actors.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model_path: str | None = None, **options):
-        self.engine = LLMEngine(EngineConfig(model_path=model_path, **options))
+    def __init__(self, model_path: str | None = None, placement: tuple | None = None, **options):
+        """options: EngineConfig fields. tp_size * pp_size > 1 starts shard actors on Ray."""
+        self.engine = LLMEngine(EngineConfig(model_path=model_path, **options), placement)
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
         self.max_model_len = self.engine.max_model_len
         self._ids = itertools.count()
         self._pending: list[str] = []
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -14,7 +14,10 @@ import torch
 from actors.config import EngineConfig
 from actors.loader import build_model
 from actors.models.args import ModelArgs
+from actors.parallel import Parallel
+from actors.pipeline import STOP, MicroBatch, broadcast_step, run_stage, worker_loop
 from actors.scheduler import ScheduledSeq
+from actors.structured import bitmask_width, fill_bitmasks
 from kernels.attention import AttentionMetadata
 from kernels.sampling import SamplingBatch, sample, token_logprobs
 
@@ -37,25 +40,34 @@ def pick_device(name: str) -> torch.device:
 
 
 class ModelRunner:
+    """This rank's shard of the model and of the KV pool. Rank 0 also prepares and samples."""
+
     def __init__(self, config: EngineConfig, path, hf_config: dict, dtype: torch.dtype,
-                 max_model_len: int, eos_ids: set[int]):
+                 max_model_len: int, eos_ids: set[int], parallel: Parallel | None = None):
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = dtype
         self.eos_ids = eos_ids
+        self.p = parallel or Parallel(config.tp_size, config.pp_size)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.args = ModelArgs.from_hf(hf_config)
-        self.model = build_model(path, hf_config, dtype, self.device, max_model_len)
+        self.model = build_model(path, hf_config, dtype, self.device, max_model_len, self.p)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self._allocate_kv_cache()
+        # Grammar masks of one step's constrained rows, filled in place (nothing grows per step).
+        self.bitmask = torch.zeros(config.max_num_seqs, bitmask_width(self.args.vocab_size),
+                                   dtype=torch.int32)
 
     # ---- start-up -------------------------------------------------------------------
     def block_bytes(self) -> int:
-        a = self.args
-        per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-        return per_token * self.block_size
+        """Bytes of one KV block on this rank (its layers, its KV heads)."""
+        per_token = 2 * self._local_kv_heads() * self.args.head_dim * self.dtype.itemsize
+        return per_token * len(self.model.model.layers) * self.block_size
+
+    def _local_kv_heads(self) -> int:
+        return self.model.model.layers[0].self_attn.kvh if len(self.model.model.layers) else 0
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         c = self.config
@@ -68,10 +80,9 @@ class ModelRunner:
         return max(2, min(budget // self.block_bytes(), useful))
 
     def _allocate_kv_cache(self) -> None:
-        a = self.args
         slots = self.num_blocks * self.block_size
-        self.kv_cache = torch.zeros(a.num_layers, 2, slots, a.num_kv_heads, a.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(len(self.model.model.layers), 2, slots, self._local_kv_heads(),
+                                    self.args.head_dim, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
@@ -82,16 +93,38 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq]) -> StepResult:
         order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens != 1)
         batch = [batch[i] for i in order]
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        rows, wants_prompt = self._logit_rows(batch)
-        logits = self.model.compute_logits(hidden[rows]) if rows else None
+        logits, wants_prompt = self._forward(batch)
         result = self._sample(batch, logits, wants_prompt)
         inverse = [0] * len(order)  # back to the caller's order
         for new, old in enumerate(order):
             inverse[old] = new
         return StepResult(*[[field[i] for i in inverse] for field in
                             (result.tokens, result.logprobs, result.prompt_logprobs)])
+
+    def _forward(self, batch: list[ScheduledSeq]):
+        """Logits of the rows sampling and prompt log-probs need, in batch order."""
+        if self.p.world_size == 1:
+            input_ids, positions, meta = self._prepare(batch)
+            rows, wants_prompt = self._logit_rows(batch)
+            hidden = self.model(input_ids, positions, meta)
+            return (self.model.compute_logits(hidden[rows]) if rows else None), wants_prompt
+        micro = []
+        for group in _split(batch, self.p.pp_size):
+            rows, _ = self._logit_rows(group)
+            micro.append(MicroBatch(*self._prepare(group), rows))
+        broadcast_step(self.p, micro)
+        parts = run_stage(self.model, self.p, micro, self.args.hidden_size, self.args.vocab_size, self.dtype)
+        parts = [x for x in parts if x is not None]
+        _, wants_prompt = self._logit_rows(batch)
+        return (torch.cat(parts) if parts else None), wants_prompt
+
+    def worker_loop(self) -> None:
+        """Ranks 1..n: follow rank 0's steps until it stops."""
+        worker_loop(self.model, self.p, self.args.hidden_size, self.args.vocab_size, self.dtype)
+
+    def stop_workers(self) -> None:
+        if self.p.world_size > 1 and self.p.rank == 0:
+            broadcast_step(self.p, STOP)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -214,7 +247,18 @@ class ModelRunner:
             b.min_p = f([p.min_p for p in params])
         self._penalties(b, seqs, vocab)
         b.bias = self._bias(seqs, vocab)
+        self._grammar_masks(b, seqs)
         return b
+
+    def _grammar_masks(self, b: SamplingBatch, seqs) -> None:
+        """Allowed-token bitmasks for the rows under a grammar; other rows stay free."""
+        rows = [row for row, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return
+        masks = self.bitmask[:len(rows)]
+        fill_bitmasks([seqs[row].matcher for row in rows], masks)
+        b.allowed = masks.to(self.device)
+        b.allowed_rows = torch.tensor(rows, device=self.device)
 
     def _penalties(self, b: SamplingBatch, seqs, vocab: int) -> None:
         params = [s.params for s in seqs]
@@ -236,10 +280,9 @@ class ModelRunner:
             b.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
 
     def _bias(self, seqs, vocab: int) -> torch.Tensor | None:
-        """Logit bias, min_tokens bans and constraint masks, as one additive [B, V] tensor."""
+        """Logit bias and min_tokens bans, as one additive [B, V] tensor."""
         rows = [(row, s) for row, s in enumerate(seqs)
-                if s.params.logit_bias or s.num_output_tokens < s.params.min_tokens
-                or s.params.logits_processor is not None]
+                if s.params.logit_bias or s.num_output_tokens < s.params.min_tokens]
         if not rows:
             return None
         bias = torch.zeros(len(seqs), vocab, device=self.device)
@@ -248,12 +291,18 @@ class ModelRunner:
             for tok, value in (p.logit_bias or {}).items():
                 if 0 <= int(tok) < vocab:
                     bias[row, int(tok)] += float(value)
-            if s.num_output_tokens < p.min_tokens:
+            # A grammar decides alone when its output ends (banning its only allowed token,
+            # the stop token, would leave nothing to sample).
+            if s.num_output_tokens < p.min_tokens and s.matcher is None:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
                 bias[row, [t for t in banned if 0 <= t < vocab]] = float("-inf")
-            if p.logits_processor is not None:
-                p.logits_processor(s.output_token_ids, bias[row])
         return bias
+
+
+def _split(batch: list, parts: int) -> list[list]:
+    """Cut the batch into up to `parts` contiguous micro-batches (one per pipeline stage)."""
+    size = -(-len(batch) // max(1, parts))
+    return [batch[i:i + size] for i in range(0, len(batch), size)]
 
 
 def _lp_dict(chosen: int, chosen_lp: float, top_ids, top_lp, row: int, k: int) -> dict:

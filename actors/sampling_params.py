@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from actors.structured import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -25,8 +27,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; k: prompt token plus k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Token-level constraint hook (structured outputs); opaque to the engine core.
-    logits_processor: object | None = None
+    # Grammar constraint (structured outputs, forced tool calls): plain data, so it crosses Ray.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -32,6 +32,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     prompt_logprobs_sent: bool = False
     generator: object | None = None  # torch.Generator for seeded sampling
+    matcher: object | None = None  # grammar matcher of a constrained request (actors/structured.py)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

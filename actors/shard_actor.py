@@ -1,0 +1,144 @@
+"""Shard actors (ranks 1..n of one model instance) and the rendezvous that joins them.
+
+Each shard holds its slice of the weights and of the KV cache and runs the worker loop:
+every step it receives rank 0's broadcast and runs its part of the forward. The scheduler
+(rank 0) places the shards in the replica's placement group, waits for them to load, picks
+the master address (its node's IP) and a free port, and all ranks join the process group.
+Whatever does not arrive within --dist-timeout fails start-up with the rank and node named.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import socket
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from actors.config import EngineConfig
+from actors.parallel import Parallel, init_distributed, parse_layer_split
+
+log = logging.getLogger("shoal.shards")
+
+
+class ShardActor:
+    """One rank's model runner, in its own Ray actor process."""
+
+    def __init__(self, config: EngineConfig, rank: int, num_blocks: int, max_model_len: int):
+        from actors.loader import read_config, resolve_dtype, resolve_model_path
+        from actors.model_runner import ModelRunner
+        start = time.perf_counter()
+        torch.set_num_threads(max(1, int(config.shard_cpus)))
+        path = resolve_model_path(config.model_path)
+        hf = read_config(path)
+        p = Parallel(config.tp_size, config.pp_size, rank,
+                     layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size))
+        config = replace(config, num_kv_blocks=num_blocks)
+        self.runner = ModelRunner(config, path, hf, resolve_dtype(config.dtype, hf), max_model_len, set(), p)
+        self.info = {"rank": rank, "node_ip": node_ip(), "load_seconds": round(time.perf_counter() - start, 2),
+                     "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                     "parameters": sum(x.numel() for x in self.runner.model.parameters())}
+
+    def describe(self) -> dict:
+        return self.info
+
+    def init_distributed(self, master_addr: str, master_port: int, timeout_s: float, backend: str) -> None:
+        init_distributed(self.runner.p, master_addr, master_port, timeout_s, backend)
+
+    def run(self) -> None:
+        self.runner.worker_loop()
+
+
+def node_ip() -> str:
+    import ray
+    return ray.util.get_node_ip_address()
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ShardGroup:
+    actors: list
+    loops: list  # ObjectRefs of the running worker loops
+    placement_group: object
+    owns_placement_group: bool
+    infos: list[dict]
+
+    def shutdown(self) -> None:
+        import ray
+        for actor in self.actors:
+            ray.kill(actor)
+        if self.owns_placement_group:
+            ray.util.remove_placement_group(self.placement_group)
+
+
+def start_shards(config: EngineConfig, rank0, num_blocks: int, max_model_len: int,
+                 placement: tuple | None = None) -> ShardGroup:
+    """Start ranks 1..n, rendezvous with rank 0 (`rank0`, this process's ModelRunner)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    world, timeout = config.tp_size * config.pp_size, config.dist_timeout
+    if not ray.is_initialized():
+        ray.init()
+    owns = placement is None
+    if owns:  # bundle 0 reserves rank 0's CPUs; shards take bundles 1..n
+        strategy = config.placement_strategy or _default_strategy(world * config.shard_cpus)
+        pg = placement_group([{"CPU": config.shard_cpus}] * world, strategy=strategy)
+        placement = (pg, 1)
+    pg, first = placement
+    _wait(pg.ready(), timeout, f"the placement group for {world} ranks could not be placed within "
+                               f"{timeout:.0f} s; is every node up? cluster has {ray.cluster_resources()}")
+    cls = ray.remote(num_cpus=config.shard_cpus)(ShardActor)
+    actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, first + r - 1))
+              .remote(config, r, num_blocks, max_model_len) for r in range(1, world)]
+    infos = _gather([a.describe.remote() for a in actors], timeout, "start (load its weights)")
+    addr = node_ip()
+    port = free_port(addr)
+    backend = "nccl" if rank0.device.type == "cuda" else "gloo"
+    joins = [a.init_distributed.remote(addr, port, timeout, backend) for a in actors]
+    try:
+        init_distributed(rank0.p, addr, port, timeout, backend)
+    except Exception as exc:
+        missing = [i for i, ref in enumerate(joins) if not ray.wait([ref], timeout=0)[0]]
+        names = ", ".join(f"rank {r + 1} on node {infos[r]['node_ip']}" for r in missing) or "a rank"
+        raise RuntimeError(f"{names} did not join the process group at {addr}:{port} "
+                           f"within {timeout:.0f} s: {exc}") from None
+    _gather(joins, timeout, "join the process group")
+    for info in [{"rank": 0, "node_ip": addr}] + infos:
+        log.info("shard %s", info)
+    loops = [a.run.remote() for a in actors]
+    return ShardGroup(actors, loops, pg, owns, infos)
+
+
+def _default_strategy(cpus: float) -> str:
+    """STRICT_PACK when one node has the CPUs for every rank, else PACK."""
+    import ray
+    biggest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+    return "STRICT_PACK" if biggest >= cpus else "PACK"
+
+
+def _wait(ref, timeout: float, message: str):
+    import ray
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(message) from None
+
+
+def _gather(refs: list, timeout: float, what: str) -> list:
+    """ray.get with a deadline; the error names every rank that did not make it."""
+    import ray
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if pending:
+        late = [refs.index(r) + 1 for r in pending]
+        raise RuntimeError(f"shard rank(s) {late} did not {what} within {timeout:.0f} s")
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as exc:
+        raise RuntimeError(f"a shard failed to {what}: {exc}") from None
