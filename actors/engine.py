@@ -141,7 +141,10 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the shard actors of a multi-rank layout and leave the process group."""
         if self.shards is not None:
-            self.runner.stop_workers()
+            try:
+                self.runner.stop_workers()
+            except Exception as exc:  # a shard already gone: killing them below is all that is left
+                log.warning("could not stop the shard loops cleanly: %s", exc)
             self.shards.shutdown()
             self.shards = None
             import torch.distributed as dist

@@ -24,6 +24,7 @@ class MicroBatch:
 
 
 STOP = "stop"
+PING = "ping"  # (PING, payload): answer with an all-reduce; measures orchestration alone
 
 
 def broadcast_step(p: Parallel, message) -> object:
@@ -71,4 +72,13 @@ def worker_loop(model, p: Parallel, hidden_size: int, vocab: int, dtype: torch.d
         message = broadcast_step(p, None)
         if message == STOP:
             return
+        if isinstance(message, tuple) and message[0] == PING:
+            dist.all_reduce(torch.zeros(1))
+            continue
         run_stage(model, p, message, hidden_size, vocab, dtype)
+
+
+def ping(p: Parallel, payload) -> None:
+    """Rank 0: one broadcast of `payload` to every rank and an all-reduce back, no forward."""
+    broadcast_step(p, (PING, payload))
+    dist.all_reduce(torch.zeros(1))

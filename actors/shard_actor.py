@@ -36,7 +36,7 @@ class ShardActor:
                      layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size))
         config = replace(config, num_kv_blocks=num_blocks)
         self.runner = ModelRunner(config, path, hf, resolve_dtype(config.dtype, hf), max_model_len, set(), p)
-        self.info = {"rank": rank, "node_ip": node_ip(), "load_seconds": round(time.perf_counter() - start, 2),
+        self.info = {"rank": rank, "node_ip": node_ip(), "node_id": node_id(), "load_seconds": round(time.perf_counter() - start, 2),
                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                      "parameters": sum(x.numel() for x in self.runner.model.parameters())}
 
@@ -53,6 +53,11 @@ class ShardActor:
 def node_ip() -> str:
     import ray
     return ray.util.get_node_ip_address()
+
+
+def node_id() -> str:
+    import ray
+    return ray.get_runtime_context().get_node_id()
 
 
 def free_port(host: str) -> int:
