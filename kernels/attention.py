@@ -6,6 +6,10 @@ Each step the batch is laid out with the single-token queries (decodes) first, t
 multi-token chunks (prefills). Each group gathers its blocks from the pool once (whole
 blocks: a row copy each) and runs one scaled-dot-product attention call, so the whole batch
 costs two kernel calls per layer, whatever its mix.
+
+On CPU the decode rows use the native kernel (kernels/native.py, csrc/paged_attention.cpp)
+when it is available: it reads K/V straight from the pool instead of gathering a copy.
+`SHOAL_NATIVE_KERNELS=0` forces the torch path.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels import native
 
 
 @dataclass
@@ -38,17 +44,33 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, d] -> [T, heads, d]. K/V of this step must already be written."""
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     nd = meta.num_decode_tokens
     if nd:
-        out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_block_tables,
-                           meta.block_size, meta.decode_mask, scale).squeeze(1)
+        op = _native_decode_op(q, k_cache, meta)
+        if op is not None:
+            op(out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables,
+               meta.decode_context_lens, meta.block_size, scale)
+        else:
+            out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_block_tables,
+                               meta.block_size, meta.decode_mask, scale).squeeze(1)
     if meta.prefill_q_rows is not None:
         rows, valid = meta.prefill_q_rows, meta.prefill_q_valid
         o = _attend(q[rows], k_cache, v_cache, meta.prefill_block_tables, meta.block_size,
                     meta.prefill_mask, scale)
         out[rows[valid]] = o[valid]
     return out
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _native_decode_op(q, k_cache, meta: AttentionMetadata):
+    """The native decode kernel when it applies here (CPU, a supported dtype), else None."""
+    if (q.device.type != "cpu" or q.dtype not in _NATIVE_DTYPES or k_cache.dtype != q.dtype
+            or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or meta.decode_context_lens is None):
+        return None
+    return native.paged_decode_attention_op()  # builds or loads it on first use
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,0 +1,258 @@
+"""The native paged decode-attention kernel (kernels/csrc) against the torch path and SDPA.
+
+The kernel is built (or loaded from the cache) by the first test that needs it.
+"""
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.attention import AttentionMetadata, paged_attention
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def op():
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the engine uses the torch path")
+    kernel = native.paged_decode_attention_op()
+    assert kernel is not None, "a compiler is here but the native kernel did not build (see the warning)"
+    return kernel
+
+
+def make_case(lens, heads, kv_heads, d, block_size, dtype=torch.float32, pad=0, seed=0):
+    """A pool with each row's blocks scattered through it, block tables padded with `pad`."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    used = [-(-n // block_size) for n in lens]
+    num_blocks = sum(used) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    width = max(used) + 2  # at least two padding entries per row
+    tables = torch.full((len(lens), width), pad, dtype=torch.long)
+    for row, k in enumerate(used):
+        tables[row, :k] = torch.tensor([ids.pop() for _ in range(k)])
+    slots = num_blocks * block_size
+    k_cache = torch.randn(slots, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def sdpa_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+    """Row by row: gather exactly the row's keys, then F.scaled_dot_product_attention (fp32)."""
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        t = torch.arange(n)
+        slots = tables[b, t // block_size] * block_size + t % block_size
+        k, v = k_cache[slots].float().transpose(0, 1), v_cache[slots].float().transpose(0, 1)
+        group = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        out.append(F.scaled_dot_product_attention(q[b].float()[:, None], k, v, scale=scale)[:, 0])
+    return torch.stack(out)
+
+
+def decode_meta(tables, lens, block_size):
+    """Decode-only metadata as actors/model_runner.py fills it."""
+    keys = torch.arange(tables.shape[1] * block_size)
+    mask = (keys[None, :] < lens[:, None])[:, None, None, :]
+    return AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+                             num_decode_tokens=len(lens), block_size=block_size,
+                             decode_block_tables=tables, decode_context_lens=lens, decode_mask=mask)
+
+
+def torch_path(q, k_cache, v_cache, meta, scale, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setenv("SHOAL_NATIVE_KERNELS", "0")
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+MIXED_LENS = [1, 2, 3, 15, 16, 17, 33, 64, 100, 129, 255, 256, 257, 299, 300]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_native_matches_torch_path_and_sdpa(op, monkeypatch, heads, kv_heads, block_size, d):
+    lens = MIXED_LENS + [random.Random(d + block_size).randint(1, 300) for _ in range(5)]
+    q, kc, vc, tables, lens_t = make_case(lens, heads, kv_heads, d, block_size, seed=d * block_size)
+    scale = d ** -0.5
+    meta = decode_meta(tables, lens_t, block_size)
+    native_out = paged_attention(q, kc, vc, meta, scale)  # native (the default)
+    torch_out = torch_path(q, kc, vc, meta, scale, monkeypatch)
+    ref = sdpa_reference(q, kc, vc, tables, lens_t, block_size, scale)
+    torch.testing.assert_close(native_out, torch_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(native_out, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (12, 6), (8, 2)])
+def test_small_batches_split_kv_heads(op, batch, heads, kv_heads):
+    """Few rows: the kernel splits each row's kv heads over tasks; same answer."""
+    lens = [300, 1, 77, 16, 250][:batch]
+    q, kc, vc, tables, lens_t = make_case(lens, heads, kv_heads, 64, 16, seed=batch)
+    out = torch.empty_like(q)
+    op(out, q, kc, vc, tables, lens_t, 16, 0.125)
+    torch.testing.assert_close(out, sdpa_reference(q, kc, vc, tables, lens_t, 16, 0.125), rtol=0, atol=1e-5)
+
+
+def test_padding_entries_are_never_read(op):
+    """Entries past a row's last block (here -1, which would fault) are ignored."""
+    q, kc, vc, tables, lens = make_case([5, 40, 17], 8, 2, 64, 4, pad=-1)
+    out = torch.empty_like(q)
+    op(out, q, kc, vc, tables, lens, 4, 0.125)
+    torch.testing.assert_close(out, sdpa_reference(q, kc, vc, tables, lens, 4, 0.125), rtol=0, atol=1e-5)
+
+
+def test_strided_q_and_out(op):
+    """q as the model hands it over: a view into the fused qkv output (rows not contiguous)."""
+    _, kc, vc, tables, lens = make_case([9, 120, 31], 8, 2, 64, 16)
+    qkv = torch.randn(3, 8 + 2 * 2, 64)
+    q = qkv[:, :8]
+    out_full = torch.zeros(3, 10, 64)
+    out = out_full[:, 1:9]
+    op(out, q, kc, vc, tables, lens, 16, 0.125)
+    torch.testing.assert_close(out, sdpa_reference(q, kc, vc, tables, lens, 16, 0.125), rtol=0, atol=1e-5)
+    assert out_full[:, 0].abs().sum() == 0 and out_full[:, 9].abs().sum() == 0
+
+
+def test_kv_cache_views_of_the_engine_pool(op):
+    """k_cache / v_cache as the engine passes them: kv_cache[layer, 0] and kv_cache[layer, 1]."""
+    q, kc, vc, tables, lens = make_case([30, 200], 8, 4, 32, 8)
+    pool = torch.zeros(3, 2, *kc.shape)
+    pool[1, 0], pool[1, 1] = kc, vc
+    out = torch.empty_like(q)
+    op(out, q, pool[1, 0], pool[1, 1], tables, lens, 8, 0.2)
+    torch.testing.assert_close(out, sdpa_reference(q, kc, vc, tables, lens, 8, 0.2), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)])
+def test_half_precision_accumulates_in_float32(op, dtype, atol):
+    lens = MIXED_LENS
+    q, kc, vc, tables, lens_t = make_case(lens, 8, 2, 64, 16, dtype=dtype)
+    out = torch.empty_like(q)
+    op(out, q, kc, vc, tables, lens_t, 16, 0.125)
+    assert out.dtype == dtype
+    ref = sdpa_reference(q, kc, vc, tables, lens_t, 16, 0.125)  # fp32 on the same 16-bit inputs
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=atol)
+    # and through paged_attention, which takes the native path for 16-bit caches too
+    got = paged_attention(q, kc, vc, decode_meta(tables, lens_t, 16), 0.125)
+    torch.testing.assert_close(got.float(), ref, rtol=0, atol=atol)
+
+
+def test_bad_inputs_raise(op):
+    q, kc, vc, tables, lens = make_case([20, 7], 8, 2, 64, 4)
+    out = torch.empty_like(q)
+    bad = tables.clone()
+    bad[0, 1] = kc.shape[0]  # a block id past the pool
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(out, q, kc, vc, bad, lens, 4, 0.125)
+    with pytest.raises(RuntimeError, match="exceeds the block table"):
+        op(out, q, kc, vc, tables[:, :2], lens, 4, 0.125)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(out, q.double(), kc, vc, tables, lens, 4, 0.125)
+    with pytest.raises(RuntimeError, match="int32"):
+        op(out, q, kc, vc, tables, lens.long(), 4, 0.125)
+
+
+def test_env_var_forces_the_torch_path(monkeypatch):
+    """SHOAL_NATIVE_KERNELS=0: no build, no native call, same numbers from the torch path."""
+    monkeypatch.setenv("SHOAL_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(native, "_load", lambda *a: pytest.fail("native kernel used despite the env var"))
+    assert native.paged_decode_attention_op() is None
+    q, kc, vc, tables, lens = make_case([1, 50, 300], 8, 2, 64, 16)
+    out = paged_attention(q, kc, vc, decode_meta(tables, lens, 16), 0.125)
+    torch.testing.assert_close(out, sdpa_reference(q, kc, vc, tables, lens, 16, 0.125), rtol=0, atol=1e-5)
+
+
+def test_failed_build_warns_once_and_falls_back(tmp_path, monkeypatch, caplog):
+    (tmp_path / "broken.cpp").write_text("this is not C++\n")
+    monkeypatch.setattr(native, "_CSRC", tmp_path)
+    monkeypatch.setattr(native, "_libraries", {})
+    monkeypatch.setenv("SHOAL_KERNEL_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="shoal.kernels"):
+        assert native._load("broken", ["broken.cpp"]) is False
+        assert native._load("broken", ["broken.cpp"]) is False  # cached: no second build
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "torch path" in warnings[0].getMessage()
+
+
+def test_importing_kernels_builds_nothing(tmp_path):
+    code = textwrap.dedent("""
+        import sys
+        import kernels, kernels.attention, kernels.native
+        assert not kernels.native._libraries
+        assert "torch.utils.cpp_extension" not in sys.modules
+    """)
+    env = dict(os.environ, SHOAL_KERNEL_CACHE=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=120)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_concurrent_first_builds_share_one_build(tmp_path):
+    """Two processes building into an empty cache at once (with a stale torch lock file left
+    by a killed build) both get a working kernel; a third reuses the build."""
+    cache = tmp_path / "cache"
+    code = textwrap.dedent("""
+        import time, torch
+        from kernels import native
+        from kernels.attention import paged_attention
+        op = native.paged_decode_attention_op()
+        assert op is not None
+        q = torch.randn(2, 4, 16); k = torch.randn(8, 2, 16); v = torch.randn(8, 2, 16)
+        out = torch.empty_like(q)
+        op(out, q, k, v, torch.tensor([[0, 1], [1, 0]]), torch.tensor([5, 8], dtype=torch.int32), 4, 0.25)
+        print(f"{native.last_build_seconds:.2f}")
+    """)
+    env = dict(os.environ, SHOAL_KERNEL_CACHE=str(cache))
+    env.pop("SHOAL_NATIVE_KERNELS", None)
+    # The build folder's name is a hash of the inputs: find it, and leave a stale torch lock there.
+    probe = "from kernels import native; print(native.build_dir('paged_attention', ['paged_attention.cpp']))"
+    build_dir = Path(subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, check=True,
+                                    capture_output=True, text=True, timeout=120).stdout.strip())
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    assert len(list(build_dir.glob("*.so"))) == 1
+    again = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True,
+                           capture_output=True, text=True, timeout=300)
+    assert float(again.stdout.strip()) < 5  # a cache hit: no compiler, no ninja
+
+
+def test_engine_uses_native_kernel(checkpoint_factory, op):
+    """Greedy decoding through the engine with the native kernel equals transformers."""
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+    from oracle import hf_greedy
+
+    path = checkpoint_factory("llama")
+    calls = []
+    real = native.paged_decode_attention_op
+
+    def counting():
+        calls.append(1)
+        return real()
+
+    prompts = [[5, 17, 3], list(range(40, 80)), [9]]
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "paged_decode_attention_op", counting)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert calls, "the decode steps did not go through the native kernel"
+    for ids, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(path, ids, 16)
