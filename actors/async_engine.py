@@ -79,7 +79,7 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         e = self.engine
-        return {
+        stats = {
             "running": len(e.scheduler.running),
             "waiting": len(e.scheduler.waiting),
             "kv_cache_usage": round(e.blocks.usage(), 4),
@@ -93,6 +93,10 @@ class AsyncEngine:
             "tokens_per_second": round(self._rate.value(), 1),
             "engine_alive": self.error is None,
         }
+        experts = e.runner.expert_stats()  # MoE models: routed tokens per expert, balancedness
+        if experts is not None:
+            stats["experts"] = experts
+        return stats
 
     def shutdown(self) -> None:
         self._stopped = True

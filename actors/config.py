@@ -32,6 +32,16 @@ class EngineConfig:
     placement_strategy: str | None = None  # None: STRICT_PACK if it fits one node, else PACK
     shard_cpus: float = 1.0  # CPUs reserved per shard (rank)
     dist_timeout: float = 120.0  # seconds for shards to start and join the process group
+    # Mixture of experts: expert parallelism splits the experts over each stage's TP group
+    enable_expert_parallel: bool = False
+    ep_size: int | None = None  # SGLang's spelling: must equal tp_size (implies expert parallelism)
+    num_redundant_experts: int = 0  # extra expert slots that hold copies of the hottest experts
+    eplb_window_size: int = 1000  # forward steps of routed-token counts kept for stats and re-planning
+    eplb_step_interval: int = 0  # re-plan the expert placement every N steps; 0: never
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.tp_size > 1 and (self.enable_expert_parallel or (self.ep_size or 1) > 1)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -54,3 +64,15 @@ class EngineConfig:
             raise ValueError("--placement-strategy must be STRICT_PACK, PACK, STRICT_SPREAD or SPREAD")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("--num-kv-blocks must be at least 2")
+        self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        if self.ep_size is not None and self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size {self.ep_size} must equal --tp-size {self.tp_size}: "
+                             f"the experts are split over each stage's tensor-parallel group")
+        if self.num_redundant_experts < 0 or self.eplb_step_interval < 0 or self.eplb_window_size < 1:
+            raise ValueError("--num-redundant-experts and --eplb-step-interval must be >= 0, "
+                             "--eplb-window-size >= 1")
+        if (self.num_redundant_experts or self.eplb_step_interval) and not self.expert_parallel:
+            raise ValueError("--num-redundant-experts and --eplb-step-interval need expert parallelism "
+                             "(--enable-expert-parallel with --tp-size > 1)")

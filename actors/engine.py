@@ -62,7 +62,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         start = time.perf_counter()
         split = parse_layer_split(config.pp_layer_split, hf_config["num_hidden_layers"], config.pp_size)
-        parallel = Parallel(config.tp_size, config.pp_size, 0, layer_split=split)
+        parallel = Parallel(config.tp_size, config.pp_size, 0, layer_split=split,
+                            expert_parallel=config.expert_parallel, redundant_experts=config.num_redundant_experts)
         self.runner = ModelRunner(config, self.model_path, hf_config, dtype, self.max_model_len,
                                   self.eos_ids, parallel)
         log.info("rank 0 loaded in %.2f s, peak RSS %.0f MiB", time.perf_counter() - start,

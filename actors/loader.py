@@ -123,9 +123,27 @@ def load_weights(model: nn.Module, path: Path) -> None:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
 
 
+def load_selected(model: nn.Module, path: Path, rule) -> int:
+    """Read only the tensors `rule(name)` maps (a weight_rule; None skips): e.g. the experts
+    a re-planned placement moves onto this rank. Returns how many were read."""
+    params = dict(model.named_parameters())
+    read = 0
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                target = rule(name)
+                if target is not None:
+                    _load_slice(params, target, f.get_slice(name), name)
+                    read += 1
+    return read
+
+
 def _load_slice(params: dict, rule, tensor_slice, name: str) -> str:
-    """Copy this rank's slice of one checkpoint tensor into (a row range of) its parameter."""
-    target, offset, dim, start, size = rule
+    """Copy this rank's slice of one checkpoint tensor into (a row range of) its parameter.
+
+    An optional sixth rule field picks one expert slot of a stacked [slots, ...] parameter.
+    """
+    target, offset, dim, start, size, *slot = rule
     if target not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
     if dim is None:
@@ -134,7 +152,7 @@ def _load_slice(params: dict, rule, tensor_slice, name: str) -> str:
         src = tensor_slice[start:start + size]
     else:
         src = tensor_slice[:, start:start + size]
-    param = params[target]
+    param = params[target][slot[0]] if slot else params[target]
     with torch.no_grad():
         param[offset:offset + src.shape[0]].copy_(src)
     return target

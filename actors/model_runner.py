@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
+from actors.expert_balancer import ExpertBalancer
 from actors.loader import build_model
 from actors.models.args import ModelArgs
 from actors.parallel import Parallel
-from actors.pipeline import STOP, MicroBatch, broadcast_step, run_stage, worker_loop
+from actors.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
 from actors.scheduler import ScheduledSeq
 from actors.structured import bitmask_width, fill_bitmasks
 from kernels.attention import AttentionMetadata
@@ -53,6 +54,9 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.args = ModelArgs.from_hf(hf_config)
         self.model = build_model(path, hf_config, dtype, self.device, max_model_len, self.p)
+        self.experts = None  # MoE models: expert load recording and placement re-planning
+        if self.args.moe is not None:
+            self.experts = ExpertBalancer(self.model, config.eplb_window_size, config.eplb_step_interval, path)
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self._allocate_kv_cache()
@@ -112,7 +116,10 @@ class ModelRunner:
         for group in _split(batch, self.p.pp_size):
             rows, _ = self._logit_rows(group)
             micro.append(MicroBatch(*self._prepare(group), rows))
-        broadcast_step(self.p, micro)
+        rebalance = self.experts is not None and self.experts.due()
+        broadcast_step(self.p, (REBALANCE, micro) if rebalance else micro)  # every rank switches now
+        if rebalance:
+            self.experts.rebalance()
         parts = run_stage(self.model, self.p, micro, self.args.hidden_size, self.args.vocab_size, self.dtype)
         parts = [x for x in parts if x is not None]
         _, wants_prompt = self._logit_rows(batch)
@@ -120,7 +127,11 @@ class ModelRunner:
 
     def worker_loop(self) -> None:
         """Ranks 1..n: follow rank 0's steps until it stops."""
-        worker_loop(self.model, self.p, self.args.hidden_size, self.args.vocab_size, self.dtype)
+        worker_loop(self.model, self.p, self.args.hidden_size, self.args.vocab_size, self.dtype,
+                    self.experts.rebalance if self.experts else None)
+
+    def expert_stats(self) -> dict | None:
+        return self.experts.stats() if self.experts else None
 
     def stop_workers(self) -> None:
         if self.p.world_size > 1 and self.p.rank == 0:
@@ -255,10 +266,9 @@ class ModelRunner:
         rows = [row for row, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return
-        masks = self.bitmask[:len(rows)]
-        fill_bitmasks([seqs[row].matcher for row in rows], masks)
-        b.allowed = masks.to(self.device)
-        b.allowed_rows = torch.tensor(rows, device=self.device)
+        masks = self.bitmask[:len(seqs)]  # row r for batch row r; free rows are never read
+        fill_bitmasks([seqs[row].matcher for row in rows], masks, rows)
+        b.allowed, b.allowed_rows = masks, rows
 
     def _penalties(self, b: SamplingBatch, seqs, vocab: int) -> None:
         params = [s.params for s in seqs]

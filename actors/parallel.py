@@ -20,6 +20,9 @@ class Parallel:
     rank: int = 0
     tp_group: object = None  # this stage's tensor-parallel group
     layer_split: list[int] = field(default_factory=list)  # first layer of each stage, then the end
+    # Expert parallelism: the stage's TP group splits the experts instead of each expert's width.
+    expert_parallel: bool = False
+    redundant_experts: int = 0  # extra physical expert slots holding copies of hot experts
 
     @property
     def world_size(self) -> int:
@@ -41,6 +44,14 @@ class Parallel:
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
+    @property
+    def ep_size(self) -> int:
+        return self.tp_size if self.expert_parallel else 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank if self.expert_parallel else 0
+
     def peer(self, pp_rank: int) -> int:
         """The global rank with this process's tp rank at another pipeline stage."""
         return pp_rank * self.tp_size + self.tp_rank
@@ -54,6 +65,14 @@ class Parallel:
         if self.tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)
         return x
+
+    def broadcast_in_stage(self, obj):
+        """`obj` as the stage's tp rank 0 has it, on every rank of the stage."""
+        if self.tp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.pp_rank * self.tp_size, group=self.tp_group)
+        return box[0]
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -25,6 +25,7 @@ class MicroBatch:
 
 STOP = "stop"
 PING = "ping"  # (PING, payload): answer with an all-reduce; measures orchestration alone
+REBALANCE = "rebalance"  # (REBALANCE, micro-batches): re-plan expert placement, then run the step
 
 
 def broadcast_step(p: Parallel, message) -> object:
@@ -66,7 +67,8 @@ def run_stage(model, p: Parallel, micro: list[MicroBatch], hidden_size: int, voc
     return logits
 
 
-def worker_loop(model, p: Parallel, hidden_size: int, vocab: int, dtype: torch.dtype) -> None:
+def worker_loop(model, p: Parallel, hidden_size: int, vocab: int, dtype: torch.dtype,
+                on_rebalance=None) -> None:
     """Ranks 1..n: run every step rank 0 broadcasts, until it says stop."""
     while True:
         message = broadcast_step(p, None)
@@ -75,6 +77,9 @@ def worker_loop(model, p: Parallel, hidden_size: int, vocab: int, dtype: torch.d
         if isinstance(message, tuple) and message[0] == PING:
             dist.all_reduce(torch.zeros(1))
             continue
+        if isinstance(message, tuple) and message[0] == REBALANCE:
+            on_rebalance()
+            message = message[1]
         run_stage(model, p, message, hidden_size, vocab, dtype)
 
 

@@ -33,7 +33,8 @@ class ShardActor:
         path = resolve_model_path(config.model_path)
         hf = read_config(path)
         p = Parallel(config.tp_size, config.pp_size, rank,
-                     layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size))
+                     layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
+                     expert_parallel=config.expert_parallel, redundant_experts=config.num_redundant_experts)
         config = replace(config, num_kv_blocks=num_blocks)
         self.runner = ModelRunner(config, path, hf, resolve_dtype(config.dtype, hf), max_model_len, set(), p)
         self.info = {"rank": rank, "node_ip": node_ip(), "node_id": node_id(), "load_seconds": round(time.perf_counter() - start, 2),

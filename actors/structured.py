@@ -36,8 +36,9 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict | str | None = None) -> StructuredOutput:
-        text = schema if isinstance(schema, str) or schema is None else json.dumps(schema, sort_keys=True)
-        return cls("json", text or "")
+        if not isinstance(schema, str) and schema is not None:
+            schema = json.dumps(schema, sort_keys=True)  # one cache entry whatever the key order
+        return cls("json", schema or "")
 
     @classmethod
     def choice(cls, choices: list[str]) -> StructuredOutput:
@@ -74,7 +75,7 @@ class Grammars:
 
     def matcher(self, compiled):
         import xgrammar as xgr
-        return xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
+        return xgr.GrammarMatcher(compiled)
 
     def _get_compiler(self):
         # Built on first use (the tokenizer scan costs ~1 s on a 150k vocabulary).
@@ -88,15 +89,42 @@ class Grammars:
 
 def _compile(compiler, so: StructuredOutput):
     if so.kind == "json":
-        # Compact separators, no free whitespace: a model cannot stall in a run of blanks.
-        return compiler.compile_json_schema(so.spec or '{"type": "object"}', any_whitespace=False)
+        return compiler.compile_grammar(json_ebnf(so.spec or '{"type": "object"}'))
     if so.kind == "regex":
         return compiler.compile_regex(so.spec)
     if so.kind == "choice":
         return compiler.compile_grammar(choice_ebnf(json.loads(so.spec)))
     if so.kind == "grammar":
         return compiler.compile_grammar(so.spec)
-    return compiler.compile_structural_tag(so.spec)
+    return compiler.compile_structural_tag(json.dumps(strict_json_contents(json.loads(so.spec))))
+
+
+def strict_json_contents(node):
+    """A structural tag with every json_schema part as our JSON grammar (see json_ebnf)."""
+    if isinstance(node, list):
+        return [strict_json_contents(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        return {"type": "grammar", "grammar": json_ebnf(json.dumps(node["json_schema"]))}
+    return {key: strict_json_contents(value) for key, value in node.items()}
+
+
+# xgrammar 0.2.8 lets two kinds of invalid JSON text through its string characters: raw
+# control characters (a length-bounded string is [^"\\\r\n]) and UTF-16 surrogates, which
+# no UTF-8 decoder accepts. Its JSON grammars have exactly these two negated classes.
+LOOSE_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+STRICT_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+
+
+def json_ebnf(schema: str) -> str:
+    """The schema as EBNF: compact separators and no free whitespace (a model cannot stall in
+    a run of blanks), and strings that any JSON parser reads."""
+    import xgrammar as xgr
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    for loose in LOOSE_STRING_CHARS:
+        ebnf = ebnf.replace(loose, STRICT_STRING_CHAR)
+    return ebnf
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -115,9 +143,9 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def fill_bitmasks(matchers: list, out) -> None:
-    """Row i of `out` ([R, bitmask_width] int32, CPU) gets matchers[i]'s allowed tokens."""
-    for row, matcher in enumerate(matchers):
+def fill_bitmasks(matchers: list, out, rows: list[int]) -> None:
+    """Row rows[i] of `out` ([B, bitmask_width] int32, CPU) gets matchers[i]'s allowed tokens."""
+    for row, matcher in zip(rows, matchers):
         matcher.fill_next_token_bitmask(out, row)
 
 

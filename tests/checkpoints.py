@@ -12,7 +12,7 @@ import random
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -35,6 +35,15 @@ DEFAULTS = dict(
     intermediate_size=128,
     max_position_embeddings=512,
 )
+# Mixture-of-experts archs: 8 small experts, top-2; the rest as above. Override any field,
+# e.g. mlp_only_layers=[0] or decoder_sparse_step=2 for dense layers between sparse ones.
+MOE_DEFAULTS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+}
 # Random weights at std 0.02 give a near-uniform next-token distribution and greedy
 # output that repeats one token; a larger std gives confident, varied argmax choices.
 INIT_STD = 0.2
@@ -217,9 +226,10 @@ def _rope_parameters(cfg: dict) -> dict:
 
 
 def _config(arch: str, vocab_size: int, overrides: dict):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
-    cfg = {**DEFAULTS, "vocab_size": vocab_size, **overrides}
+    cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), "vocab_size": vocab_size, **overrides}
     cfg["rope_parameters"] = _rope_parameters(cfg)
     cfg.setdefault("tie_word_embeddings", False)
     cfg.setdefault("rms_norm_eps", 1e-6)
@@ -235,6 +245,14 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         # head_dim != hidden/heads on purpose, so a loader cannot assume it.
         cfg.setdefault("head_dim", 32)
         return Qwen3Config(**common, **cfg)
+    if arch == "mixtral":
+        cfg.setdefault("sliding_window", None)
+        return MixtralConfig(**common, **cfg)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common, **cfg)  # with the shared expert and its sigmoid gate
+    if arch == "qwen3_moe":
+        cfg.setdefault("head_dim", 32)
+        return Qwen3MoeConfig(**common, **cfg)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

@@ -73,10 +73,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, p: Parallel):
+    def __init__(self, a: ModelArgs, p: Parallel, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(a, p)
-        self.mlp = MLP(a, p)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -86,11 +86,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: ModelArgs, p: Parallel):
+    def __init__(self, a: ModelArgs, p: Parallel, make_mlp):
         super().__init__()
         if p.first_stage:
             self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, p)
-        self.layers = nn.ModuleList(DecoderLayer(a, p) for _ in p.layers(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, p, make_mlp(i)) for i in p.layers(a.num_layers))
         if p.last_stage:
             self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, p: Parallel | None = None):
         super().__init__()
         self.args, self.p = args, p or Parallel()
-        self.model = LlamaModel(args, self.p)
+        self.model = LlamaModel(args, self.p, self.make_mlp)
         self.first_layer = self.p.layers(args.num_layers).start
         if self.p.last_stage:
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, self.p)
@@ -107,6 +107,10 @@ class LlamaForCausalLM(nn.Module):
                                  max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        """The feed-forward block of (global) layer `layer`; MoE models put their experts here."""
+        return MLP(self.args, self.p)
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings and self.p.first_stage and self.p.last_stage:

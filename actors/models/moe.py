@@ -1,0 +1,184 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE.
+
+The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
+Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/eplb.py):
+under expert parallelism a share of the experts at full width, otherwise every expert at
+1/tp of its width. Either way each rank's output is a partial sum, and one all-reduce over
+the stage's TP group completes it (tokens are replicated across that group).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from actors.eplb import initial_placement
+from actors.models.args import ModelArgs
+from actors.models.llama import LlamaForCausalLM
+from actors.parallel import Parallel
+from kernels.activation import silu_and_mul
+from kernels.moe import grouped_experts, route, spread_over_replicas
+
+# Checkpoint names of an expert's projections -> which part of our fused weights they fill.
+EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+class Experts(nn.Module):
+    """This rank's expert slots, stacked: gate_up_proj [L, 2I, H] (gate rows, then up rows)
+    and down_proj [L, H, I]."""
+
+    def __init__(self, slots: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(slots, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(slots, hidden, width))
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert, TP-sharded like the dense MLP, but without an all-reduce
+    of its own: its partial sum joins the block's."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+@dataclass
+class Tables:
+    """A placement as index tensors on the compute device."""
+    replica_slots: torch.Tensor  # [E, max copies] physical slots of each expert (padded)
+    replica_counts: torch.Tensor  # [E]
+    slot_to_local: torch.Tensor  # [S] this rank's slot index, or -1
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, a: ModelArgs, p: Parallel):
+        super().__init__()
+        m, ep = a.moe, p.ep_size
+        self.p, self.top_k, self.renormalize, self.num_experts = p, m.top_k, m.renormalize, m.num_experts
+        slots = m.num_experts + p.redundant_experts
+        if slots % ep or p.redundant_experts > m.num_experts * (ep - 1):
+            raise ValueError(f"{m.num_experts} experts + {p.redundant_experts} redundant must split evenly over "
+                             f"{ep} expert-parallel ranks, at most one copy of an expert per rank")
+        tp_width = 1 if p.expert_parallel else p.tp_size  # without EP each expert is split by width
+        if m.intermediate_size % tp_width or m.shared_intermediate_size % p.tp_size:
+            raise ValueError(f"tensor parallel size {p.tp_size} must divide the expert width "
+                             f"({m.intermediate_size}) and the shared expert width ({m.shared_intermediate_size})")
+        self.width, self.slots_per_rank = m.intermediate_size // tp_width, slots // ep
+        self.gate = nn.Linear(a.hidden_size, m.num_experts, bias=False)  # the router, on every rank
+        self.experts = Experts(self.slots_per_rank, a.hidden_size, self.width)
+        self.shared_expert = self.shared_expert_gate = None
+        if m.shared_intermediate_size:
+            self.shared_expert = SharedExpert(a.hidden_size, m.shared_intermediate_size // p.tp_size)
+            self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
+        self.load, self.load_index = None, 0  # an ExpertLoad recorder, attached by the runner
+        self.set_placement(initial_placement(m.num_experts, ep, self.slots_per_rank))
+
+    # ---- placement ----------------------------------------------------------------------
+    def set_placement(self, placement: list[int]) -> None:
+        self.placement = list(placement)
+        self._tables: Tables | None = None  # rebuilt on the next forward
+
+    def local_slots(self, placement: list[int] | None = None) -> list[int]:
+        """The logical expert in each of this rank's slots."""
+        first = self.p.ep_rank * self.slots_per_rank
+        return (placement or self.placement)[first:first + self.slots_per_rank]
+
+    def tables(self, device) -> Tables:
+        if self._tables is None:
+            copies = [[s for s, e in enumerate(self.placement) if e == x] for x in range(self.num_experts)]
+            widest = max(len(c) for c in copies)
+            padded = [c + c[:1] * (widest - len(c)) for c in copies]
+            first = self.p.ep_rank * self.slots_per_rank
+            local = [s - first if 0 <= s - first < self.slots_per_rank else -1 for s in range(len(self.placement))]
+            self._tables = Tables(torch.tensor(padded, device=device),
+                                  torch.tensor([len(c) for c in copies], device=device),
+                                  torch.tensor(local, device=device))
+        return self._tables
+
+    # ---- forward ------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.load is not None:
+            self.load.record(self.load_index, ids)
+        e = self.experts
+        y = grouped_experts(x, weights, self._local_ids(ids), e.gate_up_proj, e.down_proj)
+        if self.shared_expert is not None:  # the gate is replicated: gating each rank's part is exact
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.p.all_reduce(y)
+
+    def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Expert choices -> this rank's slot computing each (-1: another rank's)."""
+        if self.p.ep_size == 1:
+            return ids  # every expert, in order, lives here
+        t = self.tables(ids.device)
+        if self.p.redundant_experts:
+            return t.slot_to_local[spread_over_replicas(ids, t.replica_slots, t.replica_counts)]
+        return t.slot_to_local[t.replica_slots[ids, 0]]
+
+    # ---- weight loading -----------------------------------------------------------------
+    def weight_rule(self, rest: str, placement: list[int] | None = None, only: set[int] | None = None):
+        """Rule (see LlamaForCausalLM.weight_rule) for a checkpoint tensor under this block.
+
+        placement/only: load for that placement, into those local slots only (re-planning).
+        """
+        m = re.match(r"experts\.(\d+)\.(\w+)\.weight$", rest)
+        if m:
+            slots = [j for j, e in enumerate(self.local_slots(placement))
+                     if e == int(m.group(1)) and (only is None or j in only)]
+            if not slots:
+                return None  # an expert held by another rank
+            start = 0 if self.p.expert_parallel else self.p.tp_rank * self.width
+            return _ffn_rule("experts.", "", EXPERT_PROJ[m.group(2)], start, self.width, slots[0])
+        m = re.match(r"shared_expert\.(\w+)\.weight$", rest)
+        if only is not None:
+            return None
+        if m:
+            w = self.shared_expert.down_proj.in_features
+            return _ffn_rule("shared_expert.", ".weight", EXPERT_PROJ[m.group(1)], self.p.tp_rank * w, w)
+        return (rest, 0, None, 0, 0)  # the router and the shared expert's gate: whole on every rank
+
+
+def _ffn_rule(prefix: str, suffix: str, part: str, start: int, width: int, *slot):
+    """gate and up fill the two halves of gate_up_proj's rows; down takes a column slice."""
+    if part == "down":
+        return (f"{prefix}down_proj{suffix}", 0, 1, start, width, *slot)
+    return (f"{prefix}gate_up_proj{suffix}", width if part == "up" else 0, 0, start, width, *slot)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    def make_mlp(self, layer: int) -> nn.Module:
+        if self.args.moe.is_sparse(layer):
+            return SparseMoeBlock(self.args, self.p)
+        return super().make_mlp(layer)
+
+    def moe_blocks(self) -> list[tuple[int, SparseMoeBlock]]:
+        """(global layer, block) of this stage's sparse layers."""
+        return [(self.first_layer + i, layer.mlp) for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def _layer_rule(self, prefix: str, rest: str):
+        rest = rest.replace("block_sparse_moe.", "mlp.", 1)  # Mixtral's name for the block
+        block = self.model.layers[int(prefix.split(".")[2])].mlp
+        if not (isinstance(block, SparseMoeBlock) and rest.startswith("mlp.")):
+            return super()._layer_rule(prefix, rest)
+        rule = block.weight_rule(rest[len("mlp."):])
+        return rule and (f"{prefix}mlp.{rule[0]}", *rule[1:])
+
+    def expert_reload_rule(self, plans: dict[int, list[int]], changed: dict[int, set[int]]):
+        """weight_rule for fetching only the experts that `plans` (global layer -> placement)
+        moves into new local slots (`changed`: global layer -> those slots)."""
+        def rule(name: str):
+            m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\..*)", name)
+            layer = int(m.group(1)) if m else None
+            if layer not in plans:
+                return None
+            block = self.model.layers[layer - self.first_layer].mlp
+            r = block.weight_rule(m.group(2), plans[layer], changed[layer])
+            return r and (f"model.layers.{layer - self.first_layer}.mlp.{r[0]}", *r[1:])
+        return rule

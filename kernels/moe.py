@@ -1,0 +1,77 @@
+"""Mixture-of-experts compute: routing, replica choice, grouped expert FFNs. Pure torch.
+
+A token's top-k choices are flattened into T*k assignments. Assignments are sorted by expert,
+so each expert runs ONE matrix product over all of its tokens (fused gate/up, then down),
+and the weighted results go back to their tokens with a single index_add. The only Python
+loop is over experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """(weights [T, k] float32, expert ids [T, k]): softmax -> top-k -> optional renormalise.
+
+    Softmax in float32 as transformers does for Mixtral and Qwen-MoE, so the choices match.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (the routed load)."""
+    return torch.bincount(ids.flatten(), minlength=num_experts)
+
+
+def _rank_within_expert(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """For each assignment, how many earlier assignments (in token order) chose the same expert."""
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    return rank
+
+
+def spread_over_replicas(ids: torch.Tensor, replica_slots: torch.Tensor,
+                         replica_counts: torch.Tensor) -> torch.Tensor:
+    """Logical expert ids [T, k] -> physical slots [T, k].
+
+    replica_slots [E, R] lists each expert's physical slots (padded), replica_counts [E] how
+    many it has. The j-th assignment of expert e, in token order, goes to replica j mod n_e:
+    an even split that every rank computes identically from the same ids.
+    """
+    flat = ids.flatten()
+    replica = _rank_within_expert(flat, replica_counts.numel()) % replica_counts[flat]
+    return replica_slots[flat, replica].view_as(ids)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * FFN_{local_ids[t, k]}(x[t]), over the experts held here.
+
+    x [T, H]; weights, local_ids [T, k] (local_ids < 0: an expert held elsewhere, skipped);
+    gate_up [L, 2I, H] (gate rows then up rows); down [L, H, I]. Returns [T, H].
+    """
+    k = local_ids.shape[1]
+    flat = local_ids.flatten()
+    keep = (flat >= 0).nonzero().squeeze(1)
+    experts = flat[keep]
+    rows = keep[torch.argsort(experts, stable=True)]  # assignments grouped by expert
+    tokens = torch.div(rows, k, rounding_mode="floor")
+    counts = torch.bincount(experts, minlength=gate_up.shape[0]).tolist()
+    xs = x[tokens]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            gate, up = F.linear(xs[start:start + n], gate_up[e]).chunk(2, dim=-1)
+            ys[start:start + n] = F.linear(F.silu(gate) * up, down[e])
+            start += n
+    ys *= weights.flatten()[rows, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, ys)

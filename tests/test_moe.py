@@ -1,0 +1,208 @@
+"""Mixture-of-experts: kernels against a per-token reference, placement planning, every MoE
+architecture against transformers, and expert parallelism (EP=2 on Ray, gloo) with
+re-planning under a skewed workload."""
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from actors.async_engine import AsyncEngine  # noqa: E402
+from actors.config import EngineConfig  # noqa: E402
+from actors.eplb import balancedness, initial_placement, plan_placement, rank_loads  # noqa: E402
+from actors.llm import LLM  # noqa: E402
+from actors.sampling_params import SamplingParams  # noqa: E402
+from kernels.moe import grouped_experts, route, spread_over_replicas  # noqa: E402
+from oracle import hf_greedy, hf_prompt_logprobs  # noqa: E402
+from test_engine import assert_pool_free, prompts_of  # noqa: E402
+
+MOE_CASES = {
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),  # shared expert + sigmoid gate, top-k not renormalised
+    "qwen3_moe": ("qwen3_moe", {}),  # q/k norm, top-k renormalised
+    "qwen2_moe-dense-layer": ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+}
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+
+
+def assert_matches_hf(path, prompts, outs, max_tokens=12):
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, max_tokens)
+        ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+        assert ours == pytest.approx(hf_prompt_logprobs(path, ids), abs=1e-4)
+
+
+# --------------------------------------------------------------------------- kernels
+
+def naive_moe(x, logits, top_k, renormalize, gate_up, down):
+    """One token at a time, one expert at a time: the plainest reading of a MoE layer."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(logits[t].float(), -1)
+        w, ids = probs.topk(top_k)
+        w = w / w.sum() if renormalize else w
+        for weight, e in zip(w, ids):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += weight * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_experts_equal_a_per_token_loop(renormalize):
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, k = 37, 16, 8, 6, 2
+    x, logits = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    weights, ids = route(logits, k, renormalize)
+    got = grouped_experts(x, weights, ids, gate_up, down)
+    torch.testing.assert_close(got, naive_moe(x, logits, k, renormalize, gate_up, down), rtol=1e-5, atol=1e-5)
+    # Split the experts over two "ranks" (-1: held elsewhere): the partial sums add up.
+    halves = [torch.where(ids % 2 == r, ids // 2, -1) for r in (0, 1)]
+    parts = [grouped_experts(x, weights, h, gate_up[r::2], down[r::2]) for r, h in enumerate(halves)]
+    torch.testing.assert_close(parts[0] + parts[1], got, rtol=1e-5, atol=1e-5)
+
+
+def test_replicas_split_an_experts_tokens_evenly_and_deterministically():
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [2, 0], [0, 1]])
+    slots = torch.tensor([[0, 3], [1, 1], [2, 4]])  # expert 0 in slots 0 and 3, expert 2 in 2 and 4
+    counts = torch.tensor([2, 1, 2])
+    phys = spread_over_replicas(ids, slots, counts)
+    assert phys.tolist() == [[0, 1], [3, 2], [0, 1], [4, 3], [0, 1]]
+    assert torch.equal(phys, spread_over_replicas(ids, slots, counts))
+
+
+# --------------------------------------------------------------------------- placement
+
+def test_plan_puts_copies_on_distinct_ranks_and_evens_out_a_skewed_load():
+    load = [500, 10, 10, 400, 10, 10, 10, 50]
+    before = initial_placement(8, 2, 5)
+    after = plan_placement(load, 2, 5, before)
+    assert sorted(set(after)) == list(range(8)) and len(after) == 10
+    for rank in (after[:5], after[5:]):
+        assert len(set(rank)) == 5  # at most one copy of an expert per rank
+    assert balancedness(rank_loads(load, after, 2)) > 0.95 > balancedness(rank_loads(load, before, 2))
+    assert plan_placement(load, 2, 5, after) == after  # nothing better: nothing moves
+
+
+def test_plan_never_worse_than_the_previous_placement():
+    rng = random.Random(0)
+    for _ in range(50):
+        load = [rng.choice([0, 1, 5, 50, 300]) for _ in range(8)]
+        previous = initial_placement(8, 2, 5)
+        new = plan_placement(load, 2, 5, previous)
+        assert max(rank_loads(load, new, 2)) <= max(rank_loads(load, previous, 2))
+
+
+# --------------------------------------------------------------------------- models (EP=1)
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_models_match_transformers(checkpoint_factory, case):
+    arch, overrides = MOE_CASES[case]
+    path = checkpoint_factory(arch, **overrides)
+    llm = LLM(str(path), block_size=8, num_kv_blocks=64, max_num_batched_tokens=32)
+    prompts = prompts_of([3, 17, 40, 1])
+    assert_matches_hf(path, prompts, llm.generate(prompts, PARAMS))
+    assert_pool_free(llm)
+
+
+def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
+    engine = AsyncEngine(EngineConfig(model_path=str(checkpoint_factory("qwen3_moe")), num_kv_blocks=32,
+                                      eplb_window_size=4))
+    try:
+        engine.engine.add_request("r", [7] * 9, SamplingParams(max_tokens=3, ignore_eos=True))
+        while engine.engine.has_unfinished():
+            engine.engine.step()
+        experts = engine.stats()["experts"]
+        assert experts["ep_size"] == 1 and experts["window_steps"] == 4 and len(experts["layers"]) == 2
+        layer = experts["layers"][0]
+        assert sum(layer["tokens"]) == (9 + 2) * 2  # prompt + 2 decode steps, top-2
+        assert layer["balancedness"] == 1.0 and 0 < layer["expert_balancedness"] < 1
+    finally:
+        engine.shutdown()
+
+
+def test_expert_options_are_validated_in_one_line():
+    with pytest.raises(ValueError, match="--ep-size 2 must equal --tp-size 4"):
+        EngineConfig(tp_size=4, ep_size=2).validate()
+    with pytest.raises(ValueError, match="need expert parallelism"):
+        EngineConfig(tp_size=2, num_redundant_experts=2).validate()
+    assert EngineConfig(tp_size=2, ep_size=2).expert_parallel
+    assert not EngineConfig(tp_size=1, enable_expert_parallel=True).expert_parallel
+
+
+# --------------------------------------------------------------------------- expert parallel (Ray)
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def expert_params(llm) -> int:
+    return sum(p.numel() for n, p in llm.engine.runner.model.named_parameters() if ".experts." in n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arch):
+    """EP=2 == transformers (== EP=1, above); each rank holds half the experts."""
+    path = checkpoint_factory(arch)
+    llm = LLM(str(path), tp_size=2, enable_expert_parallel=True, num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=24, shard_cpus=0.5)
+    try:
+        prompts = prompts_of([5, 30, 13, 2])
+        assert_matches_hf(path, prompts, llm.generate(prompts, PARAMS))
+        a = llm.engine.runner.args
+        total = a.num_layers * a.moe.num_experts * 3 * a.moe.intermediate_size * a.hidden_size
+        assert expert_params(llm) * 2 == total
+        rank0 = sum(p.numel() for p in llm.engine.runner.model.parameters())
+        assert [info["parameters"] for info in llm.engine.shards.infos] == [rank0]
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_factory):
+    path = checkpoint_factory("qwen2_moe")
+    llm = LLM(str(path), tp_size=2, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5)
+    try:
+        prompts = prompts_of([9, 21])
+        assert_matches_hf(path, prompts, llm.generate(prompts, PARAMS))
+        a = llm.engine.runner.args
+        assert expert_params(llm) * 2 == a.num_layers * a.moe.num_experts * 3 * a.moe.intermediate_size * a.hidden_size
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_replanning_a_skewed_load_improves_balance_and_keeps_outputs(local_ray, checkpoint_factory):
+    """Prompts of one repeated token send every prefill token to the same two experts per layer.
+    Run the same workload three times; the re-plan falls inside the second run (step 14), so
+    the third runs entirely under the new placement: same load, better balance, same tokens."""
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(str(path), tp_size=2, enable_expert_parallel=True, num_redundant_experts=2,
+              eplb_window_size=8, eplb_step_interval=14, enable_prefix_caching=False,
+              num_kv_blocks=64, block_size=4, shard_cpus=0.5)
+    try:
+        prompts = [[7] * 12] * 4  # 1 prefill step + 7 decode steps = one 8-step window
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        runs, stats = [], []
+        for _ in range(3):
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            stats.append(llm.engine.runner.expert_stats())
+        assert [s["rebalances"] for s in stats] == [0, 1, 1]
+        assert stats[0]["layers"][0]["tokens"] == stats[2]["layers"][0]["tokens"]  # the same load ...
+        assert stats[2]["balancedness"] > stats[0]["balancedness"] + 0.1  # ... spread more evenly
+        assert stats[2]["layers"][0]["placement"] != stats[0]["layers"][0]["placement"]
+        assert runs[0] == runs[1] == runs[2] == [hf_greedy(path, prompts[0], 8)] * 4
+        a = llm.engine.runner.args  # 8 experts + 2 copies = 10 slots per layer, 5 on each rank
+        assert expert_params(llm) == a.num_layers * 5 * 3 * a.moe.intermediate_size * a.hidden_size
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
