@@ -19,6 +19,7 @@ from actors.parallel import Parallel
 from actors.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
 from actors.scheduler import ScheduledSeq
 from actors.structured import bitmask_width, fill_bitmasks
+from kernels import native
 from kernels.attention import AttentionMetadata
 from kernels.sampling import SamplingBatch, sample, token_logprobs
 
@@ -60,6 +61,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self._allocate_kv_cache()
+        if self.device.type == "cpu":
+            native.paged_decode_attention_op()  # build the CPU kernel now, not on the first request
         # Grammar masks of one step's constrained rows, filled in place (nothing grows per step).
         self.bitmask = torch.zeros(config.max_num_seqs, bitmask_width(self.args.vocab_size),
                                    dtype=torch.int32)
