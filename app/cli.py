@@ -60,6 +60,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="N", help="tensor parallel ranks")
     add("--pp-size", "--pipeline-parallel-size", "--pp", "-pp", dest="pp_size", type=int,
         metavar="N", help="pipeline parallel stages")
+    add("--pp-layer-split", metavar="N,N,...", help="layers per pipeline stage (default: even)")
+    add("--placement-strategy", choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+        help="of each model instance's placement group (default: STRICT_PACK if a node fits it, else PACK)")
+    add("--shard-cpus", type=float, metavar="N",
+        help="CPUs (and torch threads) of each shard rank, the scheduler's included (default 1)")
+    add("--dist-timeout", type=float, metavar="S",
+        help="seconds for shard ranks to start and join the process group (default 120)")
+    add("--enable-expert-parallel", "--enable-ep", dest="enable_expert_parallel",
+        action=argparse.BooleanOptionalAction,
+        help="MoE models: split the experts over the tensor-parallel ranks instead of their width")
+    add("--ep-size", "--expert-parallel-size", "--ep", dest="ep_size", type=int, metavar="N",
+        help="expert parallel ranks; must equal --tp-size (implies --enable-expert-parallel)")
+    add("--num-redundant-experts", "--ep-num-redundant-experts", dest="num_redundant_experts",
+        type=int, metavar="K", help="extra expert slots holding copies of the hottest experts")
+    add("--eplb-window-size", type=int, metavar="STEPS",
+        help="steps of per-expert routed-token counts kept for /stats and re-planning")
+    add("--eplb-step-interval", "--eplb-rebalance-num-iterations", dest="eplb_step_interval",
+        type=int, metavar="STEPS", help="re-plan the expert placement every N steps (0: never)")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:

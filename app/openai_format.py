@@ -11,11 +11,12 @@ import re
 from dataclasses import dataclass, field
 
 from actors.outputs import RequestOutput
+from app.chat_output import OutputPlan
 from app.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse,
     ChatStreamChoice, ChoiceLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, CompletionStreamResponse, DeltaMessage, ResponseMessage, TokenLogprob,
-    TopLogprob, UsageInfo, now,
+    CompletionResponse, CompletionStreamResponse, DeltaMessage, FunctionCall, ResponseMessage,
+    TokenLogprob, ToolCall, TopLogprob, UsageInfo, now, random_id,
 )
 
 # --------------------------------------------------------------------------- token text
@@ -127,20 +128,34 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
 
 
 def chat_response(request: ChatCompletionRequest, output: RequestOutput, tokenizer,
-                  model: str, response_id: str, created: int | None = None) -> dict:
+                  model: str, response_id: str, created: int | None = None,
+                  plan: OutputPlan | None = None) -> dict:
     choices = []
     for out in sorted(output.outputs, key=lambda o: o.index):
         logprobs = None
         if request.logprobs:
             logprobs = chat_logprobs(tokenizer, out.token_ids, out.logprobs,
                                      request.top_logprobs or 0)
-        choices.append(ChatChoice(index=out.index, message=ResponseMessage(content=out.text),
-                                  logprobs=logprobs, finish_reason=out.finish_reason,
-                                  stop_reason=out.stop_reason))
+        message, finish_reason = chat_message(out, plan)
+        choices.append(ChatChoice(index=out.index, message=message, logprobs=logprobs,
+                                  finish_reason=finish_reason, stop_reason=out.stop_reason))
     completion_tokens = sum(len(o.token_ids) for o in output.outputs)
     return ChatCompletionResponse(
         id=response_id, created=created or now(), model=model, choices=choices,
         usage=usage(len(output.prompt_token_ids), completion_tokens)).model_dump()
+
+
+def chat_message(out, plan: OutputPlan | None) -> tuple[ResponseMessage, str | None]:
+    """The message and finish reason of one choice, split by the request's parsers."""
+    if plan is None or not plan.active:
+        return ResponseMessage(content=out.text), out.finish_reason
+    parsed = plan.parser().feed(out.text, final=True)
+    calls = [ToolCall(id=random_id("call_"),
+                      function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in parsed.calls]
+    message = ResponseMessage(content=parsed.content or (None if calls else ""),
+                              reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+    return message, ("tool_calls" if calls else out.finish_reason)
 
 
 def prompt_text(tokenizer, prompt: str | list[int], output: RequestOutput) -> str:
@@ -217,6 +232,9 @@ class ChatStream:
     created: int = field(default_factory=now)
     counter: StreamCounter = field(default_factory=StreamCounter)
     role_sent: set[int] = field(default_factory=set)
+    plan: OutputPlan | None = None  # reasoning / tool-call parsing, when the request has any
+    parsers: dict = field(default_factory=dict)  # choice index -> its ChoiceParser
+    num_calls: dict[int, int] = field(default_factory=dict)  # choice index -> calls sent
 
     def chunk(self, choices: list[ChatStreamChoice], usage_info=None) -> dict:
         return dump_chunk(ChatCompletionStreamResponse(
@@ -232,8 +250,45 @@ class ChatStream:
 
     def chunks(self, delta: RequestOutput) -> list[dict]:
         self.counter.add(delta)
+        if self.plan is not None and self.plan.active:
+            return [self.chunk([c]) for out in delta.outputs for c in self.parsed_choices(out)]
         return [self.chunk([choice]) for out in delta.outputs
                 if (choice := self.choice(out)) is not None]
+
+    def parsed_choices(self, out) -> list[ChatStreamChoice]:
+        """Content and reasoning first, then per completed call a header delta (index, id,
+        type, name) and its arguments; the last chunk carries the finish reason."""
+        parser = self.parsers.setdefault(out.index, self.plan.parser())
+        parsed = parser.feed(out.text, final=out.finish_reason is not None)
+        logprobs = None
+        if self.request.logprobs and out.token_ids:
+            logprobs = chat_logprobs(self.tokenizer, out.token_ids, out.logprobs,
+                                     self.request.top_logprobs or 0)
+        first = out.index not in self.role_sent
+        self.role_sent.add(out.index)
+        choices = []
+        if parsed.content or parsed.reasoning or first or logprobs:
+            message = DeltaMessage(role="assistant" if first else None,
+                                   content=parsed.content or ("" if first else None),
+                                   reasoning_content=parsed.reasoning or None)
+            choices.append(ChatStreamChoice(index=out.index, delta=message, logprobs=logprobs))
+        for call in parsed.calls:
+            choices.extend(ChatStreamChoice(index=out.index, delta=DeltaMessage(tool_calls=[d]))
+                           for d in self.call_deltas(out.index, call))
+        if out.finish_reason is not None:
+            if not choices:
+                choices.append(ChatStreamChoice(index=out.index, delta=DeltaMessage()))
+            called = self.num_calls.get(out.index, 0) > 0
+            choices[-1].finish_reason = "tool_calls" if called else out.finish_reason
+            choices[-1].stop_reason = out.stop_reason
+        return choices
+
+    def call_deltas(self, index: int, call) -> list[dict]:
+        n = self.num_calls.get(index, 0)
+        self.num_calls[index] = n + 1
+        return [{"index": n, "id": random_id("call_"), "type": "function",
+                 "function": {"name": call.name, "arguments": ""}},
+                {"index": n, "function": {"arguments": call.arguments}}]
 
     def choice(self, out) -> ChatStreamChoice | None:
         logprobs = None

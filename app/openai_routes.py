@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from actors.sampling_params import SamplingParams
-from app.chat_template import render_chat
+from app.chat_output import OutputPlan, plan_output, tools_in_use
+from app.chat_template import render_chat_prompt
 from app.http_errors import bad_request, unknown_model
 from app.openai_format import ChatStream, CompletionStream, chat_response, completion_response
 from app.protocol import (
@@ -18,6 +19,7 @@ from app.protocol import (
     ModelCard, ModelList, random_id,
 )
 from app.served import Served
+from app.structured_outputs import chat_constraint, check_tool_choice, request_constraint
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -30,29 +32,47 @@ def sampling_params(served: Served, body, prompt_len: int) -> SamplingParams:
         raise bad_request(exc) from None
 
 
-def chat_prompt(served: Served, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    tools = body.tools if tools_in_use(body) else None
     try:
-        return render_chat(served.tokenizer, body.messages, body.tools, body.add_generation_prompt,
-                           body.chat_template_kwargs, served.settings.disable_thinking)
+        return render_chat_prompt(served.tokenizer, body.messages, tools,
+                                  body.add_generation_prompt, body.chat_template_kwargs,
+                                  served.settings.disable_thinking)
     except ValueError as exc:  # the template refused these messages
         raise bad_request(exc, param="messages") from None
+
+
+def constrain(params: SamplingParams, body, plan: OutputPlan | None = None) -> None:
+    """Add the request's grammar (structured outputs, forced tool calls) and what parsing needs."""
+    try:
+        if plan is None:
+            params.structured = request_constraint(body)
+        else:
+            check_tool_choice(body)
+            params.structured = chat_constraint(body, plan.tool_format)
+    except ValueError as exc:
+        raise bad_request(exc) from None
+    if plan is not None and plan.active:
+        params.skip_special_tokens = False  # markup such as <tool_call> may be special tokens
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     served = await Served.ready(request, body.model)
-    ids = chat_prompt(served, body)
+    text, ids = chat_prompt(served, body)
+    plan = plan_output(served.settings, served.tokenizer, body, text)
     params = sampling_params(served, body, len(ids))
+    constrain(params, body, plan)
     response_id = random_id("chatcmpl-")
     if body.stream:
-        stream = ChatStream(body, served.tokenizer, served.model_name, response_id)
+        stream = ChatStream(body, served.tokenizer, served.model_name, response_id, plan=plan)
         return await served.stream(
             [ids], [params], body.priority, opening=stream.role_chunks(),
             to_chunks=lambda batch: stream.chunks(batch[0]),
             closing=lambda: [c for c in [stream.usage_chunk()] if c])
     outputs = await served.complete([ids], [params], body.priority)
     return JSONResponse(chat_response(body, outputs[0], served.tokenizer, served.model_name,
-                                      response_id))
+                                      response_id, plan=plan))
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
@@ -60,6 +80,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     served = await Served.ready(request, body.model)
     prompts = [served.encode(p) for p in body.prompts()]
     params = [sampling_params(served, body, len(ids)) for ids in prompts]
+    for p in params:
+        constrain(p, body)
     response_id = random_id("cmpl-")
     if body.stream:
         stream = CompletionStream(body, served.tokenizer, served.model_name, response_id)

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.reasoning import reasoning_parser_name
+from app.tool_parsers import tool_format
+
 DEMO_MODEL_NAME = "shoal-demo"  # the bundled model's name (as `shoal run-batch` calls it)
 
 
@@ -17,8 +20,8 @@ class ServerSettings:
     disable_thinking: bool = False  # pass enable_thinking=False to chat templates
     log_requests: int = 0  # 0: one line per request; 1: + sampling params; 2: + text (cut); 3: all
     max_model_len: int | None = None  # None: taken from the engine client by `attach`
-    tool_call_parser: str | None = None  # carried for the tool-calling issue
-    reasoning_parser: str | None = None  # carried for the reasoning issue
+    tool_call_parser: str | None = None  # None/auto: from the chat template (app/tool_parsers)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1; None: no reasoning split
 
     def __post_init__(self):
         if not self.served_model_name:
@@ -28,10 +31,21 @@ class ServerSettings:
         self.allowed_origins = list(self.allowed_origins or [])
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be positive, got {self.default_max_tokens}")
+        check_parsers(self.tool_call_parser, self.reasoning_parser)
 
     def model_names(self) -> set[str]:
         """Names a request's `model` may use: the served name, or the path it was loaded from."""
         return {n for n in (self.served_model_name, self.model_path) if n}
+
+
+def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """Unknown parser names fail at start-up, with the choices, not on the first request."""
+    for flag, check, name in (("--tool-call-parser", tool_format, tool_call_parser),
+                              ("--reasoning-parser", reasoning_parser_name, reasoning_parser)):
+        try:
+            check(name)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
 
 
 def default_model_name(model_path: str | None) -> str:

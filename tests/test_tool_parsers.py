@@ -1,0 +1,226 @@
+"""Tool-call formats and the reasoning split, without a model: every format's calls, several
+calls, malformed blocks (they stay text), streams cut at every position, and hypothesis fuzz
+(no exception escapes; any chunking gives the one-shot result)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.reasoning import CONTENT, START, ReasoningScanner, initial_state, reasoning_parser_name
+from app.settings import ServerSettings
+from app.tool_parsers import FORMATS, ParsedCall, ToolCallScanner, detect, tool_format
+from app.tool_parsers.calls import forced_calls_tag
+
+NAMES = ["get_weather", "add"]
+W = ParsedCall("get_weather", '{"city": "Paris"}')
+A = ParsedCall("add", '{"a": 1, "b": 2}')
+
+
+def parse(fmt: str, text: str, names=NAMES):
+    found = ToolCallScanner(FORMATS[fmt], names).feed(text, final=True)
+    return found.content, found.calls
+
+
+def stream(fmt: str, pieces: list[str], names=NAMES):
+    scanner = ToolCallScanner(FORMATS[fmt], names)
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        found = scanner.feed(piece, final=i == len(pieces) - 1)
+        content, calls = content + found.content, calls + found.calls
+    return content, calls
+
+
+# --------------------------------------------------------------------------- each format
+
+CASES = [
+    # (format, text, content, calls)
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "", [W]),
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+     "Let me check.", [W, A]),
+    ("hermes", 'Before <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> after',
+     "Before after", [A]),
+    ("hermes", '<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [A]),  # no end tag
+    ("hermes", "no calls here, just <tool text", "no calls here, just <tool text", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [W]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [W, A]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2}}]', "", [W, A]),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+                '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', "Sure.", [W, A]),
+    ("gemma", 'Checking.\n```tool_code\nget_weather(city="Paris")\nadd(a=1, b=2)\n```',
+     "Checking.", [W, A]),
+    ("gemma", '```tool_code\n[get_weather(city="Paris"), add(a=1, b=2)]\n```\nDone.', "Done.", [W, A]),
+    ("json", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [W]),
+    ("json", '```json\n[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+             '{"type": "function", "function": {"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}}]\n```',
+     "", [W, A]),
+    ("json", '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}', "", [A]),
+]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+def test_formats(fmt, text, content, calls):
+    assert parse(fmt, text) == (content, calls)
+
+
+MALFORMED = [
+    ("hermes", "Hi <tool_call>{not json}</tool_call> there"),
+    ("hermes", '<tool_call>{"name": 3, "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", "</tool_call> stray end"),
+    ("llama3_json", '{"name": "get_weather"}'),  # no parameters: an answer, not a call
+    ("llama3_json", '{"name": "unknown_tool", "parameters": {}}'),
+    ("llama3_json", "The answer is {1}"),
+    ("mistral", "[TOOL_CALLS] nonsense"),
+    ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1} trailing'),
+    ("gemma", "```tool_code\nimport os\n```"),
+    ("gemma", "```tool_code\nadd(1, 2)\n```"),  # positional arguments
+    ("gemma", "```tool_code\nadd(a=open('x'))\n```"),  # not a literal
+    ("json", '{"name": "Bob", "age": 3}'),  # a JSON answer
+    ("json", '{"a": 1} {"b": 2}'),
+]
+
+
+@pytest.mark.parametrize("fmt,text", MALFORMED)
+def test_malformed_blocks_stay_text(fmt, text):
+    assert parse(fmt, text) == (text, [])
+
+
+def test_text_without_calls_is_unchanged():
+    text = "  Hello <tool\n\n"
+    assert parse("hermes", text) == (text, [])
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+def test_split_at_every_position(fmt, text, content, calls):
+    for cut in range(len(text) + 1):
+        assert stream(fmt, [text[:cut], text[cut:]]) == (content, calls), cut
+
+
+def test_split_at_every_pair_of_positions():
+    text = CASES[1][1] + " then <tool_call>{bad}</tool_call>"
+    whole = parse("hermes", text)
+    for i in range(0, len(text) + 1, 3):
+        for j in range(i, len(text) + 1, 5):
+            assert stream("hermes", [text[:i], text[i:j], text[j:]]) == whole, (i, j)
+
+
+def test_stream_never_shows_markup_before_a_call_completes():
+    text = CASES[1][1]
+    scanner = ToolCallScanner(FORMATS["hermes"], NAMES)
+    shown = "".join(scanner.feed(ch).content for ch in text)
+    assert "<" not in shown and shown == "Let me check."
+
+
+# --------------------------------------------------------------------------- choosing
+
+def test_choose_format_by_name_or_template():
+    class Tok:
+        chat_template = "... <tool_call> ..."
+    assert tool_format("auto", Tok()).name == "hermes"
+    assert tool_format("mistral").name == "mistral"
+    assert tool_format("Llama3-JSON").name == "llama3_json"
+    Tok.chat_template = "{{ '[TOOL_CALLS]' }}"
+    assert detect(Tok()).name == "mistral"
+    Tok.chat_template = None
+    assert detect(Tok()).name == "json"
+    with pytest.raises(ValueError, match="unknown tool call parser"):
+        tool_format("nope")
+
+
+def test_unknown_parser_names_fail_at_start_up():
+    assert ServerSettings(tool_call_parser="Qwen", reasoning_parser="deepseek-r1")
+    for options in ({"tool_call_parser": "nope"}, {"reasoning_parser": "o1"}):
+        with pytest.raises(ValueError, match="choose from"):
+            ServerSettings(**options)
+
+
+def test_forced_call_tags_are_structural_tag_json():
+    class Fn:
+        name, parameters = "add", {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    class T:
+        function = Fn
+    for name in ("hermes", "llama3_json", "mistral", "json"):
+        tag = forced_calls_tag(FORMATS[name], [T, T], single=False)
+        assert json.loads(json.dumps(tag))["type"] == "structural_tag"
+    single = forced_calls_tag(FORMATS["hermes"], [T], single=True)["format"]
+    assert single["begin"] == '<tool_call>\n{"name": "add", "arguments": '
+    assert single["end"] == "}\n</tool_call>"
+
+
+# --------------------------------------------------------------------------- reasoning
+
+def reason(text, state=START, implied=False, pieces=None):
+    scanner = ReasoningScanner(state, implied)
+    pieces = pieces or [text]
+    out = [scanner.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    return "".join(r for r, _ in out), "".join(c for _, c in out)
+
+
+REASONING_CASES = [
+    ("<think>\nLet me think.\n</think>\n\nThe answer is 4.", START, False,
+     ("Let me think.", "The answer is 4.")),
+    ("Thinking first.\n</think>\n\nAnswer.", START, True, ("Thinking first.", "Answer.")),
+    ("<think>\nCut off by max_tokens", START, False, ("Cut off by max_tokens", "")),
+    ("Just an answer", START, False, ("", "Just an answer")),
+    ("Just an answer", CONTENT, False, ("", "Just an answer")),
+    ("<think>x</think>y", CONTENT, False, ("", "<think>x</think>y")),
+]
+
+
+@pytest.mark.parametrize("text,state,implied,expected", REASONING_CASES)
+def test_reasoning_split(text, state, implied, expected):
+    assert reason(text, state, implied) == expected
+    for cut in range(len(text) + 1):
+        assert reason(text, state, implied, [text[:cut], text[cut:]]) == expected, cut
+
+
+def test_reasoning_start_follows_the_prompt():
+    assert initial_state("qwen3", "<|im_start|>assistant\n", False) == (START, False)
+    assert initial_state("qwen3", "<|im_start|>assistant\n<think>\n", False) == (START, True)
+    assert initial_state("qwen3", "assistant\n<think>\n\n</think>\n\n", True) == (CONTENT, False)
+    assert initial_state("deepseek_r1", "<｜Assistant｜>", False) == (START, True)
+    assert initial_state("deepseek_r1", "<｜Assistant｜>", True) == (START, False)
+    assert reasoning_parser_name("deepseek-r1") == "deepseek_r1"
+    with pytest.raises(ValueError):
+        reasoning_parser_name("o1")
+
+
+# --------------------------------------------------------------------------- fuzz
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "call>", "<think>", "</think>", "[TOOL_CALLS]",
+             "[ARGS]", "```tool_code", "```", "```json", "<|python_tag|>", '{"name": "add", ',
+             '"arguments": {"a": 1}}', '"parameters": {}}', '{"name": "get_weather", "arguments": {}}',
+             "add(a=1)", "get_weather(city='x')", "[", "]", "{", "}", '"', "\\", ";", ",", "\n", " ",
+             "\t", "hello", "é", "🐟", "NaN", "null", "1e999", "\x00"]
+texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)), max_size=25).map("".join)
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(fmt=st.sampled_from(sorted(FORMATS)), text=texts, cuts=st.lists(st.integers(0, 400), max_size=6))
+def test_fuzz_tool_parsers(fmt, text, cuts):
+    whole = parse(fmt, text)  # must not raise
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0] + bounds, bounds + [len(text)])]
+    assert stream(fmt, pieces) == whole
+    for call in whole[1]:
+        assert isinstance(json.loads(call.arguments), dict)
+
+
+@FUZZ
+@given(text=texts, state=st.sampled_from([START, CONTENT]), implied=st.booleans(),
+       cuts=st.lists(st.integers(0, 400), max_size=6))
+def test_fuzz_reasoning(text, state, implied, cuts):
+    whole = reason(text, state, implied)
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0] + bounds, bounds + [len(text)])]
+    assert reason(text, state, implied, pieces) == whole
