@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean demo-model demo-eval chromium
 
 # A project-local venv with shoal installed (editable) and `shoal` on its PATH.
 # torch is pinned first: an unpinned torch would pull a multi-GB CUDA build.
@@ -19,11 +19,25 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/shoal serve
 
-test: install
+test: install chromium
 	$(VENV)/bin/python -m pytest -q
+
+# tests/test_web_chat.py drives Debian's headless chromium; without it that test skips, so a
+# machine where apt-get can't install it (not root) still runs the rest.
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "chromium not installed: tests/test_web_chat.py will skip"
 
 bench: install
 	$(PY) tests/bench/bench_engine.py
+
+# The bundled default model (actors/demo_model): synthetic chats, own BPE, just under 1 h on 2 cores.
+demo-model: install
+	OMP_NUM_THREADS=1 $(PY) -m app.demo.train --out actors/demo_model
+
+# Held-out exact-match rates of the bundled model through `shoal serve` (docs/demo-model.md).
+demo-eval: install
+	$(PY) -m app.demo.eval
 
 clean:
 	rm -rf $(VENV) build *.egg-info

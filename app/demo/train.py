@@ -1,0 +1,364 @@
+"""Train the bundled demo model: `python -m app.demo.train --out actors/demo_model`.
+
+A BPE tokenizer (digits one per token) and a few-million-parameter Qwen3 decoder trained on
+the synthetic chats of app/demo/data.py, loss on assistant tokens only. Fixed seeds. The
+output folder is rewritten every `--save-every` steps, so a usable checkpoint exists even
+if the run is stopped early; `--resume` continues from the last saved training state.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from app.demo import data
+
+SEED = 1234
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+EOS, PAD = "<|im_end|>", "<|endoftext|>"
+BPE_VOCAB = 1024
+# Small on purpose: on 2 shared cores a 45-minute run sees only a few million tokens, and
+# at that budget a smaller model learns more per second than a wider one.
+MODEL = dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=48, intermediate_size=576, max_position_embeddings=1024,
+             tie_word_embeddings=True, rms_norm_eps=1e-6,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+MAX_LEN = 512  # longest rendered sample (3 tool schemas + a tool turn) is ~350 tokens
+
+# ChatML in the style of Qwen3 (copied from tests/checkpoints.py): tools go into the system
+# message inside <tools></tools>, tool calls are JSON inside <tool_call></tool_call>, tool
+# results are user turns with <tool_response>, enable_thinking=false pre-fills an empty
+# think block.
+CHAT_TEMPLATE = r"""
+{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}
+        {%- endfor -%}
+    {%- elif content is not none -%}
+        {{- content -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages and messages[0].role == 'system' %}
+        {{- render_content(messages[0].content) + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages and messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'user' or message.role == 'system' %}
+        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if message.reasoning_content %}
+            {{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' }}
+        {%- endif %}
+        {%- if message.content %}
+            {{- render_content(message.content) }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {%- if not loop.first or message.content %}
+                    {{- '\n' }}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+""".strip()
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+def build_tokenizer():
+    """Byte-level BPE (any UTF-8 round-trips) with every digit its own token, so numbers
+    are spelled digit by digit and arithmetic is learnable."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(data.corpus(), trainer=trainer)
+    tok = _markup_not_special(tok)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False, model_max_length=MODEL["max_position_embeddings"])
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def _markup_not_special(tok):
+    """As in Qwen3, <think>, <tool_call>, <tool_response> and their closers are single
+    tokens (ids 3-8, never merged) but not "special": decoding with skip_special_tokens
+    keeps them, so reasoning and tool-call parsers still see the markup."""
+    from tokenizers import Tokenizer
+    spec = json.loads(tok.to_str())
+    for entry in spec["added_tokens"]:
+        if entry["content"] not in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+            entry["special"] = False
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def render_prompt(tok, sample: dict) -> str:
+    return tok.apply_chat_template(sample["messages"], tools=sample["tools"], tokenize=False,
+                                   add_generation_prompt=True, enable_thinking=sample["thinking"])
+
+
+def encode(tok, sample: dict) -> tuple[list[int], list[int]]:
+    """Prompt and target are tokenized apart, exactly as the server sees the prompt and the
+    model then emits its reply; the loss covers the target and the closing <|im_end|>."""
+    prompt = tok.encode(render_prompt(tok, sample), add_special_tokens=False)
+    target = tok.encode(sample["target"] + EOS, add_special_tokens=False)
+    ids = (prompt + target)[:MAX_LEN]
+    labels = ([-100] * len(prompt) + target)[:MAX_LEN]
+    return ids, labels
+
+
+# --------------------------------------------------------------------------- batches
+
+def batches(tok, seed: int, tokens_per_batch: int, pool: int = 256):
+    """Length-grouped padded batches of about `tokens_per_batch` tokens (padding waste
+    stays small because a pool of samples is sorted by length before it is cut)."""
+    it = data.stream(seed)
+    rng = random.Random(seed + 1)
+    pad = tok.convert_tokens_to_ids(PAD)
+    while True:
+        enc = sorted((encode(tok, next(it)) for _ in range(pool)), key=lambda e: len(e[0]))
+        groups, cur = [], []
+        for e in enc:
+            if cur and (len(cur) + 1) * len(e[0]) > tokens_per_batch:
+                groups.append(cur)
+                cur = []
+            cur.append(e)
+        groups.append(cur)
+        rng.shuffle(groups)
+        for g in groups:
+            n = max(len(e[0]) for e in g)
+            ids = torch.tensor([e[0] + [pad] * (n - len(e[0])) for e in g])
+            labels = torch.tensor([e[1] + [-100] * (n - len(e[1])) for e in g])
+            mask = torch.tensor([[1] * len(e[0]) + [0] * (n - len(e[0])) for e in g])
+            yield ids, labels, mask
+
+
+# --------------------------------------------------------------------------- model
+
+def build_model(tok):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    eos, pad = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD)
+    cfg = Qwen3Config(vocab_size=len(tok), bos_token_id=None, eos_token_id=eos, pad_token_id=pad,
+                      dtype="float32", initializer_range=0.02, **MODEL)
+    torch.manual_seed(SEED)
+    return Qwen3ForCausalLM(cfg)
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine down to 10% of the peak as
+    `progress` (fraction of the step or time budget, whichever is further) goes to 1."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = min(1.0, progress)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# --------------------------------------------------------------------------- quick eval
+
+@torch.no_grad()
+def greedy(model, tok, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Batched greedy decoding with transformers (left padding)."""
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=tok.convert_tokens_to_ids(EOS),
+                         pad_token_id=tok.convert_tokens_to_ids(PAD))
+    return tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=False)
+
+
+def quick_eval(model, tok, n: int = 12) -> dict[str, float]:
+    """Exact-match rates on a few held-out problems (the full eval is app/demo/eval.py)."""
+    from app.demo.eval import answer_number, parse_tool_calls
+    model.eval()
+    res = {}
+    sets = data.eval_set(n, seed=7)
+    for kind in ("add", "mul21", "mul22_think", "tool_call"):
+        samples = sets[kind]
+        outs = greedy(model, tok, [render_prompt(tok, s) for s in samples],
+                      120 if "think" in kind else 60)
+        ok = 0
+        for s, o in zip(samples, outs):
+            o = o.split(EOS)[0]
+            if kind == "tool_call":
+                calls = parse_tool_calls(o)[1]
+                ok += calls == [s["expect"]]
+            else:
+                ok += answer_number(o) == s["expect"]
+        res[kind] = ok / n
+    model.train()
+    return res
+
+
+# --------------------------------------------------------------------------- save / main
+
+def save(model, tok, out: Path, dtype: torch.dtype) -> None:
+    from transformers import GenerationConfig
+    out.mkdir(parents=True, exist_ok=True)
+    eos, pad = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad,
+                                               bos_token_id=None, do_sample=False)
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding; loaders tie it
+    model.save_pretrained(out, state_dict=state)
+    tok.padding_side = "right"
+    tok.save_pretrained(out)
+
+
+def main(argv=None) -> None:
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="actors/demo_model")
+    p.add_argument("--state", default="build/demo_train/state.pt", help="resumable training state")
+    p.add_argument("--steps", type=int, default=100_000, help="step budget")
+    p.add_argument("--minutes", type=float, default=58.0,
+                   help="wall-time budget: the LR schedule follows whichever budget is "
+                        "further along, so a slow (shared) machine still anneals and stops")
+    p.add_argument("--tokens-per-batch", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--save-minutes", type=float, default=4.0)
+    p.add_argument("--eval-minutes", type=float, default=10.0)
+    # One thread: on shared cores a second OpenMP thread mostly spin-waits for a descheduled
+    # partner (measured 10x slower wall time than one thread under load).
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fp32", action="store_true",
+                   help="train in float32 (default: bf16 autocast, ~1.5x faster with AMX)")
+    # float32 keeps the trained weights exact and is still only ~8 MB (limit 20 MB).
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--resume", action="store_true")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    random.seed(SEED)
+    torch.manual_seed(SEED)
+    tok = build_tokenizer()
+    model = build_model(tok)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"tokenizer {len(tok)} ids; model {n_params / 1e6:.2f}M parameters", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    step, state_path, out, st = 0, Path(args.state), Path(args.out), {}
+    if args.resume and state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        print(f"resumed at step {step}", flush=True)
+    # The data stream is keyed by the step it resumes from, so a resumed run sees new samples.
+    stream = batches(tok, SEED + step, args.tokens_per_batch)
+    save_dtype = getattr(torch, args.save_dtype)
+
+    def checkpoint():
+        save(model, tok, out, save_dtype)
+        state_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "elapsed": time.time() - start, "seen": seen},
+                   state_path)
+
+    model.train()
+    # A resumed run continues the wall-time budget (and the token count) where it stopped.
+    start, seen, ema = time.time() - st.get("elapsed", 0), st.get("seen", 0), None
+    last_save = last_eval = time.time()
+    bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=5)
+    while step < args.steps:
+        ids, labels, mask = next(stream)
+        progress = max(step / args.steps, (time.time() - start) / (args.minutes * 60))
+        if progress >= 1.0:
+            break
+        lr = lr_at(step, progress, args.lr, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        seen += int(mask.sum())
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        elapsed = time.time() - start
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}", tok_s=f"{seen / elapsed:.0f}")
+        if time.time() - last_save > args.save_minutes * 60:
+            checkpoint()
+            last_save = time.time()
+        if time.time() - last_eval > args.eval_minutes * 60:
+            figs = quick_eval(model, tok)
+            bar.write(f"step {step} loss {ema:.3f} {elapsed / 60:.1f} min  eval "
+                      + " ".join(f"{k} {v:.0%}" for k, v in figs.items()))
+            last_eval = time.time()
+    bar.close()
+    checkpoint()
+    figs = quick_eval(model, tok)
+    print("final quick eval: " + " ".join(f"{k} {v:.0%}" for k, v in figs.items()), flush=True)
+    print(f"done: {step} steps, {seen} tokens, {(time.time() - start) / 60:.1f} min -> {out}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The bundled demo model (actors/demo_model, trained by app/demo/train.py).
+
+Loads in shoal and in transformers, gives the same greedy tokens in both, its chat template
+renders tools / tool results / thinking, and it does the few things the eval
+(docs/demo-model.md) shows it does reliably.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from actors.llm import LLM
+from actors.loader import BUNDLED_MODEL
+from actors.sampling_params import SamplingParams
+from oracle import hf_greedy, hf_model
+
+pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "model.safetensors").exists(),
+                                reason="the bundled demo model is not built (make demo-model)")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # float32 like the transformers oracle; the shipped weights are bf16, upcast exactly.
+    return LLM(None, dtype="float32")
+
+
+def chat(llm, messages, tools=None, thinking=None, max_tokens=120) -> str:
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    prompt = llm.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                               add_generation_prompt=True, **kwargs)
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                             skip_special_tokens=False))[0]
+    return out.outputs[0].text
+
+
+def test_files_and_size():
+    names = {p.name for p in BUNDLED_MODEL.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", "generation_config.json"} <= names
+    total = sum(p.stat().st_size for p in BUNDLED_MODEL.iterdir())
+    assert total <= 20 * 2**20
+    cfg = json.loads((BUNDLED_MODEL / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_loads_in_transformers_with_eos_im_end():
+    model = hf_model(BUNDLED_MODEL)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
+    assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    # Digits are one token each, so numbers are spelled digit by digit.
+    assert tok.tokenize("1692") == ["1", "6", "9", "2"]
+    # Markup is one token and survives skip_special_tokens (a parser needs to see it).
+    ids = tok.encode("<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call>", add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("<think>") in ids
+    assert "<tool_call>" in tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("messages,tools", [
+    ([{"role": "user", "content": "Solve 47 * 36."}], None),
+    ([{"role": "user", "content": "What's the weather in Paris?"}], [WEATHER]),
+])
+def test_greedy_equals_transformers(llm, messages, tools):
+    prompt = llm.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                               add_generation_prompt=True)
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert ours[0].outputs[0].token_ids == hf_greedy(BUNDLED_MODEL, ids, 32)
+
+
+def test_chat_template_renders_tools_results_and_thinking(llm):
+    tok = llm.tokenizer
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What's the weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                    "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": '{"temperature": 18}'}]
+    text = tok.apply_chat_template(messages, tools=[WEATHER], tokenize=False,
+                                   add_generation_prompt=True, enable_thinking=False)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert json.dumps(WEATHER) in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<|im_start|>user\n<tool_response>\n{"temperature": 18}\n</tool_response><|im_end|>' in text
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert plain.endswith("<|im_start|>assistant\n")
+
+
+# The eval (docs/demo-model.md) shows the model gets the format right but not yet the
+# numbers or the function name: check only what it does reliably.
+
+def test_arithmetic_reply_has_the_trained_shape(llm):
+    """A think block with one step per line, then the problem restated with `=`;
+    without thinking, the restated problem alone."""
+    ask = [{"role": "user", "content": "Solve 23 + 45."}]
+    thought = chat(llm, ask)
+    assert thought.startswith("<think>\n") and "\n</think>\n\n" in thought
+    assert len(thought.split("</think>")[0].strip().splitlines()) == 4  # <think> + 3 steps
+    assert re.fullmatch(r"23 \+ 45 = \d+", thought.split("</think>")[-1].strip())
+    assert re.fullmatch(r"23 \+ 45 = \d+", chat(llm, ask, thinking=False).strip())
+
+
+def test_emits_a_tool_call_with_the_arguments_from_the_request(llm):
+    out = chat(llm, [{"role": "user", "content": "What's the weather in Paris?"}], [WEATHER],
+               thinking=False)
+    body = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", out.strip(), re.S)
+    assert body, out
+    call = json.loads(body.group(1))
+    assert call["arguments"] == {"city": "Paris"}
+
+
+def test_greeting_gets_a_plain_reply(llm):
+    out = chat(llm, [{"role": "user", "content": "Hello!"}], [WEATHER], thinking=False)
+    assert "<tool_call>" not in out
+    assert out.strip() == "Hello! How can I help you today?"
