@@ -98,6 +98,10 @@ class AsyncEngine:
             stats["experts"] = experts
         return stats
 
+    def metrics(self) -> dict:
+        """Counters, gauges and histogram buckets (actors/metrics.py) for GET /metrics."""
+        return self.engine.metrics.snapshot(self.engine)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()

@@ -38,6 +38,10 @@ class EngineConfig:
     num_redundant_experts: int = 0  # extra expert slots that hold copies of the hottest experts
     eplb_window_size: int = 1000  # forward steps of routed-token counts kept for stats and re-planning
     eplb_step_interval: int = 0  # re-plan the expert placement every N steps; 0: never
+    # Metrics: histogram bucket bounds in seconds ("0.05,0.1,0.5" or a list); None: defaults
+    metrics_ttft_buckets: list[float] | None = None  # time to first token
+    metrics_itl_buckets: list[float] | None = None  # inter-token latency
+    metrics_e2e_buckets: list[float] | None = None  # end-to-end request latency
 
     @property
     def expert_parallel(self) -> bool:
@@ -65,6 +69,13 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("--num-kv-blocks must be at least 2")
         self._validate_experts()
+        self._validate_buckets()
+
+    def _validate_buckets(self) -> None:
+        """Also normalizes: a comma-separated string becomes a list of floats."""
+        from actors.metrics import check_buckets
+        for name in ("metrics_ttft_buckets", "metrics_itl_buckets", "metrics_e2e_buckets"):
+            setattr(self, name, check_buckets(name, getattr(self, name)))
 
     def _validate_experts(self) -> None:
         if self.ep_size is not None and self.ep_size not in (1, self.tp_size):

@@ -13,6 +13,7 @@ from actors.block_manager import BlockManager
 from actors.config import EngineConfig
 from actors.detokenizer import IncrementalDetokenizer
 from actors.loader import eos_token_ids, load_tokenizer, read_config, resolve_dtype, resolve_model_path
+from actors.metrics import EngineMetrics
 from actors.model_runner import ModelRunner
 from actors.outputs import CompletionOutput, RequestOutput
 from actors.parallel import Parallel, parse_layer_split
@@ -38,6 +39,9 @@ class Request:
     prompt_logprobs: list | None = None  # grows chunk by chunk; position 0 has none
     prompt_logprobs_sent: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # its first step (metrics: queue time)
+    first_token_time: float | None = None
+    token_times: dict[int, float] = field(default_factory=dict)  # seq index -> its last token's time
 
     @property
     def finished(self) -> bool:
@@ -77,6 +81,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(self.tokenizer, self.runner.args.vocab_size, sorted(self.eos_ids))
         self.stats = EngineStats()
+        self.metrics = EngineMetrics(config)
 
     # ---- requests ---------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -131,6 +136,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
+        self.metrics.aborted(req)
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq)
@@ -156,27 +162,32 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return self._drain_finished()
-        start = time.perf_counter()
+        start = time.monotonic()
         result = self.runner.execute(batch)
-        self.stats.record_step(batch, time.perf_counter() - start)
+        now = time.monotonic()
+        self.stats.record_step(batch, now - start)
+        self.metrics.step(now - start, len(batch))
         deltas: dict[str, RequestOutput] = {}
         for s, token, lps, prompt_lps in zip(batch, result.tokens, result.logprobs, result.prompt_logprobs):
             seq = s.seq
+            req = self.requests[seq.request_id]
+            if req.scheduled_time is None:
+                self.metrics.scheduled(req, start)
             if prompt_lps is not None:
-                self._add_prompt_logprobs(self.requests[seq.request_id], seq, prompt_lps)
+                self._add_prompt_logprobs(req, seq, prompt_lps)
             seq.num_computed_tokens += s.num_tokens
             self.blocks.cache_full_blocks(seq)
-            req = self.requests[seq.request_id]
             if token is not None:
-                self._append_token(req, seq, token, lps, deltas)
+                self._append_token(req, seq, token, lps, deltas, now)
             if seq.index == 0 and s.samples and req.pending_children:
                 for child in req.pending_children:
                     self.scheduler.add(child)
                 req.pending_children = []
+        self.metrics.end_step()
         for rid, delta in deltas.items():
             delta.finished = self.requests[rid].finished
             if delta.finished:
-                del self.requests[rid]
+                delta.metrics = self.metrics.finished_request(self.requests.pop(rid), now)
         return list(deltas.values()) + self._drain_finished()
 
     def _add_prompt_logprobs(self, req: Request, seq: Sequence, lps: list) -> None:
@@ -189,7 +200,7 @@ class LLMEngine:
             for sibling in req.seqs:
                 sibling.prompt_logprobs_sent = True
 
-    def _append_token(self, req: Request, seq: Sequence, token: int, lps, deltas) -> None:
+    def _append_token(self, req: Request, seq: Sequence, token: int, lps, deltas, now: float) -> None:
         p = seq.params
         if p.max_tokens == 0:  # only the prompt was wanted (prompt log-probs): drop the token
             req.pending_children = []
@@ -198,6 +209,7 @@ class LLMEngine:
                 _output(self._delta(req, deltas), s.index).finish_reason = "length"
             return
         seq.token_ids.append(token)
+        self.metrics.token(req, seq.index, now)
         detok = req.detoks[seq.index]
         out = _output(self._delta(req, deltas), seq.index)
         out.token_ids.append(token)
@@ -243,6 +255,7 @@ class LLMEngine:
                 d.outputs = [CompletionOutput(s.index, finish_reason=s.finish_reason,
                                               stop_reason=s.stop_reason) for s in req.seqs]
                 d.finished = True
+                d.metrics = self.metrics.finished_request(req, time.monotonic())
                 done.append(d)
                 del self.requests[rid]
         return done
@@ -265,6 +278,7 @@ class EngineStats:
         self.step_time = 0.0
         self.prompt_tokens = 0
         self.generated_tokens = 0
+        self.decode_tokens = 0  # sampled by one-token rows (decode), for the progress line
 
     def record_step(self, batch, seconds: float) -> None:
         self.steps += 1
@@ -272,4 +286,5 @@ class EngineStats:
         for s in batch:
             if s.samples:
                 self.generated_tokens += 1
+                self.decode_tokens += s.num_tokens == 1
             self.prompt_tokens += max(0, min(s.num_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm import tqdm
 
 from actors.models import model_class
 from actors.models.args import ModelArgs
+from actors.progress import progress_bar
 
 log = logging.getLogger("shoal.loader")
 
@@ -111,16 +110,30 @@ def load_weights(model: nn.Module, path: Path) -> None:
         param.data.zero_()
     loaded: set[str] = set()
     files = weight_files(path)
-    show = os.environ.get("SHOAL_PROGRESS", "1") != "0"
-    for file in tqdm(files, desc="loading weights", disable=not show or len(files) < 2):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                rule = model.weight_rule(name)
-                if rule is not None:
-                    loaded.add(_load_slice(params, rule, f.get_slice(name), name))
+    # By tensor, not by file: a single-file checkpoint shows progress too.
+    bar = progress_bar("loading weights", total=count_tensors(files), unit="tensor")
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    rule = model.weight_rule(name)
+                    if rule is not None:
+                        loaded.add(_load_slice(params, rule, f.get_slice(name), name))
+                    bar.update(1)
+    finally:
+        bar.close()
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
+
+
+def count_tensors(files: list[Path]) -> int:
+    """Tensors in the checkpoint (reads only the files' headers)."""
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            total += len(f.keys())
+    return total
 
 
 def load_selected(model: nn.Module, path: Path, rule) -> int:

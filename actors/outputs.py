@@ -22,6 +22,15 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Engine-side timings of a finished request, in seconds (on its last output)."""
+    queue_time: float  # arrival to the first step that computed it
+    ttft: float | None  # arrival to the first token; None: no token was generated
+    e2e: float  # arrival to finish
+    replica: str = "local"  # the replica whose engine ran it
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -30,6 +39,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # sent once, first position None
     num_cached_tokens: int = 0
     prompt: str | None = None
+    metrics: RequestMetrics | None = None  # set on the last output (actors/metrics.py)
 
 
 def accumulate(deltas) -> RequestOutput:
@@ -43,6 +53,8 @@ def accumulate(deltas) -> RequestOutput:
         final.num_cached_tokens = max(final.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None:
             final.prompt_logprobs = delta.prompt_logprobs
+        if delta.metrics is not None:
+            final.metrics = delta.metrics
         for out in delta.outputs:
             acc = by_index.setdefault(out.index, CompletionOutput(out.index))
             merge_into(acc, out)

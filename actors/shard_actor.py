@@ -18,6 +18,7 @@ import torch
 
 from actors.config import EngineConfig
 from actors.parallel import Parallel, init_distributed, parse_layer_split
+from actors.progress import progress_bar
 
 log = logging.getLogger("shoal.shards")
 
@@ -138,9 +139,17 @@ def _wait(ref, timeout: float, message: str):
 
 
 def _gather(refs: list, timeout: float, what: str) -> list:
-    """ray.get with a deadline; the error names every rank that did not make it."""
+    """ray.get with a deadline and a progress bar over the ranks; the error names every rank
+    that did not make it."""
     import ray
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    deadline, pending = time.monotonic() + timeout, list(refs)
+    bar = progress_bar(f"shard ranks: {what}", total=len(refs), unit="rank")
+    try:
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            bar.update(len(ready))
+    finally:
+        bar.close()
     if pending:
         late = [refs.index(r) + 1 for r in pending]
         raise RuntimeError(f"shard rank(s) {late} did not {what} within {timeout:.0f} s")

@@ -11,7 +11,7 @@ import dataclasses
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from app import openai_routes, ops_routes, scoring_routes
+from app import metrics, openai_routes, ops_routes, scoring_routes, web
 from app.http_errors import install_error_handlers
 from app.middleware import REQUEST_ID_HEADER, ApiKeyAuth, RequestContext
 from app.settings import ServerSettings
@@ -23,8 +23,9 @@ def build_api(settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="shoal", version=ops_routes.shoal_version(), strict_content_type=False,
                   description="An LLM inference server on Ray with an OpenAI-compatible API.")
     app.state.settings = settings
+    app.state.http_metrics = metrics.HttpMetrics()  # counted by RequestContext
     install_error_handlers(app)
-    for module in (openai_routes, scoring_routes, ops_routes):
+    for module in (openai_routes, scoring_routes, ops_routes, metrics, web):  # web: GET /
         app.include_router(module.router)
     # Added innermost first: CORS (outermost) answers preflights before auth, and puts its
     # headers on 401s too; RequestContext wraps auth so refusals carry the id and get logged.

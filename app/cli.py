@@ -78,6 +78,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="steps of per-expert routed-token counts kept for /stats and re-planning")
     add("--eplb-step-interval", "--eplb-rebalance-num-iterations", dest="eplb_step_interval",
         type=int, metavar="STEPS", help="re-plan the expert placement every N steps (0: never)")
+    for what, name in (("time to first token", "ttft"), ("inter-token latency", "itl"),
+                       ("end-to-end latency", "e2e")):
+        add(f"--metrics-{name}-buckets", metavar="S,S,...",
+            help=f"histogram buckets (seconds) of the {what} metric (default: built in)")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
@@ -128,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="An LLM inference server on Ray.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run_batch_parser(subparsers)
+    from app.serve_cli import add_serve_parser  # the Ray side lives in its own module
+    add_serve_parser(subparsers, add_engine_args)
+    from app import chat_cli, collect_env  # client tools: each in its own module
+    from app.bench.cli import add_bench_parser
+    chat_cli.add_chat_parser(subparsers, add_engine_args)
+    chat_cli.add_complete_parser(subparsers)
+    add_bench_parser(subparsers, add_engine_args)
+    collect_env.add_collect_env_parser(subparsers)
     return parser
 
 

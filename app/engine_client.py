@@ -24,6 +24,9 @@ class EngineClient(Protocol):
 
     async def stats(self) -> dict: ...
 
+    async def metrics(self) -> list[dict]:
+        """One engine metrics snapshot per replica (actors/metrics.py), for GET /metrics."""
+
     async def ready(self) -> bool: ...
 
 
@@ -44,6 +47,9 @@ class LocalEngineClient:
 
     async def stats(self) -> dict:
         return {"replicas": [self.engine.stats()]}
+
+    async def metrics(self) -> list[dict]:
+        return [self.engine.metrics()]
 
     async def ready(self) -> bool:
         return self.engine.error is None

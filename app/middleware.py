@@ -1,8 +1,9 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware, which buffers and hides client disconnects).
 
 `RequestContext`: every request gets an id (X-Request-Id honoured or generated), echoed in
-the response and written in one log line; any unhandled exception becomes a 500 without a
-traceback. `ApiKeyAuth`: the bearer token check, before any body is parsed.
+the response and written in one structured log line (app/request_log.py), and its status
+is counted for GET /metrics; any unhandled exception becomes a 500 without a traceback.
+`ApiKeyAuth`: the bearer token check, before any body is parsed.
 Both read the live settings from `app.state` so `attach` may replace them.
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http_errors import internal_error, unauthorized
+from app.metrics import route_label
+from app.request_log import logfmt
 
 log = logging.getLogger("shoal.api")
 
@@ -24,9 +27,12 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # Ids go into headers and log lines: keep them printable, short and free of separators.
 VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 # Probes and docs stay open: orchestrators and browsers reach them without the key.
-# Orchestrators poll these every few seconds: their access lines go to DEBUG.
-PROBE_PATHS = {"/healthz", "/readyz", "/health"}
-OPEN_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+# Orchestrators and Prometheus poll these every few seconds: their access lines go to DEBUG.
+PROBE_PATHS = {"/healthz", "/readyz", "/health", "/metrics"}
+# /metrics too: Prometheus scrapers rarely carry the API key (vLLM leaves it open as well).
+OPEN_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+              "/metrics"}
+OPEN_PATHS.add("/")  # the web chat page (app/web): its JS sends the key its user types
 
 
 def new_request_id() -> str:
@@ -64,10 +70,20 @@ class RequestContext:
             if not status[0]:  # nothing sent yet: answer without the traceback
                 await internal_error(request_id).response()(scope, receive, send_with_id)
         finally:
-            path = route_path(scope)
-            level = logging.DEBUG if path in PROBE_PATHS else logging.INFO
-            log.log(level, "%s %s %s %d %.1fms", request_id, scope["method"], path, status[0],
-                    1000 * (time.perf_counter() - start))
+            self.record(scope, request_id, status[0], time.perf_counter() - start)
+
+    @staticmethod
+    def record(scope: Scope, request_id: str, status: int, seconds: float) -> None:
+        """The request's log line and its count by route and status."""
+        app_state = scope["app"].state
+        model = app_state.settings.served_model_name
+        app_state.http_metrics.record(model, route_label(scope), status)
+        path = route_path(scope)
+        summary = scope["state"].get("engine_summary")  # set by routes that ran the engine
+        fields = {"request_id": request_id, "method": scope["method"], "path": path,
+                  "status": status, "total_ms": 1000 * seconds,
+                  **(summary.fields() if summary is not None else {})}
+        log.log(logging.DEBUG if path in PROBE_PATHS else logging.INFO, "request %s", logfmt(fields))
 
 
 class ApiKeyAuth:

@@ -18,6 +18,7 @@ from fastapi import Request
 from actors.sampling_params import SamplingParams
 from app.http_errors import ApiError, engine_error, internal_error, not_ready, unknown_model
 from app.middleware import new_request_id
+from app.request_log import EngineSummary
 from app.settings import ServerSettings
 from app.streams import (
     Batch, ClientDisconnected, EngineStreams, EventStream, collect, event_body, unless_disconnected,
@@ -36,6 +37,7 @@ class Served:
     settings: ServerSettings
     request_id: str
     texts: dict = field(default_factory=lambda: defaultdict(str))  # (prompt, seq) -> text, for logs
+    summary: EngineSummary = field(default_factory=EngineSummary)  # for the request's log line
 
     @classmethod
     def of(cls, request: Request) -> Served:
@@ -43,7 +45,9 @@ class Served:
         if getattr(state, "client", None) is None:  # built but not attached to an engine yet
             raise not_ready()
         request_id = getattr(request.state, "request_id", None) or new_request_id()
-        return cls(request, state.client, state.tokenizer, state.settings, request_id)
+        served = cls(request, state.client, state.tokenizer, state.settings, request_id)
+        request.state.engine_summary = served.summary  # the middleware logs it at the end
+        return served
 
     @classmethod
     async def ready(cls, request: Request, model: str | None) -> Served:
@@ -157,6 +161,7 @@ class Served:
 
     def log_outputs(self, batch: Batch) -> None:
         """Collect output text (streams send deltas); `flush_output_log` writes it at the end."""
+        self.summary.add(batch)
         if self.settings.log_requests < 2:
             return
         for index, output in batch.items():

@@ -2,8 +2,8 @@
 
 One replica = one model instance = one data-parallel rank. The replica process is light
 (bundle 0 of its placement group); the engine runs in the scheduler actor it starts in
-bundle 1 (with rank 0's shard). Bundles 2.. are for the shard actors of larger tp x pp
-layouts (the distributed issue).
+bundle 1 (with rank 0's shard); for tp x pp > 1 the engine starts the shard actors of
+ranks 1.. in bundles 2.. (actors/shard_actor.py).
 
 Cancellation: a client that goes away makes Serve cancel the ingress's handle call, which
 cancels `LLMServer.generate`; its `finally` cancels the actor stream and aborts the
@@ -19,55 +19,70 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.async_engine import EngineDeadError
+from actors.async_engine import EngineDeadError, QueueFullError
 from actors.config import EngineConfig
+from actors.metrics import Replica
 from actors.sampling_params import SamplingParams
-from actors.scheduler_actor import coalesce, scheduler_actor_class
+from actors.scheduler_actor import scheduler_actor_class
 
 log = logging.getLogger("shoal.server")
 
 SCHEDULER_NAMESPACE = "shoal"
+# The engine's refusals of one request (400, 429, 503 at the HTTP layer).
+REFUSALS = (ValueError, QueueFullError, EngineDeadError)
 
 
 def scheduler_name_prefix(app_name: str) -> str:
     return f"scheduler:{app_name}:"
 
 
+# A replica's placement group: bundle 0 the replica, bundle 1 the scheduler with rank 0's
+# shard, bundles 2.. the shard actors of ranks 1.. (started by the engine).
+SCHEDULER_BUNDLE, FIRST_SHARD_BUNDLE = 1, 2
+
+
 def placement_bundles(tp_size: int, pp_size: int, replica_cpus: float, shard_cpus: float,
                       shard_gpus: float = 0) -> list[dict]:
-    """Bundle 0 for the replica, one per shard (bundle 1 also hosts the scheduler)."""
+    """Bundle 0 for the replica, one per shard rank (bundle 1 also hosts the scheduler)."""
     shard = {"CPU": shard_cpus, **({"GPU": shard_gpus} if shard_gpus else {})}
     return [{"CPU": replica_cpus}] + [dict(shard) for _ in range(tp_size * pp_size)]
 
 
 @serve.deployment(name="LLMServer")
 class LLMServer:
-    async def __init__(self, engine_config: EngineConfig, shard_cpus: float = 1.0,
-                       log_level: str = "INFO", progress_interval_s: float = 0.0):
+    async def __init__(self, engine_config: EngineConfig, log_level: str = "INFO",
+                       progress_interval_s: float = 0.0, stream_chunks_per_s: float = 0.0,
+                       model_name: str | None = None):
+        """model_name: the served name, the `model` label of the engine's metrics."""
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
-        actor = scheduler_actor_class(shard_cpus).options(
-            name=scheduler_name_prefix(ctx.app_name) + self.replica,
-            namespace=SCHEDULER_NAMESPACE,
-            scheduling_strategy=_bundle(1),
-        )
-        self.scheduler = actor.remote(engine_config, log_level, progress_interval_s)
+        pg = ray.util.get_current_placement_group()  # None only outside Serve's placement
+        strategy = PlacementGroupSchedulingStrategy(pg, SCHEDULER_BUNDLE) if pg else None
+        actor = scheduler_actor_class(engine_config.shard_cpus).options(
+            name=scheduler_name_prefix(ctx.app_name) + self.replica,  # found by /stats
+            namespace=SCHEDULER_NAMESPACE, scheduling_strategy=strategy)
+        placement = (pg, FIRST_SHARD_BUNDLE) if pg else None
+        self.scheduler = actor.remote(engine_config, log_level, progress_interval_s, placement,
+                                      stream_chunks_per_s, replica_info(ctx, model_name))
         self.max_model_len = await self.scheduler.get_max_model_len.remote()  # waits for the model
         log.info("replica %s ready", self.replica)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0):
-        """Lists of delta RequestOutputs, coalesced again at this hop (each chunk costs ~1 ms)."""
+        """Lists of delta RequestOutputs, relayed as the scheduler paced them."""
         stream = self.scheduler.generate.options(num_returns="streaming").remote(
             prompt_token_ids, params, request_id, priority)
         finished = False
         try:
-            async for batches in coalesce(_items(stream)):
-                outputs = [out for batch in batches for out in batch]
+            async for ref in stream:
+                outputs = await ref
                 finished = outputs[-1].finished
                 yield outputs
-        except RayTaskError as exc:
-            raise unwrap(exc) from None  # the engine's own error, not Ray's wrapper
+        except (RayTaskError, RayActorError) as exc:
+            error = refusal(exc)
+            if error is None:
+                raise unwrap(exc) from None
+            yield error  # a refusal travels as data: no traceback in the log per refused request
         finally:
             if not finished:  # cancelled by the caller, or failed: free the request's blocks
                 ray.cancel(stream)
@@ -91,17 +106,14 @@ class LLMServer:
             raise RuntimeError("the engine failed")
 
 
-def _bundle(index: int):
-    """Schedule into bundle `index` of this replica's placement group (none outside Serve)."""
-    pg = ray.util.get_current_placement_group()
-    if pg is None:
-        return None
-    return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
-
-
-async def _items(stream):
-    async for ref in stream:
-        yield await ref
+def refusal(exc: BaseException) -> BaseException | None:
+    """The engine's refusal of one request inside Ray's wrappers (a dead scheduler counts as
+    a dead engine), or None for anything else."""
+    error = unwrap(exc)
+    if isinstance(error, RayActorError):
+        return EngineDeadError(f"the engine of replica {serve.get_replica_context().replica_id.unique_id} "
+                               "died; Serve restarts it")
+    return error if isinstance(error, REFUSALS) else None
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -116,6 +128,7 @@ class ServeEngineClient:
 
     def __init__(self, handle, max_model_len: int, app_name: str):
         self.handle = handle
+        self._streaming = handle.options(stream=True)
         self.max_model_len = max_model_len
         self.app_name = app_name
         self._live: dict[str, object] = {}  # request id -> its streaming response
@@ -126,17 +139,20 @@ class ServeEngineClient:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0):
-        response = self.handle.options(stream=True).generate.remote(
+        response = self._streaming.generate.remote(
             prompt_token_ids, params, request_id, priority)
         self._live[request_id] = response
         try:
             async for outputs in response:
+                if isinstance(outputs, BaseException):
+                    raise outputs
                 for out in outputs:
                     yield out
-        except RayTaskError as exc:
-            raise unwrap(exc) from None
-        except RayActorError as exc:
-            raise EngineDeadError(f"the model replica died: {exc}") from None
+        except (RayTaskError, RayActorError) as exc:
+            error = unwrap(exc)
+            if isinstance(error, RayActorError):  # the replica process itself went away
+                raise EngineDeadError("a model replica died mid-request; retry") from None
+            raise error from None
         finally:
             self._live.pop(request_id, None)
             response.cancel()  # a no-op once finished; else it reaches LLMServer.generate
@@ -148,7 +164,7 @@ class ServeEngineClient:
 
     async def ready(self) -> bool:
         try:
-            return await asyncio.wait_for(_await(self.handle.ready.remote()), timeout=5)
+            return await asyncio.wait_for(self.handle.ready.remote(), timeout=5)
         except Exception:  # no replica, or a dead one: not ready
             return False
 
@@ -159,6 +175,23 @@ class ServeEngineClient:
                                        return_exceptions=True)
         return {"replicas": [{"replica": replica, **_stats_or_error(r)}
                              for replica, r in zip(actors, results)]}
+
+    async def metrics(self) -> list[dict]:
+        """Every replica's engine metrics snapshot (actors/metrics.py), for GET /metrics."""
+        actors = await asyncio.to_thread(scheduler_actors, self.app_name)
+        results = await asyncio.gather(*(a.metrics.remote() for a in actors.values()),
+                                       return_exceptions=True)
+        for replica, r in zip(actors, results):
+            if isinstance(r, Exception):  # a replica starting or gone: the others still count
+                log.warning("no metrics from replica %s: %s", replica, str(unwrap(r)).splitlines()[0])
+        return [r for r in results if not isinstance(r, Exception)]
+
+
+def replica_info(ctx, model_name: str | None) -> Replica:
+    """This replica's id and data-parallel rank among the deployment's replicas."""
+    rank = getattr(ctx, "rank", None)  # newer Serve numbers replicas; older ones don't
+    rank = rank if isinstance(rank, int) else getattr(rank, "rank", 0)
+    return Replica(ctx.replica_id.unique_id, model_name, rank or 0, getattr(ctx, "world_size", 1) or 1)
 
 
 def scheduler_actors(app_name: str) -> dict:
@@ -174,7 +207,4 @@ def _stats_or_error(result) -> dict:
         return {"engine_alive": False, "error": str(unwrap(result)).splitlines()[0]}
     return result
 
-
-async def _await(response):
-    return await response
 

@@ -1,0 +1,218 @@
+"""Engine metrics, recorded where they happen and kept as plain numbers in this process.
+
+The engine loop records once per step (a few adds and a bisect per histogram); per token it
+only notes the token's time, and inter-token latencies that share a value (every decode of
+a step has the same one) go into the histogram together. `snapshot()` hands the totals to
+whoever asks: the scheduler actor's `metrics()` (summed over replicas by GET /metrics) and
+actors/ray_metrics.py, which pushes them into Ray's metrics API from its own thread.
+Nothing here imports Ray, so in-process use (LLM, tests) records locally and exports nothing.
+"""
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+
+from actors.outputs import RequestMetrics
+
+PREFIX = "shoal_"
+# Same rule as app/settings.default_model_name (actors may not import app).
+DEMO_MODEL_NAME = "shoal-demo"
+
+# Exported names are PREFIX + name (+ "_total" for counters, added by the exporters).
+COUNTERS = {
+    "prompt_tokens": "Prompt tokens of the requests the engine started.",
+    "generation_tokens": "Tokens generated.",
+    "preemptions": "Sequences preempted when KV blocks ran out (recomputed later).",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+}
+FINISHED = ("requests_finished", "Finished sequences (choices) by finish reason.")
+GAUGES = {
+    "num_requests_running": "Sequences in the running batch.",
+    "num_requests_waiting": "Sequences waiting to be scheduled.",
+    "kv_cache_usage": "Fraction of KV cache blocks in use (0..1).",
+    "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache / tokens looked up.",
+}
+_LATENCY = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+            10.0, 20.0, 40.0, 80.0]
+_LONG = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0,
+         960.0, 1920.0]
+# name -> (help, default buckets, the EngineConfig field that overrides them)
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("Arrival to first generated token.", _LATENCY,
+                                    "metrics_ttft_buckets"),
+    "inter_token_latency_seconds": ("Time between two tokens of a sequence.", _LATENCY,
+                                    "metrics_itl_buckets"),
+    "e2e_request_latency_seconds": ("Arrival to finish.", _LONG, "metrics_e2e_buckets"),
+    "request_queue_time_seconds": ("Arrival to the first step that computes the request.",
+                                   [0.001, 0.01] + _LONG, None),
+    "engine_step_seconds": ("Model time of one engine step.",
+                            [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5],
+                            None),
+    # Half-integer bounds: Ray exports a histogram's sum as count x bucket midpoint, which
+    # for these is the batch size itself up to 2 and close above (bounds 1, 2, 4 gave 0.5 for 1).
+    "batch_size": ("Sequences in one engine step.",
+                   [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5, 128.5, 256.5, 512.5], None),
+}
+
+
+def model_label(model_path: str | None) -> str:
+    """The default served model name: the checkpoint directory's name."""
+    return Path(model_path).name if model_path else DEMO_MODEL_NAME
+
+
+@dataclass
+class Replica:
+    """Who this engine is, for metric labels and the progress line (set by the replica)."""
+    replica_id: str = "local"
+    model: str | None = None  # the served model name; None: from the model path
+    rank: int = 0  # data-parallel rank among the replicas
+    world_size: int = 1
+
+
+class Histogram:
+    """Prometheus buckets (bucket i counts values <= bounds[i], the last one the rest) and a sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds):
+        self.bounds = [float(b) for b in bounds]
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
+    def snapshot(self) -> dict:
+        # list() copies under the GIL: the loop thread may be adding meanwhile.
+        return {"bounds": self.bounds, "counts": list(self.counts), "sum": self.sum}
+
+
+class EngineMetrics:
+    """Counters and histograms of one engine. Only the engine loop thread writes them;
+    readers copy (a reader may see a histogram's sum one step ahead of its counts)."""
+
+    def __init__(self, config):
+        self.labels = {"model": model_label(config.model_path), "replica": "local"}
+        self.counts = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.finished: dict[str, int] = {}  # finish reason -> sequences
+        # An option (EngineConfig field) overrides the default buckets where there is one.
+        self.hist = {name: Histogram((field and getattr(config, field, None)) or default)
+                     for name, (_, default, field) in HISTOGRAMS.items()}
+        self._ttft = self.hist["time_to_first_token_seconds"]
+        self._itl = self.hist["inter_token_latency_seconds"]
+        self._intervals: dict[float, int] = {}  # this step: inter-token interval -> tokens
+
+    def set_replica(self, replica: Replica) -> None:
+        self.labels = {"model": replica.model or self.labels["model"], "replica": replica.replica_id}
+
+    # ---- the engine loop ----------------------------------------------------------------
+    def step(self, seconds: float, batch_size: int) -> None:
+        self.hist["engine_step_seconds"].observe(seconds)
+        self.hist["batch_size"].observe(batch_size)
+
+    def scheduled(self, req, now: float) -> None:
+        """A request's first step: its queue time ends and its prompt starts computing."""
+        req.scheduled_time = now
+        self.hist["request_queue_time_seconds"].observe(now - req.arrival_time)
+        self.counts["prompt_tokens"] += len(req.prompt_token_ids)
+
+    def token(self, req, index: int, now: float) -> None:
+        """Sequence `index` of `req` got a token at the end of the step that ended at `now`."""
+        self.counts["generation_tokens"] += 1
+        last = req.token_times.get(index)
+        req.token_times[index] = now
+        if last is not None:
+            interval = now - last
+            self._intervals[interval] = self._intervals.get(interval, 0) + 1
+        elif req.first_token_time is None:
+            req.first_token_time = now
+            self._ttft.observe(now - req.arrival_time)
+
+    def end_step(self) -> None:
+        for interval, n in self._intervals.items():
+            self._itl.observe(interval, n)
+        self._intervals.clear()
+
+    def finished_request(self, req, now: float) -> RequestMetrics:
+        self.hist["e2e_request_latency_seconds"].observe(now - req.arrival_time)
+        for seq in req.seqs:
+            self._count_finish(seq.finish_reason or "abort")
+        return self.request_metrics(req, now)
+
+    def aborted(self, req) -> None:
+        """A request cancelled before it finished: its unfinished sequences count as "abort"."""
+        for seq in req.seqs:
+            self._count_finish(seq.finish_reason if seq.finished else "abort")
+
+    def request_metrics(self, req, now: float) -> RequestMetrics:
+        start = req.arrival_time
+        return RequestMetrics(
+            queue_time=(req.scheduled_time or now) - start, e2e=now - start,
+            ttft=None if req.first_token_time is None else req.first_token_time - start,
+            replica=self.labels["replica"])
+
+    def _count_finish(self, reason: str) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    # ---- readers ------------------------------------------------------------------------
+    def snapshot(self, engine) -> dict:
+        """Plain data for exporters: labels, counters, gauges and histogram buckets."""
+        sched, blocks = engine.scheduler, engine.blocks
+        return {
+            "labels": dict(self.labels),
+            "counters": {**self.counts, "preemptions": sched.num_preemptions,
+                         "prefix_cache_queries": blocks.query_tokens,
+                         "prefix_cache_hits": blocks.hit_tokens},
+            "finished": dict(self.finished),
+            "gauges": {"num_requests_running": len(sched.running),
+                       "num_requests_waiting": len(sched.waiting),
+                       # Blocks, not a fraction, so GET /metrics can sum them over replicas.
+                       "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
+                       "kv_blocks_total": blocks.num_blocks},
+            "histograms": {name: h.snapshot() for name, h in self.hist.items()},
+        }
+
+
+def check_buckets(name: str, value) -> list[float] | None:
+    """A bucket option as a sorted list of positive floats (accepts "0.1,0.5" too)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    flag, shown = "--" + name.replace("_", "-"), ",".join(str(v).strip() for v in items)
+    try:
+        bounds = [float(v) for v in items if str(v).strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be numbers, got {shown!r}") from None
+    if not bounds or bounds[0] <= 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{flag} must be increasing positive numbers, got {shown!r}")
+    return bounds
+
+
+# --------------------------------------------------------------------------- progress line
+
+def progress_line(rank: int, world_size: int, active: int, graph: bool, tokens_per_second: float) -> str:
+    return (f"decode progress: dp={rank}/{world_size} active={active} graph={graph} "
+            f"tokens_per_second={tokens_per_second:.1f}")
+
+
+class DecodeProgress:
+    """The --decode-progress-interval-s line: decode-only tokens per second since the last line
+    (tokens sampled by one-token decode rows; prefill chunks are left out)."""
+
+    def __init__(self, engine, replica: Replica | None = None):
+        self.engine = engine
+        self.replica = replica or Replica()
+        self._last = (time.monotonic(), engine.stats.decode_tokens)
+
+    def line(self) -> str:
+        now, tokens = time.monotonic(), self.engine.stats.decode_tokens
+        then, before = self._last
+        self._last = (now, tokens)
+        rate = (tokens - before) / max(now - then, 1e-9)
+        graph = bool(getattr(self.engine.runner, "uses_graphs", False))  # no CUDA graphs yet
+        return progress_line(self.replica.rank, self.replica.world_size,
+                             len(self.engine.scheduler.running), graph, rate)

@@ -1,0 +1,104 @@
+"""Engine metrics into Ray's metrics API (Prometheus export on each node, the Ray dashboard).
+
+The engine loop only touches plain numbers (actors/metrics.py). A thread here wakes every
+`interval` seconds and pushes what grew since the last push: counter increments, gauge
+values, and histogram bucket counts. Ray's record call costs ~2-4 us, so doing it here keeps
+it off the engine step however many tokens a step makes. Ray names them ray_shoal_...
+(counters with _total), tagged model and replica. Use only inside a Ray worker.
+
+Histograms: Ray keeps only bucket counts and exports each observation as its bucket's
+midpoint (`_sum` is approximate; GET /metrics has the exact sums), so replaying a bucket's
+new count with one value inside that bucket exports exactly what the raw values would.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, PREFIX
+
+log = logging.getLogger("shoal.metrics")
+
+TAGS = ("model", "replica")
+
+
+class RayExporter:
+    def __init__(self, engine, interval: float = 1.0):
+        from ray.util import metrics as rm
+
+        self.engine = engine
+        self.counters = {n: rm.Counter(PREFIX + n, text, TAGS) for n, text in COUNTERS.items()}
+        self.finished = rm.Counter(PREFIX + FINISHED[0], FINISHED[1], TAGS + ("finish_reason",))
+        self.gauges = {n: rm.Gauge(PREFIX + n, text, TAGS) for n, text in GAUGES.items()}
+        local = engine.metrics.hist
+        self.histograms = {n: rm.Histogram(PREFIX + n, HISTOGRAMS[n][0], local[n].bounds, TAGS)
+                           for n in HISTOGRAMS}
+        self._sent: dict = {}  # counter key -> value pushed; histogram name -> bucket counts
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), name="shoal-metrics",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.push()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.push()
+            except Exception:  # metrics must never take the engine down: log and go on
+                log.warning("pushing metrics to Ray failed", exc_info=True)
+
+    def push(self) -> None:
+        snap = self.engine.metrics.snapshot(self.engine)
+        tags = snap["labels"]
+        for name, value in snap["counters"].items():
+            self._inc(self.counters[name], name, value, tags)
+        for reason, value in snap["finished"].items():
+            self._inc(self.finished, ("finished", reason), value, {**tags, "finish_reason": reason})
+        self._set_gauges(snap, tags)
+        for name, h in snap["histograms"].items():
+            self._push_buckets(name, h, tags)
+
+    def _inc(self, counter, key, value: float, tags: dict) -> None:
+        delta = value - self._sent.get(key, 0)
+        if delta > 0:  # Ray refuses inc(0): a counter appears with its first increment
+            counter.inc(delta, tags)
+            self._sent[key] = value
+
+    def _set_gauges(self, snap: dict, tags: dict) -> None:
+        g, c = snap["gauges"], snap["counters"]
+        self.gauges["num_requests_running"].set(g["num_requests_running"], tags)
+        self.gauges["num_requests_waiting"].set(g["num_requests_waiting"], tags)
+        self.gauges["kv_cache_usage"].set(g["kv_blocks_used"] / max(g["kv_blocks_total"], 1), tags)
+        queries = c["prefix_cache_queries"]
+        self.gauges["prefix_cache_hit_rate"].set(c["prefix_cache_hits"] / queries if queries else 0.0,
+                                                 tags)
+
+    def _push_buckets(self, name: str, h: dict, tags: dict) -> None:
+        sent = self._sent.get(name) or [0] * len(h["counts"])
+        histogram = self.histograms[name]
+        for value, new, old in zip(bucket_values(h["bounds"]), h["counts"], sent):
+            for _ in range(new - old):  # Ray takes one observation per call
+                histogram.observe(value, tags)
+        self._sent[name] = h["counts"]
+
+
+def bucket_values(bounds: list[float]) -> list[float]:
+    """A value inside each bucket: its upper bound (buckets are (lower, upper]), then one
+    above the last bound for the overflow bucket."""
+    return list(bounds) + [bounds[-1] * 2]
+
+
+def start_ray_export(engine, interval: float = 1.0) -> RayExporter | None:
+    """The exporter when this process is a Ray worker, else None (in-process use)."""
+    try:
+        import ray
+        if not ray.is_initialized():
+            return None
+        return RayExporter(engine, interval)
+    except Exception:  # an old or partial Ray: serve on without the Ray export
+        log.warning("Ray metrics export is off", exc_info=True)
+        return None

@@ -1,0 +1,59 @@
+"""The application `serve run` imports: `import_path: app.builder:build_app` with `args:`.
+
+`build_app(args)` takes the same option names as `shoal serve` (see app/config.py); the
+YAML's `args:` rank like command-line flags, above SHOAL_* variables and `config: FILE`.
+"""
+from __future__ import annotations
+
+from ray import serve
+
+from app.config import ShoalConfig, load_config, replica_count
+from app.ingress import Ingress
+from app.server import LLMServer, placement_bundles
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    return application(load_config(args or {}))
+
+
+def application(config: ShoalConfig) -> serve.Application:
+    """Ingress -> LLMServer pool, each replica with its own placement group."""
+    d = config.deploy
+    llm = LLMServer.options(**llm_server_options(config)).bind(
+        config.engine, d.log_level, d.decode_progress_interval_s, d.stream_chunks_per_s,
+        config.server.served_model_name)
+    ingress = Ingress.options(num_replicas=d.ingress_replicas, max_ongoing_requests=d.max_ongoing_requests,
+                              ray_actor_options={"num_cpus": d.ingress_cpus},
+                              logging_config={"log_level": d.log_level.upper(), "enable_access_log": False})
+    return ingress.bind(llm, config.server, d.log_level)
+
+
+def llm_server_options(config: ShoalConfig) -> dict:
+    d, e = config.deploy, config.engine
+    bundles = placement_bundles(e.tp_size, e.pp_size, d.replica_cpus, e.shard_cpus, d.shard_gpus)
+    options = dict(
+        ray_actor_options={"num_cpus": d.replica_cpus},
+        placement_group_bundles=bundles,
+        placement_group_strategy=e.placement_strategy or pack_strategy(bundles),
+        max_ongoing_requests=d.max_ongoing_requests,
+        # One access-log line per token stream is noise; the ingress logs every request.
+        logging_config={"log_level": d.log_level.upper(), "enable_access_log": False},
+    )
+    if d.max_replicas is None:
+        options["num_replicas"] = replica_count(config)
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": 1 if d.min_replicas is None else d.min_replicas,
+            "max_replicas": d.max_replicas,
+            "target_ongoing_requests": d.target_ongoing_requests,
+        }
+    return options
+
+
+def pack_strategy(bundles: list[dict]) -> str:
+    """STRICT_PACK when one node can hold a whole replica, else PACK (the engine's rule)."""
+    import ray
+    if not ray.is_initialized():
+        return "STRICT_PACK"
+    from actors.shard_actor import _default_strategy
+    return _default_strategy(sum(b["CPU"] for b in bundles))

@@ -1,0 +1,249 @@
+"""Serving options: one flat namespace over three dataclasses, loaded with precedence
+command line (or `serve run` args) > SHOAL_* environment > YAML (`config: FILE.yaml`) > defaults.
+
+Every option name is a field of EngineConfig (the engine), ServerSettings (the HTTP layer)
+or DeployOptions (Ray Serve layout). A name in two of them (model_path, max_model_len)
+sets both. Bad values and bad combinations raise ConfigError with one clear line, before
+anything starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from actors.config import EngineConfig
+from app.settings import ServerSettings
+
+ENV_PREFIX = "SHOAL_"
+
+# Serving defaults that differ from the dataclasses' (areno's): ask for flash attention; the
+# scheduler falls back to native, with a warning, where flash-attn can't run (e.g. CPU).
+SERVE_DEFAULTS = {"attn_backend": "flash"}
+
+
+@dataclass
+class DeployOptions:
+    """How the app is laid out on Ray Serve."""
+    world_size: int = 1  # total shard ranks; replicas = world_size / (tp_size * pp_size)
+    num_replicas: int | None = None  # fixed replica count (overrides world_size)
+    min_replicas: int | None = None  # autoscaling lower bound (with max_replicas)
+    max_replicas: int | None = None  # set to autoscale between min_replicas and this
+    target_ongoing_requests: float = 64.0  # autoscaling target per replica
+    max_ongoing_requests: int = 1024  # per replica; above it Serve queues at the router
+    replica_cpus: float = 0.1  # the LLMServer replica process (placement bundle 0)
+    shard_gpus: float = 0.0  # GPUs per shard bundle (1 on a GPU cluster); CPUs: shard_cpus
+    ingress_replicas: int = 1
+    ingress_cpus: float = 0.1
+    host: str = "0.0.0.0"  # HTTP proxy (`shoal serve`; under `serve run` the YAML's http_options)
+    port: int = 8000
+    address: str | None = None  # Ray cluster to join; None starts a local Ray
+    app_name: str = "shoal"
+    log_level: str = "INFO"
+    decode_progress_interval_s: float = 0.0  # > 0: the scheduler logs throughput this often
+    stream_chunks_per_s: float = 100.0  # per replica, under load; 0: every token as it comes
+    eager_decode: bool = False  # areno's flag; there are no CUDA graphs yet, decode is eager
+
+
+@dataclass
+class ShoalConfig:
+    engine: EngineConfig
+    server: ServerSettings
+    deploy: DeployOptions
+
+    def flat(self) -> dict:
+        """Every option by name (what --print-config shows; loadable again with --config)."""
+        return {**dataclasses.asdict(self.deploy), **dataclasses.asdict(self.server),
+                **dataclasses.asdict(self.engine)}
+
+
+class ConfigError(ValueError):
+    """A bad option: the message is one line meant for the user."""
+
+
+SECTIONS = (EngineConfig, ServerSettings, DeployOptions)
+
+# Spellings that YAML files, `serve run` args and SHOAL_* variables accept too.
+ALIASES = {
+    "model": "model_path", "tensor_parallel_size": "tp_size", "tp": "tp_size",
+    "pipeline_parallel_size": "pp_size", "pp": "pp_size", "max_running_prompts": "max_num_seqs",
+    "max_running_requests": "max_num_seqs", "data_parallel_size": "num_replicas",
+    "dp_size": "num_replicas", "dp": "num_replicas", "attention_backend": "attn_backend",
+    "chunked_prefill_size": "max_num_batched_tokens",
+}
+
+
+def option_types() -> dict[str, type]:
+    types_: dict[str, type] = {}
+    for cls in SECTIONS:
+        types_.update(typing.get_type_hints(cls))
+    return types_
+
+
+def canonical(name: str) -> str:
+    name = name.replace("-", "_").lower()
+    return ALIASES.get(name, name)
+
+
+# --------------------------------------------------------------------------- sources
+
+def load_config(cli: dict | None = None, environ: typing.Mapping[str, str] | None = None) -> ShoalConfig:
+    """Options from every source, merged and validated."""
+    cli = normalize(cli or {}, "the command line")
+    env = env_options(os.environ if environ is None else environ)
+    path = cli.pop("config", None) or env.get("config")  # --config wins over SHOAL_CONFIG
+    env.pop("config", None)
+    file = yaml_options(path) if path else {}
+    return validate(build({**SERVE_DEFAULTS, **file, **env, **cli}))
+
+
+def normalize(options: dict, source: str) -> dict:
+    """Canonical names, unknown ones refused, values converted to the option's type."""
+    known = option_types()
+    out = {}
+    for key, value in options.items():
+        name = canonical(key)
+        if name == "config":
+            out[name] = value
+        elif name in known:
+            out[name] = convert(name, value, known[name])
+        else:
+            raise ConfigError(f"unknown option {key!r} in {source}")
+    return out
+
+
+def env_options(environ: typing.Mapping[str, str]) -> dict:
+    """SHOAL_<OPTION> variables; other SHOAL_* variables (not options) are left alone."""
+    names = set(option_types()) | {"config"}
+    found = {canonical(k[len(ENV_PREFIX):]): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    return normalize({k: v for k, v in found.items() if k in names}, "the environment")
+
+
+def yaml_options(path: str) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of option: value")
+    data.pop("config", None)  # no nesting
+    return normalize(data, path)
+
+
+# --------------------------------------------------------------------------- values
+
+def convert(name: str, value, kind):
+    """`value` (maybe a string from the environment or `serve run k=v`) as type `kind`."""
+    optional = _is_optional(kind)
+    base = _base_type(kind)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"option {name} needs a value")
+    try:
+        if base is bool:
+            return _bool(value)
+        if base is list:
+            return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) \
+                else list(value)
+        if base in (int, float):
+            if isinstance(value, bool) or (base is int and isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return base(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"option {name}: {value!r} is not a valid {base.__name__}") from None
+
+
+def _is_optional(kind) -> bool:
+    return type(None) in typing.get_args(kind)
+
+
+def _base_type(kind) -> type:
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return typing.get_origin(kind) or kind
+
+
+def _bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+# --------------------------------------------------------------------------- build + check
+
+def build(options: dict) -> ShoalConfig:
+    def section(cls):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in names})
+    try:
+        return ShoalConfig(section(EngineConfig), section(ServerSettings), section(DeployOptions))
+    except ValueError as exc:  # ServerSettings checks its own values
+        raise ConfigError(str(exc)) from None
+
+
+def validate(config: ShoalConfig) -> ShoalConfig:
+    try:
+        config.engine.validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    for check in (_check_layout, _check_replicas, _check_resources):
+        check(config)
+    return config
+
+
+def shards_per_replica(config: ShoalConfig) -> int:
+    return config.engine.tp_size * config.engine.pp_size
+
+
+def _check_layout(config: ShoalConfig) -> None:
+    e, d = config.engine, config.deploy
+    if e.tp_size < 1 or e.pp_size < 1 or d.world_size < 1:
+        raise ConfigError("--tp-size, --pp-size and --world-size must be positive")
+    if d.world_size % shards_per_replica(config):
+        raise ConfigError(f"--world-size {d.world_size} is not divisible by --tp-size x --pp-size "
+                          f"= {e.tp_size} x {e.pp_size} = {shards_per_replica(config)}")
+
+
+def _check_replicas(config: ShoalConfig) -> None:
+    d = config.deploy
+    if d.max_replicas is None:
+        if d.min_replicas is not None:
+            raise ConfigError("--min-replicas needs --max-replicas (autoscaling)")
+        if d.num_replicas is not None and d.num_replicas < 1:
+            raise ConfigError(f"--num-replicas must be positive, got {d.num_replicas}")
+        return
+    if d.num_replicas is not None or d.world_size != shards_per_replica(config):
+        raise ConfigError("give a fixed size (--world-size / --num-replicas) or autoscaling "
+                          "(--min-replicas / --max-replicas), not both")
+    low = 1 if d.min_replicas is None else d.min_replicas
+    if not 0 <= low <= d.max_replicas or d.max_replicas < 1:
+        raise ConfigError(f"need 0 <= --min-replicas ({low}) <= --max-replicas ({d.max_replicas}), "
+                          "with --max-replicas at least 1")
+
+
+def _check_resources(config: ShoalConfig) -> None:
+    d = config.deploy
+    if d.replica_cpus <= 0 or config.engine.shard_cpus <= 0 or d.ingress_cpus <= 0:
+        raise ConfigError("--replica-cpus, --shard-cpus and --ingress-cpus must be positive")
+    if not 0 < d.port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {d.port}")
+    if d.ingress_replicas < 1:
+        raise ConfigError("--ingress-replicas must be positive")
+
+
+def replica_count(config: ShoalConfig) -> int:
+    """Fixed replicas: --num-replicas, else world_size / (tp x pp)."""
+    d = config.deploy
+    return d.num_replicas or d.world_size // shards_per_replica(config)

@@ -1,0 +1,169 @@
+"""GET /metrics: Prometheus text for the whole replica pool, plus this ingress's HTTP counters.
+
+Each replica's scheduler hands back a snapshot of its engine metrics (actors/metrics.py:
+counters, gauges, histogram buckets); this module sums them over replicas and renders them
+with a prometheus_client custom collector. Names match the Ray export: `shoal_...` here,
+summed, with a `model` label; `ray_shoal_...` from Ray's per-node exporter, per replica.
+
+`HttpMetrics` counts responses by route and status in the ingress middleware, and mirrors
+them into Ray's metrics API when the ingress runs in a Ray worker (the Serve ingress).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from collections import defaultdict
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, PREFIX
+
+log = logging.getLogger("shoal.api")
+
+router = APIRouter(tags=["Operations"])
+
+HTTP_REQUESTS = ("http_requests", "HTTP responses by route and status code.")
+
+
+# --------------------------------------------------------------------------- HTTP counters
+
+class HttpMetrics:
+    def __init__(self):
+        self.counts: dict[tuple[str, str], int] = defaultdict(int)  # (path, status) -> responses
+        self.replica, self._ray = ray_counter()
+
+    def record(self, model: str, path: str, status: int) -> None:
+        key = (path, str(status))
+        self.counts[key] += 1
+        if self._ray is not None:
+            self._ray.inc(1, {"model": model, "replica": self.replica, "path": key[0], "status": key[1]})
+
+
+def ray_counter():
+    """(this Serve replica's id, a Ray counter) inside a Ray worker, else ("local", None).
+    Ray is only looked at if something imported it already: no import cost in-process."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "local", None
+    try:
+        from ray import serve
+        from ray.util.metrics import Counter
+        replica = serve.get_replica_context().replica_id.unique_id
+    except Exception:  # a driver, not a Serve replica
+        return "local", None
+    counter = Counter(PREFIX + HTTP_REQUESTS[0], HTTP_REQUESTS[1], ("model", "replica", "path", "status"))
+    return replica, counter
+
+
+def route_label(scope) -> str:
+    """The matched route's template (bounded: never a raw path), or "unmatched"."""
+    route = scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
+# --------------------------------------------------------------------------- /metrics
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request):
+    """Prometheus text format: engine metrics summed over replicas, and HTTP counters."""
+    state = request.app.state
+    snapshots = await pool_snapshots(getattr(state, "client", None))
+    registry = CollectorRegistry()
+    registry.register(ShoalCollector(combine(snapshots), state.http_metrics.counts,
+                                     state.settings.served_model_name))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def pool_snapshots(client) -> list[dict]:
+    if client is None or not hasattr(client, "metrics"):  # not attached yet, or a test stub
+        return []
+    try:
+        return await client.metrics()
+    except Exception:  # a scrape must still answer: show what we have (HTTP counters)
+        log.warning("could not gather engine metrics", exc_info=True)
+        return []
+
+
+def combine(snapshots: list[dict]) -> dict | None:
+    """Sum replica snapshots: counters, gauges (blocks, not fractions) and bucket counts."""
+    if not snapshots:
+        return None
+    total = {"counters": defaultdict(float), "finished": defaultdict(float),
+             "gauges": defaultdict(float), "histograms": {}}
+    for snap in snapshots:
+        for part in ("counters", "finished", "gauges"):
+            for name, value in snap[part].items():
+                total[part][name] += value
+        for name, h in snap["histograms"].items():
+            _add_histogram(total["histograms"], name, h)
+    return total
+
+
+def _add_histogram(into: dict, name: str, h: dict) -> None:
+    acc = into.get(name)
+    if acc is None:
+        into[name] = {"bounds": list(h["bounds"]), "counts": list(h["counts"]), "sum": h["sum"]}
+    elif acc["bounds"] == list(h["bounds"]):
+        acc["counts"] = [a + b for a, b in zip(acc["counts"], h["counts"])]
+        acc["sum"] += h["sum"]
+    else:  # replicas started with different bucket options: keep the first's
+        log.warning("replicas disagree on the buckets of %s; some are left out", name)
+
+
+class ShoalCollector:
+    """A prometheus_client custom collector over one combined snapshot."""
+
+    def __init__(self, engine: dict | None, http_counts: dict, model: str):
+        self.engine, self.http, self.model = engine, dict(http_counts), model
+
+    def collect(self):
+        yield self._http()
+        if self.engine is None:
+            return
+        e, model = self.engine, [self.model]
+        for name, text in COUNTERS.items():
+            yield _counter(name, text, ["model"], [(model, e["counters"].get(name, 0))])
+        yield _counter(FINISHED[0], FINISHED[1], ["model", "finish_reason"],
+                       [([self.model, r], v) for r, v in sorted(e["finished"].items())])
+        yield from self._gauges(e)
+        for name, h in e["histograms"].items():
+            yield _histogram(name, HISTOGRAMS[name][0], model, h)
+
+    def _http(self):
+        rows = [([self.model, path, status], n) for (path, status), n in sorted(self.http.items())]
+        return _counter(HTTP_REQUESTS[0], HTTP_REQUESTS[1], ["model", "path", "status"], rows)
+
+    def _gauges(self, e: dict):
+        g, c = e["gauges"], e["counters"]
+        values = {
+            "num_requests_running": g["num_requests_running"],
+            "num_requests_waiting": g["num_requests_waiting"],
+            "kv_cache_usage": g["kv_blocks_used"] / g["kv_blocks_total"] if g["kv_blocks_total"] else 0.0,
+            "prefix_cache_hit_rate": (c["prefix_cache_hits"] / c["prefix_cache_queries"]
+                                      if c["prefix_cache_queries"] else 0.0),
+        }
+        for name, text in GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + name, text, labels=["model"])
+            family.add_metric([self.model], values[name])
+            yield family
+
+
+def _counter(name: str, text: str, labels: list[str], rows) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, text, labels=labels)
+    for values, n in rows:
+        family.add_metric(values, n)
+    return family
+
+
+def _histogram(name: str, text: str, model: list[str], h: dict) -> HistogramMetricFamily:
+    """Cumulative `le` buckets, as Prometheus wants them, from per-bucket counts."""
+    buckets, running = [], 0
+    for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):
+        running += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+    family = HistogramMetricFamily(PREFIX + name, text, labels=["model"])
+    family.add_metric(model, buckets, h["sum"])
+    return family

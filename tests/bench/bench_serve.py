@@ -1,0 +1,273 @@
+"""Serving overhead: output tokens/s through HTTP (Ray Serve, streaming) vs the same
+workload on the in-process engine, in the same run; TTFT and inter-token latency.
+
+    .venv/bin/python tests/bench/bench_serve.py [--threads 2] [--requests 64] [--output-len 128]
+
+Both sides run the same EngineConfig on the same checkpoint (tests/bench/common.py) with
+the same torch thread count. The in-process side streams from an AsyncEngine in this
+process; the HTTP side streams /v1/completions (token-id prompts, so both see identical
+prompts) through proxy -> ingress -> LLMServer replica -> scheduler actor. Both stay up and
+the two sides alternate for a few rounds, so each HTTP round has an in-process neighbour
+that saw the same machine load; the ratio is the median over rounds. Prints markdown.
+"""
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from common import bench_checkpoint, workload  # noqa: E402
+
+from actors.async_engine import AsyncEngine  # noqa: E402
+from actors.config import EngineConfig  # noqa: E402
+from actors.sampling_params import SamplingParams  # noqa: E402
+
+
+@dataclass
+class Run:
+    """One workload's timings: per request TTFT and time per output token, all chunk gaps."""
+    tokens: int = 0
+    wall: float = 0.0
+    ttft: list = field(default_factory=list)
+    tpot: list = field(default_factory=list)
+    gaps: list = field(default_factory=list)
+    cpu: dict = field(default_factory=dict)  # CPU seconds per process kind during the run
+
+    def record(self, start: float, arrivals: list[float], tokens: int) -> None:
+        if not arrivals:
+            raise RuntimeError("a request produced no output")
+        self.tokens += tokens
+        self.ttft.append(arrivals[0] - start)
+        if tokens > 1:
+            self.tpot.append((arrivals[-1] - arrivals[0]) / (tokens - 1))
+        self.gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))] * 1e3
+
+
+async def run_all(one, prompts: list, concurrency: int) -> Run:
+    run, gate = Run(), asyncio.Semaphore(concurrency)
+
+    async def limited(prompt):
+        async with gate:
+            await one(prompt, run)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(limited(p) for p in prompts))
+    run.wall = time.perf_counter() - start
+    return run
+
+
+# --------------------------------------------------------------------------- in-process
+
+def in_process(engine: AsyncEngine, out_len: int):
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    counter = iter(range(10**9))
+
+    async def one(prompt, run: Run):
+        start, arrivals, tokens = time.perf_counter(), [], 0
+        async for out in engine.generate(prompt, params, f"b{next(counter)}"):
+            arrivals.append(time.perf_counter())
+            tokens += len(out.outputs[0].token_ids)
+        run.record(start, arrivals, tokens)
+    return one
+
+
+# --------------------------------------------------------------------------- HTTP
+
+def over_http(http: httpx.AsyncClient, url: str, out_len: int):
+    async def one(prompt, run: Run):
+        body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        start, arrivals, tokens = time.perf_counter(), [], 0
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    arrivals.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        run.record(start, arrivals, tokens)
+    return one
+
+
+def start_serve(options: dict) -> str:
+    import ray
+    from ray import serve
+
+    from app.builder import build_app
+
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
+             logging_level="WARNING")
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(options), name="bench", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_serve() -> None:
+    import ray
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
+
+
+# --------------------------------------------------------------------------- main
+
+async def alternate(sides: dict, prompts: list, concurrency: int, rounds: int) -> dict:
+    """Run each side in turn, `rounds` times: neighbours share the machine's mood."""
+    runs = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, one in sides.items():
+            before = cpu_seconds()
+            run = await run_all(one, prompts, concurrency)
+            after = cpu_seconds()
+            run.cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+            runs[name].append(run)
+    return runs
+
+
+# What each of our Ray processes does (by process title); raylet and GCS by program name.
+PROCESS_KINDS = {"ray::SchedulerActor": "scheduler actor (engine)",
+                 "ray::ServeReplica:bench:LLMServer": "LLMServer replica",
+                 "ray::ServeReplica:bench:Ingress": "ingress replica", "ray::ProxyActor": "HTTP proxy",
+                 "ray::ServeController": "Serve controller", "raylet": "raylet + GCS",
+                 "gcs_server": "raylet + GCS"}
+
+
+def cpu_seconds() -> dict:
+    """User + system CPU seconds so far: this process (the in-process engine, or the HTTP
+    client) and each kind of Ray process below it (our local cluster only)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals = {"this process": sum(os.times()[:2])}
+    for pid, (argv0, ticks) in descendants(os.getpid()).items():
+        kind = next((v for k, v in PROCESS_KINDS.items()
+                     if argv0.startswith(k) or os.path.basename(argv0) == k), None)
+        if kind:
+            totals[kind] = totals.get(kind, 0.0) + ticks / tick
+    return totals
+
+
+def descendants(root: int) -> dict:
+    """pid -> (argv[0], user + system ticks) for every process below `root` (from /proc)."""
+    procs = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv0 = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace")
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        procs[int(pid)] = (int(fields[1]), argv0, int(fields[11]) + int(fields[12]))
+    found, todo = {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, argv0, ticks) in procs.items():
+            if ppid == parent and pid not in found:
+                found[pid] = (argv0, ticks)
+                todo.append(pid)
+    return found
+
+
+async def measure(options: dict, url: str, prompts: list, args) -> tuple[dict, dict]:
+    engine = AsyncEngine(EngineConfig(**options))
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        batch = {"in-process": in_process(engine, args.output_len),
+                 "HTTP via Ray Serve": over_http(http, url, args.output_len)}
+        lone = {"in-process": in_process(engine, 64), "HTTP via Ray Serve": over_http(http, url, 64)}
+        await alternate(batch, prompts[:2], 2, 1)  # warm-up
+        many = await alternate(batch, prompts, len(prompts), args.rounds)
+        one = await alternate(lone, prompts[:args.single], 1, args.rounds)
+    engine.shutdown()
+    return many, one
+
+
+def pooled(runs: list[Run]) -> Run:
+    total = Run(tokens=sum(r.tokens for r in runs), wall=sum(r.wall for r in runs))
+    for r in runs:
+        total.ttft += r.ttft
+        total.tpot += r.tpot
+        total.gaps += r.gaps
+    return total
+
+
+def row(name: str, runs: list[Run]) -> str:
+    run = pooled(runs)
+    rates = " / ".join(f"{r.rate:.0f}" for r in runs)
+    return (f"| {name} | {rates} | {pct(run.ttft, 50):.0f} / {pct(run.ttft, 99):.0f} | "
+            f"{pct(run.tpot, 50):.1f} / {pct(run.tpot, 99):.1f} | "
+            f"{pct(run.gaps, 50):.1f} / {pct(run.gaps, 99):.1f} |")
+
+
+def cpu_per_k(runs: list[Run], kind: str) -> str:
+    seconds = sum(r.cpu.get(kind, 0.0) for r in runs)
+    return f"{1000 * seconds / sum(r.tokens for r in runs):.2f}" if seconds else "-"
+
+
+def report(args, many: dict, one: dict) -> None:
+    print(f"{args.requests} requests, prompts of 32-256 tokens, {args.output_len} output tokens, greedy, "
+          f"{args.threads} torch threads, --stream-chunks-per-s {args.chunks_per_s:g}, "
+          f"{args.rounds} alternating rounds; concurrency 1: "
+          f"{args.single} requests x 64 tokens per round\n")
+    print("| run | output tok/s per round | TTFT p50 / p99 (ms) | time per output token p50 / p99 (ms) "
+          "| chunk gap p50 / p99 (ms) |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, runs in (("concurrency %d" % args.requests, many), ("concurrency 1", one)):
+        for name, side in runs.items():
+            print(row(f"{name}, {label}", side))
+    print(f"\nCPU seconds per 1000 output tokens at concurrency {args.requests} (all rounds):\n")
+    print("| process | in-process | HTTP via Ray Serve |")
+    print("| --- | --- | --- |")
+    for kind in ["this process", *dict.fromkeys(PROCESS_KINDS.values())]:
+        cells = [cpu_per_k(many[side], kind) for side in many]
+        print(f"| {kind} | {' | '.join(cells)} |")
+    ratios = [h.rate / i.rate for h, i in zip(many["HTTP via Ray Serve"], many["in-process"])]
+    print(f"\nHTTP / in-process output tokens/s at concurrency {args.requests}, per round: "
+          f"{' / '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f} (target >= 0.85)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--single", type=int, default=8, help="requests timed one at a time per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine, both sides")
+    ap.add_argument("--chunks-per-s", type=float, default=100.0, help="the server's --stream-chunks-per-s")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = bench_checkpoint()
+    prompts = workload(args.requests)
+    options = dict(model_path=str(path), num_threads=args.threads, max_num_seqs=args.requests,
+                   kv_cache_memory=1.0, attn_backend="native")
+    url = start_serve({**options, "shard_cpus": args.threads, "stream_chunks_per_s": args.chunks_per_s})
+    try:
+        many, one = asyncio.run(measure(options, url, prompts, args))
+    finally:
+        stop_serve()
+    report(args, many, one)
+
+
+if __name__ == "__main__":
+    main()

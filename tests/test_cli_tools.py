@@ -1,0 +1,204 @@
+"""The client CLIs end to end: `shoal chat`, `complete`, `bench serve`, `bench throughput`,
+`collect-env`, against a real API server (uvicorn on 127.0.0.1 over a LocalEngineClient on a
+tiny checkpoint) or the in-process engine.
+
+Most commands run in this process through `app.cli.main` (no second torch import on a
+2-core machine); the interactive chat runs as a real subprocess fed through stdin. The
+server records each prompt it renders, so history and `clear` are checked where they
+matter: in what the model was asked.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from actors.config import EngineConfig
+from app.api import attach, build_api
+from app.bench.cli import check_bounded
+from app.bench.report import percentile
+from app.cli import build_parser, main
+from app.embedded import serve_in_thread
+from app.engine_client import LocalEngineClient
+from app.settings import ServerSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RecordingClient:
+    """The real engine client, remembering each prompt (as text) and its sampling params."""
+
+    def __init__(self, inner):
+        self.inner, self.tokenizer = inner, inner.tokenizer
+        self.max_model_len = inner.max_model_len
+        self.prompts, self.params = [], []
+
+    def generate(self, prompt_token_ids, params, request_id, priority=0):
+        self.prompts.append(self.tokenizer.decode(prompt_token_ids))
+        self.params.append(params)
+        return self.inner.generate(prompt_token_ids, params, request_id, priority)
+
+    def __getattr__(self, name):  # abort, stats, ready, shutdown
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_ckpt):
+    client = RecordingClient(LocalEngineClient(EngineConfig(model_path=str(llama_ckpt),
+                                                            num_kv_blocks=256)))
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(engine, llama_ckpt):
+    settings = ServerSettings(model_path=str(llama_ckpt))
+    with serve_in_thread(attach(build_api(settings), engine, engine.tokenizer, settings)) as base:
+        yield base + "/v1"
+
+
+@pytest.fixture(scope="module")
+def oai(url):
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+
+
+def greedy_chat(oai, messages, max_tokens):
+    model = oai.models.list().data[0].id
+    return oai.chat.completions.create(model=model, messages=messages, temperature=0,
+                                       max_tokens=max_tokens).choices[0].message.content
+
+
+# --------------------------------------------------------------------------- chat
+
+def test_chat_prompt_streams_the_answer(url, oai, engine, capsys):
+    assert main(["chat", "--url", url, "--prompt", "Tell me about the fox", "--system",
+                 "Be brief.", "-t", "0", "-k", "3", "--max-tokens", "8"]) == 0
+    expected = greedy_chat(oai, [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Tell me about the fox"}], 8)
+    assert capsys.readouterr().out == expected + "\n"
+    asked = engine.params[-2]  # the CLI's request, before the reference one
+    assert (asked.top_k, asked.max_tokens, asked.temperature) == (3, 8, 0)
+    assert "Be brief." in engine.prompts[-2]
+
+
+def test_chat_interactive_keeps_history_and_clears(url, engine):
+    before = len(engine.prompts)
+    lines = "first question\nsecond question\nclear\nthird question\nquit\n"
+    done = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--url", url, "-t", "0",
+                           "--max-tokens", "4"], input=lines, capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("Assistant: ") == 3
+    assert "(conversation cleared)" in done.stdout
+    first, second, third = engine.prompts[before:]
+    assert "first question" in first
+    assert "first question" in second and "second question" in second  # history kept
+    assert "third question" in third and "question" not in third.replace("third question", "")
+
+
+def test_chat_with_embedded_engine(llama_ckpt, oai, capsys):
+    assert main(["chat", "--model-path", str(llama_ckpt), "--num-kv-blocks", "64", "-p", "hi",
+                 "-t", "0", "--max-tokens", "6"]) == 0
+    expected = greedy_chat(oai, [{"role": "user", "content": "hi"}], 6)
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_chat_without_server_fails_in_one_line(capsys):
+    assert main(["chat", "--url", "http://127.0.0.1:9/v1", "-p", "hi"]) == 1
+    assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_complete_streams_text(url, oai, capsys):
+    assert main(["complete", "--url", url.removesuffix("/v1"), "-q", "The quick brown", "-t", "0",
+                 "--max-tokens", "6"]) == 0
+    model = oai.models.list().data[0].id
+    expected = oai.completions.create(model=model, prompt="The quick brown", temperature=0,
+                                      max_tokens=6).choices[0].text
+    assert capsys.readouterr().out == expected + "\n"
+
+
+# --------------------------------------------------------------------------- bench
+
+def test_bench_serve_json_and_plot(url, tmp_path, capsys):
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    assert main(["bench", "serve", "--url", url, "--num-prompts", "8", "--max-concurrency", "4",
+                 "--input-len", "16", "--output-len", "8", "--json", str(out), "--plot", str(png),
+                 "--disable-tqdm"]) == 0
+    table = capsys.readouterr().out
+    assert "Request throughput (req/s)" in table and "Time to first token" in table
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"]) == (8, 0)
+    assert result["total_output_tokens"] == 64  # ignore_eos: exactly --output-len each
+    assert result["request_throughput"] > 0 and result["output_throughput"] > 0
+    for name in ("ttft", "itl", "e2e", "tpot"):
+        p50, p90, p99 = (result[f"p{q}_{name}_ms"] for q in (50, 90, 99))
+        assert 0 < p50 <= p90 <= p99
+    assert len(result["requests"]) == 8 and result["config"]["max_concurrency"] == 4
+    assert max_in_flight(result["requests"]) <= 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def max_in_flight(rows) -> int:
+    # At equal times an end sorts first (-1 < +1): the freed slot is what let the next start.
+    events = sorted([(r["start"], 1) for r in rows] + [(r["end"], -1) for r in rows])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def test_bench_serve_poisson_chat_dataset(url, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}) + "\n")
+    out = tmp_path / "out.json"
+    assert main(["bench", "serve", "--url", url, "--endpoint", "chat", "--dataset", str(data),
+                 "--num-prompts", "4", "--request-rate", "20", "--output-len", "5",
+                 "--json", str(out), "--disable-tqdm"]) == 0
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["total_output_tokens"]) == (4, 5 + 3 + 5 + 3)
+    starts = sorted(r["start"] for r in result["requests"])
+    assert starts[-1] > starts[0]  # Poisson: spread out, not all at t=0
+
+
+def test_bench_helpers():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0 and math.isnan(percentile([], 50))
+    args = build_parser().parse_args(["bench", "serve", "--duration", "5"])
+    with pytest.raises(SystemExit, match="--request-rate or --max-concurrency"):
+        check_bounded(args)  # a duration alone would start requests without end
+
+
+def test_bench_throughput(llama_ckpt, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model-path", str(llama_ckpt), "--num-kv-blocks", "64",
+                 "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                 "--json", str(out), "--disable-tqdm"]) == 0
+    assert "requests/s" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert (result["num_requests"], result["total_input_tokens"],
+            result["total_output_tokens"]) == (4, 32, 16)
+    assert result["output_tokens_per_second"] > 0
+
+
+# --------------------------------------------------------------------------- collect-env
+
+def test_collect_env(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # nothing there: a quick, certain answer
+    assert main(["collect-env", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    versions = report["versions"]
+    assert versions["python"] == sys.version.split()[0]
+    assert versions["torch"] and versions["transformers"] and versions["ray"]
+    assert report["system"]["logical_cores"] >= 1 and report["system"]["cpu"]
+    assert isinstance(report["torch"]["cuda_available"], bool)
+    assert report["ray_cluster"] == {"status": "unreachable", "address": "127.0.0.1:9"}
+    assert main(["collect-env", "--ray-address", "none"]) == 0
+    text = capsys.readouterr().out
+    assert "== versions" in text and "transformers" in text and "skipped" in text

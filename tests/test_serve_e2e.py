@@ -1,0 +1,380 @@
+"""End to end through Ray Serve: the official openai client against real deployments.
+
+One Ray instance for the module (loopback only, no dashboard) hosts two apps: `shoal` at /
+(one replica) and `pair` at /pair (two replicas, an API key and a tiny queue limit, for the
+routing, 401 and 429 checks). `serve run serve_configs/dev.yaml` and the `shoal serve`
+command are exercised in subprocesses.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Loopback sockets and no token auth (MACHINE-NOTES); Ray reads these when it is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+PAIR_KEY = "sekret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_env(**extra) -> dict:
+    return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+            **extra}
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def serve_port():
+    import ray
+    from ray import serve
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # loopback even if ray was imported before us
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
+             logging_level="WARNING")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_port, llama_ckpt):
+    from ray import serve
+
+    from app.builder import build_app
+
+    app = build_app({"model_path": str(llama_ckpt), "num_kv_blocks": 256, "num_threads": 1})
+    serve.run(app, name="shoal", route_prefix="/")
+    return f"http://127.0.0.1:{serve_port}"
+
+
+@pytest.fixture(scope="module")
+def pair_url(serve_port, llama_ckpt, base_url):
+    from ray import serve
+
+    from app.builder import build_app
+
+    app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,
+                     "api_key": PAIR_KEY, "max_num_seqs": 2, "max_queued_requests": 2,
+                     "num_kv_blocks": 64, "num_threads": 1})
+    serve.run(app, name="pair", route_prefix="/pair")
+    return f"http://127.0.0.1:{serve_port}/pair"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_ckpt):
+    from actors.llm import LLM
+    return LLM(str(llama_ckpt), num_kv_blocks=64)
+
+
+def greedy(**extra) -> dict:
+    return {"temperature": 0, "max_tokens": 24, **extra}
+
+
+def replica_stats(url: str, **headers) -> list[dict]:
+    return httpx.get(f"{url}/stats", headers=headers, timeout=10).json()["replicas"]
+
+
+# --------------------------------------------------------------------------- OpenAI API
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model="", messages=MESSAGES, **greedy())
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+
+
+def test_chat_streaming_equals_non_streaming(client):
+    whole = client.chat.completions.create(model="", messages=MESSAGES, **greedy())
+    chunks = list(client.chat.completions.create(
+        model="", messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **greedy()))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_greedy_http_equals_offline_engine(client, offline):
+    from actors.sampling_params import SamplingParams
+    from app.chat_template import render_chat
+
+    params = SamplingParams(temperature=0, max_tokens=24)
+    text = client.completions.create(model="", prompt=PROMPT, **greedy()).choices[0].text
+    assert text == offline.generate(PROMPT, params)[0].outputs[0].text
+    chat = client.chat.completions.create(model="", messages=MESSAGES, **greedy())
+    ids = render_chat(offline.tokenizer, MESSAGES)
+    assert chat.choices[0].message.content == offline.generate(ids, params)[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_64_concurrent_streams_complete(base_url):
+    aclient = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+    async def one(i: int) -> tuple[str, int]:
+        stream = await aclient.completions.create(
+            model="", prompt=f"{PROMPT} {i}", max_tokens=32, temperature=0.8, seed=i, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        finish, tokens = None, 0
+        async for chunk in stream:
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+        return finish, tokens
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), timeout=120)
+
+    start = time.monotonic()
+    results = asyncio.run(run())
+    assert results == [("length", 32)] * 64, f"after {time.monotonic() - start:.1f} s"
+
+
+def test_cancelled_stream_frees_its_blocks(base_url):
+    body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    before = replica_stats(base_url)[0]
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # kept open: closing it would close the connection
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            during = replica_stats(base_url)[0]
+        # Leaving the block closes the connection mid-stream.
+    assert during["running"] == 1 and during["kv_blocks_free"] < during["kv_blocks_total"], during
+    deadline = time.monotonic() + 10
+    while (after := replica_stats(base_url)[0])["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after["running"] == 0 and after["kv_blocks_free"] == after["kv_blocks_total"]
+    assert after["generated_tokens"] - before["generated_tokens"] < 480  # aborted, not finished
+
+
+def test_models_and_readiness(client, base_url, llama_ckpt):
+    assert [m.id for m in client.models.list().data] == [Path(llama_ckpt).name]
+    assert httpx.get(f"{base_url}/readyz").status_code == 200
+    assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
+
+
+def test_bad_request_is_400_with_openai_body(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="", prompt=PROMPT, max_tokens=100_000)
+    error = info.value.body
+    assert error["code"] == "context_length_exceeded" and "maximum context length" in error["message"]
+
+
+# --------------------------------------------------------------------------- two replicas
+
+def test_both_replicas_receive_traffic(pair_url):
+    pair = openai.OpenAI(base_url=f"{pair_url}/v1", api_key=PAIR_KEY, max_retries=0)
+
+    async def wave():
+        aclient = openai.AsyncOpenAI(base_url=f"{pair_url}/v1", api_key=PAIR_KEY, max_retries=0)
+        for _ in range(8):  # two at a time: never over the queue limit of 2
+            await asyncio.gather(*(aclient.completions.create(model="", prompt=PROMPT, max_tokens=4)
+                                   for _ in range(2)))
+
+    pair.models.list()
+    asyncio.run(wave())
+    stats = replica_stats(pair_url, Authorization=f"Bearer {PAIR_KEY}")
+    assert len(stats) == 2
+    assert all(r["generated_tokens"] > 0 for r in stats), stats
+
+
+def test_missing_api_key_is_401(pair_url):
+    wrong = openai.OpenAI(base_url=f"{pair_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.completions.create(model="", prompt=PROMPT, max_tokens=4)
+    assert info.value.status_code == 401 and info.value.body["type"] == "authentication_error"
+    assert httpx.get(f"{pair_url}/healthz").status_code == 200  # probes stay open
+
+
+def test_queue_full_is_429_with_retry_after(pair_url):
+    headers = {"Authorization": f"Bearer {PAIR_KEY}"}
+    body = {"prompt": PROMPT, "max_tokens": 64, "ignore_eos": True}
+
+    async def flood():
+        async with httpx.AsyncClient(timeout=120, headers=headers) as http:
+            return await asyncio.gather(*(http.post(f"{pair_url}/v1/completions", json=body)
+                                          for _ in range(24)))
+
+    responses = asyncio.run(flood())
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused and {r.status_code for r in responses} <= {200, 429}
+    assert refused[0].headers["retry-after"]
+    assert refused[0].json()["error"]["type"] == "rate_limit_error"
+
+
+def test_dead_engine_is_503(pair_url):
+    import ray
+
+    from app.server import scheduler_actors
+
+    headers = {"Authorization": f"Bearer {PAIR_KEY}"}
+    victim = next(iter(scheduler_actors("pair").values()))
+    ray.kill(victim)
+    statuses = []
+    for _ in range(12):  # the router picks replicas at random: some land on the dead one
+        r = httpx.post(f"{pair_url}/v1/completions", headers=headers, timeout=30,
+                       json={"prompt": PROMPT, "max_tokens": 2})
+        statuses.append(r.status_code)
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "engine_dead"
+            break
+    assert 503 in statuses and set(statuses) <= {200, 503}
+
+
+# --------------------------------------------------------------------------- serve run
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below pid (from /proc), to check nothing outlives a shutdown."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+def test_serve_run_dev_yaml(llama_ckpt, tmp_path):
+    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port  # the only change: a free port
+    path = tmp_path / "dev.yaml"
+    path.write_text(yaml.safe_dump(config))
+    # The bundled model when it is there (dev.yaml as shipped), else a tiny test checkpoint.
+    bundled = (REPO / "actors/demo_model/config.json").exists()
+    env = loopback_env(RAY_ADDRESS="local", SHOAL_NUM_KV_BLOCKS="64",
+                       **({} if bundled else {"SHOAL_MODEL_PATH": str(llama_ckpt)}))
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(path)], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4)
+        assert reply.choices[0].message.content is not None
+        family = descendants(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    assert code is not None
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in family if alive(p)], "serve run left processes behind"
+
+
+# --------------------------------------------------------------------------- stream pacing
+
+def test_coalesce_sends_first_at_once_then_gathers_and_closing_aborts():
+    from actors.scheduler_actor import coalesce
+
+    closed = []
+
+    async def source():
+        try:
+            for i in range(100):
+                yield i
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append(True)  # the engine stream's abort lives here
+
+    async def run():
+        stream = coalesce(source(), interval=lambda: 0.1)
+        first = await stream.__anext__()
+        second = await stream.__anext__()
+        await stream.aclose()
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert first == [0]  # no waiting for company
+    assert second[0] == 1 and len(second) >= 4  # ~0.1 s of 10 ms items, gathered
+    assert closed == [True]
+
+
+# --------------------------------------------------------------------------- shoal serve
+
+def shoal(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", "serve", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_print_config_precedence(llama_ckpt, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 9002\nseed: 3\nblock_size: 32\nmax-num-seqs: 8\n")
+    env = loopback_env(SHOAL_SEED="7", SHOAL_MAX_NUM_SEQS="9")
+    done = shoal("--model-path", str(llama_ckpt), "--config", str(config), "--port", "9001",
+                 "--max-running-prompts", "10", "--print-config", env=env)
+    assert done.returncode == 0, done.stderr
+    options = yaml.safe_load(done.stdout)
+    assert options["port"] == 9001 and options["max_num_seqs"] == 10  # command line
+    assert options["seed"] == 7  # environment over YAML
+    assert options["block_size"] == 32  # YAML over defaults
+    assert options["host"] == "0.0.0.0" and options["default_max_tokens"] == 1024  # areno defaults
+
+
+def test_bad_combination_fails_with_one_line(llama_ckpt):
+    done = shoal("--model-path", str(llama_ckpt), "--tp-size", "2", "--world-size", "3")
+    assert done.returncode != 0 and done.stdout == ""
+    assert done.stderr.strip().count("\n") == 0
+    assert "--world-size 3 is not divisible by --tp-size x --pp-size" in done.stderr
+
+
+def test_dry_run_loads_the_model(llama_ckpt):
+    done = shoal("--model-path", str(llama_ckpt), "--dry-run", "--num-kv-blocks", "16",
+                 env=loopback_env())
+    assert done.returncode == 0, done.stderr
+    assert "dry run ok" in done.stdout and "max_model_len 512" in done.stdout
