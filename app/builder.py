@@ -39,6 +39,8 @@ def llm_server_options(config: ShoalConfig) -> dict:
         # One access-log line per token stream is noise; the ingress logs every request.
         logging_config={"log_level": d.log_level.upper(), "enable_access_log": False},
     )
+    if d.routing == "prefix-aware":
+        options["request_router_config"] = prefix_aware_router()
     if d.max_replicas is None:
         options["num_replicas"] = replica_count(config)
     else:
@@ -48,6 +50,22 @@ def llm_server_options(config: ShoalConfig) -> dict:
             "target_ongoing_requests": d.target_ongoing_requests,
         }
     return options
+
+
+def prefix_aware_router():
+    """Ray Serve LLM's prefix-tree router: the replica that served the longest matching prefix,
+    unless it has PREFIX_BUSY_MARGIN more requests in flight than the least busy one."""
+    from ray.serve.config import RequestRouterConfig
+    try:
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+    except ImportError:  # that path imports ray[llm]'s pyarrow; the router itself needs none
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter)
+    return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter,
+                               request_router_kwargs={"imbalanced_threshold": PREFIX_BUSY_MARGIN})
+
+
+PREFIX_BUSY_MARGIN = 8
 
 
 def pack_strategy(bundles: list[dict]) -> str:

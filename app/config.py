@@ -48,6 +48,7 @@ class DeployOptions:
     decode_progress_interval_s: float = 0.0  # > 0: the scheduler logs throughput this often
     stream_chunks_per_s: float = 100.0  # per replica, under load; 0: every token as it comes
     eager_decode: bool = False  # areno's flag; there are no CUDA graphs yet, decode is eager
+    routing: str = "load"  # load (Serve's power of two choices) | prefix-aware
 
 
 @dataclass
@@ -211,6 +212,8 @@ def _check_layout(config: ShoalConfig) -> None:
     e, d = config.engine, config.deploy
     if e.tp_size < 1 or e.pp_size < 1 or d.world_size < 1:
         raise ConfigError("--tp-size, --pp-size and --world-size must be positive")
+    if d.routing not in ("load", "prefix-aware"):
+        raise ConfigError(f"--routing must be load or prefix-aware, got {d.routing!r}")
     if d.world_size % shards_per_replica(config):
         raise ConfigError(f"--world-size {d.world_size} is not divisible by --tp-size x --pp-size "
                           f"= {e.tp_size} x {e.pp_size} = {shards_per_replica(config)}")

@@ -60,6 +60,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     add("--decode-progress-interval-s", type=float, metavar="S",
         help="log decode throughput every S seconds (default 0: off)")
+    add("--routing", choices=["load", "prefix-aware"],
+        help="replica choice: by load (default), or to the replica likely to hold the prompt's "
+             "prefix in its cache, falling back to load when that replica is busy")
     add("--stream-chunks-per-s", type=float, metavar="N",
         help="under load, gather stream tokens so a replica sends about N chunks/s in all "
              "(first token always at once; 0: every token at once; default 100)")

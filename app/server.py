@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import ray
 from ray import serve
@@ -30,6 +31,21 @@ log = logging.getLogger("shoal.server")
 SCHEDULER_NAMESPACE = "shoal"
 # The engine's refusals of one request (400, 429, 503 at the HTTP layer).
 REFUSALS = (ValueError, QueueFullError, EngineDeadError)
+
+
+@dataclass
+class EngineRequest:
+    """One generate call to the replica pool."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    priority: int = 0
+
+    @property
+    def prompt(self) -> str:
+        """What prefix-aware routing matches on: one character per token id (past the control
+        characters), so a shared token prefix is a shared string prefix."""
+        return "".join(chr(0x20 + t) for t in self.prompt_token_ids)
 
 
 def scheduler_name_prefix(app_name: str) -> str:
@@ -67,11 +83,11 @@ class LLMServer:
         self.max_model_len = await self.scheduler.get_max_model_len.remote()  # waits for the model
         log.info("replica %s ready", self.replica)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0):
+    async def generate(self, request: "EngineRequest"):
         """Lists of delta RequestOutputs, relayed as the scheduler paced them."""
+        request_id = request.request_id
         stream = self.scheduler.generate.options(num_returns="streaming").remote(
-            prompt_token_ids, params, request_id, priority)
+            request.prompt_token_ids, request.params, request_id, request.priority)
         finished = False
         try:
             async for ref in stream:
@@ -140,7 +156,7 @@ class ServeEngineClient:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0):
         response = self._streaming.generate.remote(
-            prompt_token_ids, params, request_id, priority)
+            EngineRequest(prompt_token_ids, params, request_id, priority))
         self._live[request_id] = response
         try:
             async for outputs in response:

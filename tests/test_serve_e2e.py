@@ -234,6 +234,34 @@ def test_queue_full_is_429_with_retry_after(pair_url):
     assert refused[0].json()["error"]["type"] == "rate_limit_error"
 
 
+@pytest.fixture(scope="module")
+def routed_url(serve_port, llama_ckpt, pair_url):
+    from ray import serve
+
+    from app.builder import build_app
+
+    app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,
+                     "routing": "prefix-aware", "num_kv_blocks": 64, "block_size": 4, "num_threads": 1})
+    serve.run(app, name="routed", route_prefix="/routed")
+    return f"http://127.0.0.1:{serve_port}/routed"
+
+
+@pytest.mark.slow
+def test_prefix_aware_routing_keeps_a_prefix_on_one_replica(routed_url):
+    """Five requests sharing a long prefix, one after another: all on the same replica (by load
+    alone that happens 1 time in 16) and served from its prefix cache."""
+    for group in ("alpha beta gamma delta " * 6, "one two three four five six " * 5):
+        before = {r["replica"]: r["generated_tokens"] for r in replica_stats(routed_url)}
+        for i in range(5):
+            r = httpx.post(f"{routed_url}/v1/completions", timeout=60,
+                           json={"prompt": group + f"question {i}", "max_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200
+        stats = replica_stats(routed_url)
+        grew = [r["replica"] for r in stats if r["generated_tokens"] > before.get(r["replica"], 0)]
+        assert len(grew) == 1, stats
+        assert next(r for r in stats if r["replica"] == grew[0])["prefix_cache_hit_rate"] > 0.3
+
+
 def test_dead_engine_is_503(pair_url):
     import ray
 
@@ -242,15 +270,18 @@ def test_dead_engine_is_503(pair_url):
     headers = {"Authorization": f"Bearer {PAIR_KEY}"}
     victim = next(iter(scheduler_actors("pair").values()))
     ray.kill(victim)
-    statuses = []
-    for _ in range(12):  # the router picks replicas at random: some land on the dead one
-        r = httpx.post(f"{pair_url}/v1/completions", headers=headers, timeout=30,
-                       json={"prompt": PROMPT, "max_tokens": 2})
-        statuses.append(r.status_code)
-        if r.status_code == 503:
-            assert r.json()["error"]["code"] == "engine_dead"
-            break
-    assert 503 in statuses and set(statuses) <= {200, 503}
+
+    async def burst():  # at once, before Serve's health check takes the dead replica out
+        async with httpx.AsyncClient(timeout=30, headers=headers) as http:
+            return await asyncio.gather(*(http.post(f"{pair_url}/v1/completions",
+                                                    json={"prompt": PROMPT, "max_tokens": 2})
+                                          for _ in range(12)))
+
+    responses = asyncio.run(burst())  # the router picks at random: some land on the dead one
+    statuses = [r.status_code for r in responses]
+    assert 503 in statuses and set(statuses) <= {200, 429, 503}
+    dead = next(r for r in responses if r.status_code == 503)
+    assert dead.json()["error"]["code"] in ("engine_dead", "not_ready")  # the pool noticed first
 
 
 # --------------------------------------------------------------------------- serve run
