@@ -34,6 +34,8 @@ GAUGES = {
     "num_requests_waiting": "Sequences waiting to be scheduled.",
     "kv_cache_usage": "Fraction of KV cache blocks in use (0..1).",
     "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache / tokens looked up.",
+    "expert_balancedness": "MoE models: mean over layers of mean / max routed tokens per expert-"
+                           "parallel rank over the load window (1 = even).",
 }
 _LATENCY = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
             10.0, 20.0, 40.0, 80.0]
@@ -172,9 +174,17 @@ class EngineMetrics:
                        "num_requests_waiting": len(sched.waiting),
                        # Blocks, not a fraction, so GET /metrics can sum them over replicas.
                        "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
-                       "kv_blocks_total": blocks.num_blocks},
+                       "kv_blocks_total": blocks.num_blocks, **_expert_gauges(engine)},
             "histograms": {name: h.snapshot() for name, h in self.hist.items()},
         }
+
+
+def _expert_gauges(engine) -> dict:
+    """Balancedness of MoE models, with a count so GET /metrics can average over replicas."""
+    experts = engine.runner.expert_stats()
+    if experts is None:
+        return {}
+    return {"expert_balancedness": experts["balancedness"], "moe_replicas": 1}
 
 
 def check_buckets(name: str, value) -> list[float] | None:

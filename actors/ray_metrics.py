@@ -73,6 +73,8 @@ class RayExporter:
         self.gauges["num_requests_running"].set(g["num_requests_running"], tags)
         self.gauges["num_requests_waiting"].set(g["num_requests_waiting"], tags)
         self.gauges["kv_cache_usage"].set(g["kv_blocks_used"] / max(g["kv_blocks_total"], 1), tags)
+        if "expert_balancedness" in g:
+            self.gauges["expert_balancedness"].set(g["expert_balancedness"], tags)
         queries = c["prefix_cache_queries"]
         self.gauges["prefix_cache_hit_rate"].set(c["prefix_cache_hits"] / queries if queries else 0.0,
                                                  tags)

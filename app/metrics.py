@@ -145,7 +145,11 @@ class ShoalCollector:
             "prefix_cache_hit_rate": (c["prefix_cache_hits"] / c["prefix_cache_queries"]
                                       if c["prefix_cache_queries"] else 0.0),
         }
+        if g.get("moe_replicas"):  # the mean over the replicas serving a MoE model
+            values["expert_balancedness"] = g["expert_balancedness"] / g["moe_replicas"]
         for name, text in GAUGES.items():
+            if name not in values:
+                continue
             family = GaugeMetricFamily(PREFIX + name, text, labels=["model"])
             family.add_metric([self.model], values[name])
             yield family

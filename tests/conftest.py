@@ -6,6 +6,9 @@ import sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no fork warnings / deadlocks with Ray
+# Every Ray socket on 127.0.0.1, and no token auth for the local test clusters (MACHINE-NOTES).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import hashlib  # noqa: E402
 import json  # noqa: E402

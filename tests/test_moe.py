@@ -124,6 +124,22 @@ def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
         engine.shutdown()
 
 
+def test_expert_balancedness_is_a_prometheus_metric(checkpoint_factory):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+    from app.metrics import ShoalCollector, combine
+    llm = LLM(str(checkpoint_factory("mixtral")), num_kv_blocks=32)
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    registry = CollectorRegistry()
+    registry.register(ShoalCollector(combine([llm.engine.metrics.snapshot(llm.engine)]), {}, "m"))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    value = families["shoal_expert_balancedness"].samples[0].value
+    assert value == llm.engine.runner.expert_stats()["balancedness"] and 0 < value <= 1
+
+
 def test_expert_options_are_validated_in_one_line():
     with pytest.raises(ValueError, match="--ep-size 2 must equal --tp-size 4"):
         EngineConfig(tp_size=4, ep_size=2).validate()

@@ -31,7 +31,7 @@ def workload(groups=8, per_group=6, seed=0) -> list[str]:
     rng = random.Random(seed)
     prompts = []
     for g in range(groups):
-        system = " ".join(rng.choice(WORDS) for _ in range(120)) + f" group {g}."
+        system = " ".join(rng.choice(WORDS) for _ in range(60)) + f" group {g}."
         prompts += [f"{system} Question {q}: {rng.choice(WORDS)}?" for q in range(per_group)]
     rng.shuffle(prompts)
     return prompts
@@ -40,8 +40,11 @@ def workload(groups=8, per_group=6, seed=0) -> list[str]:
 async def drive(url: str, prompts: list[str]) -> None:
     async with httpx.AsyncClient(timeout=120) as http:
         for i in range(0, len(prompts), 4):
-            await asyncio.gather(*(http.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 4})
-                                   for p in prompts[i:i + 4]))
+            responses = await asyncio.gather(*(http.post(f"{url}/v1/completions",
+                                                         json={"prompt": p, "max_tokens": 4})
+                                               for p in prompts[i:i + 4]))
+            for r in responses:
+                r.raise_for_status()
 
 
 def hit_rate(url: str) -> float:
