@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The bundled demo model thinks in <think> blocks and calls tools Qwen-style.
 serve: install
-	$(VENV)/bin/shoal serve
+	$(VENV)/bin/shoal serve --reasoning-parser qwen3 --tool-call-parser hermes
 
 test: install chromium
 	$(VENV)/bin/python -m pytest -q
