@@ -95,7 +95,7 @@ def start_shards(config: EngineConfig, rank0, num_blocks: int, max_model_len: in
         ray.init()
     owns = placement is None
     if owns:  # bundle 0 reserves rank 0's CPUs; shards take bundles 1..n
-        strategy = config.placement_strategy or _default_strategy(world * config.shard_cpus)
+        strategy = config.placement_strategy or default_strategy(world * config.shard_cpus)
         pg = placement_group([{"CPU": config.shard_cpus}] * world, strategy=strategy)
         placement = (pg, 1)
     pg, first = placement
@@ -123,7 +123,7 @@ def start_shards(config: EngineConfig, rank0, num_blocks: int, max_model_len: in
     return ShardGroup(actors, loops, pg, owns, infos)
 
 
-def _default_strategy(cpus: float) -> str:
+def default_strategy(cpus: float) -> str:
     """STRICT_PACK when one node has the CPUs for every rank, else PACK."""
     import ray
     biggest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)

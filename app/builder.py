@@ -73,5 +73,5 @@ def pack_strategy(bundles: list[dict]) -> str:
     import ray
     if not ray.is_initialized():
         return "STRICT_PACK"
-    from actors.shard_actor import _default_strategy
-    return _default_strategy(sum(b["CPU"] for b in bundles))
+    from actors.shard_actor import default_strategy
+    return default_strategy(sum(b["CPU"] for b in bundles))

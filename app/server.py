@@ -20,7 +20,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.async_engine import EngineDeadError, QueueFullError
+from actors.errors import EngineDeadError, QueueFullError
 from actors.config import EngineConfig
 from actors.metrics import Replica
 from actors.sampling_params import SamplingParams
