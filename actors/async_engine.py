@@ -14,7 +14,6 @@ import time
 from actors.config import EngineConfig
 from actors.engine import LLMEngine
 from actors.errors import EngineDeadError, QueueFullError
-from actors.outputs import RequestOutput
 from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.engine")

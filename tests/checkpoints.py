@@ -6,7 +6,6 @@ Same arguments -> byte-identical files.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import random
 

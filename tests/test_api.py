@@ -8,18 +8,14 @@ API key and CORS on, so every refusal is reachable without timing tricks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from actors.errors import EngineDeadError, QueueFullError
 from actors.config import EngineConfig
@@ -27,6 +23,7 @@ from actors.llm import LLM
 from actors.outputs import CompletionOutput, RequestOutput
 from actors.sampling_params import SamplingParams
 from app.api import attach, build_api
+from app.embedded import serve_in_thread
 from app.chat_template import render_chat
 from app.engine_client import LocalEngineClient
 from app.settings import ServerSettings
@@ -40,23 +37,7 @@ ORIGIN = "http://ui.example"
 
 # --------------------------------------------------------------------------- servers
 
-@contextlib.contextmanager
-def running(app):
-    """Serve `app` on a free loopback port in a thread; yields the base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+running = serve_in_thread  # other test modules import it from here
 
 
 @pytest.fixture(scope="module")

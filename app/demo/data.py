@@ -106,7 +106,7 @@ def arithmetic_sample(rng, kind: str, thinking: bool, heldout: bool = False) -> 
              mul21_steps(a, b) if kind == "mul21" else mul22_steps(a, b))
     user = rng.choice(ASK).format(q=q)
     answer = arithmetic_answer(q, value)
-    target = (f"<think>\n" + "\n".join(steps) + "\n</think>\n\n" + answer) if thinking else answer
+    target = ("<think>\n" + "\n".join(steps) + "\n</think>\n\n" + answer) if thinking else answer
     return dict(messages=_with_system(rng, [{"role": "user", "content": user}]),
                 tools=None, thinking=thinking, target=target, kind=kind, expect=value)
 

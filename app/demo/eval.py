@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -145,30 +144,20 @@ def shoal_serve(model_path: str | None, timeout: float, log_path: str):
 @contextlib.contextmanager
 def inproc_server(model_path: str | None):
     """The same HTTP API in this process: uvicorn in a thread over a LocalEngineClient."""
-    import uvicorn
-
     from actors.config import EngineConfig
     from app.api import attach, build_api
     from app.engine_client import LocalEngineClient
+    from app.embedded import serve_in_thread
     from app.settings import ServerSettings
 
     client = LocalEngineClient(EngineConfig(model_path=model_path))
     settings = ServerSettings(model_path=model_path, tool_call_parser="hermes",
                               reasoning_parser="qwen3")
     app = attach(build_api(settings), client, client.tokenizer, settings)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with serve_in_thread(app) as url:
+            yield url
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
         client.shutdown()
 
 
