@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-import socket
 import time
 from bisect import bisect_left
 from pathlib import Path
@@ -32,6 +31,7 @@ from app.api import attach, build_api
 from app.engine_client import LocalEngineClient
 from app.metrics import HTTP_REQUESTS, ShoalCollector, combine
 from app.settings import ServerSettings
+from serving import free_port, wait_ready
 from test_api import running
 
 PROMPTS = ["The quick brown fox", "A boat on the river"]
@@ -241,12 +241,6 @@ def test_dashboard_uses_only_exported_names():
 
 # --------------------------------------------------------------------------- Ray Serve
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_ports():
     """(Serve HTTP port, Ray metrics export port) on a loopback Ray without the dashboard."""
@@ -281,7 +275,7 @@ def test_serve_metrics_match_requests(serve_ports, llama_ckpt):
                      "num_kv_blocks": 128, "num_threads": 1, "served_model_name": "tiny",
                      "attn_backend": "native"})
     serve.run(app, name="metrics", route_prefix="/")
-    base = f"http://127.0.0.1:{http_port}"
+    base = wait_ready(f"http://127.0.0.1:{http_port}")
     usage = make_requests(base)
     m = scrape(f"{base}/metrics")  # summed over both replicas by the ingress
     check_engine_counters(m, usage, model="tiny")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,12 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+from serving import free_port, wait_ready  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PAIR_KEY = "sekret"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loopback_env(**extra) -> dict:
@@ -68,7 +62,7 @@ def base_url(serve_port, llama_ckpt):
 
     app = build_app({"model_path": str(llama_ckpt), "num_kv_blocks": 256, "num_threads": 1})
     serve.run(app, name="shoal", route_prefix="/")
-    return f"http://127.0.0.1:{serve_port}"
+    return wait_ready(f"http://127.0.0.1:{serve_port}")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +75,7 @@ def pair_url(serve_port, llama_ckpt, base_url):
                      "api_key": PAIR_KEY, "max_num_seqs": 2, "max_queued_requests": 2,
                      "num_kv_blocks": 64, "num_threads": 1})
     serve.run(app, name="pair", route_prefix="/pair")
-    return f"http://127.0.0.1:{serve_port}/pair"
+    return wait_ready(f"http://127.0.0.1:{serve_port}/pair")
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +237,7 @@ def routed_url(serve_port, llama_ckpt, pair_url):
     app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,
                      "routing": "prefix-aware", "num_kv_blocks": 64, "block_size": 4, "num_threads": 1})
     serve.run(app, name="routed", route_prefix="/routed")
-    return f"http://127.0.0.1:{serve_port}/routed"
+    return wait_ready(f"http://127.0.0.1:{serve_port}/routed")
 
 
 @pytest.mark.slow
