@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from app.protocol import ChatCompletionRequest
 from app.reasoning import ReasoningScanner, initial_state, reasoning_parser_name
 from app.settings import ServerSettings
-from app.structured_outputs import forced_tools, tool_names
+from app.structured_outputs import (
+    chat_constraint, check_tool_choice, forced_tools, request_constraint, tool_names,
+)
 from app.tool_parsers import JSON_FORMAT, ParsedCall, ToolCallScanner, ToolFormat, tool_format
 
 
@@ -65,7 +67,8 @@ def thinking_disabled(settings: ServerSettings, body: ChatCompletionRequest) -> 
 
 def plan_output(settings: ServerSettings, tokenizer, body: ChatCompletionRequest,
                 prompt_text: str) -> OutputPlan:
-    """ValueError for an unknown parser name (a server misconfiguration)."""
+    """ValueError for an unknown parser name (a server misconfiguration). Of `settings` only
+    reasoning_parser, tool_call_parser and disable_thinking are read (run-batch passes its own)."""
     plan = OutputPlan()
     parser = reasoning_parser_name(settings.reasoning_parser)
     if parser:
@@ -76,3 +79,16 @@ def plan_output(settings: ServerSettings, tokenizer, body: ChatCompletionRequest
             fmt = JSON_FORMAT  # forced calls need a JSON spelling; the parser reads it back
         plan.tool_format, plan.tool_names = fmt, tool_names(body)
     return plan
+
+
+def constrain(params, body, plan: OutputPlan | None = None) -> None:
+    """Add the request's grammar (structured outputs; forced tool calls for chat, which has a
+    `plan`) and keep markup tokens in the text the parsers read. RequestError when the
+    request's constraints are invalid."""
+    if plan is None:
+        params.structured = request_constraint(body)
+    else:
+        check_tool_choice(body)
+        params.structured = chat_constraint(body, plan.tool_format)
+    if plan is not None and plan.active:
+        params.skip_special_tokens = False  # markup such as <tool_call> may be special tokens

@@ -111,6 +111,10 @@ def add_run_batch_parser(subparsers) -> None:
                         help="budget for chat requests that set none (default: the context left)")
     parser.add_argument("--disable-thinking", action="store_true",
                         help="pass enable_thinking=False to chat templates that support it")
+    parser.add_argument("--tool-call-parser", metavar="NAME",
+                        help="tool-call format, as for `shoal serve` (default: from the chat template)")
+    parser.add_argument("--reasoning-parser", metavar="NAME",
+                        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1")
     add_engine_args(parser)
     parser.set_defaults(handler=run_batch_command)
 
@@ -124,6 +128,11 @@ def engine_config_or_exit(args: argparse.Namespace, base: dict | None = None) ->
 
 def run_batch_command(args: argparse.Namespace) -> int:
     from app.run_batch import run_batch_file
+    from app.settings import check_parsers
+    try:
+        check_parsers(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        sys.exit(f"shoal run-batch: error: {exc}")
     return run_batch_file(args, engine_config_or_exit(args))
 
 

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from actors.sampling_params import SamplingParams
+from app import chat_output
 from app.chat_output import OutputPlan, plan_output, tools_in_use
 from app.chat_template import render_chat_prompt
 from app.http_errors import bad_request, unknown_model
@@ -19,7 +20,6 @@ from app.protocol import (
     ModelCard, ModelList, random_id,
 )
 from app.served import Served
-from app.structured_outputs import chat_constraint, check_tool_choice, request_constraint
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -43,17 +43,10 @@ def chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[str, list[
 
 
 def constrain(params: SamplingParams, body, plan: OutputPlan | None = None) -> None:
-    """Add the request's grammar (structured outputs, forced tool calls) and what parsing needs."""
     try:
-        if plan is None:
-            params.structured = request_constraint(body)
-        else:
-            check_tool_choice(body)
-            params.structured = chat_constraint(body, plan.tool_format)
+        chat_output.constrain(params, body, plan)
     except ValueError as exc:
         raise bad_request(exc) from None
-    if plan is not None and plan.active:
-        params.skip_special_tokens = False  # markup such as <tool_call> may be special tokens
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from app.chat_template import render_chat
+from app.chat_output import OutputPlan, constrain, plan_output, tools_in_use
+from app.chat_template import render_chat_prompt
 from app.openai_format import chat_response, completion_response
 from app.protocol import (
     ChatCompletionRequest, CompletionRequest, error_body, request_error_body,
@@ -38,6 +39,7 @@ class BatchItem:
     error: dict | None = None  # a 400 body: the line parsed but the request is invalid
     line_error: dict | None = None  # the line itself is unusable (not JSON, not an object)
     engine_ids: list[str] = field(default_factory=list)  # one per prompt
+    plan: OutputPlan | None = None  # chat: how the output splits into reasoning, tool calls
     request_id: str = field(default_factory=lambda: f"req_{uuid.uuid4().hex}")
 
 
@@ -46,6 +48,8 @@ class BatchOptions:
     model_name: str
     default_max_tokens: int | None = None
     disable_thinking: bool = False
+    tool_call_parser: str | None = None  # as `shoal serve`'s (None: from the chat template)
+    reasoning_parser: str | None = None
 
 
 # --------------------------------------------------------------------------- parsing
@@ -84,11 +88,15 @@ def parse_request(item: BatchItem, line: dict) -> dict | None:
 # --------------------------------------------------------------------------- submitting
 
 def prompt_ids(llm, item: BatchItem, opts: BatchOptions) -> list[list[int]]:
+    """The line's prompts; a chat line also gets its output plan (as the server makes it)."""
     request = item.request
     if isinstance(request, ChatCompletionRequest):
-        kwargs = dict(request.chat_template_kwargs or {})
-        return [render_chat(llm.tokenizer, request.messages, request.tools,
-                            request.add_generation_prompt, kwargs, opts.disable_thinking)]
+        text, ids = render_chat_prompt(llm.tokenizer, request.messages,
+                                       request.tools if tools_in_use(request) else None,
+                                       request.add_generation_prompt,
+                                       request.chat_template_kwargs, opts.disable_thinking)
+        item.plan = plan_output(opts, llm.tokenizer, request, text)
+        return [ids]
     return [llm.encode(prompt) for prompt in request.prompts()]
 
 
@@ -98,6 +106,8 @@ def submit(llm, item: BatchItem, opts: BatchOptions) -> None:
         prompts = prompt_ids(llm, item, opts)
         params = [item.request.to_sampling_params(opts.default_max_tokens, llm.max_model_len,
                                                   len(ids)) for ids in prompts]
+        for p in params:  # structured outputs, forced tool calls
+            constrain(p, item.request, item.plan)
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine_id = f"batch-{item.line_no}-{i}"
             llm.add_request(engine_id, ids, p, priority=item.request.priority)
@@ -112,7 +122,7 @@ def response_body(item: BatchItem, outputs: dict, tokenizer, opts: BatchOptions)
     request, done = item.request, [outputs[rid] for rid in item.engine_ids]
     if isinstance(request, ChatCompletionRequest):
         return chat_response(request, done[0], tokenizer, opts.model_name,
-                             f"chatcmpl-{uuid.uuid4().hex}")
+                             f"chatcmpl-{uuid.uuid4().hex}", plan=item.plan)
     return completion_response(request, done, tokenizer, opts.model_name,
                                f"cmpl-{uuid.uuid4().hex}")
 
@@ -150,7 +160,9 @@ def run_batch_file(args, config) -> int:
     llm = LLM(config.model_path, **options)
     opts = BatchOptions(model_name=args.served_model_name or served_name(config.model_path),
                         default_max_tokens=args.default_max_tokens,
-                        disable_thinking=args.disable_thinking)
+                        disable_thinking=args.disable_thinking,
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
     start = time.perf_counter()
     results = run_batch(llm, lines, opts)
     write_jsonl(args.output_file, results)

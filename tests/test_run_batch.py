@@ -15,6 +15,11 @@ ENGINE = ["--dtype", "float32", "--device", "cpu", "--num-threads", "2"]
 CHAT_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The quick brown fox"
 TOKEN_PROMPT = [71, 72, 73, 74]
+# Small on purpose: the tiny checkpoint has 512 positions and the tools go into the prompt.
+DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["n"]}
+TOOLS = [{"type": "function", "function": {"name": "pick", "parameters": DIGIT}}]
+ASK = [{"role": "user", "content": "Pick a digit."}]
 
 
 def line(custom_id, url, body):
@@ -37,6 +42,16 @@ INPUT = [
     line("bad-field", "/v1/completions", {"prompt": PROMPT, "temperature": -1}),
     line("too-long", "/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}),
     line("bad-url", "/v1/embeddings", {"input": "x"}),
+    line("tool", "/v1/chat/completions",
+         {"messages": ASK, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+          "tool_choice": {"type": "function", "function": {"name": "pick"}}}),
+    line("json", "/v1/chat/completions",
+         {"messages": ASK, "max_tokens": 30, "temperature": 0, "response_format": {
+             "type": "json_schema", "json_schema": {"name": "digit", "schema": DIGIT}}}),
+    line("guided", "/v1/completions",
+         {"prompt": PROMPT, "max_tokens": 8, "guided_choice": ["red", "green"]}),
+    line("bad-tool", "/v1/chat/completions",
+         {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
     "",  # a trailing blank line is not a request
 ]
 
@@ -62,7 +77,8 @@ def results(llama_ckpt, tmp_path_factory):
     src, dst = root / "in.jsonl", root / "out.jsonl"
     src.write_text("\n".join(INPUT) + "\n")
     proc = subprocess.run([SHOAL, "run-batch", "--model-path", str(llama_ckpt), "-i", str(src),
-                           "-o", str(dst), *ENGINE], capture_output=True, text=True, timeout=600)
+                           "-o", str(dst), "--tool-call-parser", "hermes", *ENGINE],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(text) for text in dst.read_text().splitlines()]
     return {row["custom_id"] or "malformed": row for row in rows}, rows, proc.stderr
@@ -89,7 +105,7 @@ def test_one_line_per_input_line_in_order(results):
     _, rows, stderr = results
     ids = [row["custom_id"] for row in rows]
     assert ids == ["chat", "chat-n", "text", "ids", "echo", "multi", None, "bad-field",
-                   "too-long", "bad-url"]
+                   "too-long", "bad-url", "tool", "json", "guided", "bad-tool"]
     assert len({row["id"] for row in rows}) == len(rows)
     assert "requests" in stderr  # the tqdm bar
 
@@ -142,9 +158,28 @@ def test_bad_lines_get_errors_and_do_not_stop_the_rest(results):
     malformed = results[0]["malformed"]
     assert malformed["response"] is None and malformed["error"]["code"] == "invalid_json"
     for custom_id, param in (("bad-field", "temperature"), ("too-long", "max_tokens"),
-                             ("bad-url", "url")):
+                             ("bad-url", "url"), ("bad-tool", "tool_choice")):
         response = results[0][custom_id]["response"]
         assert response["status_code"] == 400
         assert response["body"]["error"]["param"] == param
     too_long = results[0]["too-long"]["response"]["body"]["error"]
     assert too_long["code"] == "context_length_exceeded" and "100000" in too_long["message"]
+
+
+def test_tool_calls_and_structured_outputs_as_the_server_makes_them(results):
+    """A forced call comes back parsed into tool_calls; response_format and guided_* hold."""
+    choice = body(results, "tool")["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "pick" and call["id"].startswith("call_")
+    assert 0 <= json.loads(call["function"]["arguments"])["n"] <= 9
+    content = body(results, "json")["choices"][0]["message"]["content"]
+    assert 0 <= json.loads(content)["n"] <= 9
+    assert body(results, "guided")["choices"][0]["text"] in ("red", "green")
+
+
+def test_unknown_parser_fails_at_start(tmp_path):
+    proc = subprocess.run([SHOAL, "run-batch", "-i", "x", "-o", "y", "--tool-call-parser", "nope"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--tool-call-parser" in proc.stderr
+    assert "Traceback" not in proc.stderr
