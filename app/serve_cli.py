@@ -55,6 +55,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--tool-call-parser", metavar="NAME",
         help="tool-call format: hermes (qwen), llama3_json, mistral, gemma, json "
              "(default auto: from the chat template)")
+    add("--enable-auto-tool-choice", action="store_true",
+        help="accepted for vLLM compatibility: tool_choice \"auto\" is always on")
     add("--reasoning-parser", metavar="NAME",
         help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1 (default: off)")
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)

@@ -21,6 +21,7 @@ class ServerSettings:
     log_requests: int = 0  # 0: one line per request; 1: + sampling params; 2: + text (cut); 3: all
     max_model_len: int | None = None  # None: taken from the engine client by `attach`
     tool_call_parser: str | None = None  # None/auto: from the chat template (app/tool_parsers)
+    enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: tool_choice "auto" is always on
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1; None: no reasoning split
 
     def __post_init__(self):

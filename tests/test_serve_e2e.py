@@ -382,10 +382,12 @@ def test_print_config_precedence(llama_ckpt, tmp_path):
     config.write_text("port: 9002\nseed: 3\nblock_size: 32\nmax-num-seqs: 8\n")
     env = loopback_env(SHOAL_SEED="7", SHOAL_MAX_NUM_SEQS="9")
     done = shoal("--model-path", str(llama_ckpt), "--config", str(config), "--port", "9001",
-                 "--max-running-prompts", "10", "--print-config", env=env)
+                 "--max-running-prompts", "10", "--enable-auto-tool-choice", "--print-config",
+                 env=env)
     assert done.returncode == 0, done.stderr
     options = yaml.safe_load(done.stdout)
     assert options["port"] == 9001 and options["max_num_seqs"] == 10  # command line
+    assert options["enable_auto_tool_choice"] is True  # vLLM's spelling is accepted
     assert options["seed"] == 7  # environment over YAML
     assert options["block_size"] == 32  # YAML over defaults
     assert options["host"] == "0.0.0.0" and options["default_max_tokens"] == 1024  # areno defaults
