@@ -34,7 +34,7 @@ bench: install
 
 # The bundled default model (actors/demo_model): synthetic chats, own BPE, just under 1 h on 2 cores.
 demo-model: install
-	OMP_NUM_THREADS=1 $(PY) -m app.demo.train --out actors/demo_model
+	$(PY) -m app.demo.train --out actors/demo_model
 
 # Held-out exact-match rates of the bundled model through `shoal serve` (docs/demo-model.md).
 demo-eval: install

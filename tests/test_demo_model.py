@@ -94,8 +94,22 @@ def test_chat_template_renders_tools_results_and_thinking(llm):
     assert plain.endswith("<|im_start|>assistant\n")
 
 
-# The eval (docs/demo-model.md) shows the model gets the format right but not yet the
-# numbers or the function name: check only what it does reliably.
+# The eval (docs/demo-model.md) shows what the model does reliably: the formats, and
+# addition and 2-digit x 1-digit multiplication when it thinks (96% each on held-out
+# problems); not yet the bare answers, 2x2 products or tool names. Check only that.
+
+@pytest.mark.parametrize("kind", ["add_think", "mul21_think"])
+def test_thinking_arithmetic_is_right_on_held_out_problems(llm, kind):
+    from app.demo.data import eval_set
+    from app.demo.eval import answer_number
+
+    problems = eval_set(20, seed=5)[kind]
+    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        p["messages"], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        for p in problems]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=120))
+    right = sum(answer_number(o.outputs[0].text) == p["expect"] for o, p in zip(outs, problems))
+    assert right >= 16, f"{right}/20"  # the eval measured 96/100; this sample gives 18-20
 
 def test_arithmetic_reply_has_the_trained_shape(llm):
     """A think block with one step per line, then the problem restated with `=`;
