@@ -7,18 +7,11 @@ from typing import Any
 import jinja2
 
 
-def render_chat(tokenizer, messages, tools=None, add_generation_prompt: bool = True,
-                chat_template_kwargs: dict[str, Any] | None = None,
-                disable_thinking: bool = False) -> list[int]:
-    """Render and tokenize; raises ValueError when the template can't render the chat."""
-    return render_chat_prompt(tokenizer, messages, tools, add_generation_prompt,
-                              chat_template_kwargs, disable_thinking)[1]
-
-
 def render_chat_prompt(tokenizer, messages, tools=None, add_generation_prompt: bool = True,
                        chat_template_kwargs: dict[str, Any] | None = None,
                        disable_thinking: bool = False) -> tuple[str, list[int]]:
-    """(prompt text, token ids): output parsers read the text's tail (an open `<think>`)."""
+    """(prompt text, token ids): output parsers read the text's tail (an open `<think>`).
+    ValueError when the template can't render the chat."""
     text = render_chat_text(tokenizer, messages, tools, add_generation_prompt,
                             chat_template_kwargs, disable_thinking)
     # The template already wrote any BOS/role tokens; adding specials again would double them.

@@ -24,7 +24,7 @@ from actors.outputs import CompletionOutput, RequestOutput
 from actors.sampling_params import SamplingParams
 from app.api import attach, build_api
 from app.embedded import serve_in_thread
-from app.chat_template import render_chat
+from app.chat_template import render_chat_prompt
 from app.engine_client import LocalEngineClient
 from app.settings import ServerSettings
 from app.streams import EngineStreams
@@ -249,7 +249,7 @@ def offline(llama_ckpt):
 
 
 def test_greedy_http_equals_offline_engine(oai, model, offline, engine):
-    ids = render_chat(engine.tokenizer, USER)
+    ids = render_chat_prompt(engine.tokenizer, USER)[1]
     want = offline.generate(ids, SamplingParams(max_tokens=20, temperature=0))[0].outputs[0].text
     chat = oai.chat.completions.create(model=model, messages=USER, max_tokens=20, temperature=0)
     assert chat.choices[0].message.content == want

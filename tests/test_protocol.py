@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from actors.config import EngineConfig
 from actors.outputs import CompletionOutput, RequestOutput
-from app.chat_template import render_chat, render_chat_text
+from app.chat_template import render_chat_prompt, render_chat_text
 from app.cli import add_engine_args, build_parser, engine_config_from_args, engine_overrides
 from app.openai_format import (
     ChatStream, CompletionStream, chat_response, completion_response, token_text,
@@ -291,7 +291,7 @@ def test_render_chat_joins_text_parts_and_parses_tool_arguments(tok):
     assert "<|im_start|>user\na\nb<|im_end|>" in text
     assert '{"name": "f", "arguments": {"x": 1}}' in text
     assert '"name": "f"' in text.split("<tools>\n")[1]
-    ids = render_chat(tok, req.messages, req.tools)
+    ids = render_chat_prompt(tok, req.messages, req.tools)[1]
     assert ids == tok.encode(text, add_special_tokens=False)
 
 
@@ -310,10 +310,10 @@ def test_render_chat_template_without_thinking_and_errors():
     assert render_chat_text(tok, USER, disable_thinking=True) == "hi"
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ValueError, match="roles must alternate"):
-        render_chat(tok, USER)
+        render_chat_prompt(tok, USER)
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
-        render_chat(tok, USER)
+        render_chat_prompt(tok, USER)
 
 
 # --------------------------------------------------------------------------- cli

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from actors.sampling_params import SamplingParams
-from app.chat_template import render_chat
+from app.chat_template import render_chat_prompt
 from app.run_batch import parse_line
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
@@ -114,7 +114,7 @@ def test_chat_matches_in_process_generate(results, llm):
     chat = body(results, "chat")
     assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
     choice = chat["choices"][0]
-    expected = greedy(llm, render_chat(llm.tokenizer, CHAT_MESSAGES))
+    expected = greedy(llm, render_chat_prompt(llm.tokenizer, CHAT_MESSAGES)[1])
     assert choice["message"]["content"] == expected.text
     assert choice["finish_reason"] == expected.finish_reason
     assert chat["usage"]["completion_tokens"] == len(expected.token_ids)

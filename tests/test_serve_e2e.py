@@ -121,13 +121,13 @@ def test_chat_streaming_equals_non_streaming(client):
 
 def test_greedy_http_equals_offline_engine(client, offline):
     from actors.sampling_params import SamplingParams
-    from app.chat_template import render_chat
+    from app.chat_template import render_chat_prompt
 
     params = SamplingParams(temperature=0, max_tokens=24)
     text = client.completions.create(model="", prompt=PROMPT, **greedy()).choices[0].text
     assert text == offline.generate(PROMPT, params)[0].outputs[0].text
     chat = client.chat.completions.create(model="", messages=MESSAGES, **greedy())
-    ids = render_chat(offline.tokenizer, MESSAGES)
+    ids = render_chat_prompt(offline.tokenizer, MESSAGES)[1]
     assert chat.choices[0].message.content == offline.generate(ids, params)[0].outputs[0].text
 
 
