@@ -201,8 +201,8 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--save-minutes", type=float, default=4.0)
     p.add_argument("--eval-minutes", type=float, default=10.0)
-    # Two threads on an idle 2-core machine: 7,650 tokens/s vs 4,200 with one (bf16). On
-    # shared, busy cores use 1: a second OpenMP thread then mostly spin-waits for a
+    # Two threads on an idle 2-core machine: 1.30x one (bf16; tests/bench/bench_demo_train.py).
+    # On shared, busy cores use 1: a second OpenMP thread then mostly spin-waits for a
     # descheduled partner (measured 10x slower wall time than one thread under load).
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fp32", action="store_true",
