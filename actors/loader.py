@@ -77,15 +77,17 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     """This rank's shard of the model, with only its slices of the weights read from disk."""
     args = ModelArgs.from_hf(cfg)
     cls = model_class(args.architecture)
+    # Built on the meta device in the target dtype, then given memory on the target device
+    # once: each weight is read from disk straight into its place (no float32 copy first).
     with torch.device("meta"):
         model = cls(args, max_positions, parallel)
-    model = model.to_empty(device=device)
+    model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own tensor: tie again
     # Rotary tables are not weights: compute them for real after leaving the meta device.
     cos, sin = _rope_tables(args, max_positions)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
     load_weights(model, path)
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def _rope_tables(args: ModelArgs, max_positions: int):
