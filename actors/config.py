@@ -31,7 +31,9 @@ class EngineConfig:
     pp_layer_split: str | None = None  # layers per stage, e.g. "5,3"; None: even
     placement_strategy: str | None = None  # None: STRICT_PACK if it fits one node, else PACK
     shard_cpus: float = 1.0  # CPUs reserved per shard (rank)
-    dist_timeout: float = 120.0  # seconds for shards to start and join the process group
+    shard_gpus: float | None = None  # GPUs per rank; None: 1 on CUDA, 0 on CPU (actors/placement.py)
+    # Seconds for shards to start and join, and for one step's collectives; never the idle wait.
+    dist_timeout: float = 120.0
     # Mixture of experts: expert parallelism splits the experts over each stage's TP group
     enable_expert_parallel: bool = False
     ep_size: int | None = None  # SGLang's spelling: must equal tp_size (implies expert parallelism)
@@ -66,6 +68,8 @@ class EngineConfig:
             raise ValueError("--tp-size and --pp-size must be at least 1")
         if self.placement_strategy not in (None, "STRICT_PACK", "PACK", "STRICT_SPREAD", "SPREAD"):
             raise ValueError("--placement-strategy must be STRICT_PACK, PACK, STRICT_SPREAD or SPREAD")
+        if self.shard_cpus <= 0 or (self.shard_gpus or 0) < 0 or self.dist_timeout <= 0:
+            raise ValueError("--shard-cpus and --dist-timeout must be positive, --shard-gpus >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("--num-kv-blocks must be at least 2")
         self._validate_experts()

@@ -5,8 +5,10 @@ YAML's `args:` rank like command-line flags, above SHOAL_* variables and `config
 """
 from __future__ import annotations
 
+import ray
 from ray import serve
 
+from actors.placement import check_fits, default_strategy
 from app.config import ShoalConfig, load_config, replica_count
 from app.ingress import Ingress
 from app.server import LLMServer, placement_bundles
@@ -17,7 +19,11 @@ def build_app(args: dict | None = None) -> serve.Application:
 
 
 def application(config: ShoalConfig) -> serve.Application:
-    """Ingress -> LLMServer pool, each replica with its own placement group."""
+    """Ingress -> LLMServer pool, each replica with its own placement group. On a running Ray
+    the layout is checked against the cluster first: one that can never be placed fails here
+    (PlacementError, one line) instead of waiting forever."""
+    if ray.is_initialized():
+        check_placement(config)
     d = config.deploy
     llm = LLMServer.options(**llm_server_options(config)).bind(
         config.engine, d.log_level, d.decode_progress_interval_s, d.stream_chunks_per_s,
@@ -30,12 +36,14 @@ def application(config: ShoalConfig) -> serve.Application:
 
 def llm_server_options(config: ShoalConfig) -> dict:
     d, e = config.deploy, config.engine
-    bundles = placement_bundles(e.tp_size, e.pp_size, d.replica_cpus, e.shard_cpus, d.shard_gpus)
+    bundles = placement_bundles(e, d.replica_cpus)
     options = dict(
         ray_actor_options={"num_cpus": d.replica_cpus},
         placement_group_bundles=bundles,
         placement_group_strategy=e.placement_strategy or pack_strategy(bundles),
         max_ongoing_requests=d.max_ongoing_requests,
+        # A dead engine (a rank died, the loop failed) fails check_health: replace it soon.
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         # One access-log line per token stream is noise; the ingress logs every request.
         logging_config={"log_level": d.log_level.upper(), "enable_access_log": False},
     )
@@ -68,10 +76,19 @@ def prefix_aware_router():
 PREFIX_BUSY_MARGIN = 8
 
 
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
 def pack_strategy(bundles: list[dict]) -> str:
     """STRICT_PACK when one node can hold a whole replica, else PACK (the engine's rule)."""
-    import ray
-    if not ray.is_initialized():
-        return "STRICT_PACK"
-    from actors.shard_actor import default_strategy
-    return default_strategy(sum(b["CPU"] for b in bundles))
+    return default_strategy(bundles) if ray.is_initialized() else "STRICT_PACK"
+
+
+def check_placement(config: ShoalConfig, nodes: list[dict] | None = None) -> None:
+    """Can the nodes (default: the cluster's) hold the replicas (the minimum, when autoscaling)
+    and the ingress?"""
+    d = config.deploy
+    bundles = placement_bundles(config.engine, d.replica_cpus)
+    replicas = replica_count(config) if d.max_replicas is None else (1 if d.min_replicas is None else d.min_replicas)
+    strategy = config.engine.placement_strategy or ("STRICT_PACK" if nodes else pack_strategy(bundles))
+    check_fits(bundles, replicas, strategy, [{"CPU": d.ingress_cpus}] * d.ingress_replicas, nodes)

@@ -65,8 +65,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="of each model instance's placement group (default: STRICT_PACK if a node fits it, else PACK)")
     add("--shard-cpus", type=float, metavar="N",
         help="CPUs (and torch threads) of each shard rank, the scheduler's included (default 1)")
+    add("--shard-gpus", type=float, metavar="N",
+        help="GPUs of each shard rank (default: 1 when the engine runs on CUDA, else 0)")
     add("--dist-timeout", type=float, metavar="S",
-        help="seconds for shard ranks to start and join the process group (default 120)")
+        help="seconds for shard ranks to start and join, and for one step's collectives; "
+             "idle ranks wait without a deadline (default 120)")
     add("--enable-expert-parallel", "--enable-ep", dest="enable_expert_parallel",
         action=argparse.BooleanOptionalAction,
         help="MoE models: split the experts over the tensor-parallel ranks instead of their width")

@@ -30,14 +30,13 @@ SERVE_DEFAULTS = {"attn_backend": "flash"}
 @dataclass
 class DeployOptions:
     """How the app is laid out on Ray Serve."""
-    world_size: int = 1  # total shard ranks; replicas = world_size / (tp_size * pp_size)
+    world_size: int | None = None  # total shard ranks; replicas = world_size / (tp x pp); None: one replica
     num_replicas: int | None = None  # fixed replica count (overrides world_size)
     min_replicas: int | None = None  # autoscaling lower bound (with max_replicas)
     max_replicas: int | None = None  # set to autoscale between min_replicas and this
     target_ongoing_requests: float = 64.0  # autoscaling target per replica
     max_ongoing_requests: int = 1024  # per replica; above it Serve queues at the router
     replica_cpus: float = 0.1  # the LLMServer replica process (placement bundle 0)
-    shard_gpus: float = 0.0  # GPUs per shard bundle (1 on a GPU cluster); CPUs: shard_cpus
     ingress_replicas: int = 1
     ingress_cpus: float = 0.1
     host: str = "0.0.0.0"  # HTTP proxy (`shoal serve`; under `serve run` the YAML's http_options)
@@ -210,11 +209,11 @@ def shards_per_replica(config: ShoalConfig) -> int:
 
 def _check_layout(config: ShoalConfig) -> None:
     e, d = config.engine, config.deploy
-    if e.tp_size < 1 or e.pp_size < 1 or d.world_size < 1:
+    if e.tp_size < 1 or e.pp_size < 1 or (d.world_size is not None and d.world_size < 1):
         raise ConfigError("--tp-size, --pp-size and --world-size must be positive")
     if d.routing not in ("load", "prefix-aware"):
         raise ConfigError(f"--routing must be load or prefix-aware, got {d.routing!r}")
-    if d.world_size % shards_per_replica(config):
+    if d.world_size is not None and d.world_size % shards_per_replica(config):
         raise ConfigError(f"--world-size {d.world_size} is not divisible by --tp-size x --pp-size "
                           f"= {e.tp_size} x {e.pp_size} = {shards_per_replica(config)}")
 
@@ -227,7 +226,7 @@ def _check_replicas(config: ShoalConfig) -> None:
         if d.num_replicas is not None and d.num_replicas < 1:
             raise ConfigError(f"--num-replicas must be positive, got {d.num_replicas}")
         return
-    if d.num_replicas is not None or d.world_size != shards_per_replica(config):
+    if d.num_replicas is not None or d.world_size not in (None, shards_per_replica(config)):
         raise ConfigError("give a fixed size (--world-size / --num-replicas) or autoscaling "
                           "(--min-replicas / --max-replicas), not both")
     low = 1 if d.min_replicas is None else d.min_replicas
@@ -247,6 +246,6 @@ def _check_resources(config: ShoalConfig) -> None:
 
 
 def replica_count(config: ShoalConfig) -> int:
-    """Fixed replicas: --num-replicas, else world_size / (tp x pp)."""
+    """Fixed replicas: --num-replicas, else world_size / (tp x pp), else one."""
     d = config.deploy
-    return d.num_replicas or d.world_size // shards_per_replica(config)
+    return d.num_replicas or (d.world_size or shards_per_replica(config)) // shards_per_replica(config)

@@ -6,7 +6,9 @@ ranks above SHOAL_* variables, `--config FILE.yaml` and the defaults (app/config
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
+import math
 import os
 import signal
 import sys
@@ -80,7 +82,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
     add = _adder(parser.add_argument_group("Ray layout"))
-    add("--world-size", type=int, help="total shard ranks; replicas = world / (tp x pp) (default 1)")
+    add("--world-size", type=int, help="total shard ranks; replicas = world / (tp x pp) (default: one replica)")
     add("--num-replicas", "--data-parallel-size", "--dp-size", "--dp", dest="num_replicas",
         type=int, help="fixed number of model replicas (instead of --world-size)")
     add("--min-replicas", type=int, help="autoscaling lower bound (default 1)")
@@ -88,7 +90,6 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     add("--target-ongoing-requests", type=float, help="autoscaling target per replica")
     add("--max-ongoing-requests", type=int, help="requests a replica takes before Serve queues")
     add("--replica-cpus", type=float, help="CPUs of each replica process (default 0.1)")
-    add("--shard-gpus", type=float, help="GPUs of each shard bundle (default 0)")
     add("--ingress-replicas", type=int)
     add("--ingress-cpus", type=float)
     add("--address", help="Ray cluster address to join (default: start a local Ray)")
@@ -152,21 +153,56 @@ def run_server(config: ShoalConfig) -> int:
     import ray
     from ray import serve
 
-    from app.builder import application
+    from actors.placement import PlacementError
+    from app.builder import application, check_placement
 
     d = config.deploy
     address = d.address or os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=address, logging_level=logging.WARNING)
+    resources = {}
+    try:
+        if address == "local":  # this machine is the whole cluster: check before Ray starts
+            resources = local_resources(config)
+            check_placement(config, [{"CPU": resources["num_cpus"], "GPU": local_gpus()}])
+    except PlacementError as exc:
+        print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    ray.init(address=address, logging_level=logging.WARNING, **resources)
     stop = stop_event()
     try:
+        try:
+            app = application(config)
+        except PlacementError as exc:
+            print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
+            return 1
         serve.start(http_options={"host": d.host, "port": d.port})
-        serve.run(application(config), name=d.app_name, route_prefix="/", blocking=False)
+        serve.run(app, name=d.app_name, route_prefix="/", blocking=False)
         print(f"shoal: serving {config.server.served_model_name} at http://{d.host}:{d.port}/v1 "
               f"(Ray at {address}); Ctrl-C or SIGTERM stops", flush=True)
         stop.wait()
     finally:
         shut_down(d.app_name, joined=address != "local")
     return 0
+
+
+def local_resources(config: ShoalConfig) -> dict:
+    """The Ray this command starts gets logical CPUs for every bundle of the layout, so any
+    layout the user asks for runs here (slowly, when ranks outnumber the cores)."""
+    d, e = config.deploy, config.engine
+    replicas = replica_count(config) if d.max_replicas is None else d.max_replicas
+    ranks = replicas * e.tp_size * e.pp_size
+    need = replicas * (d.replica_cpus + e.tp_size * e.pp_size * e.shard_cpus) + d.ingress_replicas * d.ingress_cpus
+    cores = os.cpu_count() or 1
+    if ranks > cores:
+        log.warning("%d shard ranks share %d CPU cores: outputs are exact, but expect it to be slow", ranks, cores)
+    return {"num_cpus": max(cores, math.ceil(need))}
+
+
+def local_gpus() -> int:
+    """The GPUs Ray will find on this machine: CUDA_VISIBLE_DEVICES, else the NVIDIA devices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def stop_event() -> threading.Event:
