@@ -2,6 +2,11 @@
 
 Only the loop thread touches engine state. Callers post adds and aborts to an inbox; outputs
 go back to each request's asyncio queue on the caller's event loop.
+
+The engine is dead, and every request in flight fails with EngineDeadError, when anything
+ends the loop thread or (multi-rank layouts) a watcher thread finds a rank that died, left
+its loop, or stopped answering: within about WATCH_INTERVAL_S of a rank's death, at most
+RANK_ANSWER_TIMEOUT_S for a rank that hangs. `alive` then says False for health checks.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.engine")
 
-
+WATCH_INTERVAL_S = 1.0
+RANK_ANSWER_TIMEOUT_S = 10.0
 
 
 class AsyncEngine:
@@ -32,8 +38,17 @@ class AsyncEngine:
         self._stopped = False
         self.error: BaseException | None = None
         self._rate = TokenRate()
-        self._thread = threading.Thread(target=self._loop, name="shoal-engine", daemon=True)
+        self._dying = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
+        self._watcher = None
+        if self.engine.shards is not None:
+            self._watcher = threading.Thread(target=self._watch, name="shoal-rank-watch", daemon=True)
+            self._watcher.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
 
     # ---- caller side (any thread with an event loop) --------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -42,8 +57,8 @@ class AsyncEngine:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, prompt: str | None = None):
         """Yield delta RequestOutputs until the request finishes. Closing the generator aborts it."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine failed: {self.error}")
+        if not self.alive:
+            raise EngineDeadError(f"the engine failed: {self.error or 'its loop ended'}")
         self.check_request(prompt_token_ids, params)
         limit = self.engine.config.max_queued_requests
         if limit is not None and self.num_waiting() >= limit:
@@ -90,7 +105,8 @@ class AsyncEngine:
             "prompt_tokens": e.stats.prompt_tokens,
             "steps": e.stats.steps,
             "tokens_per_second": round(self._rate.value(), 1),
-            "engine_alive": self.error is None,
+            "engine_alive": self.alive,
+            "ranks": e.rank_infos,
         }
         experts = e.runner.expert_stats()  # MoE models: routed tokens per expert, balancedness
         if experts is not None:
@@ -105,6 +121,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._watcher is not None:
+            self._watcher.join(timeout=RANK_ANSWER_TIMEOUT_S + WATCH_INTERVAL_S)
         self.engine.shutdown()
 
     def _post(self, message: tuple) -> None:
@@ -112,23 +130,43 @@ class AsyncEngine:
         self._wake.set()
 
     # ---- loop thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the engine is unusable now: fail every stream
+            log.exception("the engine loop failed")
+            self._die(exc)
+
     def _loop(self) -> None:
-        while not self._stopped:
+        while not self._stopped and self.error is None:
             self._drain_inbox()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            try:
-                outputs = self.engine.step()
-            except BaseException as exc:  # the engine is unusable now: fail every stream
-                log.exception("engine step failed")
-                self.error = exc
-                self._fail_all(EngineDeadError(f"the engine failed: {exc}"))
-                return
+            outputs = self.engine.step()
+            for rid, exc in self.engine.take_failures():
+                self._send(rid, exc)
             self._rate.add(sum(len(o.token_ids) for out in outputs for o in out.outputs))
             for out in outputs:
                 self._send(out.request_id, out)
+
+    def _watch(self) -> None:
+        """Multi-rank layouts: check every rank through Ray while the engine lives."""
+        while not self._stopped and self.error is None:
+            problem = self.engine.shards.check(RANK_ANSWER_TIMEOUT_S)
+            if problem is not None and not self._stopped:
+                log.error("the engine is dead: %s", problem)
+                self._die(EngineDeadError(problem))
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._dying:
+            if self.error is not None:
+                return
+            self.error = exc
+        self._fail_all(EngineDeadError(f"the engine failed: {exc}"))
 
     def _drain_inbox(self) -> None:
         while True:

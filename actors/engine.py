@@ -12,6 +12,7 @@ import torch
 from actors.block_manager import BlockManager
 from actors.config import EngineConfig
 from actors.detokenizer import IncrementalDetokenizer
+from actors.errors import RequestFailedError
 from actors.loader import eos_token_ids, load_tokenizer, read_config, resolve_dtype, resolve_model_path
 from actors.metrics import EngineMetrics
 from actors.model_runner import ModelRunner
@@ -19,7 +20,7 @@ from actors.outputs import CompletionOutput, RequestOutput
 from actors.parallel import Parallel, parse_layer_split
 from actors.sampling_params import SamplingParams
 from actors.scheduler import Scheduler
-from actors.shard_actor import start_shards
+from actors.shard_actor import rank_info, start_shards
 from actors.sequence import Sequence
 from actors.structured import Grammars, accept
 
@@ -76,6 +77,9 @@ class LLMEngine:
         if parallel.world_size > 1:
             self.shards = start_shards(config, self.runner, self.runner.num_blocks, self.max_model_len,
                                        placement)
+        # Where every rank runs (/stats): pid, node, device, GPU ids.
+        self.rank_infos = [rank_info(0, self.runner.device)] + (self.shards.infos if self.shards else [])
+        self.failures: list[tuple[str, Exception]] = []  # requests whose post-processing raised
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.requests: dict[str, Request] = {}
@@ -169,26 +173,43 @@ class LLMEngine:
         self.metrics.step(now - start, len(batch))
         deltas: dict[str, RequestOutput] = {}
         for s, token, lps, prompt_lps in zip(batch, result.tokens, result.logprobs, result.prompt_logprobs):
-            seq = s.seq
-            req = self.requests[seq.request_id]
-            if req.scheduled_time is None:
-                self.metrics.scheduled(req, start)
-            if prompt_lps is not None:
-                self._add_prompt_logprobs(req, seq, prompt_lps)
-            seq.num_computed_tokens += s.num_tokens
-            self.blocks.cache_full_blocks(seq)
-            if token is not None:
-                self._append_token(req, seq, token, lps, deltas, now)
-            if seq.index == 0 and s.samples and req.pending_children:
-                for child in req.pending_children:
-                    self.scheduler.add(child)
-                req.pending_children = []
+            req = self.requests.get(s.seq.request_id)
+            if req is None:  # failed earlier in this step
+                continue
+            try:
+                self._postprocess(req, s, token, lps, prompt_lps, deltas, start, now)
+            except Exception as exc:  # a bug in one request's handling fails that request alone
+                log.exception("request %s failed after step %d", req.request_id, self.stats.steps)
+                self.failures.append((req.request_id, RequestFailedError(
+                    f"request {req.request_id} failed: {type(exc).__name__}: {exc}")))
+                deltas.pop(req.request_id, None)
+                self.abort_request(req.request_id)
         self.metrics.end_step()
         for rid, delta in deltas.items():
             delta.finished = self.requests[rid].finished
             if delta.finished:
                 delta.metrics = self.metrics.finished_request(self.requests.pop(rid), now)
         return list(deltas.values()) + self._drain_finished()
+
+    def _postprocess(self, req: Request, s, token, lps, prompt_lps, deltas, start: float, now: float) -> None:
+        seq = s.seq
+        if req.scheduled_time is None:
+            self.metrics.scheduled(req, start)
+        if prompt_lps is not None:
+            self._add_prompt_logprobs(req, seq, prompt_lps)
+        seq.num_computed_tokens += s.num_tokens
+        self.blocks.cache_full_blocks(seq)
+        if token is not None:
+            self._append_token(req, seq, token, lps, deltas, now)
+        if seq.index == 0 and s.samples and req.pending_children:
+            for child in req.pending_children:
+                self.scheduler.add(child)
+            req.pending_children = []
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of the requests that failed alone since the last call."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def _add_prompt_logprobs(self, req: Request, seq: Sequence, lps: list) -> None:
         """Append this chunk's prompt log-probs (a recomputed chunk adds only what is new)."""

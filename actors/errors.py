@@ -7,3 +7,7 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than --max-queued-requests allows; retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (a bug); the engine and other requests go on."""

@@ -45,6 +45,8 @@ class LLM:
             for out in self.engine.step():
                 deltas[out.request_id].append(out)
                 bar.update(out.finished)
+            for _, exc in self.engine.take_failures():
+                raise exc
         bar.close()
         done = {rid: accumulate(deltas[rid]) for rid in self._pending}
         self._pending = []

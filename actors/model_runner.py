@@ -34,10 +34,15 @@ class StepResult:
 
 
 def pick_device(name: str) -> torch.device:
+    """cpu, or this process's GPU: Ray sets CUDA_VISIBLE_DEVICES to the GPU it assigned the
+    rank's actor, so that GPU is always index 0 here."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but CUDA is not available")
+    if name == "cuda":
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
     return torch.device(name)
 
 
@@ -51,6 +56,7 @@ class ModelRunner:
         self.dtype = dtype
         self.eos_ids = eos_ids
         self.p = parallel or Parallel(config.tp_size, config.pp_size)
+        self.p.device = self.device  # tensors that cross ranks live here
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.args = ModelArgs.from_hf(hf_config)

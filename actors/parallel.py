@@ -1,8 +1,13 @@
 """Where this process sits in the tensor x pipeline layout, and the collectives it uses.
 
 Global rank = pp_rank * tp_size + tp_rank. Rank 0 is the scheduler's process: it schedules,
-broadcasts each step to the other ranks, and samples. Ranks talk through torch.distributed
-(gloo on CPU, NCCL on CUDA).
+broadcasts each step to the other ranks, and samples. Tensors cross ranks on the rank's
+device (NCCL on CUDA, gloo on CPU); Python objects go over CPU (gloo) groups.
+
+Deadlines: the process group's timeout (--dist-timeout) bounds start-up and every collective
+of a step in flight. The step broadcast itself, where ranks 1.. wait however long the replica
+is idle, runs on its own gloo group without a deadline: a peer that dies closes its socket,
+which ends that wait at once, and the scheduler watches the ranks through Ray as well.
 """
 from __future__ import annotations
 
@@ -18,7 +23,10 @@ class Parallel:
     tp_size: int = 1
     pp_size: int = 1
     rank: int = 0
-    tp_group: object = None  # this stage's tensor-parallel group
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp_group: object = None  # this stage's tensor-parallel group (tensors, on `device`)
+    tp_cpu_group: object = None  # the same ranks over gloo (Python objects)
+    control_group: object = None  # every rank over gloo, no deadline: the step broadcast
     layer_split: list[int] = field(default_factory=list)  # first layer of each stage, then the end
     # Expert parallelism: the stage's TP group splits the experts instead of each expert's width.
     expert_parallel: bool = False
@@ -71,7 +79,7 @@ class Parallel:
         if self.tp_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.pp_rank * self.tp_size, group=self.tp_group)
+        dist.broadcast_object_list(box, src=self.pp_rank * self.tp_size, group=self.tp_cpu_group)
         return box[0]
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,14 +113,22 @@ def parse_layer_split(spec: str | None, num_layers: int, stages: int) -> list[in
     return bounds
 
 
+# "No deadline" for the idle wait; gloo needs some number (a year fits its clock).
+IDLE_WAIT = datetime.timedelta(days=365)
+
+
 def init_distributed(p: Parallel, master_addr: str, master_port: int, timeout_s: float,
                      backend: str) -> None:
-    """Join the process group and build the TP groups (every rank creates every group)."""
+    """Join the process group and build the groups (every rank creates every group, in order)."""
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                             rank=p.rank, world_size=p.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    p.control_group = dist.new_group(list(range(p.world_size)), backend="gloo", timeout=IDLE_WAIT)
     for stage in range(p.pp_size):
         ranks = list(range(stage * p.tp_size, (stage + 1) * p.tp_size))
-        group = dist.new_group(ranks) if p.tp_size > 1 else None
+        group = cpu_group = None
+        if p.tp_size > 1:
+            group = dist.new_group(ranks)
+            cpu_group = group if backend == "gloo" else dist.new_group(ranks, backend="gloo")
         if stage == p.pp_rank:
-            p.tp_group = group
+            p.tp_group, p.tp_cpu_group = group, cpu_group

@@ -31,7 +31,7 @@ REBALANCE = "rebalance"  # (REBALANCE, micro-batches): re-plan expert placement,
 def broadcast_step(p: Parallel, message) -> object:
     """Rank 0 sends `message` (a list of MicroBatch, or STOP) to every rank; others receive it."""
     box = [message]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=p.control_group)
     return box[0]
 
 
@@ -43,7 +43,7 @@ def run_stage(model, p: Parallel, micro: list[MicroBatch], hidden_size: int, voc
     for mb in micro:
         x = mb.input_ids
         if not p.first_stage:
-            x = torch.empty(len(mb.input_ids), hidden_size, dtype=dtype)
+            x = torch.empty(len(mb.input_ids), hidden_size, dtype=dtype, device=p.device)
             dist.recv(x, src=p.peer(p.pp_rank - 1))
         h = model(x, mb.positions, mb.meta)
         if not p.last_stage:
@@ -59,7 +59,7 @@ def run_stage(model, p: Parallel, micro: list[MicroBatch], hidden_size: int, voc
         for mb in micro:
             out = None
             if mb.logit_rows:
-                out = torch.empty(len(mb.logit_rows), vocab, dtype=torch.float32)
+                out = torch.empty(len(mb.logit_rows), vocab, dtype=torch.float32, device=p.device)
                 dist.recv(out, src=last)
             logits.append(out)
     for work, _ in sends:
@@ -75,7 +75,7 @@ def worker_loop(model, p: Parallel, hidden_size: int, vocab: int, dtype: torch.d
         if message == STOP:
             return
         if isinstance(message, tuple) and message[0] == PING:
-            dist.all_reduce(torch.zeros(1))
+            dist.all_reduce(torch.zeros(1, device=p.device))
             continue
         if isinstance(message, tuple) and message[0] == REBALANCE:
             on_rebalance()
@@ -86,4 +86,4 @@ def worker_loop(model, p: Parallel, hidden_size: int, vocab: int, dtype: torch.d
 def ping(p: Parallel, payload) -> None:
     """Rank 0: one broadcast of `payload` to every rank and an all-reduce back, no forward."""
     broadcast_step(p, (PING, payload))
-    dist.all_reduce(torch.zeros(1))
+    dist.all_reduce(torch.zeros(1, device=p.device))

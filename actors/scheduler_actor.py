@@ -163,7 +163,7 @@ class SchedulerActor:
         return self.engine.metrics()
 
     def ready(self) -> bool:
-        return self.engine.error is None
+        return self.engine.alive
 
     def get_max_model_len(self) -> int:
         return self.max_model_len
@@ -171,11 +171,13 @@ class SchedulerActor:
     def _log_progress(self, interval: float) -> None:
         """areno's --decode-progress-interval-s: a periodic one-line decode throughput report."""
         progress = DecodeProgress(self.engine.engine, self.replica)
-        while self.engine.error is None:
+        while self.engine.alive:
             time.sleep(interval)
             log.info(progress.line())
 
 
-def scheduler_actor_class(num_cpus: float = 1.0):
-    """The Ray actor class. Async (an event loop per actor), so many requests stream at once."""
-    return ray.remote(num_cpus=num_cpus, max_concurrency=10_000)(SchedulerActor)
+def scheduler_actor_class(bundle: dict):
+    """The Ray actor class, claiming rank 0's bundle (its CPUs and its GPU, if any). Async (an
+    event loop per actor), so many requests stream at once."""
+    return ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                      max_concurrency=10_000)(SchedulerActor)

@@ -9,6 +9,7 @@ Whatever does not arrive within --dist-timeout fails start-up with the rank and 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import socket
 import time
@@ -18,13 +19,15 @@ import torch
 
 from actors.config import EngineConfig
 from actors.parallel import Parallel, init_distributed, parse_layer_split
+from actors.placement import check_fits, default_strategy, rank_bundle
 from actors.progress import progress_bar
 
 log = logging.getLogger("shoal.shards")
 
 
 class ShardActor:
-    """One rank's model runner, in its own Ray actor process."""
+    """One rank's model runner, in its own Ray actor process. Threaded (two calls at once), so
+    `alive` answers the scheduler's watcher while `run` is in the step loop."""
 
     def __init__(self, config: EngineConfig, rank: int, num_blocks: int, max_model_len: int):
         from actors.loader import read_config, resolve_dtype, resolve_model_path
@@ -38,18 +41,31 @@ class ShardActor:
                      expert_parallel=config.expert_parallel, redundant_experts=config.num_redundant_experts)
         config = replace(config, num_kv_blocks=num_blocks)
         self.runner = ModelRunner(config, path, hf, resolve_dtype(config.dtype, hf), max_model_len, set(), p)
-        self.info = {"rank": rank, "node_ip": node_ip(), "node_id": node_id(), "load_seconds": round(time.perf_counter() - start, 2),
+        self.info = {**rank_info(rank, self.runner.device),
+                     "load_seconds": round(time.perf_counter() - start, 2),
                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                      "parameters": sum(x.numel() for x in self.runner.model.parameters())}
 
     def describe(self) -> dict:
         return self.info
 
+    def alive(self) -> bool:
+        return True
+
     def init_distributed(self, master_addr: str, master_port: int, timeout_s: float, backend: str) -> None:
         init_distributed(self.runner.p, master_addr, master_port, timeout_s, backend)
 
     def run(self) -> None:
         self.runner.worker_loop()
+
+
+def rank_info(rank: int, device: torch.device) -> dict:
+    """Where a rank runs, for /stats and the logs: an operator finds and acts on a shard by it."""
+    import ray
+    info = {"rank": rank, "pid": os.getpid(), "device": str(device)}
+    if ray.is_initialized():
+        info.update(node_ip=node_ip(), node_id=node_id(), gpu_ids=[str(g) for g in ray.get_gpu_ids()])
+    return info
 
 
 def node_ip() -> str:
@@ -76,12 +92,33 @@ class ShardGroup:
     owns_placement_group: bool
     infos: list[dict]
 
+    def check(self, timeout: float) -> str | None:
+        """None while every rank runs its loop and answers within `timeout` s; else what is wrong."""
+        import ray
+        ended, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
+        for ref in ended:
+            info = self.infos[self.loops.index(ref)]
+            try:
+                ray.get(ref)
+                return f"{_where(info)} left its step loop"
+            except Exception as exc:  # noqa: BLE001 - any way a rank ends is a dead engine
+                return f"{_where(info)} died: {str(exc).splitlines()[0]}"
+        pings = [a.alive.remote() for a in self.actors]
+        _, late = ray.wait(pings, num_returns=len(pings), timeout=timeout)
+        if late:
+            return f"{_where(self.infos[pings.index(late[0])])} did not answer within {timeout:.0f} s"
+        return None
+
     def shutdown(self) -> None:
         import ray
         for actor in self.actors:
             ray.kill(actor)
         if self.owns_placement_group:
             ray.util.remove_placement_group(self.placement_group)
+
+
+def _where(info: dict) -> str:
+    return f"rank {info['rank']} (pid {info.get('pid')} on {info.get('node_ip', 'this node')})"
 
 
 def start_shards(config: EngineConfig, rank0, num_blocks: int, max_model_len: int,
@@ -93,15 +130,18 @@ def start_shards(config: EngineConfig, rank0, num_blocks: int, max_model_len: in
     world, timeout = config.tp_size * config.pp_size, config.dist_timeout
     if not ray.is_initialized():
         ray.init()
+    bundle = rank_bundle(config)
     owns = placement is None
-    if owns:  # bundle 0 reserves rank 0's CPUs; shards take bundles 1..n
-        strategy = config.placement_strategy or default_strategy(world * config.shard_cpus)
-        pg = placement_group([{"CPU": config.shard_cpus}] * world, strategy=strategy)
+    if owns:  # bundle 0 is rank 0's (this process already holds it); shards take bundles 1..n
+        bundles = [bundle] * world
+        strategy = config.placement_strategy or default_strategy(bundles)
+        check_fits(bundles, 1, strategy)
+        pg = placement_group(bundles, strategy=strategy)
         placement = (pg, 1)
     pg, first = placement
     _wait(pg.ready(), timeout, f"the placement group for {world} ranks could not be placed within "
                                f"{timeout:.0f} s; is every node up? cluster has {ray.cluster_resources()}")
-    cls = ray.remote(num_cpus=config.shard_cpus)(ShardActor)
+    cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=2)(ShardActor)
     actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, first + r - 1))
               .remote(config, r, num_blocks, max_model_len) for r in range(1, world)]
     infos = _gather([a.describe.remote() for a in actors], timeout, "start (load its weights)")
@@ -117,17 +157,10 @@ def start_shards(config: EngineConfig, rank0, num_blocks: int, max_model_len: in
         raise RuntimeError(f"{names} did not join the process group at {addr}:{port} "
                            f"within {timeout:.0f} s: {exc}") from None
     _gather(joins, timeout, "join the process group")
-    for info in [{"rank": 0, "node_ip": addr}] + infos:
+    for info in infos:
         log.info("shard %s", info)
     loops = [a.run.remote() for a in actors]
     return ShardGroup(actors, loops, pg, owns, infos)
-
-
-def default_strategy(cpus: float) -> str:
-    """STRICT_PACK when one node has the CPUs for every rank, else PACK."""
-    import ray
-    biggest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
-    return "STRICT_PACK" if biggest >= cpus else "PACK"
 
 
 def _wait(ref, timeout: float, message: str):

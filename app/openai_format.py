@@ -175,8 +175,11 @@ def completion_choice(request: CompletionRequest, prompt: str | list[int],
     logprobs = None
     if request.logprobs is not None:
         logprobs = completion_logprobs(tokenizer, token_ids, positions, request.logprobs)
+    ids = request.return_token_ids
     return CompletionChoice(index=index, text=text, logprobs=logprobs,
-                            finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                            prompt_token_ids=list(output.prompt_token_ids) if ids else None,
+                            token_ids=list(out.token_ids) if ids else None)
 
 
 def completion_response(request: CompletionRequest, outputs: list[RequestOutput], tokenizer,

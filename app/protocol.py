@@ -213,6 +213,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI allows 5; vLLM up to 20
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool = False  # vLLM's: each choice carries its prompt and output token ids
 
     @field_validator("prompt")
     @classmethod
@@ -347,6 +348,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

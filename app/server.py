@@ -20,17 +20,18 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.errors import EngineDeadError, QueueFullError
+from actors.errors import EngineDeadError, QueueFullError, RequestFailedError
 from actors.config import EngineConfig
 from actors.metrics import Replica
+from actors.placement import rank_bundle
 from actors.sampling_params import SamplingParams
 from actors.scheduler_actor import scheduler_actor_class
 
 log = logging.getLogger("shoal.server")
 
 SCHEDULER_NAMESPACE = "shoal"
-# The engine's refusals of one request (400, 429, 503 at the HTTP layer).
-REFUSALS = (ValueError, QueueFullError, EngineDeadError)
+# The engine's refusals and failures of one request (400, 429, 503, 500 at the HTTP layer).
+REFUSALS = (ValueError, QueueFullError, EngineDeadError, RequestFailedError)
 
 
 @dataclass
@@ -57,11 +58,10 @@ def scheduler_name_prefix(app_name: str) -> str:
 SCHEDULER_BUNDLE, FIRST_SHARD_BUNDLE = 1, 2
 
 
-def placement_bundles(tp_size: int, pp_size: int, replica_cpus: float, shard_cpus: float,
-                      shard_gpus: float = 0) -> list[dict]:
+def placement_bundles(config: EngineConfig, replica_cpus: float) -> list[dict]:
     """Bundle 0 for the replica, one per shard rank (bundle 1 also hosts the scheduler)."""
-    shard = {"CPU": shard_cpus, **({"GPU": shard_gpus} if shard_gpus else {})}
-    return [{"CPU": replica_cpus}] + [dict(shard) for _ in range(tp_size * pp_size)]
+    rank = rank_bundle(config)
+    return [{"CPU": replica_cpus}] + [dict(rank) for _ in range(config.tp_size * config.pp_size)]
 
 
 @serve.deployment(name="LLMServer")
@@ -74,7 +74,7 @@ class LLMServer:
         self.replica = ctx.replica_id.unique_id
         pg = ray.util.get_current_placement_group()  # None only outside Serve's placement
         strategy = PlacementGroupSchedulingStrategy(pg, SCHEDULER_BUNDLE) if pg else None
-        actor = scheduler_actor_class(engine_config.shard_cpus).options(
+        actor = scheduler_actor_class(rank_bundle(engine_config)).options(
             name=scheduler_name_prefix(ctx.app_name) + self.replica,  # found by /stats
             namespace=SCHEDULER_NAMESPACE, scheduling_strategy=strategy)
         placement = (pg, FIRST_SHARD_BUNDLE) if pg else None

@@ -1,20 +1,22 @@
-"""A real two-node Ray cluster on this machine: TP=2 with one shard per node, and a clear
-error (not a hang) when the layout cannot be placed."""
+"""A real two-node Ray cluster on this machine: the Serve app (ingress, LLMServer replica,
+scheduler actor, shard actor) with TP=2 and one rank per node, and a clear, immediate error
+when a layout cannot be placed."""
 import os
+import time
 
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import httpx  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
-from ray.util.placement_group import placement_group  # noqa: E402
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from actors.llm import LLM  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.placement import PlacementError  # noqa: E402
 from oracle import hf_greedy  # noqa: E402
+from serving import free_port, wait_ready  # noqa: E402
 from test_engine import prompts_of  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -22,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster
@@ -31,34 +33,37 @@ def two_nodes():
     cluster.shutdown()
 
 
-@ray.remote(num_cpus=1)
-class EngineHost:
-    """Rank 0 (the scheduler's role) in bundle 0; the shard lands in bundle 1 on the other node."""
+def test_llm_server_tp2_across_two_nodes(two_nodes, llama_ckpt):
+    """Bundles [replica 0.1, rank 0: 1.5, rank 1: 1.5] on two 2-CPU nodes: PACK must put the
+    two ranks on different nodes."""
+    from ray import serve
 
-    def __init__(self, path, pg):
-        self.llm = LLM(path, tp_size=2, placement=(pg, 1), num_kv_blocks=32, shard_cpus=1, dist_timeout=60)
+    from app.builder import build_app
 
-    def run(self, prompts):
-        outs = self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-        return [o.outputs[0].token_ids for o in outs], self.llm.engine.shards.infos, ray.get_runtime_context().get_node_id()
-
-    def close(self):
-        self.llm.shutdown()
-
-
-def test_tp2_across_two_nodes(two_nodes, llama_ckpt):
-    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
-    ray.get(pg.ready(), timeout=60)
-    host = EngineHost.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(str(llama_ckpt), pg)
-    prompts = prompts_of([7, 19])
-    tokens, infos, host_node = ray.get(host.run.remote(prompts), timeout=300)
-    assert tokens == [hf_greedy(llama_ckpt, p, 10) for p in prompts]
-    assert infos[0]["node_id"] != host_node  # one shard per node
-    ray.get(host.close.remote())
-    ray.kill(host)
-    ray.util.remove_placement_group(pg)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"model_path": str(llama_ckpt), "tp_size": 2, "shard_cpus": 1.5,
+                             "num_kv_blocks": 32, "dist_timeout": 60}), name="shoal", route_prefix="/")
+        url = wait_ready(f"http://127.0.0.1:{port}", timeout=120)
+        for ids in prompts_of([7, 19]):
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "", "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 10)
+        (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
+        nodes = [r["node_id"] for r in replica["ranks"]]
+        assert len(nodes) == 2 and nodes[0] != nodes[1]  # one rank per node
+    finally:
+        serve.shutdown()
 
 
-def test_unplaceable_layout_fails_clearly(two_nodes, llama_ckpt):
-    with pytest.raises(RuntimeError, match="could not be placed within 5 s"):
-        LLM(str(llama_ckpt), tp_size=4, placement_strategy="STRICT_SPREAD", shard_cpus=1, dist_timeout=5)
+def test_unplaceable_layout_fails_at_once(two_nodes, llama_ckpt):
+    from app.builder import build_app
+
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=r"cannot place 1 replica\(s\).*STRICT_SPREAD.*node 1: "):
+        LLM(str(llama_ckpt), tp_size=4, placement_strategy="STRICT_SPREAD", shard_cpus=1, dist_timeout=60)
+    with pytest.raises(PlacementError, match=r"cannot place 2 replica\(s\).*\{CPU: 2\}"):
+        build_app({"model_path": str(llama_ckpt), "tp_size": 2, "world_size": 4, "shard_cpus": 1})
+    assert time.monotonic() - start < 10

@@ -23,17 +23,12 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
-from serving import free_port, wait_ready  # noqa: E402
+from serving import alive, descendants, free_port, loopback_env, wait_ready  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PAIR_KEY = "sekret"
-
-
-def loopback_env(**extra) -> dict:
-    return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-            **extra}
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -279,31 +274,6 @@ def test_dead_engine_is_503(pair_url):
 
 
 # --------------------------------------------------------------------------- serve run
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below pid (from /proc), to check nothing outlives a shutdown."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
 
 @pytest.mark.slow
 def test_serve_run_dev_yaml(llama_ckpt, tmp_path):

@@ -1,0 +1,63 @@
+"""Faults inside one engine: a request whose post-processing raises fails alone, and anything
+that ends the engine loop makes the engine dead (requests fail, `alive` is False) instead of
+leaving requests hanging behind a loop that no longer runs."""
+import asyncio
+
+import pytest
+
+from actors.async_engine import AsyncEngine
+from actors.config import EngineConfig
+from actors.errors import EngineDeadError, RequestFailedError
+from actors.llm import LLM
+from actors.sampling_params import SamplingParams
+from oracle import hf_greedy
+from test_engine import GREEDY, assert_pool_free, prompts_of
+
+
+def test_a_request_whose_post_processing_raises_fails_alone(llama_ckpt):
+    llm = LLM(str(llama_ckpt), num_kv_blocks=64)
+    good, bad = prompts_of([9, 14])
+    llm.engine.add_request("good", good, GREEDY)
+    llm.engine.add_request("bad", bad, GREEDY)
+    calls = 0
+
+    def broken_add(token, check_stop=True):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyError("a bug in one request's handling")
+        return None
+
+    llm.engine.requests["bad"].detoks[0].add = broken_add
+    tokens, failures = {"good": [], "bad": []}, []
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+            assert not (out.request_id == "bad" and out.finished)
+        failures += llm.engine.take_failures()
+    assert tokens["good"] == hf_greedy(llama_ckpt, good, GREEDY.max_tokens)
+    assert len(tokens["bad"]) == 2  # what it streamed before its third token broke
+    ((rid, error),) = failures
+    assert rid == "bad" and isinstance(error, RequestFailedError) and "KeyError" in str(error)
+    assert_pool_free(llm)
+
+
+def test_an_engine_loop_that_ends_fails_every_request_and_is_not_alive(llama_ckpt):
+    engine = AsyncEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32))
+
+    def crash():
+        raise MemoryError("outside any per-request handling")
+
+    engine.engine.step = crash
+
+    async def one(rid):
+        return [out async for out in engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=4), rid)]
+
+    try:
+        with pytest.raises(EngineDeadError, match="MemoryError|outside any"):
+            asyncio.run(one("first"))
+        assert not engine.alive and engine.stats()["engine_alive"] is False
+        with pytest.raises(EngineDeadError):  # refused at once, never queued
+            asyncio.run(one("second"))
+    finally:
+        engine.shutdown()
