@@ -99,7 +99,7 @@ class AsyncEngine:
             "kv_cache_usage": round(e.blocks.usage(), 4),
             "kv_blocks_total": e.blocks.num_blocks,
             "kv_blocks_free": e.blocks.num_free_blocks,
-            "prefix_cache_hit_rate": round(e.blocks.hit_rate(), 4),
+            "prefix_cache_hit_rate": round(e.scheduler.hit_rate(), 4),
             "preemptions": e.scheduler.num_preemptions,
             "generated_tokens": e.stats.generated_tokens,
             "prompt_tokens": e.stats.prompt_tokens,

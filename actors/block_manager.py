@@ -32,8 +32,6 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.hit_tokens = 0  # prefix-cache statistics, in tokens
-        self.query_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -48,7 +46,7 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq (full blocks, never its last token)."""
-        if not self.enable_prefix_caching or (seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent):
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         hits, parent = [], None
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
@@ -118,6 +116,3 @@ class BlockManager:
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
-
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -23,7 +23,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_queued_requests: int | None = None  # over this many waiting, new requests are refused
     # Compute
-    attn_backend: str = "native"  # native | flash (falls back to native where flash can't run)
+    attn_backend: str = "auto"  # auto (flash where it can run, else native) | native | flash
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     # Parallel layout: tp x pp ranks per model instance; rank 0 lives in the scheduler process
     tp_size: int = 1
@@ -45,6 +45,13 @@ class EngineConfig:
     metrics_itl_buckets: list[float] | None = None  # inter-token latency
     metrics_e2e_buckets: list[float] | None = None  # end-to-end request latency
 
+    def __post_init__(self):
+        # Bucket options may come as "0.1,0.5" (CLI, environment): lists from here on, so
+        # nothing changes the config after validation.
+        from actors.metrics import check_buckets
+        for name in ("metrics_ttft_buckets", "metrics_itl_buckets", "metrics_e2e_buckets"):
+            setattr(self, name, check_buckets(name, getattr(self, name)))
+
     @property
     def expert_parallel(self) -> bool:
         return self.tp_size > 1 and (self.enable_expert_parallel or (self.ep_size or 1) > 1)
@@ -56,6 +63,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attn_backend not in ("auto", "native", "flash"):
+            raise ValueError(f"--attn-backend must be auto, native or flash, got {self.attn_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -73,13 +82,6 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("--num-kv-blocks must be at least 2")
         self._validate_experts()
-        self._validate_buckets()
-
-    def _validate_buckets(self) -> None:
-        """Also normalizes: a comma-separated string becomes a list of floats."""
-        from actors.metrics import check_buckets
-        for name in ("metrics_ttft_buckets", "metrics_itl_buckets", "metrics_e2e_buckets"):
-            setattr(self, name, check_buckets(name, getattr(self, name)))
 
     def _validate_experts(self) -> None:
         if self.ep_size is not None and self.ep_size not in (1, self.tp_size):

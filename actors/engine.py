@@ -1,4 +1,10 @@
-"""The engine: requests in, delta outputs out. `step()` = schedule -> run -> postprocess."""
+"""The engine: requests in, delta outputs out.
+
+`step()` = schedule -> execute -> update -> outputs: the scheduler picks the step's rows
+(actors/scheduler.py), the model runner computes and samples them (actors/model_runner.py;
+with shard ranks too), the scheduler advances its sequences with the sampled tokens, and
+the engine turns what changed into delta RequestOutputs (text, stop strings, log-probs).
+"""
 from __future__ import annotations
 
 import copy
@@ -13,16 +19,16 @@ from actors.block_manager import BlockManager
 from actors.config import EngineConfig
 from actors.detokenizer import IncrementalDetokenizer
 from actors.errors import RequestFailedError
-from actors.loader import eos_token_ids, load_tokenizer, read_config, resolve_dtype, resolve_model_path
+from actors.loader import load_tokenizer, resolve_model_path
 from actors.metrics import EngineMetrics
-from actors.model_runner import ModelRunner
+from actors.model_runner import ModelRunner, RunnerOutput
+from actors.model_spec import resolve_model
 from actors.outputs import CompletionOutput, RequestOutput
-from actors.parallel import Parallel, parse_layer_split
 from actors.sampling_params import SamplingParams
-from actors.scheduler import Scheduler
-from actors.shard_actor import rank_info, start_shards
+from actors.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from actors.sequence import Sequence
-from actors.structured import Grammars, accept
+from actors.shard_actor import rank_info, start_shards
+from actors.structured import Grammars
 
 log = logging.getLogger("shoal.engine")
 
@@ -35,10 +41,10 @@ class Request:
     priority: int
     seqs: list[Sequence] = field(default_factory=list)
     detoks: list[IncrementalDetokenizer] = field(default_factory=list)
-    pending_children: list[Sequence] = field(default_factory=list)  # n > 1: wait for the prompt
     prompt: str | None = None
     prompt_logprobs: list | None = None  # grows chunk by chunk; position 0 has none
     prompt_logprobs_sent: bool = False
+    finish_sent: set[int] = field(default_factory=set)  # samples whose finish went out
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # its first step (metrics: queue time)
     first_token_time: float | None = None
@@ -46,7 +52,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return not self.pending_children and all(s.finished for s in self.seqs)
+        return all(s.finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -54,38 +60,27 @@ class LLMEngine:
         """placement: (placement group, first bundle for shard rank 1) when the caller reserved one."""
         config.validate()
         self.config = config
-        self.model_path = resolve_model_path(config.model_path)
-        hf_config = read_config(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
-        limit = hf_config.get("max_position_embeddings", 2048)
-        if config.max_model_len and config.max_model_len > limit:
-            raise ValueError(f"--max-model-len {config.max_model_len} is over the model's "
-                             f"max_position_embeddings {limit}")
-        self.max_model_len = config.max_model_len or limit
-        dtype = resolve_dtype(config.dtype, hf_config)
+        self.tokenizer = load_tokenizer(resolve_model_path(config.model_path))
+        self.spec = resolve_model(config, self.tokenizer)
+        self.model_path, self.max_model_len, self.eos_ids = self.spec.path, self.spec.max_model_len, self.spec.eos_ids
         torch.manual_seed(config.seed)
         start = time.perf_counter()
-        split = parse_layer_split(config.pp_layer_split, hf_config["num_hidden_layers"], config.pp_size)
-        parallel = Parallel(config.tp_size, config.pp_size, 0, layer_split=split,
-                            expert_parallel=config.expert_parallel, redundant_experts=config.num_redundant_experts)
-        self.runner = ModelRunner(config, self.model_path, hf_config, dtype, self.max_model_len,
-                                  self.eos_ids, parallel)
+        self.runner = ModelRunner(config, self.spec)
         log.info("rank 0 loaded in %.2f s, peak RSS %.0f MiB", time.perf_counter() - start,
                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         self.shards = None
-        if parallel.world_size > 1:
-            self.shards = start_shards(config, self.runner, self.runner.num_blocks, self.max_model_len,
-                                       placement)
+        if self.runner.p.world_size > 1:
+            self.shards = start_shards(config, self.spec, self.runner, placement)
         # Where every rank runs (/stats): pid, node, device, GPU ids.
         self.rank_infos = [rank_info(0, self.runner.device)] + (self.shards.infos if self.shards else [])
-        self.failures: list[tuple[str, Exception]] = []  # requests whose post-processing raised
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids)
         self.requests: dict[str, Request] = {}
-        self.grammars = Grammars(self.tokenizer, self.runner.args.vocab_size, sorted(self.eos_ids))
-        self.stats = EngineStats()
+        self.grammars = Grammars(self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics(config)
+        self.stats = self.metrics.stats
+        self.failures: list[tuple[str, Exception]] = []  # requests whose post-processing raised
+        self._finished_on_arrival: list[str] = []  # nothing to compute (max_tokens=0)
 
     # ---- requests ---------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -98,7 +93,7 @@ class LLMEngine:
         if n + max_tokens > self.max_model_len:
             raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; "
                              f"the request has {n} prompt tokens and asks for {max_tokens} more")
-        vocab = self.runner.args.vocab_size
+        vocab = self.spec.args.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         need = self.blocks.blocks_needed(n + max(max_tokens, 1))
@@ -127,14 +122,14 @@ class LLMEngine:
             req.detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                      params.skip_special_tokens,
                                                      params.include_stop_str_in_output))
-        # Later samples wait until the first has computed the prompt, then share its blocks.
-        req.pending_children = req.seqs[1:]
         self.requests[request_id] = req
-        self.scheduler.add(req.seqs[0])
+        first = req.seqs[0]
+        first.children = req.seqs[1:]  # the other samples wait for its prompt, then share its blocks
         if params.max_tokens == 0 and params.prompt_logprobs is None:
-            req.pending_children = []
-            for seq in req.seqs:
-                self._finish(seq, "length")
+            self.scheduler.finish(first, "length")
+            self._finished_on_arrival.append(request_id)
+        else:
+            self.scheduler.add(first)
 
     def abort_request(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -148,6 +143,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of the requests that failed alone since the last call."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def shutdown(self) -> None:
         """Stop the shard actors of a multi-rank layout and leave the process group."""
@@ -163,123 +163,97 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return self._drain_finished()
+        output = self.scheduler.schedule()
         start = time.monotonic()
-        result = self.runner.execute(batch)
+        result = self.runner.execute(output) if output.seqs else RunnerOutput([], [], [])
+        self.scheduler.update(output, result.tokens)
         now = time.monotonic()
-        self.stats.record_step(batch, now - start)
-        self.metrics.step(now - start, len(batch))
+        self.metrics.record_step(output, result.tokens, self.requests, start, now)
+        return self._outputs(output, result, now)
+
+    def _outputs(self, output: SchedulerOutput, result: RunnerOutput, now: float) -> list[RequestOutput]:
+        """One delta per request that changed; a finished request's last one carries its metrics."""
         deltas: dict[str, RequestOutput] = {}
-        for s, token, lps, prompt_lps in zip(batch, result.tokens, result.logprobs, result.prompt_logprobs):
+        for s, token, lps, prompt_lps in zip(output.seqs, result.tokens, result.logprobs, result.prompt_logprobs):
             req = self.requests.get(s.seq.request_id)
-            if req is None:  # failed earlier in this step
+            if req is None:  # aborted, or failed earlier in this step
                 continue
             try:
-                self._postprocess(req, s, token, lps, prompt_lps, deltas, start, now)
+                self._process(req, s, token, lps, prompt_lps, deltas)
             except Exception as exc:  # a bug in one request's handling fails that request alone
-                log.exception("request %s failed after step %d", req.request_id, self.stats.steps)
-                self.failures.append((req.request_id, RequestFailedError(
-                    f"request {req.request_id} failed: {type(exc).__name__}: {exc}")))
-                deltas.pop(req.request_id, None)
-                self.abort_request(req.request_id)
-        self.metrics.end_step()
+                self._fail(req, exc, deltas)
+        for rid in self._finished_on_arrival:
+            if rid in self.requests:
+                self._delta(self.requests[rid], deltas)
+        self._finished_on_arrival = []
         for rid, delta in deltas.items():
-            delta.finished = self.requests[rid].finished
-            if delta.finished:
+            req = self.requests[rid]
+            if req.finished:
+                self._report_finishes(req, delta)
+                delta.finished = True
                 delta.metrics = self.metrics.finished_request(self.requests.pop(rid), now)
-        return list(deltas.values()) + self._drain_finished()
+        return list(deltas.values())
 
-    def _postprocess(self, req: Request, s, token, lps, prompt_lps, deltas, start: float, now: float) -> None:
+    def _process(self, req: Request, s: ScheduledSeq, token, lps, prompt_lps, deltas: dict) -> None:
         seq = s.seq
-        if req.scheduled_time is None:
-            self.metrics.scheduled(req, start)
         if prompt_lps is not None:
-            self._add_prompt_logprobs(req, seq, prompt_lps)
-        seq.num_computed_tokens += s.num_tokens
-        self.blocks.cache_full_blocks(seq)
-        if token is not None:
-            self._append_token(req, seq, token, lps, deltas, now)
-        if seq.index == 0 and s.samples and req.pending_children:
-            for child in req.pending_children:
-                self.scheduler.add(child)
-            req.pending_children = []
+            self._add_prompt_logprobs(req, s, prompt_lps)
+        if token is not None and seq.params.max_tokens != 0:  # the scheduler appended it
+            out = _output(self._delta(req, deltas), seq.index)
+            out.token_ids.append(token)
+            if lps is not None:
+                out.logprobs = (out.logprobs or []) + [lps]
+            out.text += self._detokenize(req, seq, token)
+        if seq.finished:
+            self._report_finish(req, seq, _output(self._delta(req, deltas), seq.index))
 
-    def take_failures(self) -> list[tuple[str, Exception]]:
-        """(request id, error) of the requests that failed alone since the last call."""
-        failures, self.failures = self.failures, []
-        return failures
+    def _detokenize(self, req: Request, seq: Sequence, token: int) -> str:
+        """New text, holding back what may still become a stop string (which finishes seq)."""
+        if seq.finish_reason == "stop" and seq.stop_reason == token:
+            return req.detoks[seq.index].release(final=True)  # a stop token's text is never shown
+        detok = req.detoks[seq.index]
+        stop_str = detok.add(token, check_stop=seq.num_output_tokens >= seq.params.min_tokens)
+        if stop_str is not None:
+            if seq.finished:  # a stop string outranks a length limit reached by the same token
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+            else:
+                self.scheduler.finish(seq, "stop", stop_str)
+        return detok.release(final=seq.finished)
 
-    def _add_prompt_logprobs(self, req: Request, seq: Sequence, lps: list) -> None:
+    def _add_prompt_logprobs(self, req: Request, s: ScheduledSeq, lps: list) -> None:
         """Append this chunk's prompt log-probs (a recomputed chunk adds only what is new)."""
         acc = req.prompt_logprobs if req.prompt_logprobs is not None else [None]
-        first = seq.num_computed_tokens + 1  # the prompt position the chunk's first row predicts
+        first = s.start + 1  # the prompt position the chunk's first row predicts
         acc.extend(lps[max(0, len(acc) - first):])
         req.prompt_logprobs = acc
-        if len(acc) >= seq.num_prompt_tokens:
-            for sibling in req.seqs:
-                sibling.prompt_logprobs_sent = True
-
-    def _append_token(self, req: Request, seq: Sequence, token: int, lps, deltas, now: float) -> None:
-        p = seq.params
-        if p.max_tokens == 0:  # only the prompt was wanted (prompt log-probs): drop the token
-            req.pending_children = []
-            for s in req.seqs:
-                self._finish(s, "length")
-                _output(self._delta(req, deltas), s.index).finish_reason = "length"
-            return
-        seq.token_ids.append(token)
-        self.metrics.token(req, seq.index, now)
-        detok = req.detoks[seq.index]
-        out = _output(self._delta(req, deltas), seq.index)
-        out.token_ids.append(token)
-        if lps is not None:
-            out.logprobs = (out.logprobs or []) + [lps]
-        stopped_by_token = (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos))
-        past_min = seq.num_output_tokens >= p.min_tokens
-        if seq.matcher is not None and accept(seq.matcher, token):
-            stopped_by_token = past_min = True  # the grammar is complete: nothing may follow
-        stop_str = None
-        if not (stopped_by_token and past_min):  # a stop token's text is never shown
-            stop_str = detok.add(token, check_stop=past_min)
-        if stopped_by_token and past_min:
-            self._finish(seq, "stop", token)
-        elif stop_str is not None:
-            self._finish(seq, "stop", stop_str)
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length")
-        out.text += detok.release(final=seq.finished)
-        if seq.finished:
-            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.scheduler.finish(seq)
 
     def _delta(self, req: Request, deltas: dict) -> RequestOutput:
         """This step's output for req, created on first use (it carries the prompt log-probs once)."""
         if req.request_id not in deltas:
             d = RequestOutput(req.request_id, req.prompt_token_ids, [], prompt=req.prompt,
                               num_cached_tokens=req.seqs[0].num_cached_tokens)
-            if req.seqs[0].prompt_logprobs_sent and not req.prompt_logprobs_sent:
+            complete = req.prompt_logprobs is not None and len(req.prompt_logprobs) >= len(req.prompt_token_ids)
+            if complete and not req.prompt_logprobs_sent:
                 d.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
             deltas[req.request_id] = d
         return deltas[req.request_id]
 
-    def _drain_finished(self) -> list[RequestOutput]:
-        """Requests that finished without producing a token this step (e.g. max_tokens=0)."""
-        done = []
-        for rid, req in list(self.requests.items()):
-            if req.finished:
-                d = self._delta(req, {})
-                d.outputs = [CompletionOutput(s.index, finish_reason=s.finish_reason,
-                                              stop_reason=s.stop_reason) for s in req.seqs]
-                d.finished = True
-                d.metrics = self.metrics.finished_request(req, time.monotonic())
-                done.append(d)
-                del self.requests[rid]
-        return done
+    def _report_finish(self, req: Request, seq: Sequence, out: CompletionOutput) -> None:
+        out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+        req.finish_sent.add(seq.index)
+
+    def _report_finishes(self, req: Request, delta: RequestOutput) -> None:
+        """Samples that finished without a step of their own (e.g. with their first sample)."""
+        for seq in req.seqs:
+            if seq.index not in req.finish_sent:
+                self._report_finish(req, seq, _output(delta, seq.index))
+
+    def _fail(self, req: Request, exc: Exception, deltas: dict) -> None:
+        log.exception("request %s failed after step %d", req.request_id, self.stats.steps)
+        self.failures.append((req.request_id, RequestFailedError(
+            f"request {req.request_id} failed: {type(exc).__name__}: {exc}")))
+        deltas.pop(req.request_id, None)
+        self.abort_request(req.request_id)
 
 
 def _output(delta: RequestOutput, index: int) -> CompletionOutput:
@@ -289,23 +263,3 @@ def _output(delta: RequestOutput, index: int) -> CompletionOutput:
     out = CompletionOutput(index)
     delta.outputs.append(out)
     return out
-
-
-class EngineStats:
-    """Running counters for /stats and the benchmarks."""
-
-    def __init__(self):
-        self.steps = 0
-        self.step_time = 0.0
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.decode_tokens = 0  # sampled by one-token rows (decode), for the progress line
-
-    def record_step(self, batch, seconds: float) -> None:
-        self.steps += 1
-        self.step_time += seconds
-        for s in batch:
-            if s.samples:
-                self.generated_tokens += 1
-                self.decode_tokens += s.num_tokens == 1
-            self.prompt_tokens += max(0, min(s.num_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))

@@ -107,22 +107,39 @@ class EngineMetrics:
         self._ttft = self.hist["time_to_first_token_seconds"]
         self._itl = self.hist["inter_token_latency_seconds"]
         self._intervals: dict[float, int] = {}  # this step: inter-token interval -> tokens
+        self.stats = EngineStats()
 
     def set_replica(self, replica: Replica) -> None:
         self.labels = {"model": replica.model or self.labels["model"], "replica": replica.replica_id}
 
     # ---- the engine loop ----------------------------------------------------------------
-    def step(self, seconds: float, batch_size: int) -> None:
-        self.hist["engine_step_seconds"].observe(seconds)
-        self.hist["batch_size"].observe(batch_size)
+    def record_step(self, output, tokens: list, requests: dict, start: float, now: float) -> None:
+        """One step that ran from `start` to `now`: output (a SchedulerOutput) and the tokens
+        sampled for its rows; `requests` maps request ids to the engine's live requests."""
+        if not output.seqs:
+            return
+        self.hist["engine_step_seconds"].observe(now - start)
+        self.hist["batch_size"].observe(len(output.seqs))
+        self.stats.record_step(output.seqs, now - start)
+        for s, token in zip(output.seqs, tokens):
+            req = requests.get(s.seq.request_id)
+            if req is None:
+                continue
+            if req.scheduled_time is None:
+                self._scheduled(req, start)
+            if token is not None and s.seq.params.max_tokens != 0:
+                self._token(req, s.seq.index, now)
+        for interval, n in self._intervals.items():
+            self._itl.observe(interval, n)
+        self._intervals.clear()
 
-    def scheduled(self, req, now: float) -> None:
+    def _scheduled(self, req, now: float) -> None:
         """A request's first step: its queue time ends and its prompt starts computing."""
         req.scheduled_time = now
         self.hist["request_queue_time_seconds"].observe(now - req.arrival_time)
         self.counts["prompt_tokens"] += len(req.prompt_token_ids)
 
-    def token(self, req, index: int, now: float) -> None:
+    def _token(self, req, index: int, now: float) -> None:
         """Sequence `index` of `req` got a token at the end of the step that ended at `now`."""
         self.counts["generation_tokens"] += 1
         last = req.token_times.get(index)
@@ -133,11 +150,6 @@ class EngineMetrics:
         elif req.first_token_time is None:
             req.first_token_time = now
             self._ttft.observe(now - req.arrival_time)
-
-    def end_step(self) -> None:
-        for interval, n in self._intervals.items():
-            self._itl.observe(interval, n)
-        self._intervals.clear()
 
     def finished_request(self, req, now: float) -> RequestMetrics:
         self.hist["e2e_request_latency_seconds"].observe(now - req.arrival_time)
@@ -167,8 +179,8 @@ class EngineMetrics:
         return {
             "labels": dict(self.labels),
             "counters": {**self.counts, "preemptions": sched.num_preemptions,
-                         "prefix_cache_queries": blocks.query_tokens,
-                         "prefix_cache_hits": blocks.hit_tokens},
+                         "prefix_cache_queries": sched.query_tokens,
+                         "prefix_cache_hits": sched.hit_tokens},
             "finished": dict(self.finished),
             "gauges": {"num_requests_running": len(sched.running),
                        "num_requests_waiting": len(sched.waiting),
@@ -177,6 +189,26 @@ class EngineMetrics:
                        "kv_blocks_total": blocks.num_blocks, **_expert_gauges(engine)},
             "histograms": {name: h.snapshot() for name, h in self.hist.items()},
         }
+
+
+class EngineStats:
+    """Running counters for /stats, the progress line and the benchmarks."""
+
+    def __init__(self):
+        self.steps = 0
+        self.step_time = 0.0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.decode_tokens = 0  # sampled by one-token rows (decode), for the progress line
+
+    def record_step(self, seqs, seconds: float) -> None:
+        self.steps += 1
+        self.step_time += seconds
+        for s in seqs:
+            if s.samples:
+                self.generated_tokens += 1
+                self.decode_tokens += s.num_tokens == 1
+            self.prompt_tokens += max(0, min(s.num_tokens, s.seq.num_prompt_tokens - s.start))
 
 
 def _expert_gauges(engine) -> dict:

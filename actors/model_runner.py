@@ -1,7 +1,8 @@
 """Runs one engine step on the model: builds the batch tensors, runs the forward, samples.
 
-It owns the weights and the KV pool (allocated once at start-up). Rows are laid out decodes
-first, then prefill chunks, which is the order the attention kernel expects.
+It owns this rank's weights and KV pool (allocated once at start-up). The step arrives as a
+SchedulerOutput (actors/scheduler.py): plain rows in the order the attention kernels want,
+decodes first. Every rank builds its tensors from the same rows; rank 0 also samples.
 """
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import torch
 from actors.config import EngineConfig
 from actors.expert_balancer import ExpertBalancer
 from actors.loader import build_model
-from actors.models.args import ModelArgs
-from actors.parallel import Parallel
+from actors.model_spec import ModelSpec
+from actors.parallel import layout
 from actors.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
-from actors.scheduler import ScheduledSeq
+from actors.scheduler import ScheduledSeq, SchedulerOutput, StepRow
 from actors.structured import bitmask_width, fill_bitmasks
 from kernels import native
 from kernels.attention import AttentionMetadata
@@ -27,10 +28,11 @@ log = logging.getLogger("shoal.runner")
 
 
 @dataclass
-class StepResult:
-    tokens: list[int | None]  # sampled token per scheduled seq (None: mid-prefill chunk)
+class RunnerOutput:
+    """Per scheduled sequence, in the SchedulerOutput's order."""
+    tokens: list[int | None]  # the sampled token (None: a chunk in the middle of its prompt)
     logprobs: list[dict | None]  # {chosen: lp, alternatives...} when the request asked
-    prompt_logprobs: list[list | None]  # per prompt position covered by this chunk
+    prompt_logprobs: list[list | None]  # per prompt position its chunk predicts
 
 
 def pick_device(name: str) -> torch.device:
@@ -47,25 +49,25 @@ def pick_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    """This rank's shard of the model and of the KV pool. Rank 0 also prepares and samples."""
+    """This rank's shard of the model and of the KV pool. Rank 0 also samples."""
 
-    def __init__(self, config: EngineConfig, path, hf_config: dict, dtype: torch.dtype,
-                 max_model_len: int, eos_ids: set[int], parallel: Parallel | None = None):
+    def __init__(self, config: EngineConfig, spec: ModelSpec, rank: int = 0, num_blocks: int | None = None):
+        """num_blocks: the pool size rank 0 chose (the other ranks must match it)."""
         self.config = config
         self.device = pick_device(config.device)
-        self.dtype = dtype
-        self.eos_ids = eos_ids
-        self.p = parallel or Parallel(config.tp_size, config.pp_size)
+        self.dtype = spec.dtype
+        self.eos_ids = spec.eos_ids
+        self.p = layout(config, spec.layer_split, rank)
         self.p.device = self.device  # tensors that cross ranks live here
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.args = ModelArgs.from_hf(hf_config)
-        self.model = build_model(path, hf_config, dtype, self.device, max_model_len, self.p)
+        self.args = spec.args
+        self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p)
         self.experts = None  # MoE models: expert load recording and placement re-planning
         if self.args.moe is not None:
-            self.experts = ExpertBalancer(self.model, config.eplb_window_size, config.eplb_step_interval, path)
+            self.experts = ExpertBalancer(self.model, config.eplb_window_size, config.eplb_step_interval, spec.path)
         self.block_size = config.block_size
-        self.num_blocks = self._num_kv_blocks(max_model_len)
+        self.num_blocks = num_blocks or self._num_kv_blocks(spec.max_model_len)
         self._allocate_kv_cache()
         if self.device.type == "cpu":
             native.paged_decode_attention_op()  # build the CPU kernel now, not on the first request
@@ -103,41 +105,31 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> StepResult:
-        order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens != 1)
-        batch = [batch[i] for i in order]
-        logits, wants_prompt = self._forward(batch)
-        result = self._sample(batch, logits, wants_prompt)
-        inverse = [0] * len(order)  # back to the caller's order
-        for new, old in enumerate(order):
-            inverse[old] = new
-        return StepResult(*[[field[i] for i in inverse] for field in
-                            (result.tokens, result.logprobs, result.prompt_logprobs)])
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        return self._sample(output.seqs, self._forward(output))
 
-    def _forward(self, batch: list[ScheduledSeq]):
-        """Logits of the rows sampling and prompt log-probs need, in batch order."""
+    def _forward(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """Logits of output.logit_rows, in order."""
         if self.p.world_size == 1:
-            input_ids, positions, meta = self._prepare(batch)
-            rows, wants_prompt = self._logit_rows(batch)
-            hidden = self.model(input_ids, positions, meta)
-            return (self.model.compute_logits(hidden[rows]) if rows else None), wants_prompt
-        micro = []
-        for group in _split(batch, self.p.pp_size):
-            rows, _ = self._logit_rows(group)
-            micro.append(MicroBatch(*self._prepare(group), rows))
+            hidden = self.model(*self.prepare(output))
+            return self.model.compute_logits(hidden[output.logit_rows]) if output.logit_rows else None
         rebalance = self.experts is not None and self.experts.due()
-        broadcast_step(self.p, (REBALANCE, micro) if rebalance else micro)  # every rank switches now
+        broadcast_step(self.p, (REBALANCE, output) if rebalance else output)  # every rank switches now
         if rebalance:
             self.experts.rebalance()
+        return self.run_stage(output)
+
+    @torch.inference_mode()
+    def run_stage(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """This rank's share of a multi-rank step; rank 0 gets the logits back."""
+        micro = [MicroBatch(*self.prepare(part), part.logit_rows) for part in output.split(self.p.pp_size)]
         parts = run_stage(self.model, self.p, micro, self.args.hidden_size, self.args.vocab_size, self.dtype)
         parts = [x for x in parts if x is not None]
-        _, wants_prompt = self._logit_rows(batch)
-        return (torch.cat(parts) if parts else None), wants_prompt
+        return torch.cat(parts) if parts else None
 
     def worker_loop(self) -> None:
         """Ranks 1..n: follow rank 0's steps until it stops."""
-        worker_loop(self.model, self.p, self.args.hidden_size, self.args.vocab_size, self.dtype,
-                    self.experts.rebalance if self.experts else None)
+        worker_loop(self.p, self.run_stage, self.experts.rebalance if self.experts else None)
 
     def expert_stats(self) -> dict | None:
         return self.experts.stats() if self.experts else None
@@ -146,105 +138,78 @@ class ModelRunner:
         if self.p.world_size > 1 and self.p.rank == 0:
             broadcast_step(self.p, STOP)
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
-    def _prepare(self, batch: list[ScheduledSeq]):
+    def prepare(self, output: SchedulerOutput):
+        """input ids, positions and attention metadata of the step's rows."""
         ids, pos, slot_mapping = [], [], []
-        for s in batch:
-            start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_tokens
-            ids.extend(s.seq.token_ids[start:end])
-            pos.extend(range(start, end))
-            slot_mapping.extend(self._slots(s.seq.block_table, start, end))
+        bs = self.block_size
+        for r in output.rows:
+            end = r.start + len(r.token_ids)
+            ids.extend(r.token_ids)
+            pos.extend(range(r.start, end))
+            slot_mapping.extend(r.block_table[p // bs] * bs + p % bs for p in range(r.start, end))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev),
-                                 num_decode_tokens=sum(1 for s in batch if s.num_tokens == 1),
-                                 block_size=self.block_size)
-        decodes = [s for s in batch if s.num_tokens == 1]
-        prefills = [s for s in batch if s.num_tokens != 1]
+                                 num_decode_tokens=output.num_decodes, block_size=bs)
+        decodes, prefills = output.rows[:output.num_decodes], output.rows[output.num_decodes:]
         if decodes:
-            ctx = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
+            ctx = torch.tensor([r.start + 1 for r in decodes], dtype=torch.int32)
             table = self._block_tables(decodes, int(ctx.max()))
             meta.decode_block_tables, meta.decode_context_lens = table.to(dev), ctx.to(dev)
-            keys = torch.arange(table.shape[1] * self.block_size)
+            keys = torch.arange(table.shape[1] * bs)
             meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :].to(dev)
         if prefills:
             self._prepare_prefills(meta, prefills, offset=len(decodes))
-        return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
+        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
 
-    def _block_tables(self, group: list[ScheduledSeq], length: int) -> torch.Tensor:
+    def _block_tables(self, rows: list[StepRow], length: int) -> torch.Tensor:
         """[B, blocks covering `length` keys] (padding points at block 0, masked)."""
         nblocks = -(-length // self.block_size)
-        rows = [s.seq.block_table[:nblocks] for s in group]
-        return torch.tensor([r + [0] * (nblocks - len(r)) for r in rows], dtype=torch.long)
+        tables = [r.block_table[:nblocks] for r in rows]
+        return torch.tensor([t + [0] * (nblocks - len(t)) for t in tables], dtype=torch.long)
 
-    def _prepare_prefills(self, meta: AttentionMetadata, group: list[ScheduledSeq], offset: int):
-        n = torch.tensor([s.num_tokens for s in group])
-        start = torch.tensor([s.seq.num_computed_tokens for s in group])
+    def _prepare_prefills(self, meta: AttentionMetadata, rows: list[StepRow], offset: int):
+        n = torch.tensor([len(r.token_ids) for r in rows])
+        start = torch.tensor([r.start for r in rows])
         lq = int(n.max())
-        table = self._block_tables(group, int((start + n).max()))
+        table = self._block_tables(rows, int((start + n).max()))
         lk = table.shape[1] * self.block_size
         row_start = offset + torch.cumsum(n, 0) - n
         i = torch.arange(lq)[None, :]
         valid = i < n[:, None]
-        rows = torch.where(valid, row_start[:, None] + i, row_start[:, None])
+        q_rows = torch.where(valid, row_start[:, None] + i, row_start[:, None])
         j = torch.arange(lk)[None, None, :]
         causal = j <= (start[:, None] + i)[:, :, None]
         mask = (causal & valid[:, :, None]) | (~valid[:, :, None] & (j == 0))
         dev = self.device
-        meta.prefill_q_rows, meta.prefill_q_valid = rows.to(dev), valid.to(dev)
+        meta.prefill_q_rows, meta.prefill_q_valid = q_rows.to(dev), valid.to(dev)
         meta.prefill_block_tables = table.to(dev)
         meta.prefill_mask = mask[:, None].to(dev)
 
-    def _logit_rows(self, batch: list[ScheduledSeq]):
-        """Rows whose logits are needed: the last row of sampling seqs, every row for prompt logprobs."""
-        rows, wants_prompt, offset = [], [], 0
-        for s in batch:
-            prompt = s.seq.params.prompt_logprobs is not None and not s.seq.prompt_logprobs_sent
-            wants_prompt.append(prompt)
-            if prompt:
-                rows.extend(range(offset, offset + s.num_tokens))
-            elif s.samples:
-                rows.append(offset + s.num_tokens - 1)
-            offset += s.num_tokens
-        return rows, wants_prompt
-
-    def _sample(self, batch, logits, wants_prompt) -> StepResult:
-        n = len(batch)
-        tokens, logprobs, prompt_lps = [None] * n, [None] * n, [None] * n
-        last_rows, sampling, cursor = [], [], 0
-        for i, s in enumerate(batch):
-            if wants_prompt[i]:
-                prompt_lps[i] = self._prompt_logprobs(s, logits[cursor:cursor + s.num_tokens])
-                cursor += s.num_tokens
-                if s.samples:
-                    last_rows.append(cursor - 1)
-                    sampling.append(i)
-            elif s.samples:
-                last_rows.append(cursor)
-                sampling.append(i)
-                cursor += 1
+    def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor | None) -> RunnerOutput:
+        n = len(seqs)
+        out = RunnerOutput([None] * n, [None] * n, [None] * n)
+        for i, s in enumerate(seqs):
+            if s.prompt_logprobs:
+                out.prompt_logprobs[i] = self._prompt_logprobs(s, logits[s.logits])
+        sampling = [i for i, s in enumerate(seqs) if s.samples]
         if not sampling:
-            return StepResult(tokens, logprobs, prompt_lps)
-        seqs = [batch[i].seq for i in sampling]
-        last = logits[last_rows]
-        chosen = sample(last, self._sampling_batch(seqs, last.shape[-1]))
-        k = max((sq.params.logprobs or 0) for sq in seqs)
-        want = any(sq.params.logprobs is not None for sq in seqs)
-        if want:
+            return out
+        samples = [seqs[i].seq for i in sampling]
+        last = logits[[seqs[i].logits.stop - 1 for i in sampling]]
+        chosen = sample(last, self._sampling_batch(samples, last.shape[-1]))
+        if any(sq.params.logprobs is not None for sq in samples):
+            k = max((sq.params.logprobs or 0) for sq in samples)
             lp, top_ids, top_lp = token_logprobs(last, chosen, k)
-        for row, (i, sq) in enumerate(zip(sampling, seqs)):
-            tokens[i] = int(chosen[row])
+        for row, (i, sq) in enumerate(zip(sampling, samples)):
+            out.tokens[i] = int(chosen[row])
             if sq.params.logprobs is not None:
-                logprobs[i] = _lp_dict(int(chosen[row]), float(lp[row]), top_ids, top_lp, row, sq.params.logprobs)
-        return StepResult(tokens, logprobs, prompt_lps)
+                out.logprobs[i] = _lp_dict(int(chosen[row]), float(lp[row]), top_ids, top_lp, row, sq.params.logprobs)
+        return out
 
     def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list:
         """Log-probs of the prompt tokens this chunk predicts (position p predicts token p+1)."""
-        seq, start = s.seq, s.seq.num_computed_tokens
-        k = seq.params.prompt_logprobs
-        targets = [seq.token_ids[p + 1] for p in range(start, start + s.num_tokens)
+        seq, k = s.seq, s.seq.params.prompt_logprobs
+        targets = [seq.token_ids[p + 1] for p in range(s.start, s.start + s.num_tokens)
                    if p + 1 < seq.num_prompt_tokens]
         if not targets:
             return []
@@ -316,12 +281,6 @@ class ModelRunner:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
                 bias[row, [t for t in banned if 0 <= t < vocab]] = float("-inf")
         return bias
-
-
-def _split(batch: list, parts: int) -> list[list]:
-    """Cut the batch into up to `parts` contiguous micro-batches (one per pipeline stage)."""
-    size = -(-len(batch) // max(1, parts))
-    return [batch[i:i + size] for i in range(0, len(batch), size)]
 
 
 def _lp_dict(chosen: int, chosen_lp: float, top_ids, top_lp, row: int, k: int) -> dict:

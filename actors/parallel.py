@@ -90,6 +90,12 @@ class Parallel:
         return torch.cat(parts, dim=-1)
 
 
+def layout(config, layer_split: list[int], rank: int) -> Parallel:
+    """Rank `rank`'s place in the layout an EngineConfig asks for."""
+    return Parallel(config.tp_size, config.pp_size, rank, layer_split=layer_split,
+                    expert_parallel=config.expert_parallel, redundant_experts=config.num_redundant_experts)
+
+
 def even_split(num_layers: int, stages: int) -> list[int]:
     """Layer boundaries giving each stage an equal share (earlier stages take the remainder)."""
     base, extra = divmod(num_layers, stages)

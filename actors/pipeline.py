@@ -25,11 +25,11 @@ class MicroBatch:
 
 STOP = "stop"
 PING = "ping"  # (PING, payload): answer with an all-reduce; measures orchestration alone
-REBALANCE = "rebalance"  # (REBALANCE, micro-batches): re-plan expert placement, then run the step
+REBALANCE = "rebalance"  # (REBALANCE, step): re-plan expert placement, then run the step
 
 
 def broadcast_step(p: Parallel, message) -> object:
-    """Rank 0 sends `message` (a list of MicroBatch, or STOP) to every rank; others receive it."""
+    """Rank 0 sends `message` (a SchedulerOutput, or STOP) to every rank; others receive it."""
     box = [message]
     dist.broadcast_object_list(box, src=0, group=p.control_group)
     return box[0]
@@ -67,9 +67,8 @@ def run_stage(model, p: Parallel, micro: list[MicroBatch], hidden_size: int, voc
     return logits
 
 
-def worker_loop(model, p: Parallel, hidden_size: int, vocab: int, dtype: torch.dtype,
-                on_rebalance=None) -> None:
-    """Ranks 1..n: run every step rank 0 broadcasts, until it says stop."""
+def worker_loop(p: Parallel, run_step, on_rebalance=None) -> None:
+    """Ranks 1..n: run every step rank 0 broadcasts (`run_step(scheduler_output)`), until stop."""
     while True:
         message = broadcast_step(p, None)
         if message == STOP:
@@ -80,7 +79,7 @@ def worker_loop(model, p: Parallel, hidden_size: int, vocab: int, dtype: torch.d
         if isinstance(message, tuple) and message[0] == REBALANCE:
             on_rebalance()
             message = message[1]
-        run_stage(model, p, message, hidden_size, vocab, dtype)
+        run_step(message)
 
 
 def ping(p: Parallel, payload) -> None:

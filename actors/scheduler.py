@@ -1,4 +1,4 @@
-"""Iteration-level scheduling under a token budget.
+"""Iteration-level scheduling under a token budget, and the life of every sequence.
 
 There is no prefill phase and no decode phase: each sequence has `num_computed_tokens` and
 `num_tokens`, and every step spends a token budget so the first catches up with the second.
@@ -6,51 +6,97 @@ Running sequences go first (one token each when decoding, a chunk when prefillin
 waiting ones are admitted while budget, sequence slots and KV blocks last. When blocks run
 out, the sequence scheduled last is preempted: its blocks are freed and it is recomputed
 later (the prefix cache usually gives most of them back).
+
+`schedule()` returns one SchedulerOutput: the step as plain data, which rank 0 also
+broadcasts to the other ranks. `update()` takes the sampled tokens back: it advances the
+counts, caches full blocks, appends tokens, finishes sequences at a stop token or a length
+limit, and admits the samples (n > 1) that waited for their prompt.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from actors.block_manager import BlockManager
 from actors.config import EngineConfig
 from actors.sequence import Sequence, Status
+from actors.structured import accept
+
+
+@dataclass
+class StepRow:
+    """What every rank needs to compute one sequence's tokens this step."""
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # the position of the first (the sequence's computed tokens before the step)
+    block_table: list[int]  # blocks covering positions [0, start + len(token_ids))
 
 
 @dataclass
 class ScheduledSeq:
+    """Rank 0's side of a row: the sequence and what this step does for it."""
     seq: Sequence
-    num_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
+    num_tokens: int
+    start: int
+    samples: bool  # the step reaches the end of its known tokens, so a token is sampled
+    prompt_logprobs: bool  # its chunk's logits give prompt log-probs
+    logits: slice = field(default_factory=lambda: slice(0, 0))  # its rows among the step's logits
 
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the end of its known tokens, so a new token is sampled?"""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+@dataclass
+class SchedulerOutput:
+    rows: list[StepRow]  # decodes (one-token rows) first, then prefill chunks: the kernels' order
+    num_decodes: int
+    logit_rows: list[int]  # token rows whose logits are computed, in order
+    seqs: list[ScheduledSeq] = field(default_factory=list)  # rank 0 only (not broadcast)
+
+    def __getstate__(self) -> dict:  # the other ranks need the rows, not rank 0's sequences
+        return {**self.__dict__, "seqs": []}
+
+    def split(self, parts: int) -> list[SchedulerOutput]:
+        """Up to `parts` contiguous micro-batches (pipeline parallelism), each in kernel order."""
+        size = -(-len(self.rows) // max(1, parts))
+        out, offset = [], 0
+        for i in range(0, len(self.rows), size):
+            rows = self.rows[i:i + size]
+            n = sum(len(r.token_ids) for r in rows)
+            logit_rows = [r - offset for r in self.logit_rows if offset <= r < offset + n]
+            out.append(SchedulerOutput(rows, sum(len(r.token_ids) == 1 for r in rows), logit_rows))
+            offset += n
+        return out
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_ids: frozenset[int]):
         self.max_tokens = config.max_num_batched_tokens
         self.max_seqs = config.max_num_seqs
         self.priority = config.scheduling_policy == "priority"
+        self.max_model_len = max_model_len
+        self.eos_ids = eos_ids
         self.blocks = block_manager
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.hit_tokens = 0  # prefix-cache statistics, in tokens
+        self.query_tokens = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence (its `children`, the request's other samples, follow its prompt)."""
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> list[ScheduledSeq]:
+    # ---- one step -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted = False
         if self.priority:
             self.running.sort(key=Sequence.sort_key)
             self.waiting.sort(key=Sequence.sort_key)
-        i = 0
+        budget, preempted = self._schedule_running(scheduled, budget)
+        if not preempted:
+            self._admit_waiting(scheduled, budget)
+        return _output(scheduled)
+
+    def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
+        preempted, i = False, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -63,10 +109,13 @@ class Scheduler:
             if seq.status != Status.RUNNING:
                 break
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            scheduled.append(ScheduledSeq(seq, n))
+            scheduled.append(_scheduled(seq, n))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
+        return budget, preempted
+
+    def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             hits = self.blocks.cached_prefix(seq)
             cached = len(hits) * self.blocks.block_size
@@ -75,17 +124,44 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.blocks.allocate(seq, cached + n, hits)
-            self._count_cache_hits(seq, cached)
+            self.hit_tokens += cached
+            self.query_tokens += seq.num_tokens
             seq.num_computed_tokens = seq.num_cached_tokens = cached
             seq.status = Status.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, n))
+            scheduled.append(_scheduled(seq, n))
             budget -= n
-        return scheduled
 
-    def _count_cache_hits(self, seq: Sequence, cached: int) -> None:
-        self.blocks.hit_tokens += cached
-        self.blocks.query_tokens += seq.num_tokens
+    def update(self, output: SchedulerOutput, tokens: list[int | None]) -> None:
+        """The step ran: `tokens` holds the token sampled for each of output.seqs (or None)."""
+        for s, token in zip(output.seqs, tokens):
+            seq = s.seq
+            if seq.finished:  # aborted (or failed) after it was scheduled
+                continue
+            seq.num_computed_tokens += s.num_tokens
+            self.blocks.cache_full_blocks(seq)
+            if s.prompt_logprobs and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                for sample in [seq] + seq.children:  # the samples share the prompt's log-probs
+                    sample.prompt_logprobs_done = True
+            if token is not None:
+                self._append(seq, token)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if p.max_tokens == 0:  # only the prompt's log-probs were wanted: drop the token
+            self.finish(seq, "length")  # and the samples that waited for the prompt
+            return
+        self.waiting.extend(seq.children)  # the prompt is computed (and cached): their turn
+        seq.children = []
+        seq.token_ids.append(token)
+        stop = token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)
+        past_min = seq.num_output_tokens >= p.min_tokens
+        if seq.matcher is not None and accept(seq.matcher, token):
+            stop = past_min = True  # the grammar is complete: nothing may follow
+        if stop and past_min:
+            self.finish(seq, "stop", token)
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -95,11 +171,43 @@ class Scheduler:
         self.waiting.insert(0, seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence wherever it is."""
-        if seq in self.running:
+    def finish(self, seq: Sequence, reason: str | None = None, stop_reason=None) -> None:
+        """Release a finished or aborted (reason None) sequence wherever it is, and the
+        samples still waiting for its prompt."""
+        if seq.status == Status.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free_sequence(seq)
         seq.status = Status.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        for child in seq.children:
+            if not child.finished:
+                self.finish(child, reason)
+        seq.children = []
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+    start = seq.num_computed_tokens
+    return ScheduledSeq(seq, n, start, samples=start + n == seq.num_tokens,
+                        prompt_logprobs=seq.needs_prompt_logprobs)
+
+
+def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
+    """The step in kernel order (decodes first), with each row's share of the logits."""
+    scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: keeps the schedule's order within
+    rows, logit_rows, offset = [], [], 0
+    for s in scheduled:
+        seq, end = s.seq, s.start + s.num_tokens
+        rows.append(StepRow(seq.token_ids[s.start:end], s.start, list(seq.block_table)))
+        first = len(logit_rows)
+        if s.prompt_logprobs:
+            logit_rows.extend(range(offset, offset + s.num_tokens))
+        elif s.samples:
+            logit_rows.append(offset + s.num_tokens - 1)
+        s.logits = slice(first, len(logit_rows))
+        offset += s.num_tokens
+    return SchedulerOutput(rows, sum(s.num_tokens == 1 for s in scheduled), logit_rows, scheduled)

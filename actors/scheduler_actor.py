@@ -14,7 +14,6 @@ second in all, however many requests run, and the relay's CPU share stays bounde
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import os
 import threading
@@ -97,20 +96,6 @@ def torch_threads(config: EngineConfig) -> int:
     return max(1, int(round(cpus)))
 
 
-def resolve_attn_backend(config: EngineConfig) -> None:
-    """flash needs CUDA and flash-attn; elsewhere fall back to native, loudly (as areno does)."""
-    if config.attn_backend != "flash" or _flash_available(config.device):
-        return
-    log.warning("--attn-backend flash can't run here (it needs CUDA and flash-attn); using native")
-    config.attn_backend = "native"
-
-
-def _flash_available(device: str) -> bool:
-    if device == "cpu" or not torch.cuda.is_available():
-        return False
-    return any(importlib.util.find_spec(m) for m in ("flash_attn", "vllm_flash_attn"))
-
-
 class SchedulerActor:
     """Hosts the AsyncEngine. Made a Ray actor by `scheduler_actor_class()`."""
 
@@ -122,9 +107,8 @@ class SchedulerActor:
         replica: the Serve replica's id, rank and model name (metric labels, progress line)."""
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        resolve_attn_backend(config)
-        config.num_threads = torch_threads(config)
-        torch.set_num_threads(config.num_threads)
+        threads = torch_threads(config)
+        torch.set_num_threads(threads)
         self.engine = AsyncEngine(config, placement)
         self.max_model_len = self.engine.max_model_len
         self.chunk_rate = stream_chunks_per_s
@@ -132,7 +116,7 @@ class SchedulerActor:
         self.engine.engine.metrics.set_replica(self.replica)
         self.exporter = start_ray_export(self.engine.engine)  # Ray dashboard / Prometheus
         log.info("scheduler ready in pid %d: %d torch threads, max_model_len %d",
-                 os.getpid(), config.num_threads, self.max_model_len)
+                 os.getpid(), threads, self.max_model_len)
         if progress_interval_s > 0:  # a thread: __init__ runs outside the actor's event loop
             threading.Thread(target=self._log_progress, args=(progress_interval_s,),
                              name="shoal-progress", daemon=True).start()

@@ -30,7 +30,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
-    prompt_logprobs_sent: bool = False
+    prompt_logprobs_done: bool = False  # its prompt's log-probs are computed (or never wanted)
+    children: list[Sequence] = field(default_factory=list)  # samples waiting for this one's prompt
     generator: object | None = None  # torch.Generator for seeded sampling
     matcher: object | None = None  # grammar matcher of a constrained request (actors/structured.py)
     finish_reason: str | None = None
@@ -47,6 +48,10 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done
 
     @property
     def finished(self) -> bool:

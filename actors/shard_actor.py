@@ -13,12 +13,13 @@ import os
 import resource
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from actors.config import EngineConfig
-from actors.parallel import Parallel, init_distributed, parse_layer_split
+from actors.model_spec import ModelSpec
+from actors.parallel import init_distributed
 from actors.placement import check_fits, default_strategy, rank_bundle
 from actors.progress import progress_bar
 
@@ -29,18 +30,11 @@ class ShardActor:
     """One rank's model runner, in its own Ray actor process. Threaded (two calls at once), so
     `alive` answers the scheduler's watcher while `run` is in the step loop."""
 
-    def __init__(self, config: EngineConfig, rank: int, num_blocks: int, max_model_len: int):
-        from actors.loader import read_config, resolve_dtype, resolve_model_path
+    def __init__(self, config: EngineConfig, spec: ModelSpec, rank: int, num_blocks: int):
         from actors.model_runner import ModelRunner
         start = time.perf_counter()
         torch.set_num_threads(max(1, int(config.shard_cpus)))
-        path = resolve_model_path(config.model_path)
-        hf = read_config(path)
-        p = Parallel(config.tp_size, config.pp_size, rank,
-                     layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
-                     expert_parallel=config.expert_parallel, redundant_experts=config.num_redundant_experts)
-        config = replace(config, num_kv_blocks=num_blocks)
-        self.runner = ModelRunner(config, path, hf, resolve_dtype(config.dtype, hf), max_model_len, set(), p)
+        self.runner = ModelRunner(config, spec, rank, num_blocks)
         self.info = {**rank_info(rank, self.runner.device),
                      "load_seconds": round(time.perf_counter() - start, 2),
                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -121,8 +115,7 @@ def _where(info: dict) -> str:
     return f"rank {info['rank']} (pid {info.get('pid')} on {info.get('node_ip', 'this node')})"
 
 
-def start_shards(config: EngineConfig, rank0, num_blocks: int, max_model_len: int,
-                 placement: tuple | None = None) -> ShardGroup:
+def start_shards(config: EngineConfig, spec: ModelSpec, rank0, placement: tuple | None = None) -> ShardGroup:
     """Start ranks 1..n, rendezvous with rank 0 (`rank0`, this process's ModelRunner)."""
     import ray
     from ray.util.placement_group import placement_group
@@ -143,7 +136,7 @@ def start_shards(config: EngineConfig, rank0, num_blocks: int, max_model_len: in
                                f"{timeout:.0f} s; is every node up? cluster has {ray.cluster_resources()}")
     cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=2)(ShardActor)
     actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, first + r - 1))
-              .remote(config, r, num_blocks, max_model_len) for r in range(1, world)]
+              .remote(config, spec, r, rank0.num_blocks) for r in range(1, world)]
     infos = _gather([a.describe.remote() for a in actors], timeout, "start (load its weights)")
     addr = node_ip()
     port = free_port(addr)

@@ -53,7 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--max-queued-requests", type=int, metavar="N",
         help="refuse new requests while this many are waiting (default: no limit)")
     add("--attn-backend", "--attention-backend", dest="attn_backend",
-        choices=["native", "flash"])
+        choices=["auto", "native", "flash"],
+        help="attention kernels (default auto: flash where CUDA and flash-attn are, else native)")
     add("--num-threads", type=int, metavar="N",
         help="torch intra-op threads (default: all cores)")
     add("--tp-size", "--tensor-parallel-size", "--tp", "-tp", dest="tp_size", type=int,

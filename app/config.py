@@ -22,9 +22,6 @@ from app.settings import ServerSettings
 
 ENV_PREFIX = "SHOAL_"
 
-# Serving defaults that differ from the dataclasses' (areno's): ask for flash attention; the
-# scheduler falls back to native, with a warning, where flash-attn can't run (e.g. CPU).
-SERVE_DEFAULTS = {"attn_backend": "flash"}
 
 
 @dataclass
@@ -99,7 +96,7 @@ def load_config(cli: dict | None = None, environ: typing.Mapping[str, str] | Non
     path = cli.pop("config", None) or env.get("config")  # --config wins over SHOAL_CONFIG
     env.pop("config", None)
     file = yaml_options(path) if path else {}
-    return validate(build({**SERVE_DEFAULTS, **file, **env, **cli}))
+    return validate(build({**file, **env, **cli}))
 
 
 def normalize(options: dict, source: str) -> dict:

@@ -130,10 +130,8 @@ def dry_run(config: ShoalConfig) -> int:
     """Load the model in this process and generate one token: the checkpoint is servable."""
     from actors.engine import LLMEngine
     from actors.sampling_params import SamplingParams
-    from actors.scheduler_actor import resolve_attn_backend
 
     start = time.perf_counter()
-    resolve_attn_backend(config.engine)
     engine = LLMEngine(config.engine)
     loaded = time.perf_counter() - start
     engine.add_request("dry-run", engine.tokenizer.encode("Hello") or [0],

@@ -23,11 +23,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights, ids
 
 
-def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Assignments per expert (the routed load)."""
-    return torch.bincount(ids.flatten(), minlength=num_experts)
-
-
 def _rank_within_expert(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     """For each assignment, how many earlier assignments (in token order) chose the same expert."""
     order = torch.argsort(flat, stable=True)

@@ -105,7 +105,7 @@ def test_prefix_cache_hits_give_identical_output(llama_ckpt):
     assert second.num_cached_tokens == 32  # 8 full blocks of the shared prefix
     assert first.num_cached_tokens == 0
     assert second.outputs[0].token_ids == hf_greedy(llama_ckpt, shared + [7, 8, 9], 24)
-    assert llm.engine.blocks.hit_rate() > 0
+    assert llm.engine.scheduler.hit_rate() > 0
     assert_pool_free(llm)
 
 
@@ -148,10 +148,10 @@ def test_n_greater_than_one_shares_prompt_blocks(llama_ckpt):
     ref = hf_greedy(llama_ckpt, ids, 16)
     assert [o.index for o in greedy.outputs] == [0, 1, 2]
     assert all(o.token_ids == ref for o in greedy.outputs)
-    hits_before = llm.engine.blocks.hit_tokens
+    hits_before = llm.engine.scheduler.hit_tokens
     sampled = llm.generate([ids + [1]], SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=16,
                                                        ignore_eos=True))[0]
-    assert llm.engine.blocks.hit_tokens - hits_before >= 24  # the second sample reused the prompt
+    assert llm.engine.scheduler.hit_tokens - hits_before >= 24  # the second sample reused the prompt
     assert sampled.outputs[0].token_ids != sampled.outputs[1].token_ids
     assert_pool_free(llm)
 

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from common import bench_checkpoint, workload  # noqa: E402
 
 from actors.llm import LLM  # noqa: E402
-from actors.pipeline import MicroBatch, ping  # noqa: E402
+from actors.pipeline import ping  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -29,10 +29,8 @@ def orchestration_ms(path, tp: int, iters: int = 200) -> float:
         engine.add_request(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()
-    batch = engine.scheduler.schedule()
+    payload = engine.scheduler.schedule()  # a decode step's SchedulerOutput: what a step broadcasts
     runner = engine.runner
-    rows, _ = runner._logit_rows(batch)
-    payload = [MicroBatch(*runner._prepare(batch), rows)]
     times = []
     for _ in range(iters):
         t = time.perf_counter()

@@ -63,11 +63,11 @@ def step_overhead(path, batch: int, steps: int = 30):
         step_times.append(time.perf_counter() - t)
         # The next step's batch, timed as a bare forward. Scheduling running sequences twice is
         # harmless: their blocks are already there and nothing was computed.
-        batch_now = engine.scheduler.schedule()
-        ids, pos, meta = runner._prepare(batch_now)
+        output = engine.scheduler.schedule()
+        ids, pos, meta = runner.prepare(output)
         t = time.perf_counter()
         hidden = runner.model(ids, pos, meta)
-        runner.model.compute_logits(hidden)
+        runner.model.compute_logits(hidden[output.logit_rows])
         forward_times.append(time.perf_counter() - t)
     for rid in list(engine.requests):
         engine.abort_request(rid)

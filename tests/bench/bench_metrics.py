@@ -3,7 +3,7 @@
     .venv/bin/python tests/bench/bench_metrics.py [--batch 32] [--steps 40] [--ray]
 
 1. The hooks alone: the calls one decode step of `--batch` sequences makes into
-   actors/metrics.py (step, the first-step check, one token per sequence, end_step), timed
+   actors/metrics.py (record_step: the first-step check, one token per sequence), timed
    in a tight loop on synthetic requests: microseconds per step.
 2. Real decode steps of the bench model at that batch with the hooks on and with no-op
    hooks, two engines in this process stepped in turn (medians): the hooks' share of a step.
@@ -23,32 +23,32 @@ from actors.metrics import EngineMetrics
 from actors.sampling_params import SamplingParams
 
 
-def fake_requests(n: int) -> list:
-    return [SimpleNamespace(arrival_time=0.0, scheduled_time=None, first_token_time=None,
-                            token_times={}, prompt_token_ids=[1] * 100) for _ in range(n)]
+def fake_step(n: int) -> tuple[SimpleNamespace, dict]:
+    """A decode step of n one-token rows (SchedulerOutput-shaped) and its live requests."""
+    reqs = {f"r{i}": SimpleNamespace(arrival_time=0.0, scheduled_time=None, first_token_time=None,
+                                     token_times={}, prompt_token_ids=[1] * 100) for i in range(n)}
+    seqs = [SimpleNamespace(seq=SimpleNamespace(request_id=rid, index=0, num_prompt_tokens=100,
+                                                params=SimpleNamespace(max_tokens=10_000)),
+                            num_tokens=1, start=100, samples=True) for rid in reqs]
+    return SimpleNamespace(seqs=seqs), reqs
 
 
 def hook_cost_us(batch: int, steps: int = 2000) -> float:
-    metrics, reqs = EngineMetrics(EngineConfig()), fake_requests(batch)
+    metrics, (output, reqs) = EngineMetrics(EngineConfig()), fake_step(batch)
+    tokens = [7] * batch
     start = time.perf_counter()
     for i in range(steps):
         now = 1.0 + i * 0.01
-        metrics.step(0.01, batch)
-        for req in reqs:
-            if req.scheduled_time is None:
-                metrics.scheduled(req, now)
-            metrics.token(req, 0, now)
-        metrics.end_step()
+        metrics.record_step(output, tokens, reqs, now - 0.01, now)
     return (time.perf_counter() - start) / steps * 1e6
 
 
 class NoMetrics(EngineMetrics):
     """The same engine without the recording work (the baseline)."""
 
-    def step(self, seconds, batch_size): pass
-    def scheduled(self, req, now): req.scheduled_time = now
-    def token(self, req, index, now): pass
-    def end_step(self): pass
+    def record_step(self, output, tokens, requests, start, now):
+        for s in output.seqs:
+            requests[s.seq.request_id].scheduled_time = start
 
 
 def step_times(batch: int, steps: int) -> tuple[float, float]:
@@ -94,14 +94,12 @@ def _ray_costs(batch: int) -> dict:
         h.observe(0.5, tags)
     per_call = (time.perf_counter() - start) / n * 1e6
     engine = SimpleNamespace(metrics=EngineMetrics(EngineConfig()), scheduler=SimpleNamespace(
-        running=[], waiting=[], num_preemptions=0), blocks=SimpleNamespace(
-        query_tokens=0, hit_tokens=0, num_blocks=10, num_free_blocks=10))
+        running=[], waiting=[], num_preemptions=0, query_tokens=0, hit_tokens=0),
+        blocks=SimpleNamespace(num_blocks=10, num_free_blocks=10))
     exporter = RayExporter(engine, interval=3600)  # pushed by hand below
-    reqs = fake_requests(batch)
+    output, reqs = fake_step(batch)
     for i in range(2):  # one step's tokens: batch ITL observations at one interval
-        for req in reqs:
-            engine.metrics.token(req, 0, 1.0 + i)
-        engine.metrics.end_step()
+        engine.metrics.record_step(output, [7] * batch, reqs, 1.0 + i - 0.01, 1.0 + i)
     start = time.perf_counter()
     exporter.push()
     return {"record_call_us": per_call, "push_one_step_us": (time.perf_counter() - start) * 1e6}
