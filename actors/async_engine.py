@@ -85,8 +85,9 @@ class AsyncEngine:
                 self._post(("abort", request_id))
 
     def num_waiting(self) -> int:
-        """Requests not yet running: queued in the scheduler or still in the inbox."""
-        return len(self._streams) - len(self.engine.scheduler.running)
+        """Requests none of whose samples runs yet: queued in the scheduler or in the inbox."""
+        running = {seq.request_id for seq in list(self.engine.scheduler.running)}
+        return len(self._streams) - len(running)
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

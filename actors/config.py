@@ -21,7 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     scheduling_policy: str = "fcfs"  # fcfs | priority
-    max_queued_requests: int | None = None  # over this many waiting, new requests are refused
+    max_queued_requests: int | None = 256  # requests waiting to start; over it, new ones get 429. None: no limit
     # Compute
     attn_backend: str = "auto"  # auto (flash where it can run, else native) | native | flash
     num_threads: int | None = None  # torch intra-op threads; None: all cores
@@ -69,8 +69,15 @@ class EngineConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.block_size < 1 or self.max_num_seqs < 1:
-            raise ValueError("--block-size and --max-num-seqs must be positive")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "num_threads", "max_queued_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"--kv-cache-fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be a positive number of GiB, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("--max-num-batched-tokens must be at least --block-size")
         if self.tp_size < 1 or self.pp_size < 1:

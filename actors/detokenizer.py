@@ -1,7 +1,9 @@
 """Incremental detokenization and stop strings, per sequence.
 
 Text is released only when it is final: never half of a multi-byte character (the decoded
-tail still ends in U+FFFD) and never a piece that could turn out to start a stop string.
+tail still ends in U+FFFD) and never a piece that could turn out to start a stop string. When
+the sequence ends, everything held is released, a cut character as U+FFFD, so the whole text
+equals `tokenizer.decode(token_ids)` (up to a stop string).
 """
 from __future__ import annotations
 
@@ -47,10 +49,19 @@ class IncrementalDetokenizer:
 
     def release(self, final: bool) -> str:
         """New text that is safe to show; everything left when the sequence is final."""
+        if final:
+            self._flush()
         end = len(self.text) if final else len(self.text) - self._held_back()
         piece = self.text[self.sent:end]
         self.sent = max(self.sent, end)
         return piece
+
+    def _flush(self) -> None:
+        """Decode the tokens still held for an unfinished character, as decode() would."""
+        if self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+            self.prefix_offset = self.read_offset = len(self.ids)
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""

@@ -182,6 +182,12 @@ class LLMEngine:
                 self._process(req, s, token, lps, prompt_lps, deltas)
             except Exception as exc:  # a bug in one request's handling fails that request alone
                 self._fail(req, exc, deltas)
+        for seq in output.finished:  # outgrew the KV pool: ends with what it has
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                out = _output(self._delta(req, deltas), seq.index)
+                out.text += req.detoks[seq.index].release(final=True)
+                self._report_finish(req, seq, out)
         for rid in self._finished_on_arrival:
             if rid in self.requests:
                 self._delta(self.requests[rid], deltas)

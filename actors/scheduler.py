@@ -47,9 +47,10 @@ class SchedulerOutput:
     num_decodes: int
     logit_rows: list[int]  # token rows whose logits are computed, in order
     seqs: list[ScheduledSeq] = field(default_factory=list)  # rank 0 only (not broadcast)
+    finished: list[Sequence] = field(default_factory=list)  # rank 0: ended without a row (pool full)
 
     def __getstate__(self) -> dict:  # the other ranks need the rows, not rank 0's sequences
-        return {**self.__dict__, "seqs": []}
+        return {**self.__dict__, "seqs": [], "finished": []}
 
     def split(self, parts: int) -> list[SchedulerOutput]:
         """Up to `parts` contiguous micro-batches (pipeline parallelism), each in kernel order."""
@@ -87,18 +88,32 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_tokens
         scheduled: list[ScheduledSeq] = []
+        self._outgrown: list[Sequence] = []
         if self.priority:
             self.running.sort(key=Sequence.sort_key)
             self.waiting.sort(key=Sequence.sort_key)
         budget, preempted = self._schedule_running(scheduled, budget)
         if not preempted:
             self._admit_waiting(scheduled, budget)
-        return _output(scheduled)
+        output = _output(scheduled)
+        output.finished = self._outgrown
+        return output
+
+    def _outgrows_pool(self, seq: Sequence) -> bool:
+        """Its tokens need more blocks than the whole pool has: it can never run again, so it
+        ends with "length" instead of being preempted for ever (and blocking the queue)."""
+        if self.blocks.blocks_needed(seq.num_tokens) <= self.blocks.num_blocks:
+            return False
+        self.finish(seq, "length")
+        self._outgrown.append(seq)
+        return True
 
     def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
         preempted, i = False, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._outgrows_pool(seq):
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n, []):
                 preempted = True
@@ -117,6 +132,8 @@ class Scheduler:
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
+            if self._outgrows_pool(seq):
+                continue
             hits = self.blocks.cached_prefix(seq)
             cached = len(hits) * self.blocks.block_size
             n = min(seq.num_tokens - cached, budget)

@@ -43,3 +43,38 @@ def test_include_stop_string(llama_ckpt):
     tok = load_tokenizer(llama_ckpt)
     pieces, matched = stream(tok, "alpha beta gamma", stop=["beta"], include_stop=True)
     assert matched == "beta" and "".join(pieces) == "alpha beta"
+
+
+def cut_character_ids(tok) -> list[int]:
+    """Token ids of whole characters, then one token that ends inside a multi-byte character."""
+    ids = tok.encode("ok 世界", add_special_tokens=False)
+    for n in range(1, len(ids)):
+        if not tok.decode(ids[:n]).endswith("\ufffd") and tok.decode(ids[:n + 1]).endswith("\ufffd"):
+            return ids[:n + 1]
+    raise AssertionError("the test tokenizer merges these characters whole")
+
+
+def test_a_cut_character_at_the_end_shows_as_decode_shows_it(llama_ckpt):
+    tok = load_tokenizer(llama_ckpt)
+    ids = cut_character_ids(tok)
+    detok = IncrementalDetokenizer(tok, [], [])
+    text = ""
+    for i, t in enumerate(ids):
+        detok.add(t)
+        piece = detok.release(final=i == len(ids) - 1)
+        assert i == len(ids) - 1 or "\ufffd" not in piece  # never shown while streaming
+        text += piece
+    assert text == tok.decode(ids) and text.endswith("\ufffd")
+
+
+def test_engine_text_equals_decode_when_the_last_token_cuts_a_character(llama_ckpt):
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    tok = load_tokenizer(llama_ckpt)
+    *prompt, cut = cut_character_ids(tok)
+    llm = LLM(str(llama_ckpt), num_kv_blocks=32)
+    params = SamplingParams(temperature=0, max_tokens=1, logit_bias={cut: 100.0})  # forces it
+    out = llm.generate(prompt, params)[0].outputs[0]
+    assert out.token_ids == [cut]
+    assert out.text == tok.decode([cut]) and out.text.endswith("\ufffd")

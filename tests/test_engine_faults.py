@@ -61,3 +61,45 @@ def test_an_engine_loop_that_ends_fails_every_request_and_is_not_alive(llama_ckp
             asyncio.run(one("second"))
     finally:
         engine.shutdown()
+
+
+def test_a_sequence_that_outgrows_the_pool_finishes_with_length_and_the_queue_moves(llama_ckpt):
+    """4 blocks of 4 tokens: a request without max_tokens can never hold more than 16 tokens.
+    It used to be preempted and never readmitted, blocking every request behind it."""
+    llm = LLM(str(llama_ckpt), num_kv_blocks=4, block_size=4, max_num_batched_tokens=8)
+    greedy, short = prompts_of([6, 5])
+    outs = llm.generate([greedy, short], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=None),
+                                         SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)])
+    grown, behind = outs[0].outputs[0], outs[1].outputs[0]
+    # 16 slots hold 16 computed tokens; the token sampled from the last of them comes out too
+    assert grown.finish_reason == "length" and len(greedy) + len(grown.token_ids) == 17
+    assert grown.token_ids == hf_greedy(llama_ckpt, greedy, len(grown.token_ids))
+    assert behind.finish_reason == "length" and behind.token_ids == hf_greedy(llama_ckpt, short, 4)
+    assert_pool_free(llm)
+
+
+def test_queue_limit_counts_requests_not_samples(llama_ckpt):
+    """A running n=3 request is one request: with room for one waiting request, the second
+    waits and the third is refused (counting samples let both in)."""
+    from actors.errors import QueueFullError
+
+    engine = AsyncEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=64, max_num_seqs=3,
+                                      max_queued_requests=1))
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, n=3)
+
+    async def scenario():
+        a = engine.generate(prompts_of([5])[0], long, "a")
+        await a.__anext__()  # its three samples are running
+        b = engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=2), "b")
+        b_first = asyncio.ensure_future(b.__anext__())
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFullError):
+            await engine.generate(prompts_of([7])[0], SamplingParams(max_tokens=2), "c").__anext__()
+        await a.aclose()
+        await b_first
+        await b.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()

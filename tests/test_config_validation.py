@@ -1,0 +1,24 @@
+"""Every engine option is checked before anything starts, with one line naming it."""
+import pytest
+
+from app.config import ConfigError, load_config
+
+BAD = {
+    "kv_cache_fraction": (0, "--kv-cache-fraction must be in \\(0, 1\\]"),
+    "kv_cache_memory": (-1, "--kv-cache-memory must be a positive"),
+    "max_num_seqs": (0, "--max-num-seqs must be at least 1"),
+    "max_model_len": (0, "--max-model-len must be at least 1"),
+    "max_queued_requests": (0, "--max-queued-requests must be at least 1"),
+    "num_threads": (0, "--num-threads must be at least 1"),
+    "dist_timeout": (0, "--dist-timeout must be positive"),
+    "attn_backend": ("fast", "--attn-backend must be auto, native or flash"),
+    "metrics_ttft_buckets": ("0.5,0.1", "must be increasing positive numbers"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_engine_option_is_one_clear_line(name):
+    value, message = BAD[name]
+    with pytest.raises(ConfigError, match=message) as error:
+        load_config({name: value}, environ={})
+    assert "\n" not in str(error.value)
