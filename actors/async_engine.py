@@ -4,9 +4,10 @@ Only the loop thread touches engine state. Callers post adds and aborts to an in
 go back to each request's asyncio queue on the caller's event loop.
 
 The engine is dead, and every request in flight fails with EngineDeadError, when anything
-ends the loop thread or (multi-rank layouts) a watcher thread finds a rank that died, left
-its loop, or stopped answering: within about WATCH_INTERVAL_S of a rank's death, at most
-RANK_ANSWER_TIMEOUT_S for a rank that hangs. `alive` then says False for health checks.
+ends the loop thread, when one step runs longer than --watchdog-timeout, or (multi-rank
+layouts) when a rank died, left its loop, or stopped answering: a watcher thread notices
+within about WATCH_INTERVAL_S of a rank's death, at most RANK_ANSWER_TIMEOUT_S for a rank that
+hangs. `alive` then says False, so the replica's health check fails and Serve replaces it.
 """
 from __future__ import annotations
 
@@ -39,12 +40,11 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._rate = TokenRate()
         self._dying = threading.Lock()
+        self._step_started: float | None = None  # while a step runs (the watchdog reads it)
         self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
         self._thread.start()
-        self._watcher = None
-        if self.engine.shards is not None:
-            self._watcher = threading.Thread(target=self._watch, name="shoal-rank-watch", daemon=True)
-            self._watcher.start()
+        self._watcher = threading.Thread(target=self._watch, name="shoal-watch", daemon=True)
+        self._watcher.start()
 
     @property
     def alive(self) -> bool:
@@ -122,8 +122,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
-        if self._watcher is not None:
-            self._watcher.join(timeout=RANK_ANSWER_TIMEOUT_S + WATCH_INTERVAL_S)
+        self._watcher.join(timeout=RANK_ANSWER_TIMEOUT_S + WATCH_INTERVAL_S)
         self.engine.shutdown()
 
     def _post(self, message: tuple) -> None:
@@ -145,7 +144,9 @@ class AsyncEngine:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
+            self._step_started = time.monotonic()
             outputs = self.engine.step()
+            self._step_started = None
             for rid, exc in self.engine.take_failures():
                 self._send(rid, exc)
             self._rate.add(sum(len(o.token_ids) for out in outputs for o in out.outputs))
@@ -153,14 +154,23 @@ class AsyncEngine:
                 self._send(out.request_id, out)
 
     def _watch(self) -> None:
-        """Multi-rank layouts: check every rank through Ray while the engine lives."""
+        """The watchdog on the running step and, for multi-rank layouts, every rank's health."""
+        shards = self.engine.shards
         while not self._stopped and self.error is None:
-            problem = self.engine.shards.check(RANK_ANSWER_TIMEOUT_S)
+            problem = self._stuck_step() or (shards.check(RANK_ANSWER_TIMEOUT_S) if shards else None)
             if problem is not None and not self._stopped:
                 log.error("the engine is dead: %s", problem)
                 self._die(EngineDeadError(problem))
                 return
             time.sleep(WATCH_INTERVAL_S)
+
+    def _stuck_step(self) -> str | None:
+        limit, started = self.engine.config.watchdog_timeout, self._step_started
+        if not limit or started is None or time.monotonic() - started <= limit:
+            return None
+        return (f"watchdog: engine step {self.engine.stats.steps + 1} ({len(self.engine.scheduler.running)} "
+                f"sequences running) has taken {time.monotonic() - started:.0f} s, over "
+                f"--watchdog-timeout {limit:g} s")
 
     def _die(self, exc: BaseException) -> None:
         with self._dying:

@@ -34,6 +34,7 @@ class EngineConfig:
     shard_gpus: float | None = None  # GPUs per rank; None: 1 on CUDA, 0 on CPU (actors/placement.py)
     # Seconds for shards to start and join, and for one step's collectives; never the idle wait.
     dist_timeout: float = 120.0
+    watchdog_timeout: float = 300.0  # seconds one step may take before the engine is declared dead; 0: off
     # Mixture of experts: expert parallelism splits the experts over each stage's TP group
     enable_expert_parallel: bool = False
     ep_size: int | None = None  # SGLang's spelling: must equal tp_size (implies expert parallelism)
@@ -74,6 +75,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.watchdog_timeout < 0:
+            raise ValueError(f"--watchdog-timeout must be >= 0 (0: off), got {self.watchdog_timeout}")
         if not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"--kv-cache-fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -11,6 +11,7 @@ BAD = {
     "max_queued_requests": (0, "--max-queued-requests must be at least 1"),
     "num_threads": (0, "--num-threads must be at least 1"),
     "dist_timeout": (0, "--dist-timeout must be positive"),
+    "watchdog_timeout": (-1, "--watchdog-timeout must be >= 0"),
     "attn_backend": ("fast", "--attn-backend must be auto, native or flash"),
     "metrics_ttft_buckets": ("0.5,0.1", "must be increasing positive numbers"),
 }

@@ -103,3 +103,27 @@ def test_queue_limit_counts_requests_not_samples(llama_ckpt):
         asyncio.run(scenario())
     finally:
         engine.shutdown()
+
+
+def test_watchdog_declares_a_stuck_step_dead(llama_ckpt):
+    import time
+
+    engine = AsyncEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32, watchdog_timeout=0.5))
+    execute = engine.engine.runner.execute
+
+    def stuck(output):
+        time.sleep(4)
+        return execute(output)
+
+    engine.engine.runner.execute = stuck
+
+    async def one():
+        return [out async for out in engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=4), "x")]
+
+    try:
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"watchdog: engine step 1 .* over --watchdog-timeout 0.5 s"):
+            asyncio.run(one())
+        assert time.monotonic() - start < 3 and not engine.alive
+    finally:
+        engine.shutdown()
