@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.errors import EngineDeadError, QueueFullError, RequestFailedError
-from app.protocol import error_body, validation_error_body
+from app.protocol.models import error_body, validation_error_body
 
 RETRY_AFTER_S = "1"  # queue-full clients retry soon: the queue drains at the engine's pace
 

@@ -2,7 +2,7 @@
 
 Each route: validate (pydantic, in the signature), check the model and readiness, build the
 prompt ids and SamplingParams (refusals are 400s naming the field), then either wait for
-whole outputs or stream them. Bodies come from app/openai_format.py.
+whole outputs or stream them. Bodies come from app/protocol/responses.py.
 """
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from actors.sampling_params import SamplingParams
-from app import chat_output
-from app.chat_output import OutputPlan, plan_output, tools_in_use
-from app.chat_template import render_chat_prompt
+from app.protocol import chat_output
+from app.protocol.chat_output import OutputPlan, plan_output, tools_in_use
+from app.protocol.chat_template import render_chat_prompt
 from app.http_errors import bad_request, unknown_model
-from app.openai_format import ChatStream, CompletionStream, chat_response, completion_response
-from app.protocol import (
+from app.protocol.responses import ChatStream, CompletionStream, chat_response, completion_response
+from app.protocol.models import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     ModelCard, ModelList, random_id,
 )

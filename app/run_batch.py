@@ -16,10 +16,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from app.chat_output import OutputPlan, constrain, plan_output, tools_in_use
-from app.chat_template import render_chat_prompt
-from app.openai_format import chat_response, completion_response
-from app.protocol import (
+from app.protocol.chat_output import OutputPlan, constrain, plan_output, tools_in_use
+from app.protocol.chat_template import render_chat_prompt
+from app.protocol.responses import chat_response, completion_response
+from app.protocol.models import (
     ChatCompletionRequest, CompletionRequest, error_body, request_error_body,
     validation_error_body,
 )

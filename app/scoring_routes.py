@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.sampling_params import SamplingParams
 from app.http_errors import ApiError, bad_request
-from app.openai_format import usage
-from app.protocol import RequestError, context_length_error
+from app.protocol.responses import usage
+from app.protocol.models import RequestError, context_length_error
 from app.served import Served
 
 router = APIRouter(tags=["Scoring"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.reasoning import reasoning_parser_name
-from app.tool_parsers import tool_format
+from app.protocol.reasoning import reasoning_parser_name
+from app.protocol.tool_parsers import tool_format
 
 DEMO_MODEL_NAME = "shoal-demo"  # the bundled model's name (as `shoal run-batch` calls it)
 
@@ -20,7 +20,7 @@ class ServerSettings:
     disable_thinking: bool = False  # pass enable_thinking=False to chat templates
     log_requests: int = 0  # 0: one line per request; 1: + sampling params; 2: + text (cut); 3: all
     max_model_len: int | None = None  # None: taken from the engine client by `attach`
-    tool_call_parser: str | None = None  # None/auto: from the chat template (app/tool_parsers)
+    tool_call_parser: str | None = None  # None/auto: from the chat template (app/protocol/tool_parsers)
     enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: tool_choice "auto" is always on
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1; None: no reasoning split
 

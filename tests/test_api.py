@@ -24,7 +24,7 @@ from actors.outputs import CompletionOutput, RequestOutput
 from actors.sampling_params import SamplingParams
 from app.api import attach, build_api
 from app.embedded import serve_in_thread
-from app.chat_template import render_chat_prompt
+from app.protocol.chat_template import render_chat_prompt
 from app.engine_client import LocalEngineClient
 from app.settings import ServerSettings
 from app.streams import EngineStreams

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from actors.sampling_params import SamplingParams
-from app.chat_template import render_chat_prompt
+from app.protocol.chat_template import render_chat_prompt
 from app.run_batch import parse_line
 
 SHOAL = str(Path(sys.executable).parent / "shoal")

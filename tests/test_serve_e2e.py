@@ -116,7 +116,7 @@ def test_chat_streaming_equals_non_streaming(client):
 
 def test_greedy_http_equals_offline_engine(client, offline):
     from actors.sampling_params import SamplingParams
-    from app.chat_template import render_chat_prompt
+    from app.protocol.chat_template import render_chat_prompt
 
     params = SamplingParams(temperature=0, max_tokens=24)
     text = client.completions.create(model="", prompt=PROMPT, **greedy()).choices[0].text

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from actors.config import EngineConfig
 from app.api import attach, build_api
-from app.chat_template import render_chat_text
+from app.protocol.chat_template import render_chat_text
 from app.engine_client import LocalEngineClient
-from app.protocol import ChatMessage, Tool
+from app.protocol.models import ChatMessage, Tool
 from app.settings import ServerSettings
 from test_api import running
 

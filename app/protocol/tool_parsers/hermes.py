@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from app.tool_parsers.calls import ParsedCall, ToolFormat, call_from_json, loads, strip_markers
+from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat, call_from_json, loads, strip_markers
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -115,7 +115,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     priority: int = 0
-    # vLLM's guided decoding (structured outputs, at most one; see app/structured_outputs.py)
+    # vLLM's guided decoding (structured outputs, at most one; see app/protocol/structured_outputs.py)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

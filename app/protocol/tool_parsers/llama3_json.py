@@ -2,7 +2,7 @@
 `<|python_tag|>`, several separated by `;`."""
 from __future__ import annotations
 
-from app.tool_parsers.calls import ParsedCall, ToolFormat, call_from_json, json_values
+from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat, call_from_json, json_values
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -5,9 +5,9 @@ tells: the markup it teaches the model is the markup the model writes.
 """
 from __future__ import annotations
 
-from app.tool_parsers import gemma, hermes, json_calls, llama3_json, mistral
-from app.tool_parsers.calls import ParsedCall, ToolFormat
-from app.tool_parsers.scanner import ScanResult, ToolCallScanner
+from app.protocol.tool_parsers import gemma, hermes, json_calls, llama3_json, mistral
+from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat
+from app.protocol.tool_parsers.scanner import ScanResult, ToolCallScanner
 
 FORMATS: dict[str, ToolFormat] = {
     "hermes": hermes.FORMAT, "qwen": hermes.FORMAT, "qwen25": hermes.FORMAT,

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field
 
 from actors.outputs import RequestOutput
-from app.chat_output import OutputPlan
-from app.protocol import (
+from app.protocol.chat_output import OutputPlan
+from app.protocol.models import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse,
     ChatStreamChoice, ChoiceLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
     CompletionResponse, CompletionStreamResponse, DeltaMessage, FunctionCall, ResponseMessage,

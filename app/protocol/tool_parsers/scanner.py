@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.tool_parsers.calls import ParsedCall, ToolFormat
+from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from app.tool_parsers.calls import ParsedCall, ToolFormat, dumps, strip_markers
+from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat, dumps, strip_markers
 
 START, END = "```tool_code", "```"
 

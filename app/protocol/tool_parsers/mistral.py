@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from app.tool_parsers.calls import (
+from app.protocol.tool_parsers.calls import (
     DECODER, ParsedCall, ToolFormat, call_from_json, calls_from_json, loads,
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from app.tool_parsers.calls import ParsedCall, ToolFormat, calls_from_json, json_values
+from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat, calls_from_json, json_values
 
 FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.protocol import ChatCompletionRequest
-from app.reasoning import ReasoningScanner, initial_state, reasoning_parser_name
-from app.settings import ServerSettings
-from app.structured_outputs import (
+from app.protocol.models import ChatCompletionRequest
+from app.protocol.reasoning import ReasoningScanner, initial_state, reasoning_parser_name
+from app.protocol.structured_outputs import (
     chat_constraint, check_tool_choice, forced_tools, request_constraint, tool_names,
 )
-from app.tool_parsers import JSON_FORMAT, ParsedCall, ToolCallScanner, ToolFormat, tool_format
+from app.protocol.tool_parsers import JSON_FORMAT, ParsedCall, ToolCallScanner, ToolFormat, tool_format
 
 
 @dataclass
@@ -58,17 +57,18 @@ def tools_in_use(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
-def thinking_disabled(settings: ServerSettings, body: ChatCompletionRequest) -> bool:
+def thinking_disabled(settings, body: ChatCompletionRequest) -> bool:
     kwargs = body.chat_template_kwargs or {}
     if "enable_thinking" in kwargs:
         return kwargs["enable_thinking"] is False
     return settings.disable_thinking
 
 
-def plan_output(settings: ServerSettings, tokenizer, body: ChatCompletionRequest,
+def plan_output(settings, tokenizer, body: ChatCompletionRequest,
                 prompt_text: str) -> OutputPlan:
     """ValueError for an unknown parser name (a server misconfiguration). Of `settings` only
-    reasoning_parser, tool_call_parser and disable_thinking are read (run-batch passes its own)."""
+    reasoning_parser, tool_call_parser and disable_thinking are read: the server passes its
+    ServerSettings (app/api/settings.py), run-batch its BatchOptions."""
     plan = OutputPlan()
     parser = reasoning_parser_name(settings.reasoning_parser)
     if parser:

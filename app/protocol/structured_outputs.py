@@ -4,7 +4,7 @@ Sources, each refused with a 400 naming the field when malformed:
 - `response_format`: json_object (any JSON object) or json_schema (its `schema`);
 - vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (both endpoints);
 - `tool_choice` required or a named function: the tool-call markup of the model's format
-  around arguments that match the tool's parameters (app/tool_parsers).
+  around arguments that match the tool's parameters (app/protocol/tool_parsers).
 A forced tool call wins over a response format; two other sources at once are refused.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 
 from actors.structured import StructuredOutput
-from app.protocol import ChatCompletionRequest, NamedToolChoice, RequestError, SamplingRequest
-from app.tool_parsers import ToolFormat
-from app.tool_parsers.calls import forced_calls_tag
+from app.protocol.models import ChatCompletionRequest, NamedToolChoice, RequestError, SamplingRequest
+from app.protocol.tool_parsers import ToolFormat
+from app.protocol.tool_parsers.calls import forced_calls_tag
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
