@@ -1,7 +1,7 @@
 """`shoal chat` and `shoal complete`: talk to a server from the terminal, tokens as they come.
 
 Both use the official openai client against `--url`. `shoal chat --model-path DIR` first
-starts the API in this process (app/embedded.py) and then talks to that, so a remote and a
+starts the API in this process (app/api/embedded.py) and then talks to that, so a remote and a
 local model go through the same code. Ctrl-C during an answer stops it (closing the stream
 aborts the request on the server) and keeps the conversation going.
 """
@@ -74,7 +74,7 @@ def chat_server(args: argparse.Namespace):
         yield args.url or DEFAULT_URL
         return
     from app.cli import engine_config_or_exit
-    from app.embedded import embedded_api
+    from app.api.embedded import embedded_api
 
     config = engine_config_or_exit(args)
     print(f"loading {config.model_path} ...", file=sys.stderr, flush=True)

@@ -131,7 +131,7 @@ def engine_config_or_exit(args: argparse.Namespace, base: dict | None = None) ->
 
 def run_batch_command(args: argparse.Namespace) -> int:
     from app.run_batch import run_batch_file
-    from app.settings import check_parsers
+    from app.api.settings import check_parsers
     try:
         check_parsers(args.tool_call_parser, args.reasoning_parser)
     except ValueError as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from actors.config import EngineConfig
-from app.settings import ServerSettings
+from app.api.settings import ServerSettings
 
 ENV_PREFIX = "SHOAL_"
 

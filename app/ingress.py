@@ -1,4 +1,4 @@
-"""The ingress deployment: the FastAPI app of app/api.py, hosted by Ray Serve.
+"""The ingress deployment: the FastAPI app of app/api/app.py, hosted by Ray Serve.
 
 It validates, authenticates, renders chat templates and tokenizes in its own replica (so
 that CPU work stays off the engine loop and scales with ingress replicas), then streams
@@ -12,9 +12,9 @@ import logging
 from ray import serve
 
 from actors.loader import load_tokenizer, resolve_model_path
-from app.api import attach, build_api
+from app.api.app import attach, build_api
 from app.server import ServeEngineClient
-from app.settings import ServerSettings
+from app.api.settings import ServerSettings
 
 log = logging.getLogger("shoal.ingress")
 

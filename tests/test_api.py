@@ -22,12 +22,12 @@ from actors.config import EngineConfig
 from actors.llm import LLM
 from actors.outputs import CompletionOutput, RequestOutput
 from actors.sampling_params import SamplingParams
-from app.api import attach, build_api
-from app.embedded import serve_in_thread
+from app.api.app import attach, build_api
+from app.api.embedded import serve_in_thread
 from app.protocol.chat_template import render_chat_prompt
 from app.engine_client import LocalEngineClient
-from app.settings import ServerSettings
-from app.streams import EngineStreams
+from app.api.settings import ServerSettings
+from app.api.streams import EngineStreams
 from oracle import hf_prompt_logprobs
 
 USER = [{"role": "user", "content": "Tell me about the quick brown fox."}]

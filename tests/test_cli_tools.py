@@ -19,13 +19,13 @@ import openai
 import pytest
 
 from actors.config import EngineConfig
-from app.api import attach, build_api
+from app.api.app import attach, build_api
 from app.bench.cli import check_bounded
 from app.bench.report import percentile
 from app.cli import build_parser, main
-from app.embedded import serve_in_thread
+from app.api.embedded import serve_in_thread
 from app.engine_client import LocalEngineClient
-from app.settings import ServerSettings
+from app.api.settings import ServerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 

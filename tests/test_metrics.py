@@ -27,10 +27,10 @@ from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, DecodeProgres
 from actors.progress import progress_bar
 from actors.ray_metrics import bucket_values
 from actors.sampling_params import SamplingParams
-from app.api import attach, build_api
+from app.api.app import attach, build_api
 from app.engine_client import LocalEngineClient
-from app.metrics import HTTP_REQUESTS, ShoalCollector, combine
-from app.settings import ServerSettings
+from app.api.metrics import HTTP_REQUESTS, ShoalCollector, combine
+from app.api.settings import ServerSettings
 from serving import free_port, wait_ready
 from test_api import running
 

@@ -11,10 +11,10 @@ import dataclasses
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from app import metrics, openai_routes, ops_routes, scoring_routes, web
-from app.http_errors import install_error_handlers
-from app.middleware import REQUEST_ID_HEADER, ApiKeyAuth, RequestContext
-from app.settings import ServerSettings
+from app.api import metrics, openai_routes, ops_routes, scoring_routes, web
+from app.api.errors import install_error_handlers
+from app.api.middleware import REQUEST_ID_HEADER, ApiKeyAuth, RequestTracking
+from app.api.settings import ServerSettings
 
 
 def build_api(settings: ServerSettings) -> FastAPI:
@@ -23,14 +23,14 @@ def build_api(settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="shoal", version=ops_routes.shoal_version(), strict_content_type=False,
                   description="An LLM inference server on Ray with an OpenAI-compatible API.")
     app.state.settings = settings
-    app.state.http_metrics = metrics.HttpMetrics()  # counted by RequestContext
+    app.state.http_metrics = metrics.HttpMetrics()  # counted by RequestTracking
     install_error_handlers(app)
     for module in (openai_routes, scoring_routes, ops_routes, metrics, web):  # web: GET /
         app.include_router(module.router)
     # Added innermost first: CORS (outermost) answers preflights before auth, and puts its
-    # headers on 401s too; RequestContext wraps auth so refusals carry the id and get logged.
+    # headers on 401s too; RequestTracking wraps auth so refusals carry the id and get logged.
     app.add_middleware(ApiKeyAuth)
-    app.add_middleware(RequestContext)
+    app.add_middleware(RequestTracking)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                            allow_methods=["*"], allow_headers=["*"],

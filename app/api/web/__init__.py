@@ -2,7 +2,7 @@
 
 No build step and no assets to route: the page talks to /v1/chat/completions of the same
 server (relative URLs, so it works behind a Serve route prefix too). The route needs no API
-key (app/middleware.py lists "/" as open); the page sends the key its user types.
+key (app/api/middleware.py lists "/" as open); the page sends the key its user types.
 """
 from __future__ import annotations
 

@@ -40,9 +40,9 @@ def serve_in_thread(app, startup_timeout: float = 60.0):
 @contextlib.contextmanager
 def embedded_api(config, settings=None):
     """Load the model of `config` (an EngineConfig), serve the API on loopback; yield the URL."""
-    from app.api import attach, build_api
+    from app.api.app import attach, build_api
     from app.engine_client import LocalEngineClient
-    from app.settings import ServerSettings
+    from app.api.settings import ServerSettings
 
     settings = settings or ServerSettings(model_path=config.model_path)
     client = LocalEngineClient(config)

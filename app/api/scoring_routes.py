@@ -10,10 +10,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.sampling_params import SamplingParams
-from app.http_errors import ApiError, bad_request
+from app.api.errors import ApiError, bad_request
 from app.protocol.responses import usage
 from app.protocol.models import RequestError, context_length_error
-from app.served import Served
+from app.api.request_context import Served
 
 router = APIRouter(tags=["Scoring"])
 

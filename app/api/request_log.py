@@ -8,7 +8,8 @@ the middleware adds method, path, status and total time, e.g.
         total_ms=412.3 prompt_tokens=12 generation_tokens=24 ttft_ms=31.0 queue_ms=0.4
         finish_reason=length replica=a1b2c3
 
-Bodies (prompts, outputs) are separate lines, only with --log-requests 2 or more (served.py).
+Bodies (prompts, outputs) are separate lines, only with --log-requests 2 or more
+(request_context.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware, which buffers and hides client disconnects).
 
-`RequestContext`: every request gets an id (X-Request-Id honoured or generated), echoed in
-the response and written in one structured log line (app/request_log.py), and its status
+`RequestTracking`: every request gets an id (X-Request-Id honoured or generated), echoed in
+the response and written in one structured log line (app/api/request_log.py), and its status
 is counted for GET /metrics; any unhandled exception becomes a 500 without a traceback.
 `ApiKeyAuth`: the bearer token check, before any body is parsed.
 Both read the live settings from `app.state` so `attach` may replace them.
@@ -17,9 +17,9 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.http_errors import internal_error, unauthorized
-from app.metrics import route_label
-from app.request_log import logfmt
+from app.api.errors import internal_error, unauthorized
+from app.api.metrics import route_label
+from app.api.request_log import logfmt
 
 log = logging.getLogger("shoal.api")
 
@@ -32,7 +32,7 @@ PROBE_PATHS = {"/healthz", "/readyz", "/health", "/metrics"}
 # /metrics too: Prometheus scrapers rarely carry the API key (vLLM leaves it open as well).
 OPEN_PATHS = {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
               "/metrics"}
-OPEN_PATHS.add("/")  # the web chat page (app/web): its JS sends the key its user types
+OPEN_PATHS.add("/")  # the web chat page (app/api/web): its JS sends the key its user types
 
 
 def new_request_id() -> str:
@@ -45,7 +45,7 @@ def route_path(scope: Scope) -> str:
     return (path[len(root):] or "/") if root and path.startswith(root) else path
 
 
-class RequestContext:
+class RequestTracking:
     def __init__(self, app: ASGIApp):
         self.app = app
 

@@ -3,7 +3,7 @@
 The host (`attach`) puts the engine client, tokenizer and settings on `app.state`; `Served`
 is that state for one request, with its request id. `complete` waits for whole outputs,
 `stream` answers with server-sent events; both abort the engine requests when the client
-goes away (see app/streams.py).
+goes away (see app/api/streams.py).
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from typing import Callable
 from fastapi import Request
 
 from actors.sampling_params import SamplingParams
-from app.http_errors import ApiError, engine_error, internal_error, not_ready, unknown_model
-from app.middleware import new_request_id
-from app.request_log import EngineSummary
-from app.settings import ServerSettings
-from app.streams import (
+from app.api.errors import ApiError, engine_error, internal_error, not_ready, unknown_model
+from app.api.middleware import new_request_id
+from app.api.request_log import EngineSummary
+from app.api.settings import ServerSettings
+from app.api.streams import (
     Batch, ClientDisconnected, EngineStreams, EventStream, collect, event_body, unless_disconnected,
 )
 
