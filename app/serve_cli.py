@@ -154,7 +154,7 @@ def run_server(config: ShoalConfig) -> int:
     from ray import serve
 
     from actors.placement import PlacementError
-    from app.builder import application, check_placement
+    from app.serving.builder import application, check_placement
 
     d = config.deploy
     address = d.address or os.environ.get("RAY_ADDRESS") or "local"

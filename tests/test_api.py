@@ -25,7 +25,7 @@ from actors.sampling_params import SamplingParams
 from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
 from app.protocol.chat_template import render_chat_prompt
-from app.engine_client import LocalEngineClient
+from app.serving.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 from app.api.streams import EngineStreams
 from oracle import hf_prompt_logprobs

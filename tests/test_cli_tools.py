@@ -24,7 +24,7 @@ from app.bench.cli import check_bounded
 from app.bench.report import percentile
 from app.cli import build_parser, main
 from app.api.embedded import serve_in_thread
-from app.engine_client import LocalEngineClient
+from app.serving.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 
 ROOT = Path(__file__).resolve().parents[1]

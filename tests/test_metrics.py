@@ -28,7 +28,7 @@ from actors.progress import progress_bar
 from actors.ray_metrics import bucket_values
 from actors.sampling_params import SamplingParams
 from app.api.app import attach, build_api
-from app.engine_client import LocalEngineClient
+from app.serving.engine_client import LocalEngineClient
 from app.api.metrics import HTTP_REQUESTS, ShoalCollector, combine
 from app.api.settings import ServerSettings
 from serving import free_port, wait_ready
@@ -268,7 +268,7 @@ def serve_ports():
 def test_serve_metrics_match_requests(serve_ports, llama_ckpt):
     from ray import serve
 
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     http_port, metrics_port = serve_ports
     app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,

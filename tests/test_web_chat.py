@@ -19,7 +19,7 @@ import pytest
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
-from app.engine_client import LocalEngineClient
+from app.serving.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 from browser import chromium_page, find_chromium
 

@@ -41,7 +41,7 @@ def serve_in_thread(app, startup_timeout: float = 60.0):
 def embedded_api(config, settings=None):
     """Load the model of `config` (an EngineConfig), serve the API on loopback; yield the URL."""
     from app.api.app import attach, build_api
-    from app.engine_client import LocalEngineClient
+    from app.serving.engine_client import LocalEngineClient
     from app.api.settings import ServerSettings
 
     settings = settings or ServerSettings(model_path=config.model_path)

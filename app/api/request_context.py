@@ -32,7 +32,7 @@ LOG_TEXT_CHARS = 500  # log_requests=2 cuts prompts and outputs to this many cha
 @dataclass
 class Served:
     request: Request
-    client: object  # an EngineClient (app/engine_client.py)
+    client: object  # an EngineClient (app/serving/engine_client.py)
     tokenizer: object
     settings: ServerSettings
     request_id: str

@@ -146,7 +146,7 @@ def inproc_server(model_path: str | None):
     """The same HTTP API in this process: uvicorn in a thread over a LocalEngineClient."""
     from actors.config import EngineConfig
     from app.api.app import attach, build_api
-    from app.engine_client import LocalEngineClient
+    from app.serving.engine_client import LocalEngineClient
     from app.api.embedded import serve_in_thread
     from app.api.settings import ServerSettings
 

@@ -1,7 +1,7 @@
 """What the HTTP layer needs from an engine, and the in-process implementation of it.
 
 The ingress talks to an `EngineClient`: in production the Ray Serve replica pool (see
-app/server.py), in `shoal chat --model-path` and in tests of the HTTP layer an in-process
+app/serving/llm_server.py), in `shoal chat --model-path` and in tests of the HTTP layer an in-process
 AsyncEngine. Both stream delta `RequestOutput`s.
 """
 from __future__ import annotations

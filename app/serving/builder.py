@@ -1,4 +1,4 @@
-"""The application `serve run` imports: `import_path: app.builder:build_app` with `args:`.
+"""The application `serve run` imports: `import_path: app.serving.builder:build_app` with `args:`.
 
 `build_app(args)` takes the same option names as `shoal serve` (see app/config.py); the
 YAML's `args:` rank like command-line flags, above SHOAL_* variables and `config: FILE`.
@@ -10,8 +10,8 @@ from ray import serve
 
 from actors.placement import check_fits, default_strategy
 from app.config import ShoalConfig, load_config, replica_count
-from app.ingress import Ingress
-from app.server import LLMServer, placement_bundles
+from app.serving.ingress import Ingress
+from app.serving.llm_server import LLMServer, placement_bundles
 
 
 def build_app(args: dict | None = None) -> serve.Application:
