@@ -20,9 +20,10 @@ import pytest
 
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
-from app.bench.cli import check_bounded
-from app.bench.report import percentile
-from app.cli import build_parser, main
+from app.cli.bench.cli import check_bounded
+from app.cli.bench.report import percentile
+from app.cli import main
+from app.cli.main import build_parser
 from app.api.embedded import serve_in_thread
 from app.serving.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings

@@ -1,8 +1,10 @@
-"""An in-process API server for commands that bring their own model (`shoal chat --model-path`).
+"""An in-process API server for commands that bring their own model (`shoal chat --model-path`,
+the demo-model evaluation) and for tests.
 
-The HTTP API runs on uvicorn in a thread, on a free 127.0.0.1 port, over a LocalEngineClient:
-the command then talks to it with the same OpenAI client it uses for a remote server, so
-there is one code path for both, and nothing listens beyond loopback.
+The HTTP API runs on uvicorn in a thread, on a free 127.0.0.1 port (over a LocalEngineClient,
+app/serving/engine_client.py, in those commands): they then talk to it with the same OpenAI
+client they use for a remote server, so there is one code path for both, and nothing listens
+beyond loopback.
 """
 from __future__ import annotations
 
@@ -35,20 +37,3 @@ def serve_in_thread(app, startup_timeout: float = 60.0):
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-
-
-@contextlib.contextmanager
-def embedded_api(config, settings=None):
-    """Load the model of `config` (an EngineConfig), serve the API on loopback; yield the URL."""
-    from app.api.app import attach, build_api
-    from app.serving.engine_client import LocalEngineClient
-    from app.api.settings import ServerSettings
-
-    settings = settings or ServerSettings(model_path=config.model_path)
-    client = LocalEngineClient(config)
-    try:
-        app = attach(build_api(settings), client, client.tokenizer, settings)
-        with serve_in_thread(app) as url:
-            yield url
-    finally:
-        client.shutdown()

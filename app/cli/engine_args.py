@@ -1,8 +1,9 @@
-"""`shoal` command line: one subparser function per subcommand, shared engine options.
+"""The engine options every engine-running command shares (`serve`, `run-batch`, `chat
+--model-path`, `bench throughput`), under the names areno/vLLM/SGLang users already type.
 
-Engine options default to SUPPRESS, so the namespace holds only what the user typed and
-`engine_overrides` can be layered over YAML or environment defaults.
-Heavy imports (torch, the engine) happen inside the handlers to keep `--help` fast.
+Options default to SUPPRESS, so the namespace holds only what the user typed and
+`engine_overrides` can be layered over YAML or environment defaults. A leaf: it imports
+nothing from app.cli, so every subcommand module can use it.
 """
 from __future__ import annotations
 
@@ -99,66 +100,8 @@ def engine_config_from_args(args: argparse.Namespace, base: dict | None = None) 
     return config
 
 
-# --------------------------------------------------------------------------- subcommands
-
-def add_run_batch_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "run-batch", allow_abbrev=False, help="run an OpenAI batch file (JSONL) offline",
-        description="Run every request of an OpenAI Batch API input file on one engine "
-                    "and write the results, one line per input line, in input order.")
-    parser.add_argument("-i", "--input-file", required=True, help="batch input JSONL")
-    parser.add_argument("-o", "--output-file", required=True, help="results JSONL")
-    parser.add_argument("--served-model-name", metavar="NAME", help="model name in responses "
-                                                    "(default: the checkpoint directory name)")
-    parser.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
-                        help="budget for chat requests that set none (default: the context left)")
-    parser.add_argument("--disable-thinking", action="store_true",
-                        help="pass enable_thinking=False to chat templates that support it")
-    parser.add_argument("--tool-call-parser", metavar="NAME",
-                        help="tool-call format, as for `shoal serve` (default: from the chat template)")
-    parser.add_argument("--reasoning-parser", metavar="NAME",
-                        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1")
-    add_engine_args(parser)
-    parser.set_defaults(handler=run_batch_command)
-
-
 def engine_config_or_exit(args: argparse.Namespace, base: dict | None = None) -> EngineConfig:
     try:
         return engine_config_from_args(args, base)
     except (TypeError, ValueError) as exc:  # a bad option value: one line, not a traceback
         sys.exit(f"shoal {args.command}: error: {exc}")
-
-
-def run_batch_command(args: argparse.Namespace) -> int:
-    from app.run_batch import run_batch_file
-    from app.api.settings import check_parsers
-    try:
-        check_parsers(args.tool_call_parser, args.reasoning_parser)
-    except ValueError as exc:
-        sys.exit(f"shoal run-batch: error: {exc}")
-    return run_batch_file(args, engine_config_or_exit(args))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shoal", allow_abbrev=False,
-                                     description="An LLM inference server on Ray.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_run_batch_parser(subparsers)
-    from app.serve_cli import add_serve_parser  # the Ray side lives in its own module
-    add_serve_parser(subparsers, add_engine_args)
-    from app import chat_cli, collect_env  # client tools: each in its own module
-    from app.bench.cli import add_bench_parser
-    chat_cli.add_chat_parser(subparsers, add_engine_args)
-    chat_cli.add_complete_parser(subparsers)
-    add_bench_parser(subparsers, add_engine_args)
-    collect_env.add_collect_env_parser(subparsers)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.handler(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

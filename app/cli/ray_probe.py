@@ -1,4 +1,4 @@
-"""`python -m app.ray_probe ADDRESS`: print one JSON line about the Ray cluster at ADDRESS
+"""`python -m app.cli.ray_probe ADDRESS`: print one JSON line about the Ray cluster at ADDRESS
 ("auto": the one on this machine, if any). Run by `shoal collect-env` in a child process.
 
 It only connects (`ray.init(address=...)` never starts a cluster when given an address) and
@@ -47,7 +47,7 @@ def probe(address: str) -> dict:
         # looks for the GCS on the machine's external address and waits (MACHINE-NOTES).
         # Ray reads that at import, and "auto" has imported it: start afresh with the address.
         os.environ[LOOPBACK] = "0"
-        os.execv(sys.executable, [sys.executable, "-m", "app.ray_probe", usable])
+        os.execv(sys.executable, [sys.executable, "-m", "app.cli.ray_probe", usable])
     import ray
     ray.init(address=usable, logging_level="ERROR", log_to_driver=False)
     try:

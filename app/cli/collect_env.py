@@ -1,7 +1,7 @@
 """`shoal collect-env`: what to paste into a bug report. Versions, the machine, the
 accelerators torch sees, and the Ray cluster's resources when one is reachable.
 
-It never starts a Ray cluster: app/ray_probe.py connects in a child process, under a time
+It never starts a Ray cluster: app/cli/ray_probe.py connects in a child process, under a time
 limit (a stale address can make Ray retry for a long time), and leaves this process free of
 Ray's threads.
 """
@@ -123,7 +123,7 @@ def ray_cluster(address: str | None, timeout: float) -> dict:
     if address.lower() == "none":
         return {"status": "skipped"}
     try:
-        done = subprocess.run([sys.executable, "-m", "app.ray_probe", address],
+        done = subprocess.run([sys.executable, "-m", "app.cli.ray_probe", address],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"status": "timed out", "address": address}

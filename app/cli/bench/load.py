@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from app.bench.prompts import BenchPrompt
+from app.cli.bench.prompts import BenchPrompt
 
 
 @dataclass

@@ -8,16 +8,17 @@ import json
 import math
 import sys
 
-from app.client_cli import add_client_args, api_key, base_url, fail, model_name, openai_client
+from app.cli.client import add_client_args, api_key, base_url, fail, model_name, openai_client
+from app.cli.engine_args import add_engine_args, engine_config_or_exit
 
 
-def add_bench_parser(subparsers, add_engine_args) -> None:
+def add_bench_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", allow_abbrev=False,
                                    help="benchmark a server or the engine",
                                    description="Benchmark online serving or offline throughput.")
     kinds = parser.add_subparsers(dest="bench_command", required=True, metavar="KIND")
     add_serve_parser(kinds)
-    add_throughput_parser(kinds, add_engine_args)
+    add_throughput_parser(kinds)
 
 
 def add_workload_args(parser: argparse.ArgumentParser, num_prompts_default, seed: bool) -> None:
@@ -62,7 +63,7 @@ def add_serve_parser(kinds) -> None:
     parser.set_defaults(handler=bench_serve_command)
 
 
-def add_throughput_parser(kinds, add_engine_args) -> None:
+def add_throughput_parser(kinds) -> None:
     parser = kinds.add_parser("throughput", allow_abbrev=False,
                               help="offline throughput of the engine in this process",
                               description="Run every request at once on the in-process engine.")
@@ -84,13 +85,13 @@ def check_bounded(args: argparse.Namespace) -> None:
 def bench_serve_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from app.bench.load import LoadPlan, run_load
-    from app.bench.prompts import bench_prompts
-    from app.bench.report import format_table, summarize, write_json
+    from app.cli.bench.load import LoadPlan, run_load
+    from app.cli.bench.prompts import bench_prompts
+    from app.cli.bench.report import format_table, summarize, write_json
 
     check_bounded(args)
     if args.plot:
-        from app.bench.plot import require_matplotlib
+        from app.cli.bench.plot import require_matplotlib
         require_matplotlib()
     try:
         model = model_name(openai_client(args.url, api_key(args)), args.model_name)
@@ -110,7 +111,7 @@ def bench_serve_command(args: argparse.Namespace) -> int:
     if args.json:
         write_json(summary, args.json)
     if args.plot:
-        from app.bench.plot import save_plot
+        from app.cli.bench.plot import save_plot
         save_plot(results, duration, args.plot, title=f"{model}: shoal bench serve")
     return 0 if summary["completed"] else 1
 
@@ -126,8 +127,7 @@ def plan_config(plan, args: argparse.Namespace) -> dict:
 
 def bench_throughput_command(args: argparse.Namespace) -> int:
     from actors.llm import LLM
-    from app.bench.throughput import dataset_prompts, format_result, run_throughput, token_prompts
-    from app.cli import engine_config_or_exit
+    from app.cli.bench.throughput import dataset_prompts, format_result, run_throughput, token_prompts
 
     config = engine_config_or_exit(args)
     llm = LLM(**vars(config))

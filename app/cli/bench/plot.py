@@ -4,7 +4,7 @@ matplotlib is optional (`pip install 'shoal[plot]'`): imported only here, only w
 """
 from __future__ import annotations
 
-from app.bench.report import latency_samples
+from app.cli.bench.report import latency_samples
 
 MISSING = ("--plot needs matplotlib, which is not installed: "
            "pip install 'shoal[plot]' (or pip install matplotlib)")

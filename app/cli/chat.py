@@ -1,7 +1,7 @@
 """`shoal chat` and `shoal complete`: talk to a server from the terminal, tokens as they come.
 
 Both use the official openai client against `--url`. `shoal chat --model-path DIR` first
-starts the API in this process (app/api/embedded.py) and then talks to that, so a remote and a
+starts the API in this process (`embedded_api`) and then talks to that, so a remote and a
 local model go through the same code. Ctrl-C during an answer stops it (closing the stream
 aborts the request on the server) and keeps the conversation going.
 """
@@ -11,8 +11,9 @@ import argparse
 import contextlib
 import sys
 
-from app.client_cli import (DEFAULT_URL, add_client_args, api_key, fail, model_name,
-                             openai_client)
+from app.cli.client import (DEFAULT_URL, add_client_args, api_key, fail, model_name,
+                            openai_client)
+from app.cli.engine_args import add_engine_args, engine_config_or_exit
 
 BANNER = "shoal chat: 'clear' starts a new conversation, 'quit' or 'exit' ends it"
 
@@ -26,7 +27,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="most tokens per answer (default: the server's)")
 
 
-def add_chat_parser(subparsers, add_engine_args) -> None:
+def add_chat_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "chat", allow_abbrev=False, help="chat with a model in the terminal",
         description="Interactive chat with streaming answers, against a running server "
@@ -73,13 +74,28 @@ def chat_server(args: argparse.Namespace):
     if not has_model:
         yield args.url or DEFAULT_URL
         return
-    from app.cli import engine_config_or_exit
-    from app.api.embedded import embedded_api
-
     config = engine_config_or_exit(args)
     print(f"loading {config.model_path} ...", file=sys.stderr, flush=True)
     with embedded_api(config) as url:
         yield url
+
+
+@contextlib.contextmanager
+def embedded_api(config):
+    """Load the model of `config` (an EngineConfig), serve the API on loopback; yield the URL."""
+    from app.api.app import attach, build_api
+    from app.api.embedded import serve_in_thread
+    from app.api.settings import ServerSettings
+    from app.serving.engine_client import LocalEngineClient
+
+    settings = ServerSettings(model_path=config.model_path)
+    client = LocalEngineClient(config)
+    try:
+        app = attach(build_api(settings), client, client.tokenizer, settings)
+        with serve_in_thread(app) as url:
+            yield url
+    finally:
+        client.shutdown()
 
 
 def chat_command(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import itertools
 import random
 import time
 
-from app.bench.prompts import from_jsonl
+from app.cli.bench.prompts import from_jsonl
 
 
 def token_prompts(tokenizer, count: int, input_len: int, seed: int) -> list[list[int]]:

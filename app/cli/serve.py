@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from app.cli.engine_args import add_engine_args
 from app.config import ConfigError, ShoalConfig, load_config, replica_count
 
 log = logging.getLogger("shoal.serve")
@@ -22,7 +23,7 @@ log = logging.getLogger("shoal.serve")
 ACTIONS = ("command", "handler", "print_config", "dry_run")
 
 
-def add_serve_parser(subparsers, add_engine_args) -> None:
+def add_serve_parser(subparsers) -> None:
     # conflict_handler="resolve": should add_engine_args gain one of the layout flags below
     # (same name, same dest), ours replaces it instead of breaking the parser.
     parser = subparsers.add_parser(
