@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from app.cli.engine_args import add_engine_args
+from app.cli.engine_args import add_engine_args, add_option
 from app.config import ConfigError, ShoalConfig, load_config, replica_count
 
 log = logging.getLogger("shoal.serve")
@@ -38,8 +38,8 @@ def add_serve_parser(subparsers) -> None:
 
 
 def _adder(group):
-    def add(*names, **kwargs):
-        group.add_argument(*names, default=argparse.SUPPRESS, **kwargs)
+    def add(flag, **kwargs):
+        add_option(group, flag, **kwargs)  # with its aliases from app/config.py
     return add
 
 
@@ -84,8 +84,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
     add = _adder(parser.add_argument_group("Ray layout"))
     add("--world-size", type=int, help="total shard ranks; replicas = world / (tp x pp) (default: one replica)")
-    add("--num-replicas", "--data-parallel-size", "--dp-size", "--dp", dest="num_replicas",
-        type=int, help="fixed number of model replicas (instead of --world-size)")
+    add("--num-replicas", type=int, help="fixed number of model replicas (instead of --world-size)")
     add("--min-replicas", type=int, help="autoscaling lower bound (default 1)")
     add("--max-replicas", type=int, help="autoscale between --min-replicas and this")
     add("--target-ongoing-requests", type=float, help="autoscaling target per replica")
