@@ -90,9 +90,6 @@ class StubClient:
         yield RequestOutput(request_id, ids, [CompletionOutput(0, "!", [6], finish_reason="stop")],
                             finished=True)
 
-    async def abort(self, request_id):
-        pass
-
     async def stats(self):
         return {"replicas": [{"engine_alive": self.mode != "dead"}]}
 

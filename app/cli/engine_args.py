@@ -110,8 +110,8 @@ def engine_config_from_args(args: argparse.Namespace, base: dict | None = None) 
     return config
 
 
-def engine_config_or_exit(args: argparse.Namespace, base: dict | None = None) -> EngineConfig:
+def engine_config_or_exit(args: argparse.Namespace) -> EngineConfig:
     try:
-        return engine_config_from_args(args, base)
+        return engine_config_from_args(args)
     except (TypeError, ValueError) as exc:  # a bad option value: one line, not a traceback
         sys.exit(f"shoal {args.command}: error: {exc}")

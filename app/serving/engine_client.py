@@ -1,8 +1,8 @@
 """What the HTTP layer needs from an engine, and the in-process implementation of it.
 
 The ingress talks to an `EngineClient`: in production the Ray Serve replica pool (see
-app/serving/llm_server.py), in `shoal chat --model-path` and in tests of the HTTP layer an in-process
-AsyncEngine. Both stream delta `RequestOutput`s.
+app/serving/llm_server.py), in `shoal chat --model-path` and in tests of the HTTP layer an
+in-process AsyncEngine. Both stream delta `RequestOutput`s.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ class EngineClient(Protocol):
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Delta outputs until finished. Raises ValueError for a request that can't be served."""
-
-    async def abort(self, request_id: str) -> None: ...
+        """Delta outputs until finished. Raises ValueError for a request that can't be served.
+        Closing the iterator (or cancelling the task awaiting it) aborts the request and frees
+        its KV blocks: there is no separate abort call (app/api/streams.py)."""
 
     async def stats(self) -> dict: ...
 
@@ -41,9 +41,6 @@ class LocalEngineClient:
 
     def generate(self, prompt_token_ids, params, request_id, priority=0):
         return self.engine.generate(prompt_token_ids, params, request_id, priority)
-
-    async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
 
     async def stats(self) -> dict:
         return {"replicas": [self.engine.stats()]}

@@ -104,9 +104,6 @@ class LLMServer:
                 ray.cancel(stream)
                 self.scheduler.abort.remote(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        await self.scheduler.abort.remote(request_id)
-
     async def stats(self) -> dict:
         return {"replica": self.replica, **await self.scheduler.stats.remote()}
 
@@ -147,7 +144,6 @@ class ServeEngineClient:
         self._streaming = handle.options(stream=True)
         self.max_model_len = max_model_len
         self.app_name = app_name
-        self._live: dict[str, object] = {}  # request id -> its streaming response
 
     @classmethod
     async def create(cls, handle, app_name: str) -> "ServeEngineClient":
@@ -157,7 +153,6 @@ class ServeEngineClient:
                        request_id: str, priority: int = 0):
         response = self._streaming.generate.remote(
             EngineRequest(prompt_token_ids, params, request_id, priority))
-        self._live[request_id] = response
         try:
             async for outputs in response:
                 if isinstance(outputs, BaseException):
@@ -170,13 +165,7 @@ class ServeEngineClient:
                 raise EngineDeadError("a model replica died mid-request; retry") from None
             raise error from None
         finally:
-            self._live.pop(request_id, None)
             response.cancel()  # a no-op once finished; else it reaches LLMServer.generate
-
-    async def abort(self, request_id: str) -> None:
-        response = self._live.get(request_id)
-        if response is not None:
-            response.cancel()
 
     async def ready(self) -> bool:
         try:
