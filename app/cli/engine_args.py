@@ -51,7 +51,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--dtype", type=dtype_arg, choices=["auto", "float32", "bfloat16", "float16"],
         help=f"weight and activation dtype (also {', '.join(DTYPE_ALIASES)})")
     add("--device", choices=["auto", "cpu", "cuda"])
-    add("--seed", type=int, metavar="N", help="seed for requests that set none")
+    add("--seed", type=int, metavar="N",
+        help="torch.manual_seed at engine start-up: seeds the global generator that requests "
+             "without their own seed sample from, so their output also depends on what ran "
+             "before them (default 0)")
     add("--max-model-len", type=int, metavar="N",
         help="context length (default: from the checkpoint)")
     add("--block-size", type=int, metavar="N", help="tokens per KV cache block")
@@ -59,9 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache size in blocks (overrides the memory-based size)")
     add("--kv-cache-memory", type=float, metavar="GIB", help="KV cache size in GiB")
     add("--kv-cache-fraction", type=float, metavar="FRACTION",
-        help="fraction of free memory for the KV cache")
+        help="fraction of the device's free memory (CPU: available RAM) for the KV cache "
+             "(default 0.3)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-        help="reuse KV blocks of shared prompt prefixes")
+        help="reuse KV blocks of shared prompt prefixes (default: on)")
     add("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step")
     add("--max-num-seqs", type=int, metavar="N", help="most sequences running at once")
     add("--scheduling-policy", choices=["fcfs", "priority"])
@@ -69,7 +73,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="refuse new requests while this many are waiting (default: no limit)")
     add("--attn-backend", choices=["native", "flash"])
     add("--num-threads", type=int, metavar="N",
-        help="torch intra-op threads (default: all cores)")
+        help="torch intra-op threads of each rank (default: under Ray Serve, the CPUs Ray "
+             "gives the scheduler actor, --shard-cpus rounded, at least 1, for every rank; "
+             "in-process engines (run-batch, chat --model-path, bench throughput) keep torch's "
+             "default, and their shard actors use int(--shard-cpus), at least 1)")
     add("--tp-size", type=int, metavar="N", help="tensor parallel ranks")
     add("--pp-size", type=int, metavar="N", help="pipeline parallel stages")
     add("--pp-layer-split", metavar="N,N,...", help="layers per pipeline stage (default: even)")
@@ -85,7 +92,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--enable-expert-parallel", action=argparse.BooleanOptionalAction,
         help="MoE models: split the experts over the tensor-parallel ranks instead of their width")
     add("--ep-size", type=int, metavar="N",
-        help="expert parallel ranks; must equal --tp-size (implies --enable-expert-parallel)")
+        help="expert parallel ranks: 1, or --tp-size (then the same as "
+             "--enable-expert-parallel)")
     add("--num-redundant-experts", type=int, metavar="K",
         help="extra expert slots holding copies of the hottest experts")
     add("--eplb-window-size", type=int, metavar="STEPS",

@@ -50,7 +50,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--served-model-name", help="model name clients use (default: the checkpoint directory name)")
     add("--api-key", help="require `Authorization: Bearer KEY` on API routes")
     add("--allowed-origins", help="CORS origins, comma separated (default: CORS off)")
-    add("--default-max-tokens", type=int, help="budget for requests that set none (default 1024)")
+    add("--default-max-tokens", type=int,
+        help="budget for chat requests that set none (default 1024, capped by the context left)")
     add("--disable-thinking", action="store_true",
         help="pass enable_thinking=False to chat templates that support it")
     add("--log-requests", type=int, choices=[0, 1, 2, 3],
@@ -87,12 +88,16 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     add("--num-replicas", type=int, help="fixed number of model replicas (instead of --world-size)")
     add("--min-replicas", type=int, help="autoscaling lower bound (default 1)")
     add("--max-replicas", type=int, help="autoscale between --min-replicas and this")
-    add("--target-ongoing-requests", type=float, help="autoscaling target per replica")
-    add("--max-ongoing-requests", type=int, help="requests a replica takes before Serve queues")
+    add("--target-ongoing-requests", type=float,
+        help="autoscaling target per replica (default 64)")
+    add("--max-ongoing-requests", type=int,
+        help="requests each model replica and each ingress replica takes before Serve queues "
+             "(default 1024)")
     add("--replica-cpus", type=float, help="CPUs of each replica process (default 0.1)")
-    add("--ingress-replicas", type=int)
-    add("--ingress-cpus", type=float)
-    add("--address", help="Ray cluster address to join (default: start a local Ray)")
+    add("--ingress-replicas", type=int, help="replicas of the HTTP ingress (default 1)")
+    add("--ingress-cpus", type=float, help="CPUs of each ingress replica (default 0.1)")
+    add("--address", help="Ray cluster address to join (default: $RAY_ADDRESS, else start a "
+                          "local Ray)")
     add("--app-name", help="Serve application name (default shoal)")
 
 
