@@ -20,13 +20,13 @@ import pytest
 
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
+from app.api.embedded import serve_in_thread
+from app.api.settings import ServerSettings
+from app.cli import main
 from app.cli.bench.cli import check_bounded
 from app.cli.bench.report import percentile
-from app.cli import main
 from app.cli.main import build_parser
-from app.api.embedded import serve_in_thread
 from app.serving.engine_client import LocalEngineClient
-from app.api.settings import ServerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,9 +28,9 @@ from actors.progress import progress_bar
 from actors.ray_metrics import bucket_values
 from actors.sampling_params import SamplingParams
 from app.api.app import attach, build_api
-from app.serving.engine_client import LocalEngineClient
 from app.api.metrics import HTTP_REQUESTS, ShoalCollector, combine
 from app.api.settings import ServerSettings
+from app.serving.engine_client import LocalEngineClient
 from serving import free_port, wait_ready
 from test_api import running
 

@@ -10,16 +10,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from actors.sampling_params import SamplingParams
+from app.api.errors import bad_request, unknown_model
+from app.api.request_context import Served
 from app.protocol import chat_output
 from app.protocol.chat_output import OutputPlan, plan_output, tools_in_use
 from app.protocol.chat_template import render_chat_prompt
-from app.api.errors import bad_request, unknown_model
-from app.protocol.responses import ChatStream, CompletionStream, chat_response, completion_response
 from app.protocol.models import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
     ModelCard, ModelList, random_id,
 )
-from app.api.request_context import Served
+from app.protocol.responses import ChatStream, CompletionStream, chat_response, completion_response
 
 router = APIRouter(tags=["OpenAI"])
 

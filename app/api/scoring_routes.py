@@ -11,9 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.sampling_params import SamplingParams
 from app.api.errors import ApiError, bad_request
-from app.protocol.responses import usage
-from app.protocol.models import RequestError, context_length_error
 from app.api.request_context import Served
+from app.protocol.models import RequestError, context_length_error
+from app.protocol.responses import usage
 
 router = APIRouter(tags=["Scoring"])
 

@@ -18,11 +18,11 @@ from pydantic import ValidationError
 
 from app.protocol.chat_output import OutputPlan, constrain, plan_output, tools_in_use
 from app.protocol.chat_template import render_chat_prompt
-from app.protocol.responses import chat_response, completion_response
 from app.protocol.models import (
     ChatCompletionRequest, CompletionRequest, error_body, request_error_body,
     validation_error_body,
 )
+from app.protocol.responses import chat_response, completion_response
 
 log = logging.getLogger("shoal.run_batch")
 

@@ -146,9 +146,9 @@ def inproc_server(model_path: str | None):
     """The same HTTP API in this process: uvicorn in a thread over a LocalEngineClient."""
     from actors.config import EngineConfig
     from app.api.app import attach, build_api
-    from app.serving.engine_client import LocalEngineClient
     from app.api.embedded import serve_in_thread
     from app.api.settings import ServerSettings
+    from app.serving.engine_client import LocalEngineClient
 
     client = LocalEngineClient(EngineConfig(model_path=model_path))
     settings = ServerSettings(model_path=model_path, tool_call_parser="hermes",

@@ -13,8 +13,8 @@ from ray import serve
 
 from actors.loader import load_tokenizer, resolve_model_path
 from app.api.app import attach, build_api
-from app.serving.llm_server import ServeEngineClient
 from app.api.settings import ServerSettings
+from app.serving.llm_server import ServeEngineClient
 
 log = logging.getLogger("shoal.ingress")
 

@@ -20,8 +20,8 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.errors import EngineDeadError, QueueFullError, RequestFailedError
 from actors.config import EngineConfig
+from actors.errors import EngineDeadError, QueueFullError, RequestFailedError
 from actors.metrics import Replica
 from actors.placement import rank_bundle
 from actors.sampling_params import SamplingParams
