@@ -24,7 +24,7 @@ class EngineConfig:
     max_queued_requests: int | None = 256  # requests waiting to start; over it, new ones get 429. None: no limit
     # Compute
     attn_backend: str = "auto"  # auto (flash where it can run, else native) | native | flash
-    num_threads: int | None = None  # torch intra-op threads; None: all cores
+    num_threads: int | None = None  # rank 0's torch threads; None: the CPUs Ray gave it (Serve) or torch's default
     # Parallel layout: tp x pp ranks per model instance; rank 0 lives in the scheduler process
     tp_size: int = 1
     pp_size: int = 1

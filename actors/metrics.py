@@ -17,7 +17,7 @@ from pathlib import Path
 from actors.outputs import RequestMetrics
 
 PREFIX = "shoal_"
-# Same rule as app/settings.default_model_name (actors may not import app).
+# Same rule as app/api/settings.default_model_name (actors may not import app).
 DEMO_MODEL_NAME = "shoal-demo"
 
 # Exported names are PREFIX + name (+ "_total" for counters, added by the exporters).

@@ -3,8 +3,9 @@ command line (or `serve run` args) > SHOAL_* environment > YAML (`config: FILE.y
 
 Every option name is a field of EngineConfig (the engine), ServerSettings (the HTTP layer)
 or DeployOptions (Ray Serve layout). A name in two of them (model_path, max_model_len)
-sets both. Bad values and bad combinations raise ConfigError with one clear line, before
-anything starts.
+sets both. Other spellings of a name (vLLM's, SGLang's) are in one table, ALIASES, which the
+command line reads too: a spelling `shoal serve` takes works in every source. Bad values and
+bad combinations raise ConfigError with one clear line, before anything starts.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from actors.config import EngineConfig
-from app.settings import ServerSettings
+from app.api.settings import ServerSettings
 
 ENV_PREFIX = "SHOAL_"
 
@@ -65,14 +66,40 @@ class ConfigError(ValueError):
 
 SECTIONS = (EngineConfig, ServerSettings, DeployOptions)
 
-# Spellings that YAML files, `serve run` args and SHOAL_* variables accept too.
-ALIASES = {
-    "model": "model_path", "tensor_parallel_size": "tp_size", "tp": "tp_size",
-    "pipeline_parallel_size": "pp_size", "pp": "pp_size", "max_running_prompts": "max_num_seqs",
-    "max_running_requests": "max_num_seqs", "data_parallel_size": "num_replicas",
-    "dp_size": "num_replicas", "dp": "num_replicas", "attention_backend": "attn_backend",
-    "chunked_prefill_size": "max_num_batched_tokens",
+# Every option's other spellings (vLLM, SGLang and areno names), by canonical name: the one
+# table both sides read. The command line adds `--spelling` for each (app/cli/engine_args.py
+# `add_option`); YAML files, `serve run` args and SHOAL_* variables resolve them with
+# `canonical()`. Dashes and underscores are the same (`tensor-parallel-size` in YAML works).
+ALIASES: dict[str, tuple[str, ...]] = {
+    "model_path": ("model", "model_name_or_path"),
+    "num_kv_blocks": ("num_gpu_blocks_override",),
+    "kv_cache_fraction": ("gpu_memory_utilization", "mem_fraction_static"),
+    "max_num_batched_tokens": ("chunked_prefill_size",),
+    "max_num_seqs": ("max_running_prompts", "max_running_requests"),
+    "attn_backend": ("attention_backend",),
+    "tp_size": ("tensor_parallel_size", "tp"),
+    "pp_size": ("pipeline_parallel_size", "pp"),
+    "enable_expert_parallel": ("enable_ep",),
+    "ep_size": ("expert_parallel_size", "ep"),
+    "num_redundant_experts": ("ep_num_redundant_experts",),
+    "eplb_step_interval": ("eplb_rebalance_num_iterations",),
+    "num_replicas": ("data_parallel_size", "dp_size", "dp"),
 }
+# Spellings of a boolean option that mean its opposite: `--disable-radix-cache` (SGLang) turns
+# prefix caching off; in YAML / SHOAL_* / `serve run` args `disable_radix_cache: true` does the
+# same and `false` turns it on. (argparse's `--no-NAME` forms are command-line only: a file
+# writes `NAME: false`.)
+NEGATED_ALIASES: dict[str, tuple[str, ...]] = {
+    "enable_prefix_caching": ("disable_radix_cache",),
+}
+# Other spellings of values, by option: `--dtype bf16` and `dtype: bf16` both mean bfloat16.
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "dtype": {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
+              "fp32": "float32"},
+}
+_SPELLINGS = {alias: (name, False) for name, aliases in ALIASES.items() for alias in aliases}
+_SPELLINGS.update({alias: (name, True) for name, aliases in NEGATED_ALIASES.items()
+                   for alias in aliases})
 
 
 def option_types() -> dict[str, type]:
@@ -83,8 +110,14 @@ def option_types() -> dict[str, type]:
 
 
 def canonical(name: str) -> str:
+    """The option a spelling names (`gpu-memory-utilization` -> kv_cache_fraction)."""
+    return resolve(name)[0]
+
+
+def resolve(name: str) -> tuple[str, bool]:
+    """(canonical name, whether the spelling negates it)."""
     name = name.replace("-", "_").lower()
-    return ALIASES.get(name, name)
+    return _SPELLINGS.get(name, (name, False))
 
 
 # --------------------------------------------------------------------------- sources
@@ -104,11 +137,16 @@ def normalize(options: dict, source: str) -> dict:
     known = option_types()
     out = {}
     for key, value in options.items():
-        name = canonical(key)
+        name, negated = resolve(key)
         if name == "config":
             out[name] = value
         elif name in known:
-            out[name] = convert(name, value, known[name])
+            value = convert(name, value, known[name])
+            if negated:
+                value = not value
+            elif name in VALUE_ALIASES:
+                value = VALUE_ALIASES[name].get(value, value)
+            out[name] = value
         else:
             raise ConfigError(f"unknown option {key!r} in {source}")
     return out
@@ -117,8 +155,8 @@ def normalize(options: dict, source: str) -> dict:
 def env_options(environ: typing.Mapping[str, str]) -> dict:
     """SHOAL_<OPTION> variables; other SHOAL_* variables (not options) are left alone."""
     names = set(option_types()) | {"config"}
-    found = {canonical(k[len(ENV_PREFIX):]): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
-    return normalize({k: v for k, v in found.items() if k in names}, "the environment")
+    found = {k[len(ENV_PREFIX):]: v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    return normalize({k: v for k, v in found.items() if canonical(k) in names}, "the environment")
 
 
 def yaml_options(path: str) -> dict:

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from app.demo.chatml import CHAT_TEMPLATE  # the template the demo model ships with
+from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 

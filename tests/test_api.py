@@ -17,17 +17,17 @@ import httpx
 import openai
 import pytest
 
-from actors.errors import EngineDeadError, QueueFullError
 from actors.config import EngineConfig
+from actors.errors import EngineDeadError, QueueFullError
 from actors.llm import LLM
 from actors.outputs import CompletionOutput, RequestOutput
 from actors.sampling_params import SamplingParams
-from app.api import attach, build_api
-from app.embedded import serve_in_thread
-from app.chat_template import render_chat_prompt
-from app.engine_client import LocalEngineClient
-from app.settings import ServerSettings
-from app.streams import EngineStreams
+from app.api.app import attach, build_api
+from app.api.embedded import serve_in_thread
+from app.api.settings import ServerSettings
+from app.api.streams import EngineStreams
+from app.protocol.chat_template import render_chat_prompt
+from app.serving.engine_client import LocalEngineClient
 from oracle import hf_prompt_logprobs
 
 USER = [{"role": "user", "content": "Tell me about the quick brown fox."}]
@@ -89,9 +89,6 @@ class StubClient:
             raise EngineDeadError("the engine failed: boom")
         yield RequestOutput(request_id, ids, [CompletionOutput(0, "!", [6], finish_reason="stop")],
                             finished=True)
-
-    async def abort(self, request_id):
-        pass
 
     async def stats(self):
         return {"replicas": [{"engine_alive": self.mode != "dead"}]}

@@ -19,13 +19,14 @@ import openai
 import pytest
 
 from actors.config import EngineConfig
-from app.api import attach, build_api
-from app.bench.cli import check_bounded
-from app.bench.report import percentile
-from app.cli import build_parser, main
-from app.embedded import serve_in_thread
-from app.engine_client import LocalEngineClient
-from app.settings import ServerSettings
+from app.api.app import attach, build_api
+from app.api.embedded import serve_in_thread
+from app.api.settings import ServerSettings
+from app.cli import main
+from app.cli.bench.cli import check_bounded
+from app.cli.bench.report import percentile
+from app.cli.main import build_parser
+from app.serving.engine_client import LocalEngineClient
 
 ROOT = Path(__file__).resolve().parents[1]
 

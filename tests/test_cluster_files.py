@@ -17,7 +17,7 @@ def test_rayservice_embeds_prod_yaml():
     assert service["kind"] == "RayService"
     serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
     assert serve_config == yaml.safe_load((ROOT / "serve_configs" / "prod.yaml").read_text())
-    assert serve_config["applications"][0]["import_path"] == "app.builder:build_app"
+    assert serve_config["applications"][0]["import_path"] == "app.serving.builder:build_app"
 
 
 def test_launcher_and_prometheus_configs_parse():

@@ -40,7 +40,7 @@ def ranks_of(url: str) -> list[list[dict]]:
 def test_every_rank_of_every_replica_gets_its_own_gpu(serve_url, checkpoint_factory):
     from ray import serve
 
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     path = checkpoint_factory("llama", num_hidden_layers=3)
     gpu = {"model_path": str(path), "device": "cpu", "shard_gpus": 1, "shard_cpus": 0.5,
@@ -64,7 +64,7 @@ def test_every_rank_of_every_replica_gets_its_own_gpu(serve_url, checkpoint_fact
 
 
 def test_more_gpus_than_the_cluster_has_fails_at_once(serve_url, llama_ckpt):
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     start = time.monotonic()
     with pytest.raises(PlacementError, match=r"cannot place 1 replica\(s\): each needs .*GPU: 1.*"

@@ -27,10 +27,10 @@ from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, DecodeProgres
 from actors.progress import progress_bar
 from actors.ray_metrics import bucket_values
 from actors.sampling_params import SamplingParams
-from app.api import attach, build_api
-from app.engine_client import LocalEngineClient
-from app.metrics import HTTP_REQUESTS, ShoalCollector, combine
-from app.settings import ServerSettings
+from app.api.app import attach, build_api
+from app.api.metrics import HTTP_REQUESTS, ShoalCollector, combine
+from app.api.settings import ServerSettings
+from app.serving.engine_client import LocalEngineClient
 from serving import free_port, wait_ready
 from test_api import running
 
@@ -268,7 +268,7 @@ def serve_ports():
 def test_serve_metrics_match_requests(serve_ports, llama_ckpt):
     from ray import serve
 
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     http_port, metrics_port = serve_ports
     app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,

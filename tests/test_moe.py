@@ -130,7 +130,7 @@ def test_expert_balancedness_is_a_prometheus_metric(checkpoint_factory):
 
     from actors.llm import LLM
     from actors.sampling_params import SamplingParams
-    from app.metrics import ShoalCollector, combine
+    from app.api.metrics import ShoalCollector, combine
     llm = LLM(str(checkpoint_factory("mixtral")), num_kv_blocks=32)
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
     registry = CollectorRegistry()

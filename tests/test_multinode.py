@@ -38,7 +38,7 @@ def test_llm_server_tp2_across_two_nodes(two_nodes, llama_ckpt):
     two ranks on different nodes."""
     from ray import serve
 
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -59,7 +59,7 @@ def test_llm_server_tp2_across_two_nodes(two_nodes, llama_ckpt):
 
 
 def test_unplaceable_layout_fails_at_once(two_nodes, llama_ckpt):
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     start = time.monotonic()
     with pytest.raises(PlacementError, match=r"cannot place 1 replica\(s\).*STRICT_SPREAD.*node 1: "):

@@ -185,9 +185,9 @@ def test_serve_run_pp2_and_expert_parallel_apps(checkpoint_factory, tmp_path):
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [
-            {"name": "pp", "route_prefix": "/pp", "import_path": "app.builder:build_app",
+            {"name": "pp", "route_prefix": "/pp", "import_path": "app.serving.builder:build_app",
              "args": {**common, "model_path": str(dense), "pp_size": 2}},
-            {"name": "ep", "route_prefix": "/ep", "import_path": "app.builder:build_app",
+            {"name": "ep", "route_prefix": "/ep", "import_path": "app.serving.builder:build_app",
              "args": {**common, "model_path": str(moe), "tp_size": 2, "enable_expert_parallel": True}},
         ],
     }

@@ -9,13 +9,14 @@ from pydantic import ValidationError
 
 from actors.config import EngineConfig
 from actors.outputs import CompletionOutput, RequestOutput
-from app.chat_template import render_chat_prompt, render_chat_text
-from app.cli import add_engine_args, build_parser, engine_config_from_args, engine_overrides
-from app.openai_format import (
-    ChatStream, CompletionStream, chat_response, completion_response, token_text,
-)
-from app.protocol import (
+from app.cli.engine_args import add_engine_args, engine_config_from_args, engine_overrides
+from app.cli.main import build_parser
+from app.protocol.chat_template import render_chat_prompt, render_chat_text
+from app.protocol.models import (
     ChatCompletionRequest, CompletionRequest, RequestError, validation_error_body,
+)
+from app.protocol.responses import (
+    ChatStream, CompletionStream, chat_response, completion_response, token_text,
 )
 from checkpoints import build_tokenizer
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from actors.sampling_params import SamplingParams
-from app.chat_template import render_chat_prompt
-from app.run_batch import parse_line
+from app.cli.run_batch import parse_line
+from app.protocol.chat_template import render_chat_prompt
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--num-threads", "2"]

@@ -53,7 +53,7 @@ def serve_port():
 def base_url(serve_port, llama_ckpt):
     from ray import serve
 
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     app = build_app({"model_path": str(llama_ckpt), "num_kv_blocks": 256, "num_threads": 1})
     serve.run(app, name="shoal", route_prefix="/")
@@ -64,7 +64,7 @@ def base_url(serve_port, llama_ckpt):
 def pair_url(serve_port, llama_ckpt, base_url):
     from ray import serve
 
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,
                      "api_key": PAIR_KEY, "max_num_seqs": 2, "max_queued_requests": 2,
@@ -116,7 +116,7 @@ def test_chat_streaming_equals_non_streaming(client):
 
 def test_greedy_http_equals_offline_engine(client, offline):
     from actors.sampling_params import SamplingParams
-    from app.chat_template import render_chat_prompt
+    from app.protocol.chat_template import render_chat_prompt
 
     params = SamplingParams(temperature=0, max_tokens=24)
     text = client.completions.create(model="", prompt=PROMPT, **greedy()).choices[0].text
@@ -227,7 +227,7 @@ def test_queue_full_is_429_with_retry_after(pair_url):
 def routed_url(serve_port, llama_ckpt, pair_url):
     from ray import serve
 
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,
                      "routing": "prefix-aware", "num_kv_blocks": 64, "block_size": 4, "num_threads": 1})
@@ -254,7 +254,7 @@ def test_prefix_aware_routing_keeps_a_prefix_on_one_replica(routed_url):
 def test_dead_engine_is_503(pair_url):
     import ray
 
-    from app.server import scheduler_actors
+    from app.serving.llm_server import scheduler_actors
 
     headers = {"Authorization": f"Bearer {PAIR_KEY}"}
     victim = next(iter(scheduler_actors("pair").values()))

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.reasoning import CONTENT, START, ReasoningScanner, initial_state, reasoning_parser_name
-from app.settings import ServerSettings
-from app.tool_parsers import FORMATS, ParsedCall, ToolCallScanner, detect, tool_format
-from app.tool_parsers.calls import forced_calls_tag
+from app.api.settings import ServerSettings
+from app.protocol.reasoning import CONTENT, START, ReasoningScanner, initial_state, reasoning_parser_name
+from app.protocol.tool_parsers import FORMATS, ParsedCall, ToolCallScanner, detect, tool_format
+from app.protocol.tool_parsers.calls import forced_calls_tag
 
 NAMES = ["get_weather", "add"]
 W = ParsedCall("get_weather", '{"city": "Paris"}')

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.config import EngineConfig
-from app.api import attach, build_api
-from app.chat_template import render_chat_text
-from app.engine_client import LocalEngineClient
-from app.protocol import ChatMessage, Tool
-from app.settings import ServerSettings
+from app.api.app import attach, build_api
+from app.api.settings import ServerSettings
+from app.protocol.chat_template import render_chat_text
+from app.protocol.models import ChatMessage, Tool
+from app.serving.engine_client import LocalEngineClient
 from test_api import running
 
 WEATHER = {"type": "object", "properties": {

@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from actors.config import EngineConfig
-from app.api import attach, build_api
-from app.embedded import serve_in_thread
-from app.engine_client import LocalEngineClient
-from app.settings import ServerSettings
+from app.api.app import attach, build_api
+from app.api.embedded import serve_in_thread
+from app.api.settings import ServerSettings
+from app.serving.engine_client import LocalEngineClient
 from browser import chromium_page, find_chromium
 
 KEY = "sekret"

@@ -145,10 +145,10 @@ def shoal_serve(model_path: str | None, timeout: float, log_path: str):
 def inproc_server(model_path: str | None):
     """The same HTTP API in this process: uvicorn in a thread over a LocalEngineClient."""
     from actors.config import EngineConfig
-    from app.api import attach, build_api
-    from app.engine_client import LocalEngineClient
-    from app.embedded import serve_in_thread
-    from app.settings import ServerSettings
+    from app.api.app import attach, build_api
+    from app.api.embedded import serve_in_thread
+    from app.api.settings import ServerSettings
+    from app.serving.engine_client import LocalEngineClient
 
     client = LocalEngineClient(EngineConfig(model_path=model_path))
     settings = ServerSettings(model_path=model_path, tool_call_parser="hermes",
@@ -241,7 +241,7 @@ def main(argv=None) -> None:
                 print("`shoal serve` did not come up (see build/demo_eval_serve.log); "
                       "falling back to the in-process HTTP API", flush=True)
         if url is None:
-            how = "in-process HTTP API (app.api + LocalEngineClient under uvicorn)"
+            how = "in-process HTTP API (app.api.app + LocalEngineClient under uvicorn)"
             url = stack.enter_context(inproc_server(args.model_path))
         print(f"evaluating through {how} at {url}", flush=True)
         start = time.time()

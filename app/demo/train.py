@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from app.demo import data
-from app.demo.chatml import CHAT_TEMPLATE
+from app.protocol.chatml import CHAT_TEMPLATE
 
 SEED = 1234
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",

@@ -22,7 +22,7 @@ from ray import serve  # noqa: E402
 
 from checkpoints import make_checkpoint  # noqa: E402
 
-from app.builder import build_app  # noqa: E402
+from app.serving.builder import build_app  # noqa: E402
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 

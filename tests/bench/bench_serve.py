@@ -114,7 +114,7 @@ def start_serve(options: dict) -> str:
     import ray
     from ray import serve
 
-    from app.builder import build_app
+    from app.serving.builder import build_app
 
     ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
              logging_level="WARNING")

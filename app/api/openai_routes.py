@@ -1,0 +1,109 @@
+"""The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Each route: validate (pydantic, in the signature), check the model and readiness, build the
+prompt ids and SamplingParams (refusals are 400s naming the field), then either wait for
+whole outputs or stream them. Bodies come from app/protocol/responses.py.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from actors.sampling_params import SamplingParams
+from app.api.errors import bad_request, unknown_model
+from app.api.request_context import Served
+from app.protocol import chat_output
+from app.protocol.chat_output import OutputPlan, plan_output, tools_in_use
+from app.protocol.chat_template import render_chat_prompt
+from app.protocol.models import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    ModelCard, ModelList, random_id,
+)
+from app.protocol.responses import ChatStream, CompletionStream, chat_response, completion_response
+
+router = APIRouter(tags=["OpenAI"])
+
+
+def sampling_params(served: Served, body, prompt_len: int) -> SamplingParams:
+    try:
+        return body.to_sampling_params(served.settings.default_max_tokens,
+                                       served.max_model_len, prompt_len)
+    except ValueError as exc:  # RequestError: names the field and, for length, the numbers
+        raise bad_request(exc) from None
+
+
+def chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    tools = body.tools if tools_in_use(body) else None
+    try:
+        return render_chat_prompt(served.tokenizer, body.messages, tools,
+                                  body.add_generation_prompt, body.chat_template_kwargs,
+                                  served.settings.disable_thinking)
+    except ValueError as exc:  # the template refused these messages
+        raise bad_request(exc, param="messages") from None
+
+
+def constrain(params: SamplingParams, body, plan: OutputPlan | None = None) -> None:
+    try:
+        chat_output.constrain(params, body, plan)
+    except ValueError as exc:
+        raise bad_request(exc) from None
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    served = await Served.ready(request, body.model)
+    text, ids = chat_prompt(served, body)
+    plan = plan_output(served.settings, served.tokenizer, body, text)
+    params = sampling_params(served, body, len(ids))
+    constrain(params, body, plan)
+    response_id = random_id("chatcmpl-")
+    if body.stream:
+        stream = ChatStream(body, served.tokenizer, served.model_name, response_id, plan=plan)
+        return await served.stream(
+            [ids], [params], body.priority, opening=stream.role_chunks(),
+            to_chunks=lambda batch: stream.chunks(batch[0]),
+            closing=lambda: [c for c in [stream.usage_chunk()] if c])
+    outputs = await served.complete([ids], [params], body.priority)
+    return JSONResponse(chat_response(body, outputs[0], served.tokenizer, served.model_name,
+                                      response_id, plan=plan))
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def create_completion(body: CompletionRequest, request: Request):
+    served = await Served.ready(request, body.model)
+    prompts = [served.encode(p) for p in body.prompts()]
+    params = [sampling_params(served, body, len(ids)) for ids in prompts]
+    for p in params:
+        constrain(p, body)
+    response_id = random_id("cmpl-")
+    if body.stream:
+        stream = CompletionStream(body, served.tokenizer, served.model_name, response_id)
+        return await served.stream(
+            prompts, params, body.priority, opening=[],
+            to_chunks=lambda batch: [c for i, out in batch.items() for c in stream.chunks(out, i)],
+            closing=lambda: [c for c in [stream.usage_chunk()] if c])
+    outputs = await served.complete(prompts, params, body.priority)
+    ordered = [outputs[i] for i in range(len(prompts))]
+    return JSONResponse(completion_response(body, ordered, served.tokenizer, served.model_name,
+                                            response_id))
+
+
+def model_card(request: Request) -> ModelCard:
+    state = request.app.state
+    client = getattr(state, "client", None)
+    return ModelCard(id=state.settings.served_model_name, root=state.settings.model_path,
+                     max_model_len=state.settings.max_model_len
+                     or getattr(client, "max_model_len", None))
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request):
+    return JSONResponse(ModelList(data=[model_card(request)]).model_dump())
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard)
+async def retrieve_model(model: str, request: Request):
+    card = model_card(request)
+    if model not in request.app.state.settings.model_names():
+        raise unknown_model(model)
+    return JSONResponse(card.model_dump())

@@ -1,0 +1,53 @@
+"""HTTP-side server settings: what the API layer needs beyond the engine's EngineConfig."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.protocol.reasoning import reasoning_parser_name
+from app.protocol.tool_parsers import tool_format
+
+DEMO_MODEL_NAME = "shoal-demo"  # the bundled model's name (as `shoal run-batch` calls it)
+
+
+@dataclass
+class ServerSettings:
+    model_path: str | None = None  # None: the bundled demo model
+    served_model_name: str | None = None  # None: the checkpoint directory's name
+    api_key: str | None = None  # None: no authentication
+    allowed_origins: list[str] = field(default_factory=list)  # empty: CORS off
+    default_max_tokens: int = 1024  # budget for requests that set none (capped by the context)
+    disable_thinking: bool = False  # pass enable_thinking=False to chat templates
+    log_requests: int = 0  # 0: one line per request; 1: + sampling params; 2: + text (cut); 3: all
+    max_model_len: int | None = None  # None: taken from the engine client by `attach`
+    tool_call_parser: str | None = None  # None/auto: from the chat template (app/protocol/tool_parsers)
+    enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: tool_choice "auto" is always on
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1; None: no reasoning split
+
+    def __post_init__(self):
+        if not self.served_model_name:
+            self.served_model_name = default_model_name(self.model_path)
+        if isinstance(self.allowed_origins, str):  # "a,b" from an environment variable or flag
+            self.allowed_origins = [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
+        self.allowed_origins = list(self.allowed_origins or [])
+        if self.default_max_tokens < 1:
+            raise ValueError(f"--default-max-tokens must be positive, got {self.default_max_tokens}")
+        check_parsers(self.tool_call_parser, self.reasoning_parser)
+
+    def model_names(self) -> set[str]:
+        """Names a request's `model` may use: the served name, or the path it was loaded from."""
+        return {n for n in (self.served_model_name, self.model_path) if n}
+
+
+def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """Unknown parser names fail at start-up, with the choices, not on the first request."""
+    for flag, check, name in (("--tool-call-parser", tool_format, tool_call_parser),
+                              ("--reasoning-parser", reasoning_parser_name, reasoning_parser)):
+        try:
+            check(name)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+
+
+def default_model_name(model_path: str | None) -> str:
+    return Path(model_path).name if model_path else DEMO_MODEL_NAME

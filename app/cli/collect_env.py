@@ -1,0 +1,150 @@
+"""`shoal collect-env`: what to paste into a bug report. Versions, the machine, the
+accelerators torch sees, and the Ray cluster's resources when one is reachable.
+
+It never starts a Ray cluster: app/cli/ray_probe.py connects in a child process, under a time
+limit (a stale address can make Ray retry for a long time), and leaves this process free of
+Ray's threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+
+PACKAGES = ("shoal", "torch", "transformers", "tokenizers", "safetensors", "ray", "fastapi",
+            "pydantic", "uvicorn", "openai", "xgrammar", "numpy", "triton", "flash-attn",
+            "vllm-flash-attn", "matplotlib")
+ENV_VARS = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "RAY_ADDRESS", "RAY_AUTH_MODE", "HF_HOME",
+            "HF_HUB_OFFLINE", "SHOAL_MODEL_PATH")
+
+
+def add_collect_env_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "collect-env", allow_abbrev=False, help="print versions, devices and Ray resources",
+        description="Collect environment information for bug reports.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--ray-address", default=None, metavar="ADDR",
+                        help="Ray cluster to ask (default: $RAY_ADDRESS, then the cluster on this "
+                             "machine if any; 'none' skips the probe)")
+    parser.add_argument("--ray-timeout", type=float, default=20.0, metavar="S",
+                        help="give up on the Ray probe after S seconds (default 20)")
+    parser.set_defaults(handler=collect_env_command)
+
+
+def collect_env_command(args: argparse.Namespace) -> int:
+    report = collect(args.ray_address, args.ray_timeout)
+    print(json.dumps(report, indent=2) if args.json else format_text(report))
+    return 0
+
+
+def collect(ray_address: str | None = None, ray_timeout: float = 20.0) -> dict:
+    env = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
+    return {"versions": versions(), "system": system(), "torch": torch_info(),
+            "nvidia_smi": nvidia_smi(), "env": env,
+            "ray_cluster": ray_cluster(ray_address, ray_timeout)}
+
+
+def versions() -> dict:
+    found = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def system() -> dict:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {"platform": platform.platform(), "cpu": cpu_model(), "logical_cores": os.cpu_count(),
+            "usable_cores": usable,
+            **memory_gib()}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_gib() -> dict:
+    """Total and available memory from /proc/meminfo (Linux); empty elsewhere."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) / 2**20  # kB -> GiB
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"memory_total_gib": round(fields.get("MemTotal", 0), 2),
+            "memory_available_gib": round(fields.get("MemAvailable", 0), 2)}
+
+
+def torch_info() -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {"installed": False}
+    info = {"version": torch.__version__, "cuda_build": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(), "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if info["cuda_available"]:
+        info["devices"] = [{"name": torch.cuda.get_device_name(i),
+                            "memory_gib": round(torch.cuda.get_device_properties(i).total_memory
+                                                / 2**30, 2)}
+                           for i in range(torch.cuda.device_count())]
+    return info
+
+
+def nvidia_smi() -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"failed: {exc}"
+
+
+def ray_cluster(address: str | None, timeout: float) -> dict:
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if address.lower() == "none":
+        return {"status": "skipped"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "app.cli.ray_probe", address],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timed out", "address": address}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return {"status": "not connected", "address": address, "reason": last[:300]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def format_text(report: dict) -> str:
+    lines = []
+    for section, values in report.items():
+        lines.append(f"== {section}")
+        if isinstance(values, dict):
+            lines += [f"{key:<24}{format_value(value)}" for key, value in values.items()]
+        else:
+            lines.append(format_value(values))
+    return "\n".join(lines)
+
+
+def format_value(value) -> str:
+    if value is None:
+        return "-"
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)

@@ -1,0 +1,129 @@
+"""The engine options every engine-running command shares (`serve`, `run-batch`, `chat
+--model-path`, `bench throughput`), under the names areno/vLLM/SGLang users already type.
+
+Options default to SUPPRESS, so the namespace holds only what the user typed and
+`engine_overrides` can be layered over YAML or environment defaults. A leaf: it imports
+nothing from app.cli, so every subcommand module can use it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from actors.config import EngineConfig
+from app.config import ALIASES, NEGATED_ALIASES, VALUE_ALIASES
+
+DTYPE_ALIASES = VALUE_ALIASES["dtype"]
+SINGLE_DASH = ("tp", "pp")  # aliases that also take one dash, as vLLM's -tp and -pp
+
+
+def dtype_arg(value: str) -> str:
+    return DTYPE_ALIASES.get(value, value)
+
+
+def option_flags(name: str) -> list[str]:
+    """Every command-line spelling of an option: tp_size -> --tp-size --tensor-parallel-size
+    --tp -tp (the aliases from app/config.py ALIASES)."""
+    spellings = (name, *ALIASES.get(name, ()))
+    return [f"--{s.replace('_', '-')}" for s in spellings] + \
+        [f"-{s}" for s in spellings if s in SINGLE_DASH]
+
+
+def add_option(group, flag: str, **kwargs) -> None:
+    """The option `flag` (--canonical-name) under all its spellings, defaulting to SUPPRESS;
+    its negated aliases (--disable-radix-cache) store False."""
+    name = flag.removeprefix("--").replace("-", "_")
+    group.add_argument(*option_flags(name), dest=name, default=argparse.SUPPRESS, **kwargs)
+    for alias in NEGATED_ALIASES.get(name, ()):
+        group.add_argument(f"--{alias.replace('_', '-')}", dest=name, action="store_false",
+                           default=argparse.SUPPRESS, help=f"the same as --no-{flag[2:]}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field, under the names areno/vLLM/SGLang users already type."""
+    group = parser.add_argument_group("engine")
+
+    def add(flag, **kwargs):
+        add_option(group, flag, **kwargs)
+
+    add("--model-path", metavar="DIR",
+        help="Hugging Face checkpoint directory (default: the bundled demo model)")
+    add("--dtype", type=dtype_arg, choices=["auto", "float32", "bfloat16", "float16"],
+        help=f"weight and activation dtype (also {', '.join(DTYPE_ALIASES)})")
+    add("--device", choices=["auto", "cpu", "cuda"])
+    add("--seed", type=int, metavar="N",
+        help="torch.manual_seed at engine start-up: seeds the global generator that requests "
+             "without their own seed sample from, so their output also depends on what ran "
+             "before them (default 0)")
+    add("--max-model-len", type=int, metavar="N",
+        help="context length (default: from the checkpoint)")
+    add("--block-size", type=int, metavar="N", help="tokens per KV cache block")
+    add("--num-kv-blocks", type=int, metavar="N",
+        help="KV cache size in blocks (overrides the memory-based size)")
+    add("--kv-cache-memory", type=float, metavar="GIB", help="KV cache size in GiB")
+    add("--kv-cache-fraction", type=float, metavar="FRACTION",
+        help="fraction of the device's free memory (CPU: available RAM) for the KV cache "
+             "(default 0.3)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        help="reuse KV blocks of shared prompt prefixes (default: on)")
+    add("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step")
+    add("--max-num-seqs", type=int, metavar="N", help="most sequences running at once")
+    add("--scheduling-policy", choices=["fcfs", "priority"])
+    add("--max-queued-requests", type=int, metavar="N",
+        help="requests that may wait to start, per replica; more get 429 (default 256)")
+    add("--attn-backend", choices=["auto", "native", "flash"],
+        help="attention kernels (default auto: flash where CUDA and flash-attn are, else native)")
+    add("--num-threads", type=int, metavar="N",
+        help="torch intra-op threads of rank 0 (default: under Ray Serve, the CPUs Ray gives the "
+             "scheduler actor, --shard-cpus rounded, at least 1; in-process engines (run-batch, "
+             "chat --model-path, bench throughput) keep torch's default). Shard ranks 1.. use "
+             "int(--shard-cpus), at least 1")
+    add("--watchdog-timeout", type=float, metavar="S",
+        help="seconds one engine step may take before the replica is declared dead and "
+             "replaced (default 300; 0: off)")
+    add("--tp-size", type=int, metavar="N", help="tensor parallel ranks")
+    add("--pp-size", type=int, metavar="N", help="pipeline parallel stages")
+    add("--pp-layer-split", metavar="N,N,...", help="layers per pipeline stage (default: even)")
+    add("--placement-strategy", choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+        help="of each model instance's placement group (default: STRICT_PACK if a node fits it, else PACK)")
+    add("--shard-cpus", type=float, metavar="N",
+        help="CPUs (and torch threads) of each shard rank, the scheduler's included (default 1)")
+    add("--shard-gpus", type=float, metavar="N",
+        help="GPUs of each shard rank (default: 1 when the engine runs on CUDA, else 0)")
+    add("--dist-timeout", type=float, metavar="S",
+        help="seconds for shard ranks to start and join, and for one step's collectives; "
+             "idle ranks wait without a deadline (default 120)")
+    add("--enable-expert-parallel", action=argparse.BooleanOptionalAction,
+        help="MoE models: split the experts over the tensor-parallel ranks instead of their width")
+    add("--ep-size", type=int, metavar="N",
+        help="expert parallel ranks: 1, or --tp-size (then the same as "
+             "--enable-expert-parallel)")
+    add("--num-redundant-experts", type=int, metavar="K",
+        help="extra expert slots holding copies of the hottest experts")
+    add("--eplb-window-size", type=int, metavar="STEPS",
+        help="steps of per-expert routed-token counts kept for /stats and re-planning")
+    add("--eplb-step-interval", type=int, metavar="STEPS",
+        help="re-plan the expert placement every N steps (0: never)")
+    for what, name in (("time to first token", "ttft"), ("inter-token latency", "itl"),
+                       ("end-to-end latency", "e2e")):
+        add(f"--metrics-{name}-buckets", metavar="S,S,...",
+            help=f"histogram buckets (seconds) of the {what} metric (default: built in)")
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    """The engine options the user actually gave."""
+    return {k: v for k, v in vars(args).items() if k in EngineConfig.field_names()}
+
+
+def engine_config_from_args(args: argparse.Namespace, base: dict | None = None) -> EngineConfig:
+    """EngineConfig from defaults, then `base` (e.g. a YAML file), then the command line."""
+    config = EngineConfig(**{**(base or {}), **engine_overrides(args)})
+    config.validate()
+    return config
+
+
+def engine_config_or_exit(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return engine_config_from_args(args)
+    except (TypeError, ValueError) as exc:  # a bad option value: one line, not a traceback
+        sys.exit(f"shoal {args.command}: error: {exc}")

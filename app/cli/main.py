@@ -1,0 +1,64 @@
+"""`shoal` command line: the parser (one subparser function per subcommand, each in its own
+module) and `main`.
+
+Heavy imports (torch, the engine, Ray) happen inside the handlers to keep `--help` fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.cli.bench.cli import add_bench_parser
+from app.cli.chat import add_chat_parser, add_complete_parser
+from app.cli.collect_env import add_collect_env_parser
+from app.cli.engine_args import add_engine_args, engine_config_or_exit
+from app.cli.serve import add_serve_parser
+
+
+def add_run_batch_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run-batch", allow_abbrev=False, help="run an OpenAI batch file (JSONL) offline",
+        description="Run every request of an OpenAI Batch API input file on one engine "
+                    "and write the results, one line per input line, in input order.")
+    parser.add_argument("-i", "--input-file", required=True, help="batch input JSONL")
+    parser.add_argument("-o", "--output-file", required=True, help="results JSONL")
+    parser.add_argument("--served-model-name", metavar="NAME", help="model name in responses "
+                                                    "(default: the checkpoint directory name)")
+    parser.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                        help="budget for chat requests that set none (default: the context left)")
+    parser.add_argument("--disable-thinking", action="store_true",
+                        help="pass enable_thinking=False to chat templates that support it")
+    parser.add_argument("--tool-call-parser", metavar="NAME",
+                        help="tool-call format, as for `shoal serve` (default: from the chat template)")
+    parser.add_argument("--reasoning-parser", metavar="NAME",
+                        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1")
+    add_engine_args(parser)
+    parser.set_defaults(handler=run_batch_command)
+
+
+def run_batch_command(args: argparse.Namespace) -> int:
+    from app.api.settings import check_parsers
+    from app.cli.run_batch import run_batch_file
+    try:
+        check_parsers(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as exc:
+        sys.exit(f"shoal run-batch: error: {exc}")
+    return run_batch_file(args, engine_config_or_exit(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", allow_abbrev=False,
+                                     description="An LLM inference server on Ray.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_run_batch_parser(subparsers)
+    add_serve_parser(subparsers)
+    add_chat_parser(subparsers)
+    add_complete_parser(subparsers)
+    add_bench_parser(subparsers)
+    add_collect_env_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args) or 0

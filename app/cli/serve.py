@@ -1,0 +1,228 @@
+"""`shoal serve`: the OpenAI-compatible server on Ray Serve, with areno's option names.
+
+Every option defaults to SUPPRESS, so the namespace holds only what the user typed and it
+ranks above SHOAL_* variables, `--config FILE.yaml` and the defaults (app/config.py).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+from app.cli.engine_args import add_engine_args, add_option
+from app.config import ConfigError, ShoalConfig, load_config, replica_count
+
+log = logging.getLogger("shoal.serve")
+
+ACTIONS = ("command", "handler", "print_config", "dry_run")
+
+
+def add_serve_parser(subparsers) -> None:
+    # conflict_handler="resolve": should add_engine_args gain one of the layout flags below
+    # (same name, same dest), ours replaces it instead of breaking the parser.
+    parser = subparsers.add_parser(
+        "serve", allow_abbrev=False, conflict_handler="resolve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve chat and text completions on Ray Serve: an ingress, a pool of "
+                    "model replicas, a scheduler actor per replica.")
+    add_server_args(parser)
+    add_engine_args(parser)
+    add_layout_args(parser)
+    parser.set_defaults(handler=serve_command)
+
+
+def _adder(group):
+    def add(flag, **kwargs):
+        add_option(group, flag, **kwargs)  # with its aliases from app/config.py
+    return add
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    add = _adder(parser.add_argument_group("server"))
+    add("--host", help="HTTP bind host (default 0.0.0.0)")
+    add("--port", type=int, help="HTTP bind port (default 8000)")
+    add("--served-model-name", help="model name clients use (default: the checkpoint directory name)")
+    add("--api-key", help="require `Authorization: Bearer KEY` on API routes")
+    add("--allowed-origins", help="CORS origins, comma separated (default: CORS off)")
+    add("--default-max-tokens", type=int,
+        help="budget for chat requests that set none (default 1024, capped by the context left)")
+    add("--disable-thinking", action="store_true",
+        help="pass enable_thinking=False to chat templates that support it")
+    add("--log-requests", type=int, choices=[0, 1, 2, 3],
+        help="0: a line per request, 1: + sampling params, 2: + text, 3: + whole text")
+    add("--tool-call-parser", metavar="NAME",
+        help="tool-call format: hermes (qwen), llama3_json, mistral, gemma, json "
+             "(default auto: from the chat template)")
+    add("--enable-auto-tool-choice", action="store_true",
+        help="accepted for vLLM compatibility: tool_choice \"auto\" is always on")
+    add("--reasoning-parser", metavar="NAME",
+        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1 (default: off)")
+    add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    add("--decode-progress-interval-s", type=float, metavar="S",
+        help="log decode throughput every S seconds (default 0: off)")
+    add("--routing", choices=["load", "prefix-aware"],
+        help="replica choice: by load (default), or to the replica likely to hold the prompt's "
+             "prefix in its cache, falling back to load when that replica is busy")
+    add("--stream-chunks-per-s", type=float, metavar="N",
+        help="under load, gather stream tokens so a replica sends about N chunks/s in all "
+             "(first token always at once; 0: every token at once; default 100)")
+    add("--eager-decode", action="store_true",
+        help="accepted for areno compatibility: decode always runs eagerly (no CUDA graphs yet)")
+    parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
+                        help="options as a YAML mapping (command line and SHOAL_* win over it)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the merged options as YAML and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="load the model (and its shards) and generate one token; no HTTP")
+
+
+def add_layout_args(parser: argparse.ArgumentParser) -> None:
+    add = _adder(parser.add_argument_group("Ray layout"))
+    add("--world-size", type=int, help="total shard ranks; replicas = world / (tp x pp) (default: one replica)")
+    add("--num-replicas", type=int, help="fixed number of model replicas (instead of --world-size)")
+    add("--min-replicas", type=int, help="autoscaling lower bound (default 1)")
+    add("--max-replicas", type=int, help="autoscale between --min-replicas and this")
+    add("--target-ongoing-requests", type=float,
+        help="autoscaling target per replica (default 64)")
+    add("--max-ongoing-requests", type=int,
+        help="requests each model replica and each ingress replica takes before Serve queues "
+             "(default 1024)")
+    add("--replica-cpus", type=float, help="CPUs of each replica process (default 0.1)")
+    add("--ingress-replicas", type=int, help="replicas of the HTTP ingress (default 1)")
+    add("--ingress-cpus", type=float, help="CPUs of each ingress replica (default 0.1)")
+    add("--address", help="Ray cluster address to join (default: $RAY_ADDRESS, else start a "
+                          "local Ray)")
+    add("--app-name", help="Serve application name (default shoal)")
+
+
+# --------------------------------------------------------------------------- command
+
+def serve_command(args: argparse.Namespace) -> int:
+    options = {k: v for k, v in vars(args).items() if k not in ACTIONS}
+    try:
+        config = load_config(options)
+        if not args.print_config:
+            check_model_path(config)
+    except (ConfigError, FileNotFoundError) as exc:
+        sys.exit(f"shoal serve: error: {exc}")
+    if args.print_config:
+        return print_config(config)
+    logging.basicConfig(level=config.deploy.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.dry_run:
+        return dry_run(config)
+    return run_server(config)
+
+
+def check_model_path(config: ShoalConfig) -> None:
+    from actors.loader import resolve_model_path
+    resolve_model_path(config.engine.model_path)
+
+
+def print_config(config: ShoalConfig) -> int:
+    import yaml
+    print(yaml.safe_dump(config.flat(), sort_keys=False), end="")
+    return 0
+
+
+def dry_run(config: ShoalConfig) -> int:
+    """Load the model in this process and generate one token: the checkpoint is servable."""
+    from actors.engine import LLMEngine
+    from actors.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine = LLMEngine(config.engine)
+    loaded = time.perf_counter() - start
+    engine.add_request("dry-run", engine.tokenizer.encode("Hello") or [0],
+                       SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    engine.shutdown()  # shard actors of a tp x pp layout
+    print(f"dry run ok: {engine.model_path} loaded in {loaded:.1f} s; max_model_len "
+          f"{engine.max_model_len}, {engine.blocks.num_blocks} KV blocks of {config.engine.block_size} "
+          f"tokens; would serve {replica_count(config)} replica(s) on "
+          f"http://{config.deploy.host}:{config.deploy.port}")
+    return 0
+
+
+def run_server(config: ShoalConfig) -> int:
+    """Start (or join) Ray, run the app with the HTTP proxy on host:port, block until a signal."""
+    import ray
+    from ray import serve
+
+    from actors.placement import PlacementError
+    from app.serving.builder import application, check_placement
+
+    d = config.deploy
+    address = d.address or os.environ.get("RAY_ADDRESS") or "local"
+    resources = {}
+    try:
+        if address == "local":  # this machine is the whole cluster: check before Ray starts
+            resources = local_resources(config)
+            check_placement(config, [{"CPU": resources["num_cpus"], "GPU": local_gpus()}])
+    except PlacementError as exc:
+        print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    ray.init(address=address, logging_level=logging.WARNING, **resources)
+    stop = stop_event()
+    try:
+        try:
+            app = application(config)
+        except PlacementError as exc:
+            print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        serve.start(http_options={"host": d.host, "port": d.port})
+        serve.run(app, name=d.app_name, route_prefix="/", blocking=False)
+        print(f"shoal: serving {config.server.served_model_name} at http://{d.host}:{d.port}/v1 "
+              f"(Ray at {address}); Ctrl-C or SIGTERM stops", flush=True)
+        stop.wait()
+    finally:
+        shut_down(d.app_name, joined=address != "local")
+    return 0
+
+
+def local_resources(config: ShoalConfig) -> dict:
+    """The Ray this command starts gets logical CPUs for every bundle of the layout, so any
+    layout the user asks for runs here (slowly, when ranks outnumber the cores)."""
+    d, e = config.deploy, config.engine
+    replicas = replica_count(config) if d.max_replicas is None else d.max_replicas
+    ranks = replicas * e.tp_size * e.pp_size
+    need = replicas * (d.replica_cpus + e.tp_size * e.pp_size * e.shard_cpus) + d.ingress_replicas * d.ingress_cpus
+    cores = os.cpu_count() or 1
+    if ranks > cores:
+        log.warning("%d shard ranks share %d CPU cores: outputs are exact, but expect it to be slow", ranks, cores)
+    return {"num_cpus": max(cores, math.ceil(need))}
+
+
+def local_gpus() -> int:
+    """The GPUs Ray will find on this machine: CUDA_VISIBLE_DEVICES, else the NVIDIA devices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def stop_event() -> threading.Event:
+    """Set by SIGINT or SIGTERM, so both end in the same clean shutdown."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def shut_down(app_name: str, joined: bool) -> None:
+    """A local Ray goes away entirely; on a shared cluster only our application does."""
+    import ray
+    from ray import serve
+
+    print("shoal: shutting down", flush=True)
+    try:
+        serve.delete(app_name) if joined else serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,94 @@
+"""How one chat request's output text is split into reasoning, content and tool calls.
+
+`plan_output` decides once per request (from the server's parsers, the request's tools and
+the rendered prompt); each choice then gets its own `ChoiceParser`, fed the whole text for a
+response or each delta for a stream. Reasoning comes first (calls inside `<think>` are
+thoughts, not calls), then tool calls are cut out of the content.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.protocol.models import ChatCompletionRequest
+from app.protocol.reasoning import ReasoningScanner, initial_state, reasoning_parser_name
+from app.protocol.structured_outputs import (
+    chat_constraint, check_tool_choice, forced_tools, request_constraint, tool_names,
+)
+from app.protocol.tool_parsers import JSON_FORMAT, ParsedCall, ToolCallScanner, ToolFormat, tool_format
+
+
+@dataclass
+class ParsedText:
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+@dataclass
+class OutputPlan:
+    reasoning: tuple[str, bool] | None = None  # the scanner's start (state, implied_open)
+    tool_format: ToolFormat | None = None
+    tool_names: list[str] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning is not None or self.tool_format is not None
+
+    def parser(self) -> ChoiceParser:
+        reasoning = ReasoningScanner(*self.reasoning) if self.reasoning else None
+        tools = ToolCallScanner(self.tool_format, self.tool_names) if self.tool_format else None
+        return ChoiceParser(reasoning, tools)
+
+
+class ChoiceParser:
+    def __init__(self, reasoning: ReasoningScanner | None, tools: ToolCallScanner | None):
+        self.reasoning, self.tools = reasoning, tools
+
+    def feed(self, text: str, final: bool = False) -> ParsedText:
+        reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
+        if self.tools is None:
+            return ParsedText(content, reasoning)
+        found = self.tools.feed(content, final)
+        return ParsedText(found.content, reasoning, found.calls)
+
+
+def tools_in_use(body: ChatCompletionRequest) -> bool:
+    """`tool_choice: none` hides the tools: not shown to the model, not parsed."""
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def thinking_disabled(settings, body: ChatCompletionRequest) -> bool:
+    kwargs = body.chat_template_kwargs or {}
+    if "enable_thinking" in kwargs:
+        return kwargs["enable_thinking"] is False
+    return settings.disable_thinking
+
+
+def plan_output(settings, tokenizer, body: ChatCompletionRequest,
+                prompt_text: str) -> OutputPlan:
+    """ValueError for an unknown parser name (a server misconfiguration). Of `settings` only
+    reasoning_parser, tool_call_parser and disable_thinking are read: the server passes its
+    ServerSettings (app/api/settings.py), run-batch its BatchOptions."""
+    plan = OutputPlan()
+    parser = reasoning_parser_name(settings.reasoning_parser)
+    if parser:
+        plan.reasoning = initial_state(parser, prompt_text, thinking_disabled(settings, body))
+    if tools_in_use(body):
+        fmt = tool_format(settings.tool_call_parser, tokenizer)
+        if forced_tools(body) is not None and fmt.call_begin is None:
+            fmt = JSON_FORMAT  # forced calls need a JSON spelling; the parser reads it back
+        plan.tool_format, plan.tool_names = fmt, tool_names(body)
+    return plan
+
+
+def constrain(params, body, plan: OutputPlan | None = None) -> None:
+    """Add the request's grammar (structured outputs; forced tool calls for chat, which has a
+    `plan`) and keep markup tokens in the text the parsers read. RequestError when the
+    request's constraints are invalid."""
+    if plan is None:
+        params.structured = request_constraint(body)
+    else:
+        check_tool_choice(body)
+        params.structured = chat_constraint(body, plan.tool_format)
+    if plan is not None and plan.active:
+        params.skip_special_tokens = False  # markup such as <tool_call> may be special tokens

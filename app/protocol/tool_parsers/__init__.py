@@ -1,0 +1,54 @@
+"""Tool-call formats by name, and the choice of one for a model.
+
+`--tool-call-parser NAME` picks a format; without it (or with `auto`) the chat template
+tells: the markup it teaches the model is the markup the model writes.
+"""
+from __future__ import annotations
+
+from app.protocol.tool_parsers import gemma, hermes, json_calls, llama3_json, mistral
+from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat
+from app.protocol.tool_parsers.scanner import ScanResult, ToolCallScanner
+
+FORMATS: dict[str, ToolFormat] = {
+    "hermes": hermes.FORMAT, "qwen": hermes.FORMAT, "qwen25": hermes.FORMAT,
+    "qwen3": hermes.FORMAT, "minicpm": hermes.FORMAT,
+    "llama3_json": llama3_json.FORMAT, "llama3": llama3_json.FORMAT, "llama": llama3_json.FORMAT,
+    "mistral": mistral.FORMAT,
+    "gemma": gemma.FORMAT, "pythonic": gemma.FORMAT,
+    "json": json_calls.FORMAT, "generic": json_calls.FORMAT,
+}
+JSON_FORMAT = json_calls.FORMAT
+
+# Markup in a chat template -> the format its model writes (first match wins).
+TEMPLATE_HINTS = (("<tool_call>", hermes.FORMAT), ("[TOOL_CALLS]", mistral.FORMAT),
+                  ("tool_code", gemma.FORMAT), ("<|python_tag|>", llama3_json.FORMAT),
+                  ("ipython", llama3_json.FORMAT))
+
+
+def parser_names() -> list[str]:
+    return sorted(FORMATS) + ["auto"]
+
+
+def tool_format(name: str | None, tokenizer=None) -> ToolFormat:
+    """The named format, or (None / "auto") the one the tokenizer's chat template uses."""
+    if name and name != "auto":
+        key = name.lower().replace("-", "_")
+        if key not in FORMATS:
+            raise ValueError(f"unknown tool call parser {name!r}; "
+                             f"choose from {', '.join(parser_names())}")
+        return FORMATS[key]
+    return detect(tokenizer)
+
+
+def detect(tokenizer) -> ToolFormat:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # several named templates
+        template = " ".join(str(t) for t in template.values())
+    for hint, fmt in TEMPLATE_HINTS:
+        if hint in template:
+            return fmt
+    return JSON_FORMAT
+
+
+__all__ = ["FORMATS", "JSON_FORMAT", "ParsedCall", "ScanResult", "ToolCallScanner", "ToolFormat",
+           "detect", "parser_names", "tool_format"]

@@ -1,0 +1,94 @@
+"""The application `serve run` imports: `import_path: app.serving.builder:build_app` with `args:`.
+
+`build_app(args)` takes the same option names as `shoal serve` (see app/config.py); the
+YAML's `args:` rank like command-line flags, above SHOAL_* variables and `config: FILE`.
+"""
+from __future__ import annotations
+
+import ray
+from ray import serve
+
+from actors.placement import check_fits, default_strategy
+from app.config import ShoalConfig, load_config, replica_count
+from app.serving.ingress import Ingress
+from app.serving.llm_server import LLMServer, placement_bundles
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    return application(load_config(args or {}))
+
+
+def application(config: ShoalConfig) -> serve.Application:
+    """Ingress -> LLMServer pool, each replica with its own placement group. On a running Ray
+    the layout is checked against the cluster first: one that can never be placed fails here
+    (PlacementError, one line) instead of waiting forever."""
+    if ray.is_initialized():
+        check_placement(config)
+    d = config.deploy
+    llm = LLMServer.options(**llm_server_options(config)).bind(
+        config.engine, d.log_level, d.decode_progress_interval_s, d.stream_chunks_per_s,
+        config.server.served_model_name)
+    ingress = Ingress.options(num_replicas=d.ingress_replicas, max_ongoing_requests=d.max_ongoing_requests,
+                              ray_actor_options={"num_cpus": d.ingress_cpus},
+                              logging_config={"log_level": d.log_level.upper(), "enable_access_log": False})
+    return ingress.bind(llm, config.server, d.log_level)
+
+
+def llm_server_options(config: ShoalConfig) -> dict:
+    d, e = config.deploy, config.engine
+    bundles = placement_bundles(e, d.replica_cpus)
+    options = dict(
+        ray_actor_options={"num_cpus": d.replica_cpus},
+        placement_group_bundles=bundles,
+        placement_group_strategy=e.placement_strategy or pack_strategy(bundles),
+        max_ongoing_requests=d.max_ongoing_requests,
+        # A dead engine (a rank died, the loop failed) fails check_health: replace it soon.
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        # One access-log line per token stream is noise; the ingress logs every request.
+        logging_config={"log_level": d.log_level.upper(), "enable_access_log": False},
+    )
+    if d.routing == "prefix-aware":
+        options["request_router_config"] = prefix_aware_router()
+    if d.max_replicas is None:
+        options["num_replicas"] = replica_count(config)
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": 1 if d.min_replicas is None else d.min_replicas,
+            "max_replicas": d.max_replicas,
+            "target_ongoing_requests": d.target_ongoing_requests,
+        }
+    return options
+
+
+def prefix_aware_router():
+    """Ray Serve LLM's prefix-tree router: the replica that served the longest matching prefix,
+    unless it has PREFIX_BUSY_MARGIN more requests in flight than the least busy one."""
+    from ray.serve.config import RequestRouterConfig
+    try:
+        from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+    except ImportError:  # that path imports ray[llm]'s pyarrow; the router itself needs none
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+            PrefixCacheAffinityRouter)
+    return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter,
+                               request_router_kwargs={"imbalanced_threshold": PREFIX_BUSY_MARGIN})
+
+
+PREFIX_BUSY_MARGIN = 8
+
+
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
+def pack_strategy(bundles: list[dict]) -> str:
+    """STRICT_PACK when one node can hold a whole replica, else PACK (the engine's rule)."""
+    return default_strategy(bundles) if ray.is_initialized() else "STRICT_PACK"
+
+
+def check_placement(config: ShoalConfig, nodes: list[dict] | None = None) -> None:
+    """Can the nodes (default: the cluster's) hold the replicas (the minimum, when autoscaling)
+    and the ingress?"""
+    d = config.deploy
+    bundles = placement_bundles(config.engine, d.replica_cpus)
+    replicas = replica_count(config) if d.max_replicas is None else (1 if d.min_replicas is None else d.min_replicas)
+    strategy = config.engine.placement_strategy or ("STRICT_PACK" if nodes else pack_strategy(bundles))
+    check_fits(bundles, replicas, strategy, [{"CPU": d.ingress_cpus}] * d.ingress_replicas, nodes)

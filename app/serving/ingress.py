@@ -1,0 +1,47 @@
+"""The ingress deployment: the FastAPI app of app/api/app.py, hosted by Ray Serve.
+
+It validates, authenticates, renders chat templates and tokenizes in its own replica (so
+that CPU work stays off the engine loop and scales with ingress replicas), then streams
+engine outputs from the LLMServer pool through a deployment handle.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ray import serve
+
+from actors.loader import load_tokenizer, resolve_model_path
+from app.api.app import attach, build_api
+from app.api.settings import ServerSettings
+from app.serving.llm_server import ServeEngineClient
+
+log = logging.getLogger("shoal.ingress")
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class Ingress:
+    async def __init__(self, llm_server, settings: ServerSettings, log_level: str = "INFO"):
+        logging.basicConfig(level=log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.api = build_api(settings)
+        tokenizer = load_tokenizer(resolve_model_path(settings.model_path))
+        app_name = serve.get_replica_context().app_name
+        # Attach once the pool answers: until then the API says 503 and /healthz still works.
+        self._attaching = asyncio.create_task(
+            self._attach(llm_server, tokenizer, settings, app_name))
+
+    def __serve_build_asgi_app__(self):
+        return self.api
+
+    async def _attach(self, llm_server, tokenizer, settings, app_name: str) -> None:
+        while True:
+            try:
+                client = await ServeEngineClient.create(llm_server, app_name)
+                break
+            except Exception:  # the pool is not up yet, or a replica restarted: retry
+                log.warning("waiting for the LLMServer pool", exc_info=True)
+                await asyncio.sleep(1.0)
+        attach(self.api, client, tokenizer, settings)
+        log.info("ingress attached to the LLMServer pool (max_model_len %d)", client.max_model_len)
