@@ -19,7 +19,7 @@ import time
 
 from actors.config import EngineConfig
 from actors.engine import LLMEngine
-from actors.errors import EngineDeadError, QueueFullError
+from actors.errors import EngineDeadError, QueueFullError, ShuttingDownError
 from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.engine")
@@ -37,6 +37,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
+        self.draining = False  # set by drain(): no new requests, the ones in flight go on
         self.error: BaseException | None = None
         self._rate = TokenRate()
         self._dying = threading.Lock()
@@ -59,6 +60,8 @@ class AsyncEngine:
         """Yield delta RequestOutputs until the request finishes. Closing the generator aborts it."""
         if not self.alive:
             raise EngineDeadError(f"the engine failed: {self.error or 'its loop ended'}")
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica")
         self.check_request(prompt_token_ids, params)
         limit = self.engine.config.max_queued_requests
         if limit is not None and self.num_waiting() >= limit:
@@ -92,6 +95,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def drain(self) -> None:
+        """Take no new requests; those in flight run to their end (see abort_all)."""
+        self.draining = True
+
+    def abort_all(self, message: str) -> int:
+        """End every request in flight with ShuttingDownError(message); how many there were."""
+        streams = list(self._streams)
+        for rid in streams:
+            self._send(rid, ShuttingDownError(message))
+        return len(streams)
+
     def stats(self) -> dict:
         e = self.engine
         stats = {
@@ -107,6 +121,8 @@ class AsyncEngine:
             "steps": e.stats.steps,
             "tokens_per_second": round(self._rate.value(), 1),
             "engine_alive": self.alive,
+            "draining": self.draining,
+            "in_flight": len(self._streams),  # requests whose stream is open, queued ones included
             "ranks": e.rank_infos,
         }
         experts = e.runner.expert_stats()  # MoE models: routed tokens per expert, balancedness

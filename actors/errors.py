@@ -11,3 +11,7 @@ class QueueFullError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine (a bug); the engine and other requests go on."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is draining: it takes no new requests (and, past the drain, ends the rest)."""

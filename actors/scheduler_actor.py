@@ -147,7 +147,18 @@ class SchedulerActor:
         return self.engine.metrics()
 
     def ready(self) -> bool:
+        """Can take a request: alive and not draining."""
+        return self.engine.alive and not self.engine.draining
+
+    def healthy(self) -> bool:
+        """For the replica's health check: a draining engine is healthy (don't replace it)."""
         return self.engine.alive
+
+    def drain(self) -> None:
+        self.engine.drain()
+
+    def abort_all(self, message: str) -> int:
+        return self.engine.abort_all(message)
 
     def get_max_model_len(self) -> int:
         return self.max_model_len

@@ -46,6 +46,7 @@ class DeployOptions:
     stream_chunks_per_s: float = 100.0  # per replica, under load; 0: every token as it comes
     eager_decode: bool = False  # areno's flag; there are no CUDA graphs yet, decode is eager
     routing: str = "load"  # load (Serve's power of two choices) | prefix-aware
+    shutdown_timeout: float = 30.0  # seconds requests in flight may finish after SIGTERM / shutdown
 
 
 @dataclass
@@ -278,6 +279,8 @@ def _check_resources(config: ShoalConfig) -> None:
         raise ConfigError(f"--port must be in 1..65535, got {d.port}")
     if d.ingress_replicas < 1:
         raise ConfigError("--ingress-replicas must be positive")
+    if d.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0, got {d.shutdown_timeout}")
 
 
 def replica_count(config: ShoalConfig) -> int:

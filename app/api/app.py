@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from app.api import metrics, openai_routes, ops_routes, scoring_routes, web
 from app.api.errors import install_error_handlers
-from app.api.middleware import REQUEST_ID_HEADER, ApiKeyAuth, RequestTracking
+from app.api.middleware import REQUEST_ID_HEADER, ApiKeyAuth, BodySizeLimit, RequestTracking
 from app.api.settings import ServerSettings
 
 
@@ -29,6 +29,7 @@ def build_api(settings: ServerSettings) -> FastAPI:
         app.include_router(module.router)
     # Added innermost first: CORS (outermost) answers preflights before auth, and puts its
     # headers on 401s too; RequestTracking wraps auth so refusals carry the id and get logged.
+    app.add_middleware(BodySizeLimit)  # innermost: a request is authenticated before it is read
     app.add_middleware(ApiKeyAuth)
     app.add_middleware(RequestTracking)
     if settings.allowed_origins:

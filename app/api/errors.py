@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.errors import EngineDeadError, QueueFullError, RequestFailedError
+from actors.errors import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
 from app.protocol.models import error_body, validation_error_body
 
 RETRY_AFTER_S = "1"  # queue-full clients retry soon: the queue drains at the engine's pace
@@ -68,6 +68,9 @@ def engine_error(exc: BaseException) -> ApiError | None:
                         headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, EngineDeadError):
         return ApiError(503, clean_message(exc), code="engine_dead")
+    if isinstance(exc, ShuttingDownError):
+        return ApiError(503, clean_message(exc), code="shutting_down",
+                        headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, RequestFailedError):  # the engine logged it; the others go on
         return ApiError(500, clean_message(exc), code="internal_error")
     if isinstance(exc, ValueError):  # a request the engine can never serve (numbers inside)

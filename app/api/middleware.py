@@ -17,7 +17,7 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import internal_error, unauthorized
+from app.api.errors import ApiError, internal_error, unauthorized
 from app.api.metrics import route_label
 from app.api.request_log import logfmt
 
@@ -84,6 +84,45 @@ class RequestTracking:
                   "status": status, "total_ms": 1000 * seconds,
                   **(summary.fields() if summary is not None else {})}
         log.log(logging.DEBUG if path in PROBE_PATHS else logging.INFO, "request %s", logfmt(fields))
+
+
+class BodySizeLimit:
+    """413 for a request body over --max-request-bytes: by its Content-Length before reading;
+    a body without one (chunked) is read here, up to the limit, then handed on."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        limit = scope["app"].state.settings.max_request_bytes
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > limit:
+                return await too_large(limit).response()(scope, receive, send)
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                return await too_large(limit).response()(scope, receive, send)
+        await self.app(scope, _replay([{"type": "http.request", "body": body}], receive), send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    async def replayed() -> Message:
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body is over this server's limit of {limit} bytes.",
+                    code="request_too_large")
 
 
 class ApiKeyAuth:

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from actors.sampling_params import SamplingParams
 from app.api.errors import bad_request, unknown_model
+from app.api import limits
 from app.api.request_context import Served
 from app.protocol import chat_output
 from app.protocol.chat_output import OutputPlan, plan_output, tools_in_use
@@ -51,6 +52,7 @@ def constrain(params: SamplingParams, body, plan: OutputPlan | None = None) -> N
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    limits.check(body, request.app.state.settings)
     served = await Served.ready(request, body.model)
     text, ids = chat_prompt(served, body)
     plan = plan_output(served.settings, served.tokenizer, body, text)
@@ -70,6 +72,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request):
+    limits.check(body, request.app.state.settings)
     served = await Served.ready(request, body.model)
     prompts = [served.encode(p) for p in body.prompts()]
     params = [sampling_params(served, body, len(ids)) for ids in prompts]

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from actors.sampling_params import SamplingParams
 from app.api.errors import ApiError, bad_request
+from app.api import limits
 from app.api.request_context import Served
 from app.protocol.models import RequestError, context_length_error
 from app.protocol.responses import usage
@@ -68,6 +69,7 @@ def generate_params(served: Served, body: GenerateRequest, prompt_len: int) -> S
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request):
     """`{prompts, max_tokens, temperature, top_p, seed, stop}` -> `{completions, usage}`."""
+    limits.check(body, request.app.state.settings)
     served = await Served.ready(request, body.model)
     prompts = [served.encode(p) for p in body.prompts]
     params = [generate_params(served, body, len(ids)) for ids in prompts]
@@ -106,6 +108,7 @@ def scoring_ids(served: Served, prompt: str, continuation: str) -> tuple[list[in
 @router.post("/loglikelihood")
 async def loglikelihood(body: LoglikelihoodRequest, request: Request):
     """`{prompts, continuations}` -> `{ll}`: log P(continuation | prompt), summed over tokens."""
+    limits.check(body, request.app.state.settings)
     served = await Served.ready(request, body.model)
     if len(body.prompts) != len(body.continuations):
         raise ApiError(400, f"prompts has {len(body.prompts)} entries and continuations has "

@@ -23,6 +23,19 @@ class ServerSettings:
     tool_call_parser: str | None = None  # None/auto: from the chat template (app/protocol/tool_parsers)
     enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: tool_choice "auto" is always on
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1; None: no reasoning split
+    # Request limits (app/api/limits.py): over one, a 400 naming the field (the body: 413).
+    max_request_bytes: int = 16 * 2**20  # request body size
+    max_n: int = 32  # n and best_of
+    max_prompts: int = 256  # prompts in one /v1/completions, /generate or /loglikelihood
+    max_messages: int = 1024  # messages in one chat
+    max_input_chars: int = 1_000_000  # characters of prompt or message text in one request
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_top_logprobs: int = 20  # alternatives per token (top_logprobs; completions' logprobs)
+    max_tokens_cap: int | None = None  # largest max_tokens; None: the model's context length
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 256  # characters in one stop string
+    max_tools: int = 128  # tools in one chat
+    max_tool_schema_bytes: int = 65536  # one tool's parameter schema, as JSON
 
     def __post_init__(self):
         if not self.served_model_name:
@@ -32,6 +45,14 @@ class ServerSettings:
         self.allowed_origins = list(self.allowed_origins or [])
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be positive, got {self.default_max_tokens}")
+        for name in ("max_request_bytes", "max_n", "max_prompts", "max_messages", "max_input_chars",
+                     "max_stop_chars", "max_tool_schema_bytes", "max_tokens_cap"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        for name in ("max_logit_bias", "max_top_logprobs", "max_stop", "max_tools"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         check_parsers(self.tool_call_parser, self.reasoning_parser)
 
     def model_names(self) -> set[str]:

@@ -72,6 +72,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--stream-chunks-per-s", type=float, metavar="N",
         help="under load, gather stream tokens so a replica sends about N chunks/s in all "
              "(first token always at once; 0: every token at once; default 100)")
+    add("--shutdown-timeout", type=float, metavar="S",
+        help="on SIGTERM/Ctrl-C (and for Serve's graceful shutdown): stop admitting, let requests "
+             "in flight finish for up to S seconds, then end the rest with an error (default 30)")
     add("--eager-decode", action="store_true",
         help="accepted for areno compatibility: decode always runs eagerly (no CUDA graphs yet)")
     parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
@@ -158,6 +161,7 @@ def run_server(config: ShoalConfig) -> int:
 
     from actors.placement import PlacementError
     from app.serving.builder import application, check_placement
+    from app.serving.drain import drain
 
     d = config.deploy
     address = d.address or os.environ.get("RAY_ADDRESS") or "local"
@@ -182,6 +186,10 @@ def run_server(config: ShoalConfig) -> int:
         print(f"shoal: serving {config.server.served_model_name} at http://{d.host}:{d.port}/v1 "
               f"(Ray at {address}); Ctrl-C or SIGTERM stops", flush=True)
         stop.wait()
+        print(f"shoal: draining (up to {d.shutdown_timeout:g} s)", flush=True)
+        seconds, aborted = drain(d.app_name, d.shutdown_timeout)
+        print(f"shoal: drained in {seconds:.1f} s, {aborted} request(s) ended unfinished", flush=True)
+        time.sleep(1.0)  # the last chunks cross the replica, the ingress and the proxy
     finally:
         shut_down(d.app_name, joined=address != "local")
     return 0

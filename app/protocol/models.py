@@ -93,7 +93,7 @@ class SamplingRequest(OpenAIModel):
     """Fields both endpoints share; the OpenAI ones first, then vLLM's extras."""
     prompt_field: ClassVar[str] = "prompt"  # what a too-long prompt error points at
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # at most --max-n (app/api/limits.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

@@ -29,6 +29,7 @@ def application(config: ShoalConfig) -> serve.Application:
         config.engine, d.log_level, d.decode_progress_interval_s, d.stream_chunks_per_s,
         config.server.served_model_name)
     ingress = Ingress.options(num_replicas=d.ingress_replicas, max_ongoing_requests=d.max_ongoing_requests,
+                              graceful_shutdown_timeout_s=d.shutdown_timeout,
                               ray_actor_options={"num_cpus": d.ingress_cpus},
                               logging_config={"log_level": d.log_level.upper(), "enable_access_log": False})
     return ingress.bind(llm, config.server, d.log_level)
@@ -44,6 +45,8 @@ def llm_server_options(config: ShoalConfig) -> dict:
         max_ongoing_requests=d.max_ongoing_requests,
         # A dead engine (a rank died, the loop failed) fails check_health: replace it soon.
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        # serve shutdown / a scale-down: requests in flight get this long, then __del__ ends them.
+        graceful_shutdown_timeout_s=d.shutdown_timeout,
         # One access-log line per token stream is noise; the ingress logs every request.
         logging_config={"log_level": d.log_level.upper(), "enable_access_log": False},
     )

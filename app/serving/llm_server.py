@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import EngineConfig
-from actors.errors import EngineDeadError, QueueFullError, RequestFailedError
+from actors.errors import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
 from actors.metrics import Replica
 from actors.placement import rank_bundle
 from actors.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ log = logging.getLogger("shoal.server")
 
 SCHEDULER_NAMESPACE = "shoal"
 # The engine's refusals and failures of one request (400, 429, 503, 500 at the HTTP layer).
-REFUSALS = (ValueError, QueueFullError, EngineDeadError, RequestFailedError)
+REFUSALS = (ValueError, QueueFullError, EngineDeadError, RequestFailedError, ShuttingDownError)
 
 
 @dataclass
@@ -115,8 +115,17 @@ class LLMServer:
 
     async def check_health(self) -> None:
         """Serve restarts a replica whose scheduler died or whose engine failed."""
-        if not await self.scheduler.ready.remote():
+        if not await self.scheduler.healthy.remote():
             raise RuntimeError("the engine failed")
+
+    async def __del__(self):
+        """Serve stops the replica (after graceful_shutdown_timeout_s for its requests in
+        flight): whatever still runs ends with a final error instead of being cut."""
+        try:
+            await self.scheduler.abort_all.remote("the server shut down before this request finished")
+            await asyncio.sleep(0.5)  # let the final error events leave
+        except Exception:  # the scheduler is gone already
+            pass
 
 
 def refusal(exc: BaseException) -> BaseException | None:
