@@ -2,8 +2,9 @@
 
 A full block's hash chains its parent's hash and its own tokens, so equal hashes mean equal
 prefixes. The first block's parent is the sequence's `cache_key` (empty: None), so sequences
-with different keys never share blocks. Freed blocks keep their hash and sit in an LRU free queue: a later request with
-the same prefix takes them back; allocation evicts from the least recently freed end.
+with different keys never share blocks. Freed blocks keep their hash and sit in an LRU free
+queue: a later request with the same prefix takes them back; allocation evicts from the least
+recently freed end.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ answers 503 "still loading", /v1/models included, so a client that polls any rou
 can send its chat request the moment it gets one.
 
 The probes answer for themselves: /healthz (liveness) is always 200, /readyz and /health say
-what they see. Ready once means ready for good at the gate (a dead engine shows as
+what they see; /metrics stays open so Prometheus sees a loading server (HTTP counters). Ready once means ready for good at the gate (a dead engine shows as
 engine_dead on the request instead), so only requests before the first ready pay for a check.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from app.api.middleware import route_path
 
 log = logging.getLogger("shoal.api")
 
-PROBES = {"/healthz", "/readyz", "/health"}
+OPEN_WHILE_LOADING = {"/healthz", "/readyz", "/health", "/metrics"}
 
 
 async def is_ready(state, cached: bool = True) -> bool:
@@ -40,7 +40,7 @@ class ReadinessGate:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and route_path(scope) not in PROBES \
+        if scope["type"] == "http" and route_path(scope) not in OPEN_WHILE_LOADING \
                 and not await is_ready(scope["app"].state):
             return await not_ready().response()(scope, receive, send)
         await self.app(scope, receive, send)

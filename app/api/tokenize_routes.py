@@ -49,4 +49,5 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     if bad is not None:
         raise ApiError(400, f"tokens: {bad} is not a token id of this model (0..{vocab - 1})",
                        param="tokens", code="invalid_value")
-    return JSONResponse(DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens)).model_dump())
+    text = served.tokenizer.decode(body.tokens)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())

@@ -29,7 +29,7 @@ class OutputPlan:
     reasoning: tuple[str, bool] | None = None  # the scanner's start (state, implied_open)
     tool_format: ToolFormat | None = None
     tool_names: list[str] = field(default_factory=list)
-    max_calls: int | None = None  # parallel_tool_calls false: 1 (later calls are dropped, as vLLM does)
+    max_calls: int | None = None  # parallel_tool_calls false: 1 (later calls dropped, as vLLM)
 
     @property
     def active(self) -> bool:

@@ -15,6 +15,9 @@ import json
 import logging
 from pathlib import Path
 
+from app.protocol.reasoning import reasoning_parser_name
+from app.protocol.tool_parsers import tool_format
+
 log = logging.getLogger("shoal.api")
 
 FIELDS = ("reasoning_parser", "tool_call_parser")
@@ -44,8 +47,19 @@ def with_model_parsers(options, model_dir: Path | None):
     except (OSError, ValueError):
         return options
     silent = {f: v for f, v in model_parsers(config, Path(model_dir).name).items()
-              if getattr(options, f) is None}
+              if getattr(options, f) is None and known(f, v)}
     if silent:
         log.info("output parsers from the model: %s",
                  ", ".join(f"{k}={v}" for k, v in sorted(silent.items())))
     return dataclasses.replace(options, **silent)
+
+
+def known(field: str, name: str) -> bool:
+    """A name this server has; an unknown one a checkpoint declares is skipped with a warning
+    (a flag's unknown name fails at start-up instead)."""
+    try:
+        (reasoning_parser_name if field == "reasoning_parser" else tool_format)(name)
+        return True
+    except ValueError as exc:
+        log.warning("ignoring the model's %s: %s", field, exc)
+        return False

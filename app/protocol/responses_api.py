@@ -147,9 +147,9 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         chat["tool_choice"] = body.tool_choice
     fmt = body.format()
     if fmt.type == "json_schema":
+        schema = fmt.schema_ if fmt.schema_ is not None else {"type": "object"}
         chat["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.name, "schema": fmt.schema_ if fmt.schema_ is not None else {"type": "object"},
-            "strict": fmt.strict}}
+            "name": fmt.name, "schema": schema, "strict": fmt.strict}}
     elif fmt.type == "json_object":
         chat["response_format"] = {"type": "json_object"}
     try:

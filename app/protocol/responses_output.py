@@ -55,7 +55,8 @@ def output_items(parsed: ParsedText, status: str) -> list[dict]:
 
 def response_usage(counter: StreamCounter, cached_tokens: int, reasoning_tokens: int) -> dict:
     u = counter.usage()
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": u.total_tokens}

@@ -49,7 +49,8 @@ def _load(config) -> dict:
         try:
             config = yaml.safe_load(Path(config).read_text())
         except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"llm_configs: cannot read {config}: {str(exc).splitlines()[0]}") from None
+            reason = str(exc).splitlines()[0]
+            raise ConfigError(f"llm_configs: cannot read {config}: {reason}") from None
     if not isinstance(config, dict):
         raise ConfigError("llm_configs[0] must be a mapping (or the path of a YAML file)")
     return config
@@ -109,7 +110,8 @@ def placement_options(placement: dict) -> tuple[dict, int | None]:
     if not bundles:
         return options, None
     if any(b != bundles[0] for b in bundles):
-        raise ConfigError(f"{where}.bundles: shoal gives every rank the same bundle; make them equal")
+        raise ConfigError(f"{where}.bundles: shoal gives every rank the same bundle; "
+                          "make them equal")
     _refuse_unknown(f"{where}.bundles[0]", bundles[0], {"CPU", "GPU"})
     names = {"CPU": "shard_cpus", "GPU": "shard_gpus"}
     options.update({names[k]: v for k, v in bundles[0].items()})
