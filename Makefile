@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# The bundled demo model thinks in <think> blocks and calls tools Qwen-style.
+# The bundled demo model declares its parsers (qwen3 reasoning, hermes tool calls) in its
+# config.json, so no parser flags are needed.
 serve: install
-	$(VENV)/bin/shoal serve --reasoning-parser qwen3 --tool-call-parser hermes
+	$(VENV)/bin/shoal serve
 
 test: install chromium
 	$(VENV)/bin/python -m pytest -q

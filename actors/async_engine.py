@@ -115,6 +115,8 @@ class AsyncEngine:
             "kv_blocks_total": e.blocks.num_blocks,
             "kv_blocks_free": e.blocks.num_free_blocks,
             "prefix_cache_hit_rate": round(e.scheduler.hit_rate(), 4),
+            "prefix_cache_hits": e.scheduler.hit_tokens,  # prompt tokens served from the cache
+            "prefix_cache_queries": e.scheduler.query_tokens,  # prompt tokens looked up
             "preemptions": e.scheduler.num_preemptions,
             "generated_tokens": e.stats.generated_tokens,
             "prompt_tokens": e.stats.prompt_tokens,

@@ -113,7 +113,8 @@ class LLMEngine:
             params.max_tokens = self.max_model_len - len(prompt_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, priority, prompt=prompt)
         for i in range(params.n):
-            seq = Sequence(request_id, i, list(prompt_token_ids), len(prompt_token_ids), params, priority)
+            seq = Sequence(request_id, i, list(prompt_token_ids), len(prompt_token_ids), params, priority,
+                           cache_key=cache_key(params))
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             if grammar is not None:
@@ -260,6 +261,11 @@ class LLMEngine:
             f"request {req.request_id} failed: {type(exc).__name__}: {exc}")))
         deltas.pop(req.request_id, None)
         self.abort_request(req.request_id)
+
+
+def cache_key(params: SamplingParams) -> tuple:
+    """What a sequence's prefix-cache blocks are keyed on besides its tokens (actors/block_manager.py)."""
+    return ("salt", params.cache_salt) if params.cache_salt is not None else ()
 
 
 def _output(delta: RequestOutput, index: int) -> CompletionOutput:

@@ -29,6 +29,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Grammar constraint (structured outputs, forced tool calls): plain data, so it crosses Ray.
     structured: StructuredOutput | None = None
+    # vLLM's cache_salt: prefix-cache blocks are shared only between requests with the same
+    # salt (and none with none), so tenants can't probe each other's prompts by timing.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -85,6 +85,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "num_redundant_experts": ("ep_num_redundant_experts",),
     "eplb_step_interval": ("eplb_rebalance_num_iterations",),
     "num_replicas": ("data_parallel_size", "dp_size", "dp"),
+    "eager_decode": ("enforce_eager",),
 }
 # Spellings of a boolean option that mean its opposite: `--disable-radix-cache` (SGLang) turns
 # prefix caching off; in YAML / SHOAL_* / `serve run` args `disable_radix_cache: true` does the

@@ -342,8 +342,14 @@ def test_queue_full_dead_engine_not_ready_and_bugs(stub):
     assert "secret" not in r.text and r.headers["X-Request-Id"] in r.json()["error"]["message"]
     app.state.client.mode, app.state.client.is_ready, app.state.ready_seen = "ok", False, False
     assert_error(http.post("/v1/chat/completions", json=chat), 503)
+    # Ready means ready: every route but the probes says so, /v1/models included.
+    for r in (http.get("/v1/models"), http.post("/tokenize", json={"prompt": "hi"}),
+              http.post("/v1/responses", json={"input": "hi"}), http.get("/version")):
+        assert assert_error(r, 503)["code"] == "not_ready" and r.headers["Retry-After"]
     assert http.get("/readyz").status_code == 503 and http.get("/healthz").status_code == 200
+    assert http.get("/health").status_code == 503
     app.state.client.is_ready = True
+    assert http.get("/v1/models").status_code == 200
     assert http.get("/readyz").status_code == 200
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
 

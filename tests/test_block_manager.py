@@ -54,3 +54,15 @@ def test_prefix_caching_off_caches_nothing():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     run(bm, seq(range(12)))
     assert bm.cached == {} and bm.cached_prefix(seq(range(12))) == []
+
+
+def test_blocks_are_shared_only_between_equal_cache_keys():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    salted = Sequence("a", 0, list(range(10)), 10, SamplingParams(), cache_key=("salt", "x"))
+    run(bm, salted)
+    same = Sequence("b", 0, list(range(10)), 10, SamplingParams(), cache_key=("salt", "x"))
+    other = Sequence("c", 0, list(range(10)), 10, SamplingParams(), cache_key=("salt", "y"))
+    assert bm.cached_prefix(same) == salted.block_table[:2]
+    assert bm.cached_prefix(other) == [] and bm.cached_prefix(seq(range(10))) == []
+    run(bm, seq(range(10), "unkeyed"))
+    assert len(bm.cached_prefix(seq(range(10), "again"))) == 2  # no key shares with no key

@@ -31,6 +31,7 @@ SAMPLES = {
     "num_redundant_experts": (1, {"tp_size": 2, "enable_expert_parallel": True}),
     "eplb_step_interval": (5, {"tp_size": 2, "enable_expert_parallel": True}),
     "num_replicas": (3, {}),
+    "eager_decode": (True, {}),
 }
 ALIAS_CASES = [(name, alias) for name, aliases in ALIASES.items() for alias in aliases]
 

@@ -8,6 +8,7 @@ command are exercised in subprocesses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -275,32 +276,20 @@ def test_dead_engine_is_503(pair_url):
 
 # --------------------------------------------------------------------------- serve run
 
-@pytest.mark.slow
-def test_serve_run_dev_yaml(llama_ckpt, tmp_path):
-    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+@contextlib.contextmanager
+def serve_run(config: dict, tmp_path, **env):
+    """`serve run` of `config` (its port replaced by a free one) in a subprocess; yields the
+    base URL at once (not waiting for ready), then stops it and checks nothing is left."""
     port = free_port()
-    config["http_options"]["port"] = port  # the only change: a free port
-    path = tmp_path / "dev.yaml"
+    config["http_options"]["port"] = port
+    path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
-    # The bundled model when it is there (dev.yaml as shipped), else a tiny test checkpoint.
-    bundled = (REPO / "actors/demo_model/config.json").exists()
-    env = loopback_env(RAY_ADDRESS="local", SHOAL_NUM_KV_BLOCKS="64",
-                       **({} if bundled else {"SHOAL_MODEL_PATH": str(llama_ckpt)}))
     proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(path)], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=loopback_env(RAY_ADDRESS="local", **env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    family = set()
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4)
-        assert reply.choices[0].message.content is not None
+        yield f"http://127.0.0.1:{port}", proc
         family = descendants(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -310,6 +299,61 @@ def test_serve_run_dev_yaml(llama_ckpt, tmp_path):
     while any(alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not [p for p in family if alive(p)], "serve run left processes behind"
+
+
+def poll_until_200(url: str, proc, timeout: float = 120) -> list[int]:
+    """GET url until it answers 200 (as clients poll /v1/models); the statuses seen before."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
+                return seen
+            seen.append(r.status_code)
+            body = r.json() if r.headers.get("content-type") == "application/json" else {}
+            if "error" in body:  # ours (the proxy answers in plain text)
+                assert body["error"]["code"] == "not_ready"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} never answered 200 (saw {sorted(set(seen))})")
+
+
+THOUGHT = r"<think>\n[a-z]{3,8} [a-z]{3,8}\n</think>\n\n(yes|no)"
+
+
+@pytest.mark.slow
+def test_serve_run_dev_yaml_ready_means_ready_and_the_models_parsers(llama_ckpt, tmp_path):
+    """dev.yaml as shipped (the bundled model, no parser flags): the moment /v1/models says
+    200 a chat request succeeds, and the model's declared qwen3 parser splits <think>."""
+    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+    assert (REPO / "actors/demo_model/config.json").exists()
+    with serve_run(config, tmp_path, SHOAL_NUM_KV_BLOCKS="64") as (url, proc):
+        before = poll_until_200(f"{url}/v1/models", proc)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=4)
+        assert reply.choices[0].message.content is not None
+        assert httpx.get(f"{url}/readyz").status_code == 200
+        assert set(before) <= {404, 503}  # the proxy before the app, then ours: not_ready
+        thought = client.chat.completions.create(
+            model="", messages=MESSAGES, max_tokens=40, extra_body={"guided_regex": THOUGHT})
+        message = thought.choices[0].message
+        assert len(message.reasoning_content.split()) == 2 and message.content in ("yes", "no")
+
+
+@pytest.mark.slow
+def test_serve_run_ray_serve_llm_config(llama_ckpt, tmp_path):
+    """serve_configs/ray-serve-llm.yaml (Ray Serve LLM's llm_configs shape) on a test checkpoint."""
+    config = yaml.safe_load((REPO / "serve_configs/ray-serve-llm.yaml").read_text())
+    llm_config = config["applications"][0]["args"]["llm_configs"][0]
+    llm_config["model_loading_config"] = {"model_id": "tiny-llama", "model_source": str(llama_ckpt)}
+    llm_config["engine_kwargs"].update(max_model_len=512, num_gpu_blocks_override=64)
+    with serve_run(config, tmp_path) as (url, proc):
+        poll_until_200(f"{url}/readyz", proc)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+        reply = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=4)
+        assert reply.choices[0].message.content is not None and reply.usage.completion_tokens > 0
 
 
 # --------------------------------------------------------------------------- stream pacing

@@ -105,7 +105,8 @@ def validation_response(request: Request, exc: RequestValidationError) -> JSONRe
         reason = bad_json[0].get("ctx", {}).get("error", "could not parse")
         return ApiError(400, f"Invalid JSON body: {reason}", code="invalid_json").response()
     body = validation_error_body(_BodyErrors(errors))
-    if body["error"]["param"] is None:  # the body as a whole: missing, or not an object
+    whole_body_refused = any(e.get("type") == "value_error" for e in errors)  # a model validator
+    if body["error"]["param"] is None and not whole_body_refused:  # missing, or not an object
         body["error"]["message"] = ("Invalid request body (send a JSON object): "
                                     f"{body['error']['message']}")
     return JSONResponse(body, status_code=400)

@@ -60,7 +60,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     constrain(params, body, plan)
     response_id = random_id("chatcmpl-")
     if body.stream:
-        stream = ChatStream(body, served.tokenizer, served.model_name, response_id, plan=plan)
+        stream = ChatStream(body, served.tokenizer, served.model_name, response_id, plan=plan,
+                            prompt_tokens=len(ids))
         return await served.stream(
             [ids], [params], body.priority, opening=stream.role_chunks(),
             to_chunks=lambda batch: stream.chunks(batch[0]),
@@ -80,7 +81,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         constrain(p, body)
     response_id = random_id("cmpl-")
     if body.stream:
-        stream = CompletionStream(body, served.tokenizer, served.model_name, response_id)
+        stream = CompletionStream(body, served.tokenizer, served.model_name, response_id,
+                                  prompt_tokens=sum(map(len, prompts)))
         return await served.stream(
             prompts, params, body.priority, opening=[],
             to_chunks=lambda batch: [c for i, out in batch.items() for c in stream.chunks(out, i)],

@@ -5,14 +5,13 @@
 """
 from __future__ import annotations
 
-import logging
 import sys
 from importlib import metadata
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-log = logging.getLogger("shoal.api")
+from app.api.readiness import is_ready
 
 router = APIRouter(tags=["Operations"])
 
@@ -24,15 +23,6 @@ def shoal_version() -> str:
         return "unknown"
 
 
-async def is_ready(request: Request) -> bool:
-    client = getattr(request.app.state, "client", None)
-    try:
-        return client is not None and bool(await client.ready())
-    except Exception:  # a pool that can't answer yet is not ready
-        log.warning("readiness check failed", exc_info=True)
-        return False
-
-
 @router.get("/healthz")
 async def healthz():
     """The process is up (liveness): always 200."""
@@ -42,7 +32,7 @@ async def healthz():
 @router.get("/readyz")
 async def readyz(request: Request):
     """200 once the model is loaded and the engine can take requests, else 503."""
-    if await is_ready(request):
+    if await is_ready(request.app.state, cached=False):
         return {"status": "ready"}
     return JSONResponse({"status": "not ready"}, status_code=503)
 
@@ -55,7 +45,7 @@ async def health(request: Request):
         return JSONResponse({"status": "loading", "replicas": 0, "alive": 0}, status_code=503)
     replicas = (await client.stats()).get("replicas", [])
     alive = sum(bool(r.get("engine_alive", True)) for r in replicas)
-    ready = await is_ready(request)
+    ready = await is_ready(request.app.state, cached=False)
     status = "ok" if ready and alive == len(replicas) else "degraded" if ready and alive else \
         "unavailable"
     return JSONResponse({"status": status, "replicas": len(replicas), "alive": alive},

@@ -18,6 +18,7 @@ from fastapi import Request
 from actors.sampling_params import SamplingParams
 from app.api.errors import ApiError, engine_error, internal_error, not_ready, unknown_model
 from app.api.middleware import new_request_id
+from app.api.readiness import is_ready
 from app.api.request_log import EngineSummary
 from app.api.settings import ServerSettings
 from app.api.streams import (
@@ -70,14 +71,10 @@ class Served:
             raise unknown_model(model)
 
     async def ensure_ready(self) -> None:
-        # Ready once means ready for good (a dead engine shows as EngineDeadError instead),
-        # so only requests before the first ready answer pay for the check.
-        state = self.request.app.state
-        if getattr(state, "ready_seen", False):
-            return
-        if not await self.client.ready():
+        # The gate (app/api/readiness.py) has checked already; this covers an app built
+        # without it. Cached, so it costs nothing once ready.
+        if not await is_ready(self.request.app.state):
             raise not_ready()
-        state.ready_seen = True
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Prompt token ids, as the offline LLM.encode makes them (special tokens added)."""

@@ -20,9 +20,11 @@ class ServerSettings:
     disable_thinking: bool = False  # pass enable_thinking=False to chat templates
     log_requests: int = 0  # 0: one line per request; 1: + sampling params; 2: + text (cut); 3: all
     max_model_len: int | None = None  # None: taken from the engine client by `attach`
-    tool_call_parser: str | None = None  # None/auto: from the chat template (app/protocol/tool_parsers)
+    # None: the model's (app/protocol/model_parsers.py, applied by `attach`), else for tool calls
+    # the chat template's markup and for reasoning no split; "none": no reasoning split.
+    tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: tool_choice "auto" is always on
-    reasoning_parser: str | None = None  # qwen3 | deepseek_r1; None: no reasoning split
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | none
     # Request limits (app/api/limits.py): over one, a 400 naming the field (the body: 413).
     max_request_bytes: int = 16 * 2**20  # request body size
     max_n: int = 32  # n and best_of

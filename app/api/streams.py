@@ -145,8 +145,15 @@ class EventStream(StreamingResponse):
 # --------------------------------------------------------------------------- SSE bodies
 
 def sse(chunks: list[dict]) -> bytes:
-    return b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n"
-                    for c in chunks)
+    return b"".join(event_line(c) + b"data: " + json.dumps(c, ensure_ascii=False).encode()
+                    + b"\n\n" for c in chunks)
+
+
+def event_line(chunk: dict) -> bytes:
+    # Responses API events name themselves in an `event:` line too, as OpenAI sends them;
+    # chat and completion chunks (no `type`) are data only.
+    kind = chunk.get("type")
+    return f"event: {kind}\n".encode() if isinstance(kind, str) else b""
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -29,9 +29,11 @@ def add_run_batch_parser(subparsers) -> None:
     parser.add_argument("--disable-thinking", action="store_true",
                         help="pass enable_thinking=False to chat templates that support it")
     parser.add_argument("--tool-call-parser", metavar="NAME",
-                        help="tool-call format, as for `shoal serve` (default: from the chat template)")
+                        help="tool-call format, as for `shoal serve` (default: the model's, "
+                             "else from the chat template)")
     parser.add_argument("--reasoning-parser", metavar="NAME",
-                        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1")
+                        help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1 "
+                             "or none (default: the model's, as for `shoal serve`)")
     add_engine_args(parser)
     parser.set_defaults(handler=run_batch_command)
 

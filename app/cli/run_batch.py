@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from app.protocol.chat_output import OutputPlan, constrain, plan_output, tools_in_use
 from app.protocol.chat_template import render_chat_prompt
+from app.protocol.model_parsers import with_model_parsers
 from app.protocol.models import (
     ChatCompletionRequest, CompletionRequest, error_body, request_error_body,
     validation_error_body,
@@ -163,6 +164,7 @@ def run_batch_file(args, config) -> int:
                         disable_thinking=args.disable_thinking,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser)
+    opts = with_model_parsers(opts, llm.engine.spec.path)  # the flags left unset: the model's
     start = time.perf_counter()
     results = run_batch(llm, lines, opts)
     write_jsonl(args.output_file, results)

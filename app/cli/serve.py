@@ -58,11 +58,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="0: a line per request, 1: + sampling params, 2: + text, 3: + whole text")
     add("--tool-call-parser", metavar="NAME",
         help="tool-call format: hermes (qwen), llama3_json, mistral, gemma, json "
-             "(default auto: from the chat template)")
+             "(default: the one the model's config.json declares, else from the chat template)")
     add("--enable-auto-tool-choice", action="store_true",
         help="accepted for vLLM compatibility: tool_choice \"auto\" is always on")
     add("--reasoning-parser", metavar="NAME",
-        help="split <think> reasoning into reasoning_content: qwen3 or deepseek_r1 (default: off)")
+        help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1 or none "
+             "(default: the model's config.json, else its family's: Qwen3 -> qwen3)")
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     add("--decode-progress-interval-s", type=float, metavar="S",
         help="log decode throughput every S seconds (default 0: off)")

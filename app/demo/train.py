@@ -176,6 +176,9 @@ def save(model, tok, out: Path, dtype: torch.dtype) -> None:
     eos, pad = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(PAD)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad,
                                                bos_token_id=None, do_sample=False)
+    # The output parsers it needs (app/protocol/model_parsers.py): it thinks in <think> blocks
+    # and calls tools in Qwen's (hermes) markup.
+    model.config.reasoning_parser, model.config.tool_call_parser = "qwen3", "hermes"
     state = {k: v.to(dtype) for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as the embedding; loaders tie it

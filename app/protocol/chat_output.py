@@ -29,6 +29,7 @@ class OutputPlan:
     reasoning: tuple[str, bool] | None = None  # the scanner's start (state, implied_open)
     tool_format: ToolFormat | None = None
     tool_names: list[str] = field(default_factory=list)
+    max_calls: int | None = None  # parallel_tool_calls false: 1 (later calls dropped, as vLLM)
 
     @property
     def active(self) -> bool:
@@ -37,19 +38,24 @@ class OutputPlan:
     def parser(self) -> ChoiceParser:
         reasoning = ReasoningScanner(*self.reasoning) if self.reasoning else None
         tools = ToolCallScanner(self.tool_format, self.tool_names) if self.tool_format else None
-        return ChoiceParser(reasoning, tools)
+        return ChoiceParser(reasoning, tools, self.max_calls)
 
 
 class ChoiceParser:
-    def __init__(self, reasoning: ReasoningScanner | None, tools: ToolCallScanner | None):
+    def __init__(self, reasoning: ReasoningScanner | None, tools: ToolCallScanner | None,
+                 max_calls: int | None = None):
         self.reasoning, self.tools = reasoning, tools
+        self.calls_left = max_calls
 
     def feed(self, text: str, final: bool = False) -> ParsedText:
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
         if self.tools is None:
             return ParsedText(content, reasoning)
         found = self.tools.feed(content, final)
-        return ParsedText(found.content, reasoning, found.calls)
+        calls = found.calls
+        if self.calls_left is not None:
+            calls, self.calls_left = calls[:self.calls_left], max(0, self.calls_left - len(calls))
+        return ParsedText(found.content, reasoning, calls)
 
 
 def tools_in_use(body: ChatCompletionRequest) -> bool:
@@ -78,6 +84,7 @@ def plan_output(settings, tokenizer, body: ChatCompletionRequest,
         if forced_tools(body) is not None and fmt.call_begin is None:
             fmt = JSON_FORMAT  # forced calls need a JSON spelling; the parser reads it back
         plan.tool_format, plan.tool_names = fmt, tool_names(body)
+        plan.max_calls = 1 if body.parallel_tool_calls is False else None
     return plan
 
 

@@ -9,7 +9,9 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
+)
 
 from actors.sampling_params import SamplingParams
 
@@ -87,6 +89,7 @@ class ResponseFormat(OpenAIModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage on every chunk
 
 
 class SamplingRequest(OpenAIModel):
@@ -115,6 +118,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache blocks shared per salt only
     # vLLM's guided decoding (structured outputs, at most one; see app/protocol/structured_outputs.py)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -135,6 +139,11 @@ class SamplingRequest(OpenAIModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM: only together with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams fields that map one to one; None means the engine default."""
         kwargs = dict(
@@ -144,7 +153,7 @@ class SamplingRequest(OpenAIModel):
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [], skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs, cache_salt=self.cache_salt,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
         return {k: v for k, v in kwargs.items() if v is not None}
@@ -250,6 +259,40 @@ class CompletionRequest(SamplingRequest):
             extra["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return self.build_params(self.max_tokens, default_max_tokens, max_model_len,
                                  prompt_len, **extra)
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (vLLM's)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # --------------------------------------------------------------------------- responses

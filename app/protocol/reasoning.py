@@ -19,7 +19,7 @@ START, REASONING, CONTENT = "start", "reasoning", "content"
 
 def reasoning_parser_name(name: str | None) -> str | None:
     """The canonical parser name (deepseek-r1 -> deepseek_r1); ValueError for unknown ones."""
-    if not name:
+    if not name or name.lower() == "none":  # none: off, even for a model that declares one
         return None
     key = name.lower().replace("-", "_")
     if key not in PARSERS:

@@ -209,8 +209,10 @@ class StreamCounter:
         self.prompt_tokens.setdefault(delta.request_id, len(delta.prompt_token_ids))
         self.completion_tokens += sum(len(o.token_ids) for o in delta.outputs)
 
-    def usage(self) -> UsageInfo:
-        return usage(sum(self.prompt_tokens.values()), self.completion_tokens)
+    def usage(self, known_prompt_tokens: int = 0) -> UsageInfo:
+        """`known_prompt_tokens`: the route's count, for chunks sent before any engine output."""
+        return usage(max(sum(self.prompt_tokens.values()), known_prompt_tokens),
+                     self.completion_tokens)
 
 
 def dump_chunk(chunk, include_usage: bool) -> dict:
@@ -236,10 +238,13 @@ class ChatStream:
     counter: StreamCounter = field(default_factory=StreamCounter)
     role_sent: set[int] = field(default_factory=set)
     plan: OutputPlan | None = None  # reasoning / tool-call parsing, when the request has any
+    prompt_tokens: int = 0  # for continuous usage before the first output
     parsers: dict = field(default_factory=dict)  # choice index -> its ChoiceParser
     num_calls: dict[int, int] = field(default_factory=dict)  # choice index -> calls sent
 
     def chunk(self, choices: list[ChatStreamChoice], usage_info=None) -> dict:
+        if usage_info is None and self.request.continuous_usage:
+            usage_info = self.counter.usage(self.prompt_tokens)
         return dump_chunk(ChatCompletionStreamResponse(
             id=self.response_id, created=self.created, model=self.model, choices=choices,
             usage=usage_info), self.request.include_usage)
@@ -324,6 +329,7 @@ class CompletionStream:
     created: int = field(default_factory=now)
     counter: StreamCounter = field(default_factory=StreamCounter)
     offsets: dict[int, int] = field(default_factory=dict)  # choice index -> text offset so far
+    prompt_tokens: int = 0  # for continuous usage
 
     def chunks(self, delta: RequestOutput, prompt_index: int = 0) -> list[dict]:
         self.counter.add(delta)
@@ -349,6 +355,8 @@ class CompletionStream:
                                 finish_reason=out.finish_reason, stop_reason=out.stop_reason)
 
     def chunk(self, choices: list[CompletionChoice], usage_info=None) -> dict:
+        if usage_info is None and self.request.continuous_usage:
+            usage_info = self.counter.usage(self.prompt_tokens)
         return dump_chunk(CompletionStreamResponse(
             id=self.response_id, created=self.created, model=self.model, choices=choices,
             usage=usage_info), self.request.include_usage)

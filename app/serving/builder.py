@@ -1,7 +1,8 @@
 """The application `serve run` imports: `import_path: app.serving.builder:build_app` with `args:`.
 
-`build_app(args)` takes the same option names as `shoal serve` (see app/config.py); the
-YAML's `args:` rank like command-line flags, above SHOAL_* variables and `config: FILE`.
+`build_app(args)` takes the same option names as `shoal serve` (see app/config.py), or Ray
+Serve LLM's `llm_configs` shape; the YAML's `args:` rank like command-line flags, above SHOAL_*
+variables and `config: FILE`.
 """
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from actors.placement import check_fits, default_strategy
 from app.config import ShoalConfig, load_config, replica_count
 from app.serving.ingress import Ingress
 from app.serving.llm_server import LLMServer, placement_bundles
+from app.serving.ray_llm_config import from_llm_configs
 
 
 def build_app(args: dict | None = None) -> serve.Application:
-    return application(load_config(args or {}))
+    """`args`: shoal's options, or Ray Serve LLM's `llm_configs` (app/serving/ray_llm_config.py)."""
+    return application(load_config(from_llm_configs(args or {})))
 
 
 def application(config: ShoalConfig) -> serve.Application:
