@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from app.api import limits
 from app.api.errors import bad_request
 from app.api.openai_routes import chat_prompt, constrain, sampling_params
 from app.api.request_context import Served
@@ -28,6 +29,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         chat = to_chat_request(body)
     except RequestError as exc:
         raise bad_request(exc) from None
+    limits.check(chat, request.app.state.settings)  # the limits name the chat request's fields
     text, ids = chat_prompt(served, chat)
     plan = plan_output(served.settings, served.tokenizer, chat, text)
     params = sampling_params(served, chat, len(ids))

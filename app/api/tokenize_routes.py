@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from app.api.errors import ApiError, bad_request
+from app.api import limits
 from app.api.request_context import Served
 from app.protocol.chat_template import render_chat_text
 from app.protocol.models import (
@@ -34,6 +35,7 @@ def tokenize_ids(served: Served, body: TokenizeRequest) -> list[int]:
 
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request):
+    limits.check(body, request.app.state.settings)
     served = await Served.ready(request, body.model)
     ids = tokenize_ids(served, body)
     strs = served.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
