@@ -1,7 +1,8 @@
 """KV block pool: allocation, reference counts and the prefix cache.
 
 A full block's hash chains its parent's hash and its own tokens, so equal hashes mean equal
-prefixes. Freed blocks keep their hash and sit in an LRU free queue: a later request with
+prefixes. The chain starts from the sequence's `cache_key` (e.g. its LoRA adapter): what
+else the KV depends on, so different keys never share blocks. Freed blocks keep their hash and sit in an LRU free queue: a later request with
 the same prefix takes them back; allocation evicts from the least recently freed end.
 """
 from __future__ import annotations
@@ -23,6 +24,11 @@ class Block:
 
 def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
+
+
+def root_hash(seq: Sequence) -> int | None:
+    """The parent hash of a sequence's first block."""
+    return hash(seq.cache_key) if seq.cache_key else None
 
 
 class BlockManager:
@@ -48,7 +54,7 @@ class BlockManager:
         """Block ids holding the longest cached prefix of seq (full blocks, never its last token)."""
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
-        hits, parent = [], None
+        hits, parent = [], root_hash(seq)
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start:start + self.block_size])
             h = block_hash(parent, tokens)
@@ -104,7 +110,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
-        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks \
+            else root_hash(seq)
         for i in range(seq.num_hashed_blocks, full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(parent, tokens)
