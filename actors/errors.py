@@ -11,3 +11,9 @@ class QueueFullError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine (a bug); the engine and other requests go on."""
+
+
+class UnknownAdapterError(ValueError):
+    """A request or an unload names a LoRA adapter the engine does not have (HTTP 404).
+
+    A ValueError, so every path that refuses a request refuses this one too."""

@@ -34,6 +34,11 @@ class Sequence:
     children: list[Sequence] = field(default_factory=list)  # samples waiting for this one's prompt
     generator: object | None = None  # torch.Generator for seeded sampling
     matcher: object | None = None  # grammar matcher of a constrained request (actors/structured.py)
+    # What else, besides the tokens, the KV cache depends on: the prefix-cache hash chain
+    # starts from it, so sequences with different keys never share blocks (e.g. the adapter).
+    cache_key: tuple = ()
+    lora: object | None = None  # the LoraRef (actors/lora_adapter.py) of its adapter; None: the base model
+    lora_slot: int = -1  # the adapter slot it runs in while running (-1: none)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
