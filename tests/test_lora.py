@@ -14,30 +14,10 @@ from actors.llm import LLM
 from actors.lora import LoraSlots
 from actors.lora_adapter import LoraRef, scaling
 from actors.sampling_params import SamplingParams
-from lora_adapters import make_adapter
 from oracle import hf_greedy, hf_prompt_logprobs
 from test_engine import assert_pool_free, prompts_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=0)
-
-
-@pytest.fixture(scope="module")
-def adapters(checkpoint_factory, tmp_path_factory):
-    """arch -> (base checkpoint, {"a": path, "b": path}): "a" adapts every projection
-    (r 8, alpha 16), "b" q/v/down only with rsLoRA (r 4, alpha 8)."""
-    built = {}
-
-    def get(arch):
-        if arch not in built:
-            base = checkpoint_factory(arch)
-            root = tmp_path_factory.mktemp(f"lora-{arch}")
-            built[arch] = base, {
-                "a": make_adapter(base, root / "a", seed=1),
-                "b": make_adapter(base, root / "b", targets=("q_proj", "v_proj", "down_proj"),
-                                  r=4, alpha=8, seed=2, rslora=True),
-            }
-        return built[arch]
-    return get
 
 
 def check_mixed_batch(base, paths: dict, max_loras: int = 2, **layout):

@@ -11,7 +11,7 @@ import dataclasses
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from app.api import metrics, openai_routes, ops_routes, scoring_routes, web
+from app.api import lora_routes, metrics, openai_routes, ops_routes, scoring_routes, web
 from app.api.errors import install_error_handlers
 from app.api.middleware import REQUEST_ID_HEADER, ApiKeyAuth, RequestTracking
 from app.api.settings import ServerSettings
@@ -25,7 +25,7 @@ def build_api(settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.http_metrics = metrics.HttpMetrics()  # counted by RequestTracking
     install_error_handlers(app)
-    for module in (openai_routes, scoring_routes, ops_routes, metrics, web):  # web: GET /
+    for module in (openai_routes, lora_routes, scoring_routes, ops_routes, metrics, web):  # web: GET /
         app.include_router(module.router)
     # Added innermost first: CORS (outermost) answers preflights before auth, and puts its
     # headers on 401s too; RequestTracking wraps auth so refusals carry the id and get logged.
