@@ -150,12 +150,17 @@ def test_lora_delta_is_one_batched_computation():
     torch.manual_seed(0)
     linear = ColumnParallelLinear(6, 5, False)
     state = LoraState()
-    w = LoraWeights(linear, 1, 3, 2, state)
+    w = LoraWeights(linear, [(0, 3), (3, 2)], 3, 2, state)  # two fused parts, 3 and 2 rows
     w.a.normal_()
-    w.b.normal_()
+    for b in w.b:
+        b.normal_()
     x = torch.randn(7, 6)
-    slots = [2, -1, 0, 2, 2, -1, 0]
-    state.batch = lora_batch(slots, 3, torch.float32, torch.device("cpu"))
-    got = w.add_delta(x, torch.zeros(7, 5))
-    want = torch.stack([x[i] @ w.a[s] @ w.b[s] if s >= 0 else torch.zeros(5) for i, s in enumerate(slots)])
-    torch.testing.assert_close(got, want)
+
+    def reference(i, s):
+        if s < 0:
+            return torch.zeros(5)
+        return torch.cat([x[i] @ w.a[s][:, :2] @ w.b[0][s], x[i] @ w.a[s][:, 2:] @ w.b[1][s]])
+    for slots in ([2, -1, 0, 2, 2, -1, 0], [1, 0, 2, 1, 0, 2, 0]):  # with and without base rows
+        state.batch = lora_batch(slots, 3, torch.float32, torch.device("cpu"))
+        got = w.add_delta(x, torch.zeros(7, 5))
+        torch.testing.assert_close(got, torch.stack([reference(i, s) for i, s in enumerate(slots)]))

@@ -2,13 +2,14 @@
 
 `attach_lora` gives every adaptable projection (qkv_proj, o_proj, gate_up_proj, down_proj)
 stacked A and B matrices for `slots` adapters of rank up to `rank`, allocated once. A fused
-projection stacks its parts' ranks: qkv_proj's A is [slots, in, 3 * rank] (q, k, v side by
-side) and its B block-diagonal, so one matmul pair serves all parts.
+projection stacks its parts' ranks in A: qkv_proj's A is [slots, in, 3 * rank] (q, k, v side
+by side: one shrink matmul), and keeps one B per part (no block-diagonal zeros to read).
 
 Each step the runner sets a `LoraBatch`: the token rows grouped by adapter slot (padded to
 the largest group). A projection then adds, for all groups at once,
     y[rows] += (x[rows] @ A[slot]) @ B[slot]        (B pre-multiplied by the scaling)
-as two torch.bmm calls and one index_add_: no loop over requests or adapters.
+as one torch.bmm to shrink, one per fused part to expand, and gathers (index_select) in and
+back out: no loop over requests or adapters.
 
 Tensor parallelism: A and B are split the way their projection is. Column-parallel (qkv,
 gate_up): B keeps this rank's output rows, A is whole. Row-parallel (o, down): A keeps this
@@ -18,6 +19,7 @@ model's `weight_rule` for the base weight, so the base and its adapter are alway
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -25,15 +27,18 @@ import torch
 from actors.lora_adapter import TARGETS, adapter_tensors
 from actors.models.layers import ColumnParallelLinear, RowParallelLinear
 
-PARTS = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1}  # fused parts per layer
+# The Hugging Face projections fused into each adaptable layer, in their order inside it.
+PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
 
 
 @dataclass
 class LoraBatch:
     """One forward's token rows grouped by adapter slot (rows without an adapter are in no group)."""
     slots: torch.Tensor | None  # [G] slot of each group; None: every slot in order (no gather)
-    rows: torch.Tensor  # [G, L] token row of each group member, padded with row 0
-    valid: torch.Tensor  # [G, L, 1] 1 for members, 0 for padding (in the model dtype)
+    rows: torch.Tensor  # [G * L] token row of each group member, groups padded to L with row 0
+    back: torch.Tensor  # [tokens] where each token's delta is among the G * L (0 for base rows)
+    mask: torch.Tensor | None  # [tokens, 1] 0 for rows without an adapter; None: every row has one
 
 
 class LoraState:
@@ -44,40 +49,49 @@ class LoraState:
 
 
 class LoraWeights:
-    """The adapter slots of one linear layer. A: [slots, in, parts * rank]; B: [slots, parts * rank, out]."""
+    """The adapter slots of one linear layer: A [slots, in, parts * rank] (the parts' ranks
+    side by side: one shrink matmul) and per part B [slots, rank, part width]."""
 
-    def __init__(self, linear, parts: int, slots: int, rank: int, state: LoraState):
-        out_features, in_features = linear.weight.shape
+    def __init__(self, linear, spans: list[tuple[int, int]], slots: int, rank: int, state: LoraState):
+        in_features = linear.weight.shape[1]
         kw = dict(dtype=linear.weight.dtype, device=linear.weight.device)
-        self.a = torch.zeros(slots, in_features, parts * rank, **kw)
-        self.b = torch.zeros(slots, parts * rank, out_features, **kw)
-        self.rank, self.state = rank, state
+        self.a = torch.zeros(slots, in_features, len(spans) * rank, **kw)
+        self.b = [torch.zeros(slots, rank, width, **kw) for _, width in spans]
+        self.spans, self.rank, self.state = spans, rank, state
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the base layer's [tokens, out]) plus each token row's adapter delta, in place."""
+        """y (the base layer's [tokens, out]) plus each token row's adapter delta, in place.
+
+        Gathers and gathers back (index_select), never scatters: scatter-add is several times
+        slower on CPU."""
         batch = self.state.batch
         if batch is None:
             return y
         a = self.a if batch.slots is None else self.a[batch.slots]
-        b = self.b if batch.slots is None else self.b[batch.slots]
-        delta = torch.bmm(torch.bmm(x[batch.rows], a), b) * batch.valid  # [G, L, out]
-        return y.index_add_(0, batch.rows.flatten(), delta.flatten(0, 1))
+        groups = a.shape[0]
+        shrunk = torch.bmm(x.index_select(0, batch.rows).view(groups, -1, x.shape[1]), a)
+        parts = [torch.bmm(shrunk[..., i * self.rank:(i + 1) * self.rank],
+                           b if batch.slots is None else b[batch.slots]) for i, b in enumerate(self.b)]
+        delta = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).view(-1, y.shape[1])
+        delta = delta.index_select(0, batch.back)
+        return y.add_(delta if batch.mask is None else delta * batch.mask)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        for b in self.b:
+            b[slot].zero_()
 
     def put(self, slot: int, part: int, kind: str, tensor: torch.Tensor, rule) -> None:
         """One LoRA matrix into `slot`, cut by the base weight's rule (target, row offset, dim, start, size)."""
-        _, offset, dim, start, size = rule[:5]
-        cols = slice(part * self.rank, part * self.rank + (tensor.shape[0] if kind == "A" else tensor.shape[1]))
+        _, _, dim, start, size = rule[:5]
+        r = tensor.shape[0] if kind == "A" else tensor.shape[1]
         with torch.no_grad():
             if kind == "A":  # [r, in]: a row-parallel layer keeps its input columns
                 src = tensor[:, start:start + size] if dim == 1 else tensor
-                self.a[slot, :, cols] = src.T.to(self.a.dtype)
-            else:  # [out, r]: a column-parallel layer keeps its output rows, at the part's offset
+                self.a[slot, :, part * self.rank:part * self.rank + r] = src.T.to(self.a.dtype)
+            else:  # [out, r]: a column-parallel layer keeps its output rows
                 src = tensor[start:start + size] if dim == 0 else tensor
-                self.b[slot, cols, offset:offset + src.shape[0]] = src.T.to(self.b.dtype)
+                self.b[part][slot, :r] = src.T.to(self.b[part].dtype)
 
 
 def attach_lora(model, slots: int, rank: int) -> dict[str, LoraWeights]:
@@ -88,9 +102,21 @@ def attach_lora(model, slots: int, rank: int) -> dict[str, LoraWeights]:
     for name, module in model.named_modules():
         kind = name.rsplit(".", 1)[-1]
         if kind in PARTS and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            module.lora = LoraWeights(module, PARTS[kind], slots, rank, state)
+            module.lora = LoraWeights(module, part_spans(model, name, module), slots, rank, state)
             layers[name] = module.lora
     return layers
+
+
+def part_spans(model, name: str, module) -> list[tuple[int, int]]:
+    """(first output row, rows) of each fused part on this rank, from the base weights' rules."""
+    if isinstance(module, RowParallelLinear):  # one part, every output row
+        return [(0, module.weight.shape[0])]
+    layer, block, kind = re.match(r"model\.layers\.(\d+)\.(\w+)\.(\w+)$", name).groups()
+    spans = []
+    for hf in PARTS[kind]:  # the rule names the checkpoint's (global) layer
+        _, offset, _, _, size = model.weight_rule(f"model.layers.{int(layer) + model.first_layer}.{block}.{hf}.weight")[:5]
+        spans.append((offset, size))
+    return spans
 
 
 def load_adapter(model, layers: dict[str, LoraWeights], slot: int, path: str) -> None:
@@ -117,11 +143,13 @@ def lora_batch(token_slots: list[int], num_slots: int, dtype: torch.dtype,
         return None
     present = sorted(groups)
     width = max(len(g) for g in groups.values())
-    rows = torch.zeros(len(present), width, dtype=torch.long)
-    valid = torch.zeros(len(present), width, 1, dtype=dtype)
+    rows, back = [0] * (len(present) * width), [0] * len(token_slots)
     for i, slot in enumerate(present):
-        members = torch.tensor(groups[slot])
-        rows[i, :len(members)] = members
-        valid[i, :len(members)] = 1
+        for j, row in enumerate(groups[slot]):
+            rows[i * width + j] = row
+            back[row] = i * width + j
+    mask = None
+    if any(s < 0 for s in token_slots):
+        mask = torch.tensor([[float(s >= 0)] for s in token_slots], dtype=dtype, device=device)
     slots = None if present == list(range(num_slots)) else torch.tensor(present, device=device)
-    return LoraBatch(slots, rows.to(device), valid.to(device))
+    return LoraBatch(slots, torch.tensor(rows, device=device), torch.tensor(back, device=device), mask)
