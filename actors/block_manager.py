@@ -2,8 +2,9 @@
 
 A full block's hash chains its parent's hash and its own tokens, so equal hashes mean equal
 prefixes. The chain starts from the sequence's `cache_key` (e.g. its LoRA adapter): what
-else the KV depends on, so different keys never share blocks. Freed blocks keep their hash and sit in an LRU free queue: a later request with
-the same prefix takes them back; allocation evicts from the least recently freed end.
+else the KV depends on, so different keys never share blocks. Freed blocks keep their hash
+and sit in an LRU free queue: a later request with the same prefix takes them back;
+allocation evicts from the least recently freed end.
 """
 from __future__ import annotations
 

@@ -164,3 +164,18 @@ def test_lora_delta_is_one_batched_computation():
         state.batch = lora_batch(slots, 3, torch.float32, torch.device("cpu"))
         got = w.add_delta(x, torch.zeros(7, 5))
         torch.testing.assert_close(got, torch.stack([reference(i, s) for i, s in enumerate(slots)]))
+
+
+def test_lora_options_from_the_command_line_and_environment():
+    from app.cli.main import build_parser
+    from app.config import load_config
+    args = build_parser().parse_args(["serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}',
+                                      "--max-loras", "4", "--max-lora-rank", "32"])
+    config = load_config({k: getattr(args, k) for k in ("lora_modules", "max_loras", "max_lora_rank")})
+    e = config.engine
+    assert e.enable_lora and e.max_loras == 4 and e.max_lora_rank == 32
+    assert e.lora_module_paths() == {"a": "/x", "b": "/y"}
+    env = load_config({}, {"SHOAL_LORA_MODULES": "a=/x,b=/y", "SHOAL_ENABLE_LORA": "1"}).engine
+    assert env.lora_module_paths() == {"a": "/x", "b": "/y"}
+    with pytest.raises(ValueError, match="name=path"):
+        load_config({"lora_modules": ["nopath"]})

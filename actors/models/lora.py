@@ -112,9 +112,10 @@ def part_spans(model, name: str, module) -> list[tuple[int, int]]:
     if isinstance(module, RowParallelLinear):  # one part, every output row
         return [(0, module.weight.shape[0])]
     layer, block, kind = re.match(r"model\.layers\.(\d+)\.(\w+)\.(\w+)$", name).groups()
+    prefix = f"model.layers.{int(layer) + model.first_layer}.{block}"  # the checkpoint's (global) layer
     spans = []
-    for hf in PARTS[kind]:  # the rule names the checkpoint's (global) layer
-        _, offset, _, _, size = model.weight_rule(f"model.layers.{int(layer) + model.first_layer}.{block}.{hf}.weight")[:5]
+    for hf in PARTS[kind]:
+        _, offset, _, _, size = model.weight_rule(f"{prefix}.{hf}.weight")[:5]
         spans.append((offset, size))
     return spans
 
