@@ -122,9 +122,9 @@ class SchedulerActor:
                              name="shoal-progress", daemon=True).start()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0):
+                       request_id: str, priority: int = 0, lora: str | None = None):
         """Lists of delta RequestOutputs. Cancelling or closing the stream aborts the request."""
-        stream = self.engine.generate(prompt_token_ids, params, request_id, priority)
+        stream = self.engine.generate(prompt_token_ids, params, request_id, priority, lora=lora)
         async for outputs in coalesce(stream, self._gather_seconds):
             # One merged delta per chunk: less for every hop to pickle (each delta repeats
             # the request's prompt ids), and the ingress gets one delta per chunk anyway.
@@ -138,6 +138,18 @@ class SchedulerActor:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_enabled
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def list_loras(self) -> list[dict]:
+        return self.engine.list_loras()
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "pid": os.getpid()}
