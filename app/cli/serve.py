@@ -16,6 +16,7 @@ import threading
 import time
 
 from app.cli.engine_args import add_engine_args, add_option
+from app.cli.serve_config import is_serve_config
 from app.config import ConfigError, ShoalConfig, load_config, replica_count
 
 log = logging.getLogger("shoal.serve")
@@ -79,7 +80,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--eager-decode", action="store_true",
         help="accepted for areno compatibility: decode always runs eagerly (no CUDA graphs yet)")
     parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
-                        help="options as a YAML mapping (command line and SHOAL_* win over it)")
+                        help="options as a YAML mapping (command line and SHOAL_* win over it); "
+                             "or a Ray Serve config (serve_configs/*.yaml), run as `serve run` "
+                             "would, with the graceful drain on SIGTERM / Ctrl-C")
     parser.add_argument("--print-config", action="store_true",
                         help="print the merged options as YAML and exit")
     parser.add_argument("--dry-run", action="store_true",
@@ -109,6 +112,8 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     options = {k: v for k, v in vars(args).items() if k not in ACTIONS}
+    if "config" in options and is_serve_config(options["config"]):
+        return serve_config_command(args, options)
     try:
         config = load_config(options)
         if not args.print_config:
@@ -122,6 +127,20 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(config)
     return run_server(config)
+
+
+def serve_config_command(args: argparse.Namespace, options: dict) -> int:
+    """`--config` names a Ray Serve config (serve_configs/*.yaml): run it as `serve run` does,
+    with the drain (app/cli/serve_config.py). Its options live in the file's `args:`."""
+    from app.cli.serve_config import run_serve_config
+
+    extra = sorted(set(options) - {"config", "address"})
+    if extra or args.print_config or args.dry_run:
+        given = "--" + (extra[0].replace("_", "-") if extra else "print-config" if args.print_config else "dry-run")
+        sys.exit(f"shoal serve: error: {options['config']} is a Ray Serve config: set options under its "
+                 f"applications' args: (only --address goes with it; got {given})")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_serve_config(options["config"], options.get("address"))
 
 
 def check_model_path(config: ShoalConfig) -> None:
@@ -225,13 +244,17 @@ def stop_event() -> threading.Event:
     return stop
 
 
-def shut_down(app_name: str, joined: bool) -> None:
-    """A local Ray goes away entirely; on a shared cluster only our application does."""
+def shut_down(app_names: str | list[str], joined: bool) -> None:
+    """A local Ray goes away entirely; on a shared cluster only our application(s) do."""
     import ray
     from ray import serve
 
     print("shoal: shutting down", flush=True)
     try:
-        serve.delete(app_name) if joined else serve.shutdown()
+        if joined:
+            for name in [app_names] if isinstance(app_names, str) else app_names:
+                serve.delete(name)
+        else:
+            serve.shutdown()
     finally:
         ray.shutdown()
