@@ -132,8 +132,6 @@ def serve_command(args: argparse.Namespace) -> int:
 def serve_config_command(args: argparse.Namespace, options: dict) -> int:
     """`--config` names a Ray Serve config (serve_configs/*.yaml): run it as `serve run` does,
     with the drain (app/cli/serve_config.py). Its options live in the file's `args:`."""
-    from app.cli.serve_config import run_serve_config
-
     extra = sorted(set(options) - {"config", "address"})
     if extra or args.print_config or args.dry_run:
         given = "--" + (extra[0].replace("_", "-") if extra else "print-config" if args.print_config else "dry-run")
@@ -213,6 +211,54 @@ def run_server(config: ShoalConfig) -> int:
     finally:
         shut_down(d.app_name, joined=address != "local")
     return 0
+
+
+def run_serve_config(path: str, address: str | None) -> int:
+    """Deploy the file as `serve run` does, block until SIGTERM / Ctrl-C, drain, stop."""
+    from app.cli.serve_config import load_serve_config, wait_for_stop
+
+    try:
+        schema, timeouts = load_serve_config(path)
+    except ConfigError as exc:
+        print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    import ray
+    from ray.serve._private.api import serve_start
+    from ray.serve._private.constants import SERVE_NAMESPACE
+    from ray.serve.config import gRPCOptions
+
+    from app.serving.drain import drain
+
+    names = [app.name for app in schema.applications]
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, namespace=SERVE_NAMESPACE)  # the dashboard too, as `serve run`
+    stop = stop_event()  # after ray.init, whose SIGTERM handler would exit at once
+    code, ours = 0, names  # the applications to delete at the end (on a joined cluster)
+    try:
+        client = serve_start(http_options=schema.http_options.model_dump(),
+                             proxy_location=schema.proxy_location,
+                             grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+                             controller_options=getattr(schema, "controller_options", None))
+        client.deploy_apps(schema, _blocking=False)
+        http = schema.http_options
+        print(f"shoal: deployed {path} ({', '.join(names)}) at http://{http.host}:{http.port} "
+              f"(Ray at {address}); Ctrl-C or SIGTERM drains and stops", flush=True)
+        outcome = wait_for_stop(stop, names)
+        if outcome == "gone":
+            print("shoal: Serve was shut down from outside (serve shutdown); stopping", flush=True)
+            ours = []
+            return 0
+        if outcome == "failed":
+            code = 1
+        elif timeouts:
+            timeout = max(timeouts.values())
+            print(f"shoal: draining {', '.join(timeouts)} (up to {timeout:g} s)", flush=True)
+            seconds, aborted = drain(list(timeouts), timeout)
+            print(f"shoal: drained in {seconds:.1f} s, {aborted} request(s) ended unfinished", flush=True)
+            time.sleep(1.0)  # the last chunks cross the replica, the ingress and the proxy
+    finally:
+        shut_down(ours, joined=address != "local")
+    return code
 
 
 def local_resources(config: ShoalConfig) -> dict:

@@ -1,5 +1,6 @@
-"""`shoal serve --config FILE.yaml` where FILE is a Ray Serve config (serve_configs/*.yaml): what
-`serve run FILE` does, with the graceful drain that Ray's `serve run` does not have.
+"""Ray Serve config files (serve_configs/*.yaml) for `shoal serve --config FILE.yaml`
+(app/cli/serve.py `run_serve_config`): what `serve run FILE` does, with the graceful drain that
+Ray's `serve run` does not have.
 
 Ray Serve 2.60's `serve run` cannot drain (docs/operations.md):
 - SIGTERM: the driver's SIGTERM handler (installed by `ray.init`) exits at once and the local
@@ -17,10 +18,8 @@ the Ray it started, and exits 0.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import yaml
@@ -63,54 +62,6 @@ def load_serve_config(path: str):
                 raise ConfigError(f"{path}: application {app.name!r}: {exc}") from None
             timeouts[app.name] = config.deploy.shutdown_timeout
     return schema, timeouts
-
-
-def run_serve_config(path: str, address: str | None) -> int:
-    """Deploy the file as `serve run` does, block until SIGTERM / Ctrl-C, drain, stop."""
-    from app.cli.serve import shut_down, stop_event
-
-    try:
-        schema, timeouts = load_serve_config(path)
-    except ConfigError as exc:
-        print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    import ray
-    from ray.serve._private.api import serve_start
-    from ray.serve._private.constants import SERVE_NAMESPACE
-    from ray.serve.config import gRPCOptions
-
-    from app.serving.drain import drain
-
-    names = [app.name for app in schema.applications]
-    address = address or os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=address, namespace=SERVE_NAMESPACE)  # the dashboard too, as `serve run`
-    stop = stop_event()  # after ray.init, whose SIGTERM handler would exit at once
-    code, ours = 0, names  # the applications to delete at the end (on a joined cluster)
-    try:
-        client = serve_start(http_options=schema.http_options.model_dump(),
-                             proxy_location=schema.proxy_location,
-                             grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
-                             controller_options=getattr(schema, "controller_options", None))
-        client.deploy_apps(schema, _blocking=False)
-        http = schema.http_options
-        print(f"shoal: deployed {path} ({', '.join(names)}) at http://{http.host}:{http.port} "
-              f"(Ray at {address}); Ctrl-C or SIGTERM drains and stops", flush=True)
-        outcome = wait_for_stop(stop, names)
-        if outcome == "gone":
-            print("shoal: Serve was shut down from outside (serve shutdown); stopping", flush=True)
-            ours = []
-            return 0
-        if outcome == "failed":
-            code = 1
-        elif timeouts:
-            timeout = max(timeouts.values())
-            print(f"shoal: draining {', '.join(timeouts)} (up to {timeout:g} s)", flush=True)
-            seconds, aborted = drain(list(timeouts), timeout)
-            print(f"shoal: drained in {seconds:.1f} s, {aborted} request(s) ended unfinished", flush=True)
-            time.sleep(1.0)  # the last chunks cross the replica, the ingress and the proxy
-    finally:
-        shut_down(ours, joined=address != "local")
-    return code
 
 
 def wait_for_stop(stop: threading.Event, names: list[str]) -> str:
