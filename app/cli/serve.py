@@ -16,6 +16,7 @@ import threading
 import time
 
 from app.cli.engine_args import add_engine_args, add_option
+from app.cli.serve_config import is_serve_config
 from app.config import ConfigError, ShoalConfig, load_config, replica_count
 
 log = logging.getLogger("shoal.serve")
@@ -79,7 +80,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--eager-decode", action="store_true",
         help="accepted for areno compatibility: decode always runs eagerly (no CUDA graphs yet)")
     parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
-                        help="options as a YAML mapping (command line and SHOAL_* win over it)")
+                        help="options as a YAML mapping (command line and SHOAL_* win over it); "
+                             "or a Ray Serve config (serve_configs/*.yaml), run as `serve run` "
+                             "would, with the graceful drain on SIGTERM / Ctrl-C")
     parser.add_argument("--print-config", action="store_true",
                         help="print the merged options as YAML and exit")
     parser.add_argument("--dry-run", action="store_true",
@@ -109,6 +112,8 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     options = {k: v for k, v in vars(args).items() if k not in ACTIONS}
+    if "config" in options and is_serve_config(options["config"]):
+        return serve_config_command(args, options)
     try:
         config = load_config(options)
         if not args.print_config:
@@ -122,6 +127,18 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(config)
     return run_server(config)
+
+
+def serve_config_command(args: argparse.Namespace, options: dict) -> int:
+    """`--config` names a Ray Serve config (serve_configs/*.yaml): run it as `serve run` does,
+    with the drain (app/cli/serve_config.py). Its options live in the file's `args:`."""
+    extra = sorted(set(options) - {"config", "address"})
+    if extra or args.print_config or args.dry_run:
+        given = "--" + (extra[0].replace("_", "-") if extra else "print-config" if args.print_config else "dry-run")
+        sys.exit(f"shoal serve: error: {options['config']} is a Ray Serve config: set options under its "
+                 f"applications' args: (only --address goes with it; got {given})")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_serve_config(options["config"], options.get("address"))
 
 
 def check_model_path(config: ShoalConfig) -> None:
@@ -196,6 +213,54 @@ def run_server(config: ShoalConfig) -> int:
     return 0
 
 
+def run_serve_config(path: str, address: str | None) -> int:
+    """Deploy the file as `serve run` does, block until SIGTERM / Ctrl-C, drain, stop."""
+    from app.cli.serve_config import load_serve_config, wait_for_stop
+
+    try:
+        schema, timeouts = load_serve_config(path)
+    except ConfigError as exc:
+        print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    import ray
+    from ray.serve._private.api import serve_start
+    from ray.serve._private.constants import SERVE_NAMESPACE
+    from ray.serve.config import gRPCOptions
+
+    from app.serving.drain import drain
+
+    names = [app.name for app in schema.applications]
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, namespace=SERVE_NAMESPACE)  # the dashboard too, as `serve run`
+    stop = stop_event()  # after ray.init, whose SIGTERM handler would exit at once
+    code, ours = 0, names  # the applications to delete at the end (on a joined cluster)
+    try:
+        client = serve_start(http_options=schema.http_options.model_dump(),
+                             proxy_location=schema.proxy_location,
+                             grpc_options=gRPCOptions(**schema.grpc_options.model_dump()),
+                             controller_options=getattr(schema, "controller_options", None))
+        client.deploy_apps(schema, _blocking=False)
+        http = schema.http_options
+        print(f"shoal: deployed {path} ({', '.join(names)}) at http://{http.host}:{http.port} "
+              f"(Ray at {address}); Ctrl-C or SIGTERM drains and stops", flush=True)
+        outcome = wait_for_stop(stop, names)
+        if outcome == "gone":
+            print("shoal: Serve was shut down from outside (serve shutdown); stopping", flush=True)
+            ours = []
+            return 0
+        if outcome == "failed":
+            code = 1
+        elif timeouts:
+            timeout = max(timeouts.values())
+            print(f"shoal: draining {', '.join(timeouts)} (up to {timeout:g} s)", flush=True)
+            seconds, aborted = drain(list(timeouts), timeout)
+            print(f"shoal: drained in {seconds:.1f} s, {aborted} request(s) ended unfinished", flush=True)
+            time.sleep(1.0)  # the last chunks cross the replica, the ingress and the proxy
+    finally:
+        shut_down(ours, joined=address != "local")
+    return code
+
+
 def local_resources(config: ShoalConfig) -> dict:
     """The Ray this command starts gets logical CPUs for every bundle of the layout, so any
     layout the user asks for runs here (slowly, when ranks outnumber the cores)."""
@@ -225,13 +290,17 @@ def stop_event() -> threading.Event:
     return stop
 
 
-def shut_down(app_name: str, joined: bool) -> None:
-    """A local Ray goes away entirely; on a shared cluster only our application does."""
+def shut_down(app_names: str | list[str], joined: bool) -> None:
+    """A local Ray goes away entirely; on a shared cluster only our application(s) do."""
     import ray
     from ray import serve
 
     print("shoal: shutting down", flush=True)
     try:
-        serve.delete(app_name) if joined else serve.shutdown()
+        if joined:
+            for name in [app_names] if isinstance(app_names, str) else app_names:
+                serve.delete(name)
+        else:
+            serve.shutdown()
     finally:
         ray.shutdown()

@@ -12,10 +12,12 @@ from app.serving.llm_server import scheduler_actors
 log = logging.getLogger("shoal.serve")
 
 
-def drain(app_name: str, timeout: float) -> tuple[float, int]:
-    """(seconds it took, requests ended unfinished) for the app's replicas."""
+def drain(app_names: str | list[str], timeout: float) -> tuple[float, int]:
+    """(seconds it took, requests ended unfinished) for the replicas of the app (or apps; one
+    that is not shoal's has no schedulers and nothing to drain here)."""
     start = time.monotonic()
-    actors = list(scheduler_actors(app_name).values())
+    names = [app_names] if isinstance(app_names, str) else list(app_names)
+    actors = [a for name in names for a in scheduler_actors(name).values()]
     _each(actors, "drain")  # from here /readyz says 503 and new requests get 503
     while time.monotonic() - start < timeout:
         stats = _each(actors, "stats")

@@ -1,0 +1,85 @@
+"""Ray Serve config files (serve_configs/*.yaml) for `shoal serve --config FILE.yaml`
+(app/cli/serve.py `run_serve_config`): what `serve run FILE` does, with the graceful drain that
+Ray's `serve run` does not have.
+
+Ray Serve 2.60's `serve run` cannot drain (docs/operations.md):
+- SIGTERM: the driver's SIGTERM handler (installed by `ray.init`) exits at once and the local
+  cluster is torn down under the streams (exit status 15, sometimes an abort);
+- Ctrl-C, and `serve shutdown` from anywhere, run `serve.shutdown()`: the controller's first
+  shutdown step kills the HTTP proxy (its `shutdown()` is a no-op before `ray.kill`) while the
+  replicas only begin their graceful_shutdown_timeout_s, so every stream in flight is cut.
+None of that runs our code, so it is fixed here, around it: this command deploys the file the
+way `serve run` does (Ray's own schema, `serve_start`, `deploy_apps`), and on SIGTERM or Ctrl-C
+drains shoal's applications through their scheduler actors first (app/serving/drain.py:
+new requests get 503 shutting_down, /readyz and /health 503, requests in flight finish for up
+to the app's shutdown_timeout, the rest end with an error event), then shuts Serve down, stops
+the Ray it started, and exits 0.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+from app.config import ConfigError, load_config
+from app.serving.ray_llm_config import from_llm_configs
+
+log = logging.getLogger("shoal.serve")
+
+SHOAL_BUILDER = "app.serving.builder:build_app"
+STATUS_PERIOD_S = 2.0  # how often the deployment's status is read while serving
+
+
+def is_serve_config(path: str) -> bool:
+    """A Ray Serve config file (a mapping with `applications:`), not a file of shoal options."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # load_config says what is wrong with it
+    return isinstance(data, dict) and "applications" in data
+
+
+def load_serve_config(path: str):
+    """(Ray's ServeDeploySchema of the file, {shoal application: its shutdown_timeout}). Each
+    shoal application's `args` are checked here, before Ray starts (one line on an error)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    data = yaml.safe_load(Path(path).read_text())
+    try:
+        schema = ServeDeploySchema.model_validate(data)
+    except Exception as exc:  # pydantic's ValidationError: many lines, the first says enough
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        raise ConfigError(f"{path} is not a valid Ray Serve config: {' '.join(lines[:3])}") from None
+    timeouts = {}
+    for app in schema.applications:
+        if app.import_path == SHOAL_BUILDER:
+            try:
+                config = load_config(from_llm_configs(app.args or {}))
+            except ConfigError as exc:
+                raise ConfigError(f"{path}: application {app.name!r}: {exc}") from None
+            timeouts[app.name] = config.deploy.shutdown_timeout
+    return schema, timeouts
+
+
+def wait_for_stop(stop: threading.Event, names: list[str]) -> str:
+    """"signal" (SIGTERM / Ctrl-C), "gone" (Serve or every application was deleted from
+    outside) or "failed" (an application failed to deploy; its message is printed)."""
+    from ray import serve
+
+    while not stop.wait(STATUS_PERIOD_S):
+        try:
+            apps = serve.status().applications
+        except Exception:  # the controller is gone: `serve shutdown` finished
+            return "gone"
+        if not any(name in apps for name in names):
+            return "gone"
+        failed = [name for name in names if name in apps and apps[name].status == "DEPLOY_FAILED"]
+        if failed:
+            message = (apps[failed[0]].message or "").strip().splitlines()
+            print(f"shoal serve: error: application {failed[0]!r} failed to deploy: "
+                  f"{message[-1] if message else 'see the Serve logs'}", file=sys.stderr, flush=True)
+            return "failed"
+    return "signal"
