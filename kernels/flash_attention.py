@@ -77,6 +77,7 @@ class FlashOps:
     varlen: object  # flash_attn_varlen_func
     with_kvcache: object  # flash_attn_with_kvcache
     seqused_k: bool  # varlen takes seqused_k (newer vllm-flash-attn); else cu_seqlens_k
+    takes_out: bool = True  # varlen writes into a given `out` (vllm-flash-attn)
 
 
 @lru_cache(maxsize=None)
@@ -85,7 +86,7 @@ def load(library: str) -> FlashOps:
     varlen = module.flash_attn_varlen_func
     params = inspect.signature(varlen).parameters
     return FlashOps(library, varlen, module.flash_attn_with_kvcache,
-                    "seqused_k" in params and library != "flash_attn")
+                    "seqused_k" in params and library != "flash_attn", "out" in params)
 
 
 @dataclass
@@ -127,8 +128,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ops = meta.ops
     out = torch.empty_like(q)
     if ops.library != "flash_attn":  # vllm-flash-attn: the whole step in one call
-        _varlen(ops, q, k4, v4, meta, scale, out=out)
-        return out
+        if ops.takes_out:
+            _varlen(ops, q, k4, v4, meta, scale, out=out)
+            return out
+        return _varlen(ops, q, k4, v4, meta, scale)
     nd = meta.num_decodes
     if nd:
         out[:nd] = ops.with_kvcache(q[:nd].unsqueeze(1), k4, v4, cache_seqlens=meta.seqused_k[:nd],

@@ -215,10 +215,48 @@ def fake_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table, softma
                                    softmax_scale) for b in range(q.shape[0])])
 
 
+def test_load_reads_each_librarys_signature(monkeypatch):
+    """Keywords only, so both libraries' argument orders work; the paged-key argument and `out`
+    follow what the installed release takes."""
+    import sys
+    import types
+
+    def new_varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
+                   softmax_scale=None, causal=False, block_table=None, out=None):
+        pass
+
+    def old_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                   softmax_scale=None, causal=False, block_table=None):
+        pass
+
+    for name, varlen in (("vllm_flash_attn", new_varlen), ("flash_attn", old_varlen)):
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(
+            flash_attn_varlen_func=varlen, flash_attn_with_kvcache=lambda *a, **k: None))
+    fa.load.cache_clear()
+    try:
+        new, old = fa.load("vllm_flash_attn"), fa.load("flash_attn")
+    finally:
+        fa.load.cache_clear()
+    assert (new.seqused_k, new.takes_out) == (True, True)
+    assert (old.seqused_k, old.takes_out) == (False, False)
+
+
+def test_installed_prefers_vllm_flash_attn(monkeypatch):
+    import importlib.util
+    present = {"flash_attn"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in present else None)
+    assert fa.installed() == "flash_attn"
+    present.add("vllm_flash_attn")
+    assert fa.installed() == "vllm_flash_attn"
+    present.clear()
+    assert fa.installed() is None
+
+
 FAKE_OPS = {
     "vllm-flash-attn": fa.FlashOps("vllm_flash_attn", fake_varlen, fake_with_kvcache, True),
     "vllm-flash-attn (cu_seqlens_k)": fa.FlashOps("vllm_flash_attn", fake_varlen, fake_with_kvcache, False),
-    "flash-attn": fa.FlashOps("flash_attn", fake_varlen, fake_with_kvcache, False),
+    "vllm-flash-attn (no out)": fa.FlashOps("vllm_flash_attn", fake_varlen, fake_with_kvcache, True, False),
+    "flash-attn": fa.FlashOps("flash_attn", fake_varlen, fake_with_kvcache, False, False),
 }
 
 
