@@ -47,7 +47,7 @@ def graphs_off_reason(*, device_type: str, eager_decode: bool, world_size: int, 
                       moe: bool) -> str | None:
     """Why this runner decodes eagerly (None: it captures graphs)."""
     if device_type != "cuda":
-        return None if eager_decode else "no CUDA"  # never logged on CPU
+        return "no CUDA"  # never logged on CPU
     if eager_decode:
         return "--eager-decode"
     if world_size > 1:

@@ -120,6 +120,16 @@ def gpu_kv_blocks(runner, useful_blocks: int) -> int:
     return blocks
 
 
+def check_pool_fits(runner) -> None:
+    """Ranks 1.. take rank 0's block count: say so when it puts this rank over its share."""
+    import torch
+    used = runner.free_at_start - torch.cuda.mem_get_info()[0]
+    share = runner.total_memory * runner.config.gpu_memory_utilization
+    if used > share:
+        log.warning("rank %d uses %.2f GiB with rank 0's %d KV blocks, over its --gpu-memory-utilization "
+                    "share of %.2f GiB", runner.p.rank, used / GiB, runner.num_blocks, share / GiB)
+
+
 def _measure(runner, pool_blocks: int, run) -> int:
     """Peak bytes `run()` allocates over what is allocated now, a scratch pool left out."""
     import torch

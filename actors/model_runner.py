@@ -84,6 +84,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.num_blocks = num_blocks or self._num_kv_blocks(spec.max_model_len)
         self._allocate_kv_cache()
+        if num_blocks and self.device.type == "cuda":  # a shard rank with rank 0's pool size
+            memory_profile.check_pool_fits(self)
         if self.graphs_off is None:
             self._capture_graphs()
         elif self.device.type == "cuda":

@@ -42,6 +42,9 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     cuda = device_type(config) == "cuda"
     dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
     backend, library = attn_backend(config, dtype, args.head_dim)
+    if cuda:
+        log.info("attention backend %s%s, dtype %s", backend, f" ({library})" if library else "",
+                 str(dtype).removeprefix("torch."))
     return ModelSpec(
         path=path, hf_config=hf, args=args, dtype=dtype,
         max_model_len=config.max_model_len or limit,

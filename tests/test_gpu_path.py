@@ -57,6 +57,13 @@ def test_flash_asked_for_on_cpu_falls_back_once(checkpoint_factory, caplog):
     assert llm.engine.spec.attn_backend == "native" and len(out[0].outputs[0].token_ids) == 4
 
 
+def test_graph_options_do_nothing_on_cpu(checkpoint_factory):
+    llm = LLM(str(checkpoint_factory("llama")), num_kv_blocks=16, eager_decode=True,
+              cuda_graph_sizes=[1, 2], max_seq_len_to_capture=64)
+    assert llm.engine.runner.graphs is None and llm.engine.runner.kv_cache.shape[2] == 16 * 16
+    assert len(llm.generate(prompts_of([4]), GREEDY)[0].outputs[0].token_ids) == 24
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """model_spec believes it runs on an Ampere GPU with flash-attn installed."""
@@ -147,6 +154,7 @@ def test_graphs_off_reasons():
     assert graphs_off_reason(**{**base, "lora": True}).startswith("LoRA")
     assert graphs_off_reason(**{**base, "moe": True}).startswith("mixture-of-experts")
     assert graphs_off_reason(**{**base, "device_type": "cpu"}) == "no CUDA"
+    assert graphs_off_reason(**{**base, "device_type": "cpu", "eager_decode": True}) == "no CUDA"
 
 
 # --------------------------------------------------------------------------- memory sizing
