@@ -186,6 +186,36 @@ def test_activation_estimate_and_profile_rows():
     assert (len(ids), start, table) == (32, 68, [0, 1, 2, 0, 1, 2, 0])
 
 
+def test_gpu_sizing_glue_runs_the_profiling_forwards(checkpoint_factory, monkeypatch, caplog):
+    """gpu_kv_blocks end to end on a CPU runner, torch.cuda's memory counters replaced by
+    fixed numbers: the profiling steps (a chunk at the end of the longest context, a decode at
+    the largest graph size) run through the real model, and the arithmetic uses what they report."""
+    llm = LLM(str(checkpoint_factory("llama")), num_kv_blocks=8, max_num_batched_tokens=64, max_num_seqs=8,
+              max_seq_len_to_capture=128)
+    r = llm.engine.runner
+    gib = mp.GiB
+    peak = {"now": 0}
+    for name, fn in {"synchronize": lambda: None, "empty_cache": lambda: None,
+                     "reset_peak_memory_stats": lambda: None,
+                     "memory_allocated": lambda: 2 * gib + (r.kv_cache.numel() * 4 if r.kv_cache is not None else 0),
+                     "max_memory_allocated": lambda: 2 * gib + r.kv_cache.numel() * 4 + gib // 4,
+                     "memory_reserved": lambda: 3 * gib,
+                     "mem_get_info": lambda *a: (10 * gib, 16 * gib)}.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    r.free_at_start, r.total_memory = 15 * gib, 16 * gib
+    r.bind_kv_cache(None)  # sizing happens before the pool exists
+    ran = []
+    monkeypatch.setattr(r.model, "forward", lambda *a, _f=r.model.forward: ran.append(len(a[0])) or _f(*a))
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        blocks = mp.gpu_kv_blocks(r, useful_blocks=10**9)
+    assert ran == [64]  # the largest chunk (graphs are off on CPU: no decode profile)
+    # 0.9 x 16 GiB - weights 2 - activations 0.25 - non-torch ((15 - 10) used - 3 by torch = 2)
+    assert blocks == (int(0.9 * 16 * gib) - 2 * gib - gib // 4 - 2 * gib) // r.block_bytes()
+    assert "GPU memory: 0.9 x 16.00 GiB = 14.40 GiB; weights 2.00, activations 0.25" in caplog.text
+    assert mp.profile_decode(r) == gib // 4 and ran[-1] == 8  # 8 rows (--max-num-seqs) at 128 keys
+    assert r.kv_cache is None  # scratch pools dropped
+
+
 # --------------------------------------------------------------------------- flash, emulated
 
 def _reference(q, k4, v4, table, keys: int, scale: float, causal=True):
