@@ -77,7 +77,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--max-queued-requests", type=int, metavar="N",
         help="requests that may wait to start, per replica; more get 429 (default 256)")
     add("--attn-backend", choices=["auto", "native", "flash"],
-        help="attention kernels (default auto: flash where CUDA and flash-attn are, else native)")
+        help="attention kernels: flash (vllm-flash-attn or flash-attn on an Ampere+ GPU, 16-bit "
+             "dtypes; where it can't run, native with one warning), native (torch; the C++ decode "
+             "kernel on CPU), or auto (default: flash where it runs, else native, silently)")
     add("--eager-decode", action="store_true",
         help="CUDA: run decode steps eagerly, without CUDA graphs (vLLM's --enforce-eager)")
     add("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
