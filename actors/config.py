@@ -12,10 +12,13 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     # KV cache
-    block_size: int = 16
+    block_size: int | None = None  # None: 16, or 256 where the flash backend is flash-attn (its paged minimum)
     num_kv_blocks: int | None = None  # overrides the memory-based size
-    kv_cache_memory: float | None = None  # GiB; None: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.3
+    kv_cache_memory: float | None = None  # GiB; overrides the memory-based size
+    kv_cache_fraction: float = 0.3  # CPU: this fraction of the available RAM holds the KV cache
+    # CUDA (vLLM's meaning): this fraction of the device's total memory is this rank's for weights,
+    # activations (measured by a profiling forward), CUDA graphs and the KV cache, which gets the rest.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # Scheduling
     max_num_batched_tokens: int = 2048
@@ -24,6 +27,10 @@ class EngineConfig:
     max_queued_requests: int | None = 256  # requests waiting to start; over it, new ones get 429. None: no limit
     # Compute
     attn_backend: str = "auto"  # auto (flash where it can run, else native) | native | flash
+    # CUDA graphs (decode-only steps, one graph per batch-size bucket, padded inputs); CUDA only.
+    eager_decode: bool = False  # True: no graphs (vLLM's --enforce-eager)
+    cuda_graph_sizes: list[int] | None = None  # vLLM's meaning: None, one max size N, or the exact sizes
+    max_seq_len_to_capture: int = 8192  # decodes with a longer context run eagerly
     num_threads: int | None = None  # rank 0's torch threads; None: the CPUs Ray gave it (Serve) or torch's default
     # Parallel layout: tp x pp ranks per model instance; rank 0 lives in the scheduler process
     tp_size: int = 1
@@ -61,6 +68,14 @@ class EngineConfig:
             self.lora_modules = [m.strip() for m in self.lora_modules.split(",") if m.strip()]
         if self.lora_modules:
             self.enable_lora = True
+        if isinstance(self.cuda_graph_sizes, (str, int)):  # "1,2,4" / 8 from the environment or YAML
+            self.cuda_graph_sizes = str(self.cuda_graph_sizes).split(",")
+        if self.cuda_graph_sizes is not None:
+            try:
+                self.cuda_graph_sizes = [int(str(x).strip()) for x in self.cuda_graph_sizes if str(x).strip()]
+            except ValueError:
+                raise ValueError(f"--cuda-graph-sizes takes batch sizes (integers), "
+                                 f"got {self.cuda_graph_sizes!r}") from None
 
     def lora_module_paths(self) -> dict[str, str]:
         """--lora-modules as {name: path}: each "name=path" or vLLM's JSON {"name", "path"}."""
@@ -97,7 +112,7 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_threads", "max_queued_requests"):
+                     "num_threads", "max_queued_requests", "max_seq_len_to_capture"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -107,7 +122,11 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"--kv-cache-memory must be a positive number of GiB, got {self.kv_cache_memory}")
-        if self.max_num_batched_tokens < self.block_size:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError(f"--cuda-graph-sizes must be positive batch sizes, got {self.cuda_graph_sizes}")
+        if self.max_num_batched_tokens < (self.block_size or 16):
             raise ValueError("--max-num-batched-tokens must be at least --block-size")
         if self.tp_size < 1 or self.pp_size < 1:
             raise ValueError("--tp-size and --pp-size must be at least 1")

@@ -76,7 +76,7 @@ class LLMEngine:
             self.shards = start_shards(config, self.spec, self.runner, placement)
         # Where every rank runs (/stats): pid, node, device, GPU ids.
         self.rank_infos = [rank_info(0, self.runner.device)] + (self.shards.infos if self.shards else [])
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(self.runner.num_blocks, self.spec.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))

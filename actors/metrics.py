@@ -256,12 +256,18 @@ class DecodeProgress:
         self.engine = engine
         self.replica = replica or Replica()
         self._last = (time.monotonic(), engine.stats.decode_tokens)
+        self._replays = self._graph_replays()
+
+    def _graph_replays(self) -> int:
+        return getattr(self.engine.runner, "graph_replays", 0)
 
     def line(self) -> str:
+        """graph=True when decode steps ran as CUDA graphs since the last line."""
         now, tokens = time.monotonic(), self.engine.stats.decode_tokens
         then, before = self._last
         self._last = (now, tokens)
         rate = (tokens - before) / max(now - then, 1e-9)
-        graph = bool(getattr(self.engine.runner, "uses_graphs", False))  # no CUDA graphs yet
+        replays, self._replays = self._replays, self._graph_replays()
+        graph = self._replays > replays
         return progress_line(self.replica.rank, self.replica.world_size,
                              len(self.engine.scheduler.running), graph, rate)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from actors import memory_profile
 from actors.config import EngineConfig
+from actors.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason
 from actors.expert_balancer import ExpertBalancer
 from actors.loader import build_model
 from actors.model_spec import ModelSpec
@@ -21,7 +23,7 @@ from actors.parallel import layout
 from actors.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
 from actors.scheduler import ScheduledSeq, SchedulerOutput, StepRow
 from actors.structured import bitmask_width, fill_bitmasks
-from kernels import native
+from kernels import flash_attention, native
 from kernels.attention import AttentionMetadata
 from kernels.sampling import SamplingBatch, sample, token_logprobs
 
@@ -62,7 +64,10 @@ class ModelRunner:
         self.p.device = self.device  # tensors that cross ranks live here
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cuda":  # what this rank may use is measured against this
+            self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
         self.args = spec.args
+        self.max_model_len = spec.max_model_len
         self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p)
         self.experts = None  # MoE models: expert load recording and placement re-planning
         if self.args.moe is not None:
@@ -70,9 +75,21 @@ class ModelRunner:
         # Adapter slots (actors/models/lora.py), allocated before the KV pool is sized.
         self.lora_layers = attach_lora(self.model, config.max_loras, config.max_lora_rank) \
             if config.enable_lora else None
-        self.block_size = config.block_size
+        self.block_size = spec.block_size
+        self.flash_ops = flash_attention.load(spec.flash_library) if spec.attn_backend == "flash" else None
+        self.graphs_off = graphs_off_reason(
+            device_type=self.device.type, eager_decode=config.eager_decode, world_size=self.p.world_size,
+            lora=bool(self.lora_layers), moe=self.args.moe is not None)
+        self.graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
+        self.graphs: DecodeGraphs | None = None
         self.num_blocks = num_blocks or self._num_kv_blocks(spec.max_model_len)
         self._allocate_kv_cache()
+        if num_blocks and self.device.type == "cuda":  # a shard rank with rank 0's pool size
+            memory_profile.check_pool_fits(self)
+        if self.graphs_off is None:
+            self._capture_graphs()
+        elif self.device.type == "cuda":
+            log.info("CUDA graphs off: %s", self.graphs_off)
         if self.device.type == "cpu":
             native.paged_decode_attention_op()  # build the CPU kernel now, not on the first request
         # Grammar masks of one step's constrained rows, filled in place (nothing grows per step).
@@ -94,18 +111,42 @@ class ModelRunner:
             return c.num_kv_blocks
         if c.kv_cache_memory is not None:
             return max(2, int(c.kv_cache_memory * 2**30) // self.block_bytes())
-        budget = int(_available_memory(self.device) * c.kv_cache_fraction)
         useful = c.max_num_seqs * (-(-max_model_len // self.block_size))  # more is never used
+        if self.device.type == "cuda":
+            return memory_profile.gpu_kv_blocks(self, useful)
+        budget = int(_available_memory(self.device) * c.kv_cache_fraction)
         return max(2, min(budget // self.block_bytes(), useful))
 
     def _allocate_kv_cache(self) -> None:
-        slots = self.num_blocks * self.block_size
-        self.kv_cache = torch.zeros(len(self.model.model.layers), 2, slots, self._local_kv_heads(),
-                                    self.args.head_dim, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.model.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        # With CUDA graphs one spare block past the pool takes the padding rows' writes.
+        self.bind_kv_cache(self.num_blocks + (self.graphs_off is None))
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.dtype.itemsize / 2**20)
+
+    def bind_kv_cache(self, blocks: int | None) -> None:
+        """A zeroed pool of `blocks` blocks as every layer's cache (None: drop it)."""
+        layers = self.model.model.layers
+        self.kv_cache = None if blocks is None else torch.zeros(
+            len(layers), 2, blocks * self.block_size, self._local_kv_heads(), self.args.head_dim,
+            dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            attn.k_cache, attn.v_cache = (None, None) if blocks is None else (self.kv_cache[i, 0], self.kv_cache[i, 1])
+
+    def _capture_graphs(self) -> None:
+        self.graphs = DecodeGraphs(
+            self.model, self.graph_sizes, block_size=self.block_size,
+            max_seq_len=min(self.config.max_seq_len_to_capture, self.max_model_len),
+            spare_block=self.num_blocks, hidden_size=self.args.hidden_size, dtype=self.dtype,
+            device=self.device, flash_ops=self.flash_ops)
+        before = torch.cuda.mem_get_info()[0]
+        self.graphs.capture()
+        log.info("CUDA graphs took %.0f MiB", (before - torch.cuda.mem_get_info()[0]) / 2**20)
+
+    @property
+    def graph_replays(self) -> int:
+        """Decode steps run as CUDA graphs so far (0 where there are none)."""
+        return self.graphs.replays if self.graphs is not None else 0
 
     # ---- one step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -118,7 +159,10 @@ class ModelRunner:
             self.load_adapters(output)
             if self.lora_layers:
                 self.model.lora_state.batch = self.lora_batch(output)
-            hidden = self.model(*self.prepare(output))
+            if self.graphs is not None and self.graphs.can_run(output):
+                hidden = self.graphs.run(output)
+            else:
+                hidden = self.model(*self.prepare(output))
             return self.model.compute_logits(hidden[output.logit_rows]) if output.logit_rows else None
         rebalance = self.experts is not None and self.experts.due()
         broadcast_step(self.p, (REBALANCE, output) if rebalance else output)  # every rank switches now
@@ -172,6 +216,11 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, device=dev),
                                  num_decode_tokens=output.num_decodes, block_size=bs)
+        if self.flash_ops is not None:
+            meta.flash = flash_attention.build_metadata(
+                [len(r.token_ids) for r in output.rows], [r.start + len(r.token_ids) for r in output.rows],
+                [r.block_table for r in output.rows], output.num_decodes, bs, dev, self.flash_ops)
+            return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
         decodes, prefills = output.rows[:output.num_decodes], output.rows[output.num_decodes:]
         if decodes:
             ctx = torch.tensor([r.start + 1 for r in decodes], dtype=torch.int32)

@@ -1,7 +1,6 @@
 """The model's settings, worked out once by rank 0 and handed to every rank as they are."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from actors.config import EngineConfig
 from actors.loader import eos_token_ids, read_config, resolve_dtype, resolve_model_path
 from actors.models.args import ModelArgs
 from actors.parallel import parse_layer_split
+from kernels import flash_attention
 
 log = logging.getLogger("shoal.engine")
 
@@ -26,6 +26,8 @@ class ModelSpec:
     eos_ids: frozenset[int]
     layer_split: list[int]  # first layer of each pipeline stage, then the end
     attn_backend: str  # native | flash: what runs here (--attn-backend resolved)
+    block_size: int = 16  # tokens per KV block (--block-size, or the backend's default)
+    flash_library: str | None = None  # with flash: the module it imports (kernels/flash_attention.py)
 
 
 def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
@@ -36,22 +38,59 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     if config.max_model_len and config.max_model_len > limit:
         raise ValueError(f"--max-model-len {config.max_model_len} is over the model's "
                          f"max_position_embeddings {limit}")
+    args = ModelArgs.from_hf(hf)
+    cuda = device_type(config) == "cuda"
+    dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
+    backend, library = attn_backend(config, dtype, args.head_dim)
+    if cuda:
+        log.info("attention backend %s%s, dtype %s", backend, f" ({library})" if library else "",
+                 str(dtype).removeprefix("torch."))
     return ModelSpec(
-        path=path, hf_config=hf, args=ModelArgs.from_hf(hf), dtype=resolve_dtype(config.dtype, hf),
+        path=path, hf_config=hf, args=args, dtype=dtype,
         max_model_len=config.max_model_len or limit,
         eos_ids=frozenset(eos_token_ids(path, hf, tokenizer)),
         layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
-        attn_backend=attn_backend(config))
+        attn_backend=backend, flash_library=library,
+        block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16))
 
 
-def attn_backend(config: EngineConfig) -> str:
-    """flash needs CUDA and flash-attn or vllm-flash-attn: auto picks it where it runs; an
-    explicit flash that can't run falls back to native with one warning."""
+def device_type(config: EngineConfig) -> str:
+    """Where the engine runs: --device, or cuda when auto finds a GPU."""
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return config.device
+
+
+def gpu_auto_dtype(hf: dict) -> torch.dtype:
+    """--dtype auto on CUDA: the checkpoint's 16-bit dtype, else bfloat16 (float16 on GPUs
+    without bfloat16). float32 stays the CPU default."""
+    saved = hf.get("dtype") or hf.get("torch_dtype")
+    if saved == "float16":
+        return torch.float16
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def attn_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> tuple[str, str | None]:
+    """(backend, flash library). auto picks flash where it runs and says nothing otherwise; an
+    explicit flash that can't run falls back to native with one warning naming why."""
     if config.attn_backend == "native":
-        return "native"
-    if config.device != "cpu" and torch.cuda.is_available() and \
-            any(importlib.util.find_spec(m) for m in ("flash_attn", "vllm_flash_attn")):
-        return "flash"
+        return "native", None
+    why = flash_unavailable(config, dtype, head_dim)
+    if why is None:
+        library = flash_attention.installed()
+        if config.block_size and config.block_size % flash_attention.block_multiple(library) == 0:
+            return "flash", library
+        if not config.block_size:
+            return "flash", library
+        why = (f"{library} needs a block size that is a multiple of "
+               f"{flash_attention.block_multiple(library)}, not --block-size {config.block_size}")
     if config.attn_backend == "flash":
-        log.warning("--attn-backend flash can't run here (it needs CUDA and flash-attn); using native")
-    return "native"
+        log.warning("--attn-backend flash can't run here (%s); using native", why)
+    return "native", None
+
+
+def flash_unavailable(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> str | None:
+    if device_type(config) != "cuda":
+        return "it needs a CUDA device"
+    return flash_attention.unavailable_reason("cuda", dtype, head_dim, flash_attention.installed(),
+                                              torch.cuda.get_device_capability(0))

@@ -44,7 +44,6 @@ class DeployOptions:
     log_level: str = "INFO"
     decode_progress_interval_s: float = 0.0  # > 0: the scheduler logs throughput this often
     stream_chunks_per_s: float = 100.0  # per replica, under load; 0: every token as it comes
-    eager_decode: bool = False  # areno's flag; there are no CUDA graphs yet, decode is eager
     routing: str = "load"  # load (Serve's power of two choices) | prefix-aware
     shutdown_timeout: float = 30.0  # seconds requests in flight may finish after SIGTERM / shutdown
 
@@ -74,7 +73,7 @@ SECTIONS = (EngineConfig, ServerSettings, DeployOptions)
 ALIASES: dict[str, tuple[str, ...]] = {
     "model_path": ("model", "model_name_or_path"),
     "num_kv_blocks": ("num_gpu_blocks_override",),
-    "kv_cache_fraction": ("gpu_memory_utilization", "mem_fraction_static"),
+    "gpu_memory_utilization": ("mem_fraction_static",),
     "max_num_batched_tokens": ("chunked_prefill_size",),
     "max_num_seqs": ("max_running_prompts", "max_running_requests"),
     "attn_backend": ("attention_backend",),
@@ -85,7 +84,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "num_redundant_experts": ("ep_num_redundant_experts",),
     "eplb_step_interval": ("eplb_rebalance_num_iterations",),
     "num_replicas": ("data_parallel_size", "dp_size", "dp"),
-    "eager_decode": ("enforce_eager",),
+    "eager_decode": ("enforce_eager", "disable_cuda_graph"),
 }
 # Spellings of a boolean option that mean its opposite: `--disable-radix-cache` (SGLang) turns
 # prefix caching off; in YAML / SHOAL_* / `serve run` args `disable_radix_cache: true` does the

@@ -10,6 +10,9 @@ costs two kernel calls per layer, whatever its mix.
 On CPU the decode rows use the native kernel (kernels/native.py, csrc/paged_attention.cpp)
 when it is available: it reads K/V straight from the pool instead of gathering a copy.
 `SHOAL_NATIVE_KERNELS=0` forces the torch path.
+
+With the flash backend (CUDA) the runner sets `meta.flash` and the step goes to
+kernels/flash_attention.py instead, on the same pool.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import flash_attention, native
 
 
 @dataclass
@@ -33,6 +36,7 @@ class AttentionMetadata:
     prefill_q_valid: torch.Tensor | None = None  # [Bp, Lq] True for real (not padding) rows
     prefill_block_tables: torch.Tensor | None = None  # [Bp, nb]
     prefill_mask: torch.Tensor | None = None  # [Bp, 1, Lq, nb * block_size] causal over the context
+    flash: flash_attention.FlashMetadata | None = None  # set: the flash backend runs the step
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -44,6 +48,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, d] -> [T, heads, d]. K/V of this step must already be written."""
+    if meta.flash is not None:
+        return flash_attention.paged_attention(q, k_cache, v_cache, meta.flash, scale)
     out = q.new_empty(q.shape)
     nd = meta.num_decode_tokens
     if nd:

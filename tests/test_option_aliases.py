@@ -20,7 +20,7 @@ from app.config import (
 SAMPLES = {
     "model_path": ("ckpt/dir", {}),
     "num_kv_blocks": (64, {}),
-    "kv_cache_fraction": (0.5, {}),
+    "gpu_memory_utilization": (0.5, {}),
     "max_num_batched_tokens": (64, {}),
     "max_num_seqs": (4, {}),
     "attn_backend": ("native", {}),  # the serving default is flash

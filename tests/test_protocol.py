@@ -329,8 +329,11 @@ def test_engine_args_cover_every_config_field():
 @pytest.mark.parametrize("argv, expected", [
     (["--model", "m"], {"model_path": "m"}),
     (["--model-name-or-path", "m"], {"model_path": "m"}),
-    (["--gpu-memory-utilization", "0.5"], {"kv_cache_fraction": 0.5}),
-    (["--mem-fraction-static", "0.5"], {"kv_cache_fraction": 0.5}),
+    (["--gpu-memory-utilization", "0.5"], {"gpu_memory_utilization": 0.5}),
+    (["--mem-fraction-static", "0.5"], {"gpu_memory_utilization": 0.5}),
+    (["--enforce-eager"], {"eager_decode": True}),
+    (["--cuda-graph-sizes", "1", "2", "64"], {"cuda_graph_sizes": [1, 2, 64]}),
+    (["--max-seq-len-to-capture", "4096"], {"max_seq_len_to_capture": 4096}),
     (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
     (["--chunked-prefill-size", "64"], {"max_num_batched_tokens": 64}),
     (["--max-running-prompts", "4"], {"max_num_seqs": 4}),

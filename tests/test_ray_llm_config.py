@@ -33,8 +33,8 @@ def test_vllm_names_and_serve_options_map(tmp_path):
         "placement_group_config": {"bundles": [{"CPU": 2, "GPU": 1}] * 2}})
     e, d = config.engine, config.deploy
     assert config.server.served_model_name == "qwen" and e.model_path == str(tmp_path)
-    assert (e.tp_size, e.kv_cache_fraction, e.num_kv_blocks) == (2, 0.5, 64)
-    assert (d.num_replicas, d.max_ongoing_requests, d.eager_decode) == (3, 9, True)
+    assert (e.tp_size, e.gpu_memory_utilization, e.num_kv_blocks, e.eager_decode) == (2, 0.5, 64, True)
+    assert (d.num_replicas, d.max_ongoing_requests) == (3, 9)
     assert (e.shard_cpus, e.shard_gpus) == (2, 1)
     assert config_of({"model_loading_config": {"model_id": "org/repo"}}).engine.model_path == "org/repo"
 

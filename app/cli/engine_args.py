@@ -57,13 +57,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
              "before them (default 0)")
     add("--max-model-len", type=int, metavar="N",
         help="context length (default: from the checkpoint)")
-    add("--block-size", type=int, metavar="N", help="tokens per KV cache block")
+    add("--block-size", type=int, metavar="N",
+        help="tokens per KV cache block (default 16; 256 when the flash backend is flash-attn)")
     add("--num-kv-blocks", type=int, metavar="N",
         help="KV cache size in blocks (overrides the memory-based size)")
-    add("--kv-cache-memory", type=float, metavar="GIB", help="KV cache size in GiB")
+    add("--kv-cache-memory", type=float, metavar="GIB",
+        help="KV cache size in GiB (overrides --gpu-memory-utilization / --kv-cache-fraction)")
     add("--kv-cache-fraction", type=float, metavar="FRACTION",
-        help="fraction of the device's free memory (CPU: available RAM) for the KV cache "
-             "(default 0.3)")
+        help="CPU: fraction of the available RAM for the KV cache (default 0.3)")
+    add("--gpu-memory-utilization", type=float, metavar="FRACTION",
+        help="CUDA: fraction of each GPU's total memory this engine may use for weights, "
+             "activations (measured by a profiling forward), CUDA graphs and the KV cache, "
+             "which gets what is left, as in vLLM (default 0.9)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         help="reuse KV blocks of shared prompt prefixes (default: on)")
     add("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step")
@@ -72,7 +77,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--max-queued-requests", type=int, metavar="N",
         help="requests that may wait to start, per replica; more get 429 (default 256)")
     add("--attn-backend", choices=["auto", "native", "flash"],
-        help="attention kernels (default auto: flash where CUDA and flash-attn are, else native)")
+        help="attention kernels: flash (vllm-flash-attn or flash-attn on an Ampere+ GPU, 16-bit "
+             "dtypes; where it can't run, native with one warning), native (torch; the C++ decode "
+             "kernel on CPU), or auto (default: flash where it runs, else native, silently)")
+    add("--eager-decode", action="store_true",
+        help="CUDA: run decode steps eagerly, without CUDA graphs (vLLM's --enforce-eager)")
+    add("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
+        help="CUDA: decode batch sizes captured as graphs: one N means 1, 2, 4, 8, 16, ... up to "
+             "N; several mean those sizes (default: up to min(2 x --max-num-seqs, 512)); never "
+             "above --max-num-seqs")
+    add("--max-seq-len-to-capture", type=int, metavar="N",
+        help="CUDA: decodes with a longer context than N run eagerly (default 8192)")
     add("--num-threads", type=int, metavar="N",
         help="torch intra-op threads of rank 0 (default: under Ray Serve, the CPUs Ray gives the "
              "scheduler actor, --shard-cpus rounded, at least 1; in-process engines (run-batch, "

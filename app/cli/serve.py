@@ -77,8 +77,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--shutdown-timeout", type=float, metavar="S",
         help="on SIGTERM/Ctrl-C (and for Serve's graceful shutdown): stop admitting, let requests "
              "in flight finish for up to S seconds, then end the rest with an error (default 30)")
-    add("--eager-decode", action="store_true",
-        help="accepted for areno compatibility: decode always runs eagerly (no CUDA graphs yet)")
     parser.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
                         help="options as a YAML mapping (command line and SHOAL_* win over it); "
                              "or a Ray Serve config (serve_configs/*.yaml), run as `serve run` "
@@ -166,7 +164,7 @@ def dry_run(config: ShoalConfig) -> int:
         engine.step()
     engine.shutdown()  # shard actors of a tp x pp layout
     print(f"dry run ok: {engine.model_path} loaded in {loaded:.1f} s; max_model_len "
-          f"{engine.max_model_len}, {engine.blocks.num_blocks} KV blocks of {config.engine.block_size} "
+          f"{engine.max_model_len}, {engine.blocks.num_blocks} KV blocks of {engine.spec.block_size} "
           f"tokens; would serve {replica_count(config)} replica(s) on "
           f"http://{config.deploy.host}:{config.deploy.port}")
     return 0

@@ -1,0 +1,168 @@
+"""Decode steps as CUDA graphs: one graph per batch-size bucket, replayed with padded inputs.
+
+A step whose rows are all one-token decodes, whose batch fits the largest bucket and whose
+longest context fits --max-seq-len-to-capture runs as a graph: its inputs are copied into
+static buffers (padded up to the bucket with rows that write to and read from a spare block
+of the KV pool that the block manager never hands out), the bucket's graph is replayed, and
+the first rows of the static output are the step's hidden states. Any other step runs
+eagerly. Graphs are captured once, largest first, into one shared memory pool (as vLLM does).
+
+Buckets follow vLLM's --cuda-graph-sizes: none given, [1, 2, 4, 8, 16, ...] up to
+min(2 x --max-num-seqs, 512); one value N, the same pattern up to N; several, those sizes;
+never above --max-num-seqs.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.flash_attention import FlashMetadata
+
+log = logging.getLogger("shoal.runner")
+
+
+def capture_sizes(cuda_graph_sizes: list[int] | None, max_num_seqs: int) -> list[int]:
+    """The batch sizes to capture, ascending (vLLM's --cuda-graph-sizes rule)."""
+    if not cuda_graph_sizes or len(cuda_graph_sizes) == 1:
+        top = cuda_graph_sizes[0] if cuda_graph_sizes else min(2 * max_num_seqs, 512)
+        sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
+    else:
+        sizes = cuda_graph_sizes
+    sizes = sorted({s for s in sizes if s <= max_num_seqs})
+    return sizes or [max_num_seqs]
+
+
+def padded_size(batch: int, sizes: list[int]) -> int | None:
+    """The smallest bucket that holds `batch` rows, or None (run eagerly)."""
+    i = bisect.bisect_left(sizes, batch)
+    return sizes[i] if i < len(sizes) else None
+
+
+def graphs_off_reason(*, device_type: str, eager_decode: bool, world_size: int, lora: bool,
+                      moe: bool) -> str | None:
+    """Why this runner decodes eagerly (None: it captures graphs)."""
+    if device_type != "cuda":
+        return "no CUDA"  # never logged on CPU
+    if eager_decode:
+        return "--eager-decode"
+    if world_size > 1:
+        return "tp x pp > 1 (not supported yet)"
+    if lora:
+        return "LoRA adapters (per-step adapter slots)"
+    if moe:
+        return "mixture-of-experts layers (data-dependent routing)"
+    return None
+
+
+@dataclass
+class PaddedDecode:
+    """One decode step's inputs laid out for bucket `size`: row r < batch is the step's row r,
+    the rest are padding rows on the spare block."""
+    size: int
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+
+
+def pad_decode(rows, size: int, block_size: int, width: int, spare_block: int) -> PaddedDecode:
+    """The rows (StepRows of one token each) padded to `size` rows, tables to `width` blocks."""
+    pad = size - len(rows)
+    ids = [r.token_ids[0] for r in rows] + [0] * pad
+    pos = [r.start for r in rows] + [0] * pad
+    slots = [r.block_table[r.start // block_size] * block_size + r.start % block_size for r in rows]
+    slots += [spare_block * block_size] * pad
+    tables = [(r.block_table + [spare_block] * width)[:width] for r in rows] + [[spare_block] * width] * pad
+    return PaddedDecode(size, ids, pos, slots, [r.start + 1 for r in rows] + [1] * pad, tables)
+
+
+class DecodeGraphs:
+    """The captured graphs of one runner and their static buffers."""
+
+    def __init__(self, model, sizes: list[int], *, block_size: int, max_seq_len: int,
+                 spare_block: int, hidden_size: int, dtype, device, flash_ops=None):
+        self.model, self.sizes, self.block_size = model, sizes, block_size
+        self.max_seq_len, self.spare_block, self.flash_ops = max_seq_len, spare_block, flash_ops
+        self.width = -(-max_seq_len // block_size)
+        n = sizes[-1]
+        z = lambda *shape, dt=torch.long: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.slots = z(n), z(n), z(n)
+        self.context_lens = z(n, dt=torch.int32)
+        self.block_tables = z(n, self.width, dt=torch.int32 if flash_ops else torch.long)
+        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.keys = torch.arange(self.width * block_size, device=device)
+        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, object] = {}
+        self.replays = 0  # decode steps that ran as a graph (the progress line)
+
+    # ---- which steps ----------------------------------------------------------------
+    def can_run(self, output) -> bool:
+        rows = output.rows
+        return (bool(rows) and output.num_decodes == len(rows) and len(rows) <= self.sizes[-1] and max(r.start + 1 for r in rows) <= self.max_seq_len)
+
+    def run(self, output) -> torch.Tensor:
+        """Hidden states of the step's rows (a view into the static output)."""
+        size = padded_size(len(output.rows), self.sizes)
+        self._fill(pad_decode(output.rows, size, self.block_size, self.width, self.spare_block))
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.hidden[:len(output.rows)]
+
+    def _fill(self, p: PaddedDecode) -> None:
+        n = p.size
+        self.input_ids[:n].copy_(torch.tensor(p.input_ids), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(p.positions), non_blocking=True)
+        self.slots[:n].copy_(torch.tensor(p.slots), non_blocking=True)
+        self.context_lens[:n].copy_(torch.tensor(p.context_lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:n].copy_(torch.tensor(p.block_tables), non_blocking=True)
+
+    # ---- capture --------------------------------------------------------------------
+    def forward(self, n: int) -> None:
+        """The model over the first n static rows, into the static output (what a graph holds)."""
+        self.hidden[:n] = self.model(self.input_ids[:n], self.positions[:n], self.metadata(n))
+
+    def metadata(self, n: int) -> AttentionMetadata:
+        meta = AttentionMetadata(slot_mapping=self.slots[:n], num_decode_tokens=n, block_size=self.block_size)
+        ctx, tables = self.context_lens[:n], self.block_tables[:n]
+        if self.flash_ops is not None:
+            cu_k = torch.cat([self.cu_seqlens[:1], ctx.cumsum(0, dtype=torch.int32)])  # in the graph
+            meta.flash = FlashMetadata(self.flash_ops, self.block_size, n, self.cu_seqlens[:n + 1], ctx,
+                                       cu_k, tables, 1, self.max_seq_len)
+        else:
+            meta.decode_block_tables, meta.decode_context_lens = tables, ctx
+            meta.decode_mask = (self.keys[None, :] < ctx[:, None])[:, None, None, :]
+        return meta
+
+    def capture(self, capture_fn=None) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its pool)."""
+        capture_fn = capture_fn or capture_cuda_graph
+        start, pool = time.perf_counter(), None
+        self._fill(pad_decode([], self.sizes[-1], self.block_size, self.width, self.spare_block))
+        with torch.inference_mode():
+            for n in reversed(self.sizes):
+                self.graphs[n], pool = capture_fn(lambda n=n: self.forward(n), pool)
+        log.info("CUDA graphs: %d decode batch sizes (%d..%d) captured in %.1f s",
+                 len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+
+
+def capture_cuda_graph(fn, pool):
+    """(graph, pool): `fn` warmed up on a side stream, then captured into `pool`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    torch.cuda.synchronize()
+    return graph, pool
