@@ -62,7 +62,8 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.args = spec.args
-        self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p)
+        self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p,
+                                 spec.weight_dtype)
         self.experts = None  # MoE models: expert load recording and placement re-planning
         if self.args.moe is not None:
             self.experts = ExpertBalancer(self.model, config.eplb_window_size, config.eplb_step_interval, spec.path)
