@@ -27,6 +27,7 @@ from actors.config import EngineConfig
 from actors.metrics import DecodeProgress, Replica
 from actors.ray_metrics import start_ray_export
 from actors.outputs import accumulate
+from actors.placement import rank_runtime_env
 from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.scheduler")
@@ -175,4 +176,4 @@ def scheduler_actor_class(bundle: dict):
     """The Ray actor class, claiming rank 0's bundle (its CPUs and its GPU, if any). Async (an
     event loop per actor), so many requests stream at once."""
     return ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                      max_concurrency=10_000)(SchedulerActor)
+                      max_concurrency=10_000, runtime_env=rank_runtime_env())(SchedulerActor)
