@@ -123,10 +123,13 @@ class SchedulerActor:
                              name="shoal-progress", daemon=True).start()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0):
-        """Lists of delta RequestOutputs. Cancelling or closing the stream aborts the request."""
+                       request_id: str, priority: int = 0, whole: bool = False):
+        """Lists of delta RequestOutputs. Cancelling or closing the stream aborts the request.
+        whole: the caller wants only the finished output (a non-streamed HTTP request), so it
+        leaves as one item, which every hop relays once instead of once per chunk."""
         stream = self.engine.generate(prompt_token_ids, params, request_id, priority)
-        async for outputs in coalesce(stream, self._gather_seconds):
+        gather = (lambda: float("inf")) if whole else self._gather_seconds
+        async for outputs in coalesce(stream, gather):
             # One merged delta per chunk: less for every hop to pickle (each delta repeats
             # the request's prompt ids), and the ingress gets one delta per chunk anyway.
             yield [accumulate(outputs)] if len(outputs) > 1 else outputs

@@ -84,20 +84,21 @@ class Served:
 
     # ---- running engine requests -------------------------------------------------------
     def open_streams(self, prompts: list[list[int]], params: list[SamplingParams],
-                     priority: int = 0) -> EngineStreams:
+                     priority: int = 0, whole: bool = False) -> EngineStreams:
+        """whole: only finished outputs are needed (the engine sends each request's once)."""
         generators = []
         for index, (ids, p) in enumerate(zip(prompts, params)):
             # The request id prefixes the engine id (grep finds both); the random tail keeps
             # engine ids unique when clients reuse an X-Request-Id.
             engine_id = f"{self.request_id}-{index}-{secrets.token_hex(3)}"
             self.log_engine_request(engine_id, ids, p)
-            generators.append(self.client.generate(ids, p, engine_id, priority))
+            generators.append(self.client.generate(ids, p, engine_id, priority, whole))
         return EngineStreams(generators)
 
     async def complete(self, prompts: list[list[int]], params: list[SamplingParams],
                        priority: int = 0) -> Batch:
         """Cumulative outputs by prompt index; a client that leaves aborts them."""
-        streams = self.open_streams(prompts, params, priority)
+        streams = self.open_streams(prompts, params, priority, whole=True)
         try:
             outputs = await unless_disconnected(self.request.receive, collect(streams))
         except Exception as exc:

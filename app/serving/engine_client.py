@@ -17,8 +17,9 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, whole: bool = False) -> AsyncIterator[RequestOutput]:
         """Delta outputs until finished. Raises ValueError for a request that can't be served.
+        whole: the caller needs only the finished output, so deltas may arrive merged.
         Closing the iterator (or cancelling the task awaiting it) aborts the request and frees
         its KV blocks: there is no separate abort call (app/api/streams.py)."""
 
@@ -39,8 +40,8 @@ class LocalEngineClient:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0):
-        return self.engine.generate(prompt_token_ids, params, request_id, priority)
+    def generate(self, prompt_token_ids, params, request_id, priority=0, whole=False):
+        return self.engine.generate(prompt_token_ids, params, request_id, priority)  # no hops to save
 
     async def stats(self) -> dict:
         return {"replicas": [self.engine.stats()]}

@@ -41,6 +41,7 @@ class EngineRequest:
     params: SamplingParams
     request_id: str
     priority: int = 0
+    whole: bool = False  # only the finished output is wanted (not streamed to the client)
 
     @property
     def prompt(self) -> str:
@@ -87,7 +88,7 @@ class LLMServer:
         """Lists of delta RequestOutputs, relayed as the scheduler paced them."""
         request_id = request.request_id
         stream = self.scheduler.generate.options(num_returns="streaming").remote(
-            request.prompt_token_ids, request.params, request_id, request.priority)
+            request.prompt_token_ids, request.params, request_id, request.priority, request.whole)
         finished = False
         try:
             async for ref in stream:
@@ -159,9 +160,9 @@ class ServeEngineClient:
         return cls(handle, await handle.get_max_model_len.remote(), app_name)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0):
+                       request_id: str, priority: int = 0, whole: bool = False):
         response = self._streaming.generate.remote(
-            EngineRequest(prompt_token_ids, params, request_id, priority))
+            EngineRequest(prompt_token_ids, params, request_id, priority, whole))
         try:
             async for outputs in response:
                 if isinstance(outputs, BaseException):
