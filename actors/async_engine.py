@@ -52,17 +52,33 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     # ---- caller side (any thread with an event loop) --------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.check_request(prompt_token_ids, params)
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      lora: str | None = None) -> None:
+        self.engine.check_request(prompt_token_ids, params, lora)
+
+    # ---- LoRA adapters: the registry is thread-safe; checking files runs off the event loop
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.loras is not None
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await asyncio.to_thread(self.engine.add_lora, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[dict]:
+        return [{"name": r.name, "path": r.path} for r in self.engine.list_loras()]
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, prompt: str | None = None):
-        """Yield delta RequestOutputs until the request finishes. Closing the generator aborts it."""
+                       priority: int = 0, prompt: str | None = None, lora: str | None = None):
+        """Yield delta RequestOutputs until the request finishes. Closing the generator aborts it.
+        `lora`: a registered adapter's name (None: the base model)."""
         if not self.alive:
             raise EngineDeadError(f"the engine failed: {self.error or 'its loop ended'}")
         if self.draining:
             raise ShuttingDownError("the server is shutting down; retry on another replica")
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, lora)
         limit = self.engine.config.max_queued_requests
         if limit is not None and self.num_waiting() >= limit:
             raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit {limit})")
@@ -73,7 +89,7 @@ class AsyncEngine:
             grammar = await asyncio.to_thread(self.engine.grammars.compile, params.structured)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._post(("add", request_id, prompt_token_ids, params, priority, prompt, grammar))
+        self._post(("add", request_id, prompt_token_ids, params, priority, prompt, grammar, lora))
         finished = False
         try:
             while not finished:
@@ -127,6 +143,9 @@ class AsyncEngine:
             "in_flight": len(self._streams),  # requests whose stream is open, queued ones included
             "ranks": e.rank_infos,
         }
+        if e.loras is not None:  # adapters registered, and the ones in slots now
+            stats["lora_adapters"] = [r.name for r in e.list_loras()]
+            stats["lora_slots_loads"] = e.scheduler.loras.loads
         experts = e.runner.expert_stats()  # MoE models: routed tokens per expert, balancedness
         if experts is not None:
             stats["experts"] = experts
@@ -206,11 +225,11 @@ class AsyncEngine:
             if message[0] == "abort":
                 self.engine.abort_request(message[1])
                 continue
-            _, rid, ids, params, priority, prompt, grammar = message
+            _, rid, ids, params, priority, prompt, grammar, lora = message
             if rid not in self._streams:
                 continue  # the caller went away before the engine saw the request
-            try:
-                self.engine.add_request(rid, ids, params, priority, prompt, grammar)
+            try:  # (an adapter unloaded since check_request is refused here)
+                self.engine.add_request(rid, ids, params, priority, prompt, grammar, lora)
             except ValueError as exc:
                 self._send(rid, exc)
 

@@ -28,7 +28,7 @@ def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 def root_hash(seq: Sequence) -> int | None:
-    """The parent of a sequence's first block: its cache key, mixed into the whole chain."""
+    """The parent of a sequence's first block: its cache key (salt, adapter), mixed into the whole chain."""
     return hash(("cache_key", seq.cache_key)) if seq.cache_key else None
 
 

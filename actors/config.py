@@ -41,6 +41,11 @@ class EngineConfig:
     num_redundant_experts: int = 0  # extra expert slots that hold copies of the hottest experts
     eplb_window_size: int = 1000  # forward steps of routed-token counts kept for stats and re-planning
     eplb_step_interval: int = 0  # re-plan the expert placement every N steps; 0: never
+    # LoRA adapters (vLLM's names): slots are allocated at start-up on every rank
+    enable_lora: bool = False  # implied by lora_modules; needed to load adapters at run time
+    lora_modules: list[str] | None = None  # "name=path" adapters registered at start
+    max_loras: int = 1  # adapter slots: adapters in one batch (more registered ones take turns, LRU)
+    max_lora_rank: int = 16  # the largest adapter rank the slots hold
     # Metrics: histogram bucket bounds in seconds ("0.05,0.1,0.5" or a list); None: defaults
     metrics_ttft_buckets: list[float] | None = None  # time to first token
     metrics_itl_buckets: list[float] | None = None  # inter-token latency
@@ -52,6 +57,27 @@ class EngineConfig:
         from actors.metrics import check_buckets
         for name in ("metrics_ttft_buckets", "metrics_itl_buckets", "metrics_e2e_buckets"):
             setattr(self, name, check_buckets(name, getattr(self, name)))
+        if isinstance(self.lora_modules, str):  # "a=/x,b=/y" from an environment variable
+            self.lora_modules = [m.strip() for m in self.lora_modules.split(",") if m.strip()]
+        if self.lora_modules:
+            self.enable_lora = True
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """--lora-modules as {name: path}: each "name=path" or vLLM's JSON {"name", "path"}."""
+        out = {}
+        for item in self.lora_modules or []:
+            if isinstance(item, dict):
+                name, path = item.get("name"), item.get("path")
+            elif item.lstrip().startswith("{"):
+                import json
+                spec = json.loads(item)
+                name, path = spec.get("name"), spec.get("path")
+            else:
+                name, _, path = item.partition("=")
+            if not name or not path:
+                raise ValueError(f"--lora-modules entries are name=path, got {item!r}")
+            out[name.strip()] = path.strip()
+        return out
 
     @property
     def expert_parallel(self) -> bool:
@@ -92,6 +118,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("--num-kv-blocks must be at least 2")
         self._validate_experts()
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        self.lora_module_paths()
 
     def _validate_experts(self) -> None:
         if self.ep_size is not None and self.ep_size not in (1, self.tp_size):

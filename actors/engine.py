@@ -18,8 +18,10 @@ import torch
 from actors.block_manager import BlockManager
 from actors.config import EngineConfig
 from actors.detokenizer import IncrementalDetokenizer
-from actors.errors import RequestFailedError
-from actors.loader import load_tokenizer, resolve_model_path
+from actors.errors import RequestFailedError, UnknownAdapterError
+from actors.loader import checkpoint_shapes, load_tokenizer, resolve_model_path
+from actors.lora import LoraRegistry
+from actors.lora_adapter import LoraRef
 from actors.metrics import EngineMetrics
 from actors.model_runner import ModelRunner, RunnerOutput
 from actors.model_spec import resolve_model
@@ -63,6 +65,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(resolve_model_path(config.model_path))
         self.spec = resolve_model(config, self.tokenizer)
         self.model_path, self.max_model_len, self.eos_ids = self.spec.path, self.spec.max_model_len, self.spec.eos_ids
+        self.loras = self._lora_registry(config)  # before the weights: a bad adapter fails at once
         torch.manual_seed(config.seed)
         start = time.perf_counter()
         self.runner = ModelRunner(config, self.spec)
@@ -82,9 +85,46 @@ class LLMEngine:
         self.failures: list[tuple[str, Exception]] = []  # requests whose post-processing raised
         self._finished_on_arrival: list[str] = []  # nothing to compute (max_tokens=0)
 
+    def _lora_registry(self, config: EngineConfig) -> LoraRegistry | None:
+        if not config.enable_lora:
+            return None
+        registry = LoraRegistry(checkpoint_shapes(self.model_path), config.max_lora_rank,
+                                self.spec.args.moe is not None)
+        for name, path in config.lora_module_paths().items():
+            registry.add(name, path)
+        return registry
+
+    # ---- LoRA adapters (callable from any thread) -------------------------------------
+    def add_lora(self, name: str, path: str) -> LoraRef:
+        """Register an adapter; it is read into a slot when a request first needs it."""
+        if self.loras is None:
+            raise ValueError("LoRA adapters are off: start the server with --enable-lora "
+                             "(or --lora-modules)")
+        return self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter: new requests for it get UnknownAdapterError."""
+        if self.loras is None:
+            raise UnknownAdapterError(f"The lora adapter '{name}' cannot be found.")
+        self.loras.remove(name)
+
+    def list_loras(self) -> list[LoraRef]:
+        return self.loras.list() if self.loras is not None else []
+
+    def lora_ref(self, name: str | None) -> LoraRef | None:
+        """The registered adapter a request names (None: the base model)."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise UnknownAdapterError(f"The model `{name}` does not exist.")
+        return self.loras.get(name)
+
     # ---- requests ---------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (with the numbers) for a request this engine can never serve."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      lora: str | None = None) -> None:
+        """Raise ValueError (with the numbers) for a request this engine can never serve;
+        UnknownAdapterError (a ValueError) for an adapter it does not have."""
+        self.lora_ref(lora)
         params.validate()
         n = len(prompt_token_ids)
         if n == 0:
@@ -101,11 +141,14 @@ class LLMEngine:
             raise ValueError(f"the request needs {need} KV blocks but the pool has {self.blocks.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, prompt: str | None = None, grammar=None) -> None:
-        """`grammar`: params.structured already compiled (AsyncEngine compiles off this thread)."""
+                    priority: int = 0, prompt: str | None = None, grammar=None,
+                    lora: str | None = None) -> None:
+        """`grammar`: params.structured already compiled (AsyncEngine compiles off this thread).
+        `lora`: the name of a registered adapter to run the request on (None: the base model)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, lora)
+        ref = self.lora_ref(lora)
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
         params = copy.copy(params)  # callers may share one SamplingParams between requests
@@ -114,7 +157,7 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, priority, prompt=prompt)
         for i in range(params.n):
             seq = Sequence(request_id, i, list(prompt_token_ids), len(prompt_token_ids), params, priority,
-                           cache_key=cache_key(params))
+                           cache_key=cache_key(params, ref), lora=ref)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             if grammar is not None:
@@ -124,6 +167,7 @@ class LLMEngine:
                                                      params.skip_special_tokens,
                                                      params.include_stop_str_in_output))
         self.requests[request_id] = req
+        self.metrics.request_added(lora)
         first = req.seqs[0]
         first.children = req.seqs[1:]  # the other samples wait for its prompt, then share its blocks
         if params.max_tokens == 0 and params.prompt_logprobs is None:
@@ -263,9 +307,11 @@ class LLMEngine:
         self.abort_request(req.request_id)
 
 
-def cache_key(params: SamplingParams) -> tuple:
-    """What a sequence's prefix-cache blocks are keyed on besides its tokens (actors/block_manager.py)."""
-    return ("salt", params.cache_salt) if params.cache_salt is not None else ()
+def cache_key(params: SamplingParams, lora: LoraRef | None = None) -> tuple:
+    """What a sequence's prefix-cache blocks are keyed on besides its tokens (actors/block_manager.py):
+    its cache salt and its adapter (the adapter changes the KV of the same tokens)."""
+    salt = ("salt", params.cache_salt) if params.cache_salt is not None else ()
+    return salt + (lora.cache_key if lora is not None else ())
 
 
 def _output(delta: RequestOutput, index: int) -> CompletionOutput:

@@ -15,3 +15,9 @@ class RequestFailedError(RuntimeError):
 
 class ShuttingDownError(RuntimeError):
     """The server is draining: it takes no new requests (and, past the drain, ends the rest)."""
+
+
+class UnknownAdapterError(ValueError):
+    """A request or an unload names a LoRA adapter the engine does not have (HTTP 404).
+
+    A ValueError, so every path that refuses a request refuses this one too."""

@@ -30,11 +30,16 @@ class LLM:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter (needs enable_lora=True or lora_modules)."""
+        self.engine.add_lora(name, path)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Queue a request; raises ValueError for one the engine can never serve."""
+                    priority: int = 0, lora: str | None = None) -> None:
+        """Queue a request (on adapter `lora`, None: the base model); raises ValueError for
+        one the engine can never serve."""
         text = prompt if isinstance(prompt, str) else None
-        self.engine.add_request(request_id, self.encode(prompt), params, priority, prompt=text)
+        self.engine.add_request(request_id, self.encode(prompt), params, priority, prompt=text, lora=lora)
         self._pending.append(request_id)
 
     def run(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:
@@ -53,13 +58,15 @@ class LLM:
         return done
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """lora: one adapter name for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, name in zip(ids, prompts, params, loras):
+            self.add_request(rid, prompt, p, lora=name)
         done = self.run(use_tqdm)
         return [done[rid] for rid in ids]

@@ -109,6 +109,15 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def checkpoint_shapes(path: Path) -> dict[str, tuple]:
+    """Every weight's shape (from the files' headers): what adapters are checked against."""
+    shapes = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
+
+
 def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None = None) -> None:
     params = dict(model.named_parameters())
     for param in params.values():  # vocab padding rows (tensor parallel) stay zero

@@ -29,6 +29,7 @@ COUNTERS = {
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
 }
 FINISHED = ("requests_finished", "Finished sequences (choices) by finish reason.")
+LORA_REQUESTS = ("lora_requests", "Requests started on each LoRA adapter (lora_name).")
 GAUGES = {
     "num_requests_running": "Sequences in the running batch.",
     "num_requests_waiting": "Sequences waiting to be scheduled.",
@@ -101,6 +102,7 @@ class EngineMetrics:
         self.labels = {"model": model_label(config.model_path), "replica": "local"}
         self.counts = {"prompt_tokens": 0, "generation_tokens": 0}
         self.finished: dict[str, int] = {}  # finish reason -> sequences
+        self.lora_requests: dict[str, int] = {}  # adapter name -> requests
         # An option (EngineConfig field) overrides the default buckets where there is one.
         self.hist = {name: Histogram((field and getattr(config, field, None)) or default)
                      for name, (_, default, field) in HISTOGRAMS.items()}
@@ -132,6 +134,10 @@ class EngineMetrics:
         for interval, n in self._intervals.items():
             self._itl.observe(interval, n)
         self._intervals.clear()
+
+    def request_added(self, lora: str | None) -> None:
+        if lora is not None:
+            self.lora_requests[lora] = self.lora_requests.get(lora, 0) + 1
 
     def _scheduled(self, req, now: float) -> None:
         """A request's first step: its queue time ends and its prompt starts computing."""
@@ -182,6 +188,7 @@ class EngineMetrics:
                          "prefix_cache_queries": sched.query_tokens,
                          "prefix_cache_hits": sched.hit_tokens},
             "finished": dict(self.finished),
+            "lora_requests": dict(self.lora_requests),
             "gauges": {"num_requests_running": len(sched.running),
                        "num_requests_waiting": len(sched.waiting),
                        # Blocks, not a fraction, so GET /metrics can sum them over replicas.

@@ -16,6 +16,7 @@ from actors.config import EngineConfig
 from actors.expert_balancer import ExpertBalancer
 from actors.loader import build_model
 from actors.model_spec import ModelSpec
+from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.parallel import layout
 from actors.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
 from actors.scheduler import ScheduledSeq, SchedulerOutput, StepRow
@@ -67,6 +68,9 @@ class ModelRunner:
         self.experts = None  # MoE models: expert load recording and placement re-planning
         if self.args.moe is not None:
             self.experts = ExpertBalancer(self.model, config.eplb_window_size, config.eplb_step_interval, spec.path)
+        # Adapter slots (actors/models/lora.py), allocated before the KV pool is sized.
+        self.lora_layers = attach_lora(self.model, config.max_loras, config.max_lora_rank) \
+            if config.enable_lora else None
         self.block_size = config.block_size
         self.num_blocks = num_blocks or self._num_kv_blocks(spec.max_model_len)
         self._allocate_kv_cache()
@@ -112,6 +116,9 @@ class ModelRunner:
     def _forward(self, output: SchedulerOutput) -> torch.Tensor | None:
         """Logits of output.logit_rows, in order."""
         if self.p.world_size == 1:
+            self.load_adapters(output)
+            if self.lora_layers:
+                self.model.lora_state.batch = self.lora_batch(output)
             hidden = self.model(*self.prepare(output))
             return self.model.compute_logits(hidden[output.logit_rows]) if output.logit_rows else None
         rebalance = self.experts is not None and self.experts.due()
@@ -123,7 +130,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run_stage(self, output: SchedulerOutput) -> torch.Tensor | None:
         """This rank's share of a multi-rank step; rank 0 gets the logits back."""
-        micro = [MicroBatch(*self.prepare(part), part.logit_rows) for part in output.split(self.p.pp_size)]
+        self.load_adapters(output)
+        micro = [MicroBatch(*self.prepare(part), part.logit_rows, self.lora_batch(part))
+                 for part in output.split(self.p.pp_size)]
         parts = run_stage(self.model, self.p, micro, self.args.hidden_size, self.args.vocab_size, self.dtype)
         parts = [x for x in parts if x is not None]
         return torch.cat(parts) if parts else None
@@ -138,6 +147,19 @@ class ModelRunner:
     def stop_workers(self) -> None:
         if self.p.world_size > 1 and self.p.rank == 0:
             broadcast_step(self.p, STOP)
+
+    def load_adapters(self, output: SchedulerOutput) -> None:
+        """Read the adapters the scheduler put into slots this step (every rank does)."""
+        for slot, ref in output.lora_loads:
+            load_adapter(self.model, self.lora_layers, slot, ref.path)
+            log.info("LoRA adapter %s loaded into slot %d", ref.name, slot)
+
+    def lora_batch(self, output: SchedulerOutput):
+        """The step's token rows grouped by adapter slot, or None (no LoRA, or no row uses one)."""
+        if not self.lora_layers:
+            return None
+        slots = [r.lora_slot for r in output.rows for _ in r.token_ids]
+        return lora_batch(slots, self.config.max_loras, self.dtype, self.device)
 
     def prepare(self, output: SchedulerOutput):
         """input ids, positions and attention metadata of the step's rows."""

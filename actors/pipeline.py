@@ -21,6 +21,7 @@ class MicroBatch:
     positions: torch.Tensor
     meta: object  # kernels.attention.AttentionMetadata
     logit_rows: list[int]
+    lora: object = None  # actors.models.lora.LoraBatch: its rows' adapters (None: none)
 
 
 STOP = "stop"
@@ -45,6 +46,8 @@ def run_stage(model, p: Parallel, micro: list[MicroBatch], hidden_size: int, voc
         if not p.first_stage:
             x = torch.empty(len(mb.input_ids), hidden_size, dtype=dtype, device=p.device)
             dist.recv(x, src=p.peer(p.pp_rank - 1))
+        if hasattr(model, "lora_state"):
+            model.lora_state.batch = mb.lora
         h = model(x, mb.positions, mb.meta)
         if not p.last_stage:
             sends.append((dist.isend(h, dst=p.peer(p.pp_rank + 1)), h))

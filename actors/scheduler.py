@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from actors.block_manager import BlockManager
 from actors.config import EngineConfig
+from actors.lora import LoraSlots
 from actors.sequence import Sequence, Status
 from actors.structured import accept
 
@@ -28,6 +29,7 @@ class StepRow:
     token_ids: list[int]  # the tokens computed this step
     start: int  # the position of the first (the sequence's computed tokens before the step)
     block_table: list[int]  # blocks covering positions [0, start + len(token_ids))
+    lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model alone)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class SchedulerOutput:
     logit_rows: list[int]  # token rows whose logits are computed, in order
     seqs: list[ScheduledSeq] = field(default_factory=list)  # rank 0 only (not broadcast)
     finished: list[Sequence] = field(default_factory=list)  # rank 0: ended without a row (pool full)
+    # (slot, LoraRef): adapters every rank reads into a slot before this step's forward
+    lora_loads: list[tuple] = field(default_factory=list)
 
     def __getstate__(self) -> dict:  # the other ranks need the rows, not rank 0's sequences
         return {**self.__dict__, "seqs": [], "finished": []}
@@ -74,6 +78,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
         self.blocks = block_manager
+        self.loras = LoraSlots(config.max_loras) if config.enable_lora else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -89,6 +94,7 @@ class Scheduler:
         budget = self.max_tokens
         scheduled: list[ScheduledSeq] = []
         self._outgrown: list[Sequence] = []
+        self._lora_loads: list[tuple] = []
         if self.priority:
             self.running.sort(key=Sequence.sort_key)
             self.waiting.sort(key=Sequence.sort_key)
@@ -97,6 +103,7 @@ class Scheduler:
             self._admit_waiting(scheduled, budget)
         output = _output(scheduled)
         output.finished = self._outgrown
+        output.lora_loads = self._lora_loads
         return output
 
     def _outgrows_pool(self, seq: Sequence) -> bool:
@@ -130,6 +137,7 @@ class Scheduler:
         return budget, preempted
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> None:
+        in_use = {s.lora.id for s in self.running if s.lora is not None}  # adapters that keep their slot
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             if self._outgrows_pool(seq):
@@ -139,6 +147,8 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             if not self.blocks.can_allocate(seq, cached + n, hits):
                 break
+            if seq.lora is not None and not self._take_lora_slot(seq, in_use):
+                break  # every adapter slot serves running sequences: wait for one to finish
             self.waiting.pop(0)
             self.blocks.allocate(seq, cached + n, hits)
             self.hit_tokens += cached
@@ -148,6 +158,17 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(_scheduled(seq, n))
             budget -= n
+
+    def _take_lora_slot(self, seq: Sequence, in_use: set[int]) -> bool:
+        """Give seq its adapter's slot, loading the adapter there this step if it isn't resident."""
+        got = self.loras.acquire(seq.lora, in_use)
+        if got is None:
+            return False
+        seq.lora_slot, load = got
+        if load:
+            self._lora_loads.append((seq.lora_slot, seq.lora))
+        in_use.add(seq.lora.id)
+        return True
 
     def update(self, output: SchedulerOutput, tokens: list[int | None]) -> None:
         """The step ran: `tokens` holds the token sampled for each of output.seqs (or None)."""
@@ -219,7 +240,7 @@ def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
     rows, logit_rows, offset = [], [], 0
     for s in scheduled:
         seq, end = s.seq, s.start + s.num_tokens
-        rows.append(StepRow(seq.token_ids[s.start:end], s.start, list(seq.block_table)))
+        rows.append(StepRow(seq.token_ids[s.start:end], s.start, list(seq.block_table), seq.lora_slot))
         first = len(logit_rows)
         if s.prompt_logprobs:
             logit_rows.extend(range(offset, offset + s.num_tokens))

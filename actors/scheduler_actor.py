@@ -123,11 +123,12 @@ class SchedulerActor:
                              name="shoal-progress", daemon=True).start()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0, whole: bool = False):
+                       request_id: str, priority: int = 0, lora: str | None = None,
+                       whole: bool = False):
         """Lists of delta RequestOutputs. Cancelling or closing the stream aborts the request.
         whole: the caller wants only the finished output (a non-streamed HTTP request), so it
         leaves as one item, which every hop relays once instead of once per chunk."""
-        stream = self.engine.generate(prompt_token_ids, params, request_id, priority)
+        stream = self.engine.generate(prompt_token_ids, params, request_id, priority, lora=lora)
         gather = (lambda: float("inf")) if whole else self._gather_seconds
         async for outputs in coalesce(stream, gather):
             # One merged delta per chunk: less for every hop to pickle (each delta repeats
@@ -142,6 +143,18 @@ class SchedulerActor:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_enabled
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def list_loras(self) -> list[dict]:
+        return self.engine.list_loras()
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "pid": os.getpid()}

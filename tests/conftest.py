@@ -53,3 +53,24 @@ def qwen2_ckpt(checkpoint_factory):
 @pytest.fixture(scope="session")
 def qwen3_ckpt(checkpoint_factory):
     return checkpoint_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def adapters(checkpoint_factory, tmp_path_factory):
+    """`adapters(arch) -> (base checkpoint, {"a": dir, "b": dir})`: two random PEFT LoRA
+    adapters (tests/lora_adapters.py). "a" adapts every projection (r 8, alpha 16), "b" only
+    q/v/down with rsLoRA (r 4, alpha 8)."""
+    from lora_adapters import make_adapter
+    built = {}
+
+    def get(arch="llama"):
+        if arch not in built:
+            base = checkpoint_factory(arch)
+            root = tmp_path_factory.mktemp(f"lora-{arch}")
+            built[arch] = base, {
+                "a": make_adapter(base, root / "a", seed=1),
+                "b": make_adapter(base, root / "b", targets=("q_proj", "v_proj", "down_proj"),
+                                  r=4, alpha=8, seed=2, rslora=True),
+            }
+        return built[arch]
+    return get

@@ -22,32 +22,36 @@ def _load(path: str):
     return model.eval()
 
 
-def hf_model(path):
-    """The cached transformers model for a checkpoint directory."""
+def hf_model(path, adapter=None):
+    """The cached transformers model for a checkpoint directory (with a PEFT LoRA adapter
+    directory on top: transformers + peft, float32)."""
+    if adapter is not None:
+        from lora_adapters import peft_model
+        return peft_model(path, adapter)
     return _load(str(pathlib.Path(path).resolve()))
 
 
 @torch.inference_mode()
-def hf_logits(path, ids: list[int]) -> torch.Tensor:
+def hf_logits(path, ids: list[int], adapter=None) -> torch.Tensor:
     """Float32 logits [len(ids), vocab] of one forward over `ids`."""
-    model = hf_model(path)
+    model = hf_model(path, adapter)
     out = model(input_ids=torch.tensor([ids], dtype=torch.long))
     return out.logits[0].float()
 
 
-def hf_prompt_logprobs(path, prompt_ids: list[int]) -> list[float]:
+def hf_prompt_logprobs(path, prompt_ids: list[int], adapter=None) -> list[float]:
     """log P(prompt_ids[i] | prompt_ids[:i]) for i >= 1 (len(prompt_ids) - 1 values)."""
-    logprobs = torch.log_softmax(hf_logits(path, prompt_ids)[:-1], dim=-1)
+    logprobs = torch.log_softmax(hf_logits(path, prompt_ids, adapter)[:-1], dim=-1)
     targets = torch.tensor(prompt_ids[1:], dtype=torch.long)
     return logprobs.gather(1, targets[:, None])[:, 0].tolist()
 
 
 @torch.inference_mode()
 def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int,
-              stop_at_eos: bool = False) -> list[int]:
+              stop_at_eos: bool = False, adapter=None) -> list[int]:
     """Greedy new tokens from `model.generate`. With stop_at_eos=False exactly
     max_new_tokens come back (eos may appear and generation goes on, like ignore_eos)."""
-    model = hf_model(path)
+    model = hf_model(path, adapter)
     gen_config = copy.deepcopy(model.generation_config)
     gen_config.do_sample = False
     gen_config.max_new_tokens = max_new_tokens

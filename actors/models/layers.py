@@ -2,7 +2,9 @@
 
 Column-parallel layers are plain nn.Linear with this rank's share of the output rows; the
 row-parallel one sums the partial products of all ranks before adding its bias; the vocab is
-split across ranks for the embedding and the LM head.
+split across ranks for the embedding and the LM head. Both linear layers take an optional
+`lora` (actors/models/lora.py: adapter slots), whose per-row delta joins the product before
+the all-reduce.
 """
 from __future__ import annotations
 
@@ -13,15 +15,32 @@ from torch import nn
 from actors.parallel import Parallel
 
 
+class ColumnParallelLinear(nn.Linear):
+    """This rank's share of the output rows (the loader slices them: weight_rule)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias=bias)
+        self.lora = None  # LoraWeights when adapters are enabled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_delta(x, y)
+
+
 class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, p: Parallel):
         super().__init__(in_features, out_features, bias=bias)
         self.p = p
+        self.lora = None  # LoraWeights when adapters are enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.p.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.p.all_reduce(F.linear(x, self.weight))
+            y = F.linear(x, self.weight, self.bias)
+            return y if self.lora is None else self.lora.add_delta(x, y)
+        y = F.linear(x, self.weight)
+        if self.lora is not None:  # this rank's share of the delta, summed with the product
+            y = self.lora.add_delta(x, y)
+        y = self.p.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

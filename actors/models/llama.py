@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from actors.models.args import ModelArgs
-from actors.models.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard
+from actors.models.layers import (
+    ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard,
+)
 from actors.parallel import Parallel
 from kernels.activation import silu_and_mul
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
@@ -42,7 +44,7 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kvh, _ = local_heads(a, p)
         self.d = a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=a.qkv_bias)
+        self.qkv_proj = ColumnParallelLinear(a.hidden_size, (self.h + 2 * self.kvh) * self.d, a.qkv_bias)
         self.o_proj = RowParallelLinear(self.h * self.d, a.hidden_size, a.o_bias, p)
         self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
@@ -65,7 +67,7 @@ class MLP(nn.Module):
     def __init__(self, a: ModelArgs, p: Parallel):
         super().__init__()
         width = a.intermediate_size // p.tp_size
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * width, bias=a.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear(a.hidden_size, 2 * width, a.mlp_bias)
         self.down_proj = RowParallelLinear(width, a.hidden_size, a.mlp_bias, p)
 
     def forward(self, x):

@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from actors.loader import resolve_model_path
 from app.api import (
-    metrics, openai_routes, ops_routes, responses_routes, scoring_routes, tokenize_routes, web,
+    lora_routes, metrics, openai_routes, ops_routes, responses_routes, scoring_routes, tokenize_routes, web,
 )
 from app.api.errors import install_error_handlers
 from app.api.middleware import REQUEST_ID_HEADER, ApiKeyAuth, BodySizeLimit, RequestTracking
@@ -32,8 +32,8 @@ def build_api(settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.http_metrics = metrics.HttpMetrics()  # counted by RequestTracking
     install_error_handlers(app)
-    for module in (openai_routes, responses_routes, scoring_routes, tokenize_routes, ops_routes,
-                   metrics, web):  # web: GET /
+    for module in (openai_routes, responses_routes, lora_routes, scoring_routes, tokenize_routes,
+                   ops_routes, metrics, web):  # web: GET /
         app.include_router(module.router)
     # Added innermost first: CORS (outermost) answers preflights before auth, and puts its
     # headers on 401s too; RequestTracking wraps auth so refusals carry the id and get logged.

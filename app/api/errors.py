@@ -11,7 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.errors import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
+from actors.errors import (
+    EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError, UnknownAdapterError,
+)
 from app.protocol.models import error_body, validation_error_body
 
 RETRY_AFTER_S = "1"  # queue-full clients retry soon: the queue drains at the engine's pace
@@ -73,6 +75,8 @@ def engine_error(exc: BaseException) -> ApiError | None:
                         headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(exc, RequestFailedError):  # the engine logged it; the others go on
         return ApiError(500, clean_message(exc), code="internal_error")
+    if isinstance(exc, UnknownAdapterError):  # `model` named an adapter the engine lacks
+        return ApiError(404, clean_message(exc), "model", "model_not_found")
     if isinstance(exc, ValueError):  # a request the engine can never serve (numbers inside)
         return bad_request(exc)
     return None

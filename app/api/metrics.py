@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, PREFIX
+from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX
 
 log = logging.getLogger("shoal.api")
 
@@ -92,10 +92,10 @@ def combine(snapshots: list[dict]) -> dict | None:
     if not snapshots:
         return None
     total = {"counters": defaultdict(float), "finished": defaultdict(float),
-             "gauges": defaultdict(float), "histograms": {}}
+             "gauges": defaultdict(float), "lora_requests": defaultdict(float), "histograms": {}}
     for snap in snapshots:
-        for part in ("counters", "finished", "gauges"):
-            for name, value in snap[part].items():
+        for part in ("counters", "finished", "gauges", "lora_requests"):
+            for name, value in snap.get(part, {}).items():
                 total[part][name] += value
         for name, h in snap["histograms"].items():
             _add_histogram(total["histograms"], name, h)
@@ -128,6 +128,8 @@ class ShoalCollector:
             yield _counter(name, text, ["model"], [(model, e["counters"].get(name, 0))])
         yield _counter(FINISHED[0], FINISHED[1], ["model", "finish_reason"],
                        [([self.model, r], v) for r, v in sorted(e["finished"].items())])
+        yield _counter(LORA_REQUESTS[0], LORA_REQUESTS[1], ["model", "lora_name"],
+                       [([self.model, name], v) for name, v in sorted(e["lora_requests"].items())])
         yield from self._gauges(e)
         for name, h in e["histograms"].items():
             yield _histogram(name, HISTOGRAMS[name][0], model, h)

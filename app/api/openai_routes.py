@@ -1,5 +1,8 @@
 """The OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models.
 
+A request's `model` is the served model, or a LoRA adapter's name (app/api/lora_routes.py
+loads them); /v1/models lists the adapters with the base model as their `parent`.
+
 Each route: validate (pydantic, in the signature), check the model and readiness, build the
 prompt ids and SamplingParams (refusals are 400s naming the field), then either wait for
 whole outputs or stream them. Bodies come from app/protocol/responses.py.
@@ -101,14 +104,27 @@ def model_card(request: Request) -> ModelCard:
                      or getattr(client, "max_model_len", None))
 
 
+async def model_cards(request: Request) -> list[ModelCard]:
+    """The base model, then every registered LoRA adapter with the base as its parent."""
+    base = model_card(request)
+    client = getattr(request.app.state, "client", None)
+    if not getattr(client, "lora_enabled", False):
+        return [base]
+    adapters = await client.list_loras()
+    return [base] + [ModelCard(id=a["name"], root=a["path"], parent=base.id,
+                               max_model_len=base.max_model_len) for a in adapters]
+
+
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request):
-    return JSONResponse(ModelList(data=[model_card(request)]).model_dump())
+    return JSONResponse(ModelList(data=await model_cards(request)).model_dump())
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard)
 async def retrieve_model(model: str, request: Request):
-    card = model_card(request)
-    if model not in request.app.state.settings.model_names():
-        raise unknown_model(model)
-    return JSONResponse(card.model_dump())
+    if model in request.app.state.settings.model_names():
+        return JSONResponse(model_card(request).model_dump())
+    for card in await model_cards(request):
+        if card.id == model:
+            return JSONResponse(card.model_dump())
+    raise unknown_model(model)

@@ -39,6 +39,7 @@ class Served:
     request_id: str
     texts: dict = field(default_factory=lambda: defaultdict(str))  # (prompt, seq) -> text, for logs
     summary: EngineSummary = field(default_factory=EngineSummary)  # for the request's log line
+    lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
 
     @classmethod
     def of(cls, request: Request) -> Served:
@@ -67,8 +68,13 @@ class Served:
         return self.settings.max_model_len or self.client.max_model_len
 
     def check_model(self, model: str | None) -> None:
-        if model and model not in self.settings.model_names():  # omitted: the one model served
+        """The base model (or none named), else a LoRA adapter's name: the engine refuses
+        one it does not have with a 404 (replicas may load adapters at run time)."""
+        if not model or model in self.settings.model_names():  # omitted: the one model served
+            return
+        if not getattr(self.client, "lora_enabled", False):
             raise unknown_model(model)
+        self.lora = model
 
     async def ensure_ready(self) -> None:
         # The gate (app/api/readiness.py) has checked already; this covers an app built
@@ -92,7 +98,11 @@ class Served:
             # engine ids unique when clients reuse an X-Request-Id.
             engine_id = f"{self.request_id}-{index}-{secrets.token_hex(3)}"
             self.log_engine_request(engine_id, ids, p)
-            generators.append(self.client.generate(ids, p, engine_id, priority, whole))
+            # Only adapter requests pass `lora`: clients without adapters keep their signature.
+            extra = {"lora": self.lora} if self.lora else {}
+            if whole:
+                extra["whole"] = True
+            generators.append(self.client.generate(ids, p, engine_id, priority, **extra))
         return EngineStreams(generators)
 
     async def complete(self, prompts: list[list[int]], params: list[SamplingParams],

@@ -104,6 +104,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="steps of per-expert routed-token counts kept for /stats and re-planning")
     add("--eplb-step-interval", type=int, metavar="STEPS",
         help="re-plan the expert placement every N steps (0: never)")
+    add("--enable-lora", action=argparse.BooleanOptionalAction,
+        help="serve LoRA adapters: allocate --max-loras adapter slots and accept "
+             "/v1/load_lora_adapter (implied by --lora-modules)")
+    add("--lora-modules", nargs="+", metavar="NAME=PATH",
+        help="PEFT LoRA adapters to register at start (a request names one in `model`); "
+             "vLLM's JSON form {\"name\": ..., \"path\": ...} works too")
+    add("--max-loras", type=int, metavar="N",
+        help="adapter slots: distinct adapters in one batch; more registered adapters take "
+             "turns, least recently used first (default 1)")
+    add("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank accepted (default 16)")
     for what, name in (("time to first token", "ttft"), ("inter-token latency", "itl"),
                        ("end-to-end latency", "e2e")):
         add(f"--metrics-{name}-buckets", metavar="S,S,...",

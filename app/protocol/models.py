@@ -421,12 +421,25 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "shoal"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class LoadLoraAdapterRequest(OpenAIModel):
+    """POST /v1/load_lora_adapter (vLLM's shape)."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(OpenAIModel):
+    """POST /v1/unload_lora_adapter (vLLM's shape; lora_int_id is accepted and unused)."""
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 class ErrorInfo(BaseModel):

@@ -17,11 +17,24 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0, whole: bool = False) -> AsyncIterator[RequestOutput]:
-        """Delta outputs until finished. Raises ValueError for a request that can't be served.
-        whole: the caller needs only the finished output, so deltas may arrive merged.
-        Closing the iterator (or cancelling the task awaiting it) aborts the request and frees
-        its KV blocks: there is no separate abort call (app/api/streams.py)."""
+                 priority: int = 0, lora: str | None = None, whole: bool = False) -> AsyncIterator[RequestOutput]:
+        """Delta outputs until finished. Raises ValueError for a request that can't be served
+        (UnknownAdapterError for an adapter `lora` the engine lacks). whole: the caller needs
+        only the finished output, so deltas may arrive merged. Closing the iterator (or
+        cancelling the task awaiting it) aborts the request and frees its KV blocks: there is
+        no separate abort call (app/api/streams.py)."""
+
+    # LoRA adapters (optional: a client without `lora_enabled` serves the base model only)
+    lora_enabled: bool
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Register an adapter on every replica; ValueError if it can't be served."""
+
+    async def unload_lora(self, name: str) -> None:
+        """Unregister an adapter everywhere; UnknownAdapterError if no replica has it."""
+
+    async def list_loras(self) -> list[dict]:
+        """{"name", "path"} of every registered adapter."""
 
     async def stats(self) -> dict: ...
 
@@ -39,9 +52,19 @@ class LocalEngineClient:
         self.engine = AsyncEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.lora_enabled = self.engine.lora_enabled
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0, whole=False):
-        return self.engine.generate(prompt_token_ids, params, request_id, priority)  # no hops to save
+    def generate(self, prompt_token_ids, params, request_id, priority=0, lora=None, whole=False):
+        return self.engine.generate(prompt_token_ids, params, request_id, priority, lora=lora)  # no hops to save
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self.engine.load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    async def list_loras(self) -> list[dict]:
+        return self.engine.list_loras()
 
     async def stats(self) -> dict:
         return {"replicas": [self.engine.stats()]}

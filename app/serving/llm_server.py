@@ -41,13 +41,18 @@ class EngineRequest:
     params: SamplingParams
     request_id: str
     priority: int = 0
+    lora: str | None = None  # a LoRA adapter's name; None: the base model
     whole: bool = False  # only the finished output is wanted (not streamed to the client)
 
     @property
     def prompt(self) -> str:
         """What prefix-aware routing matches on: one character per token id (past the control
-        characters), so a shared token prefix is a shared string prefix."""
-        return "".join(chr(0x20 + t) for t in self.prompt_token_ids)
+        characters), so a shared token prefix is a shared string prefix. An adapter's name
+        comes first (ended by a control character no token maps to): an adapter's requests
+        share a prefix, so they go where that adapter is already loaded (and its KV cached),
+        and never match a prefix cached for another adapter or the base model."""
+        tokens = "".join(chr(0x20 + t) for t in self.prompt_token_ids)
+        return tokens if self.lora is None else f"{self.lora}\x00{tokens}"
 
 
 def scheduler_name_prefix(app_name: str) -> str:
@@ -88,7 +93,8 @@ class LLMServer:
         """Lists of delta RequestOutputs, relayed as the scheduler paced them."""
         request_id = request.request_id
         stream = self.scheduler.generate.options(num_returns="streaming").remote(
-            request.prompt_token_ids, request.params, request_id, request.priority, request.whole)
+            request.prompt_token_ids, request.params, request_id, request.priority, request.lora,
+            request.whole)
         finished = False
         try:
             async for ref in stream:
@@ -113,6 +119,9 @@ class LLMServer:
 
     async def get_max_model_len(self) -> int:
         return self.max_model_len
+
+    async def lora_enabled(self) -> bool:
+        return await self.scheduler.lora_enabled.remote()
 
     async def check_health(self) -> None:
         """Serve restarts a replica whose scheduler died or whose engine failed."""
@@ -149,20 +158,23 @@ def unwrap(exc: BaseException) -> BaseException:
 class ServeEngineClient:
     """EngineClient over the LLMServer pool's deployment handle (used by the ingress)."""
 
-    def __init__(self, handle, max_model_len: int, app_name: str):
+    def __init__(self, handle, max_model_len: int, app_name: str, lora_enabled: bool = False):
         self.handle = handle
         self._streaming = handle.options(stream=True)
         self.max_model_len = max_model_len
         self.app_name = app_name
+        self.lora_enabled = lora_enabled
 
     @classmethod
     async def create(cls, handle, app_name: str) -> "ServeEngineClient":
-        return cls(handle, await handle.get_max_model_len.remote(), app_name)
+        return cls(handle, await handle.get_max_model_len.remote(), app_name,
+                   await handle.lora_enabled.remote())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0, whole: bool = False):
+                       request_id: str, priority: int = 0, lora: str | None = None,
+                       whole: bool = False):
         response = self._streaming.generate.remote(
-            EngineRequest(prompt_token_ids, params, request_id, priority, whole))
+            EngineRequest(prompt_token_ids, params, request_id, priority, lora, whole))
         try:
             async for outputs in response:
                 if isinstance(outputs, BaseException):
@@ -176,6 +188,30 @@ class ServeEngineClient:
             raise error from None
         finally:
             response.cancel()  # a no-op once finished; else it reaches LLMServer.generate
+
+    # ---- LoRA adapters: registered on every replica's scheduler (named actors, as /stats) --
+    # A replica started later (autoscaling, a restart) has only the --lora-modules ones.
+    async def load_lora(self, name: str, path: str) -> None:
+        errors = [r for r in await self._on_every_replica("load_lora", name, path) if isinstance(r, Exception)]
+        if errors:
+            raise errors[0]
+
+    async def unload_lora(self, name: str) -> None:
+        """Succeeds where any replica had it (one started since may not)."""
+        results = await self._on_every_replica("unload_lora", name)
+        if results and all(isinstance(r, Exception) for r in results):
+            raise results[0]
+
+    async def list_loras(self) -> list[dict]:
+        results = [r for r in await self._on_every_replica("list_loras") if not isinstance(r, Exception)]
+        return sorted({a["name"]: a for r in results for a in r}.values(), key=lambda a: a["name"])
+
+    async def _on_every_replica(self, method: str, *args) -> list:
+        """Each live replica's result of scheduler.method(*args), or its (unwrapped) exception."""
+        actors = await asyncio.to_thread(scheduler_actors, self.app_name)
+        results = await asyncio.gather(*(getattr(a, method).remote(*args) for a in actors.values()),
+                                       return_exceptions=True)
+        return [unwrap(r) if isinstance(r, Exception) else r for r in results]
 
     async def ready(self) -> bool:
         try:
