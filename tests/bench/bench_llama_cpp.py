@@ -50,13 +50,16 @@ def checkpoint(root: Path) -> Path:
 def convert(hf: Path, llama_cpp: Path, outtype: str) -> Path:
     """GGUF of the checkpoint, by llama.cpp's converter, in a child process.
 
-    The test tokenizer is a byte-level BPE that the converter does not know by hash; its
-    pre-tokenizer is GPT-2's (byte-level, the GPT-2 regex), which is named here by hand."""
+    The test tokenizer is a byte-level BPE (GPT-2 style, tokenizer.json only): the converter
+    is sent straight to its GPT-2 vocab path (it would try SentencePiece first), and since it
+    does not know this tokenizer by hash, the pre-tokenizer (GPT-2's regex) is named by hand."""
     out = hf / f"model-{outtype}.gguf"
     if not out.exists():
         code = ("import sys, runpy; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']\n"
                 "import conversion.base as b\n"
                 "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+                "def no_file(self, *a, **k): raise FileNotFoundError('tokenizer.json only')\n"
+                "b.TextModel._set_vocab_sentencepiece = b.TextModel._set_vocab_llama_hf = no_file\n"
                 "script = sys.argv[1] + '/convert_hf_to_gguf.py'\n"
                 "sys.argv = [script] + sys.argv[2:]\n"
                 "runpy.run_path(script, run_name='__main__')\n")
@@ -126,8 +129,16 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 async def one_request(http: httpx.AsyncClient, url: str, prompt: list[int], args) -> tuple[int, float]:
-    """(output tokens, time to first token) of one /v1/completions request."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
+    """(output tokens, time to first token) of one /v1/completions request. A kept-alive
+    connection that the server closed just as it was reused is retried once."""
+    try:
+        return await _one_request(http, url, prompt, args)
+    except httpx.RemoteProtocolError:
+        return await _one_request(http, url, prompt, args)
+
+
+async def _one_request(http: httpx.AsyncClient, url: str, prompt: list[int], args) -> tuple[int, float]:
+    body = {"prompt": prompt, "max_tokens": args.output_len, "temperature": 0,
             "ignore_eos": True, "stream": args.stream}
     start = time.perf_counter()
     if not args.stream:
