@@ -73,8 +73,10 @@ def eos_token_ids(path: Path, cfg: dict, tokenizer) -> set[int]:
 
 
 def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
-                max_positions: int, parallel=None) -> nn.Module:
-    """This rank's shard of the model, with only its slices of the weights read from disk."""
+                max_positions: int, parallel=None, weight_dtype: torch.dtype | None = None) -> nn.Module:
+    """This rank's shard of the model, with only its slices of the weights read from disk.
+
+    weight_dtype: round every weight to it on the way in (a 16-bit model computed in float32)."""
     args = ModelArgs.from_hf(cfg)
     cls = model_class(args.architecture)
     # Built on the meta device in the target dtype, then given memory on the target device
@@ -86,7 +88,8 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     # Rotary tables are not weights: compute them for real after leaving the meta device.
     cos, sin = _rope_tables(args, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
-    load_weights(model, path)
+    model.weight_dtype = weight_dtype  # experts re-read later (load_selected) are rounded alike
+    load_weights(model, path, weight_dtype)
     return model.eval()
 
 
@@ -115,7 +118,7 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple]:
     return shapes
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None = None) -> None:
     params = dict(model.named_parameters())
     for param in params.values():  # vocab padding rows (tensor parallel) stay zero
         param.data.zero_()
@@ -129,7 +132,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 for name in f.keys():
                     rule = model.weight_rule(name)
                     if rule is not None:
-                        loaded.add(_load_slice(params, rule, f.get_slice(name), name))
+                        loaded.add(_load_slice(params, rule, f.get_slice(name), name, weight_dtype))
                     bar.update(1)
     finally:
         bar.close()
@@ -157,12 +160,12 @@ def load_selected(model: nn.Module, path: Path, rule) -> int:
             for name in f.keys():
                 target = rule(name)
                 if target is not None:
-                    _load_slice(params, target, f.get_slice(name), name)
+                    _load_slice(params, target, f.get_slice(name), name, getattr(model, "weight_dtype", None))
                     read += 1
     return read
 
 
-def _load_slice(params: dict, rule, tensor_slice, name: str) -> str:
+def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch.dtype | None = None) -> str:
     """Copy this rank's slice of one checkpoint tensor into (a row range of) its parameter.
 
     An optional sixth rule field picks one expert slot of a stacked [slots, ...] parameter.
@@ -177,6 +180,8 @@ def _load_slice(params: dict, rule, tensor_slice, name: str) -> str:
     else:
         src = tensor_slice[:, start:start + size]
     param = params[target][slot[0]] if slot else params[target]
+    if weight_dtype is not None:
+        src = src.to(weight_dtype)  # copy_ widens it back exactly
     with torch.no_grad():
         param[offset:offset + src.shape[0]].copy_(src)
     return target

@@ -68,7 +68,8 @@ class ModelRunner:
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
         self.args = spec.args
         self.max_model_len = spec.max_model_len
-        self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p)
+        self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p,
+                                 spec.weight_dtype)
         self.experts = None  # MoE models: expert load recording and placement re-planning
         if self.args.moe is not None:
             self.experts = ExpertBalancer(self.model, config.eplb_window_size, config.eplb_step_interval, spec.path)
@@ -226,8 +227,6 @@ class ModelRunner:
             ctx = torch.tensor([r.start + 1 for r in decodes], dtype=torch.int32)
             table = self._block_tables(decodes, int(ctx.max()))
             meta.decode_block_tables, meta.decode_context_lens = table.to(dev), ctx.to(dev)
-            keys = torch.arange(table.shape[1] * bs)
-            meta.decode_mask = (keys[None, :] < ctx[:, None])[:, None, None, :].to(dev)
         if prefills:
             self._prepare_prefills(meta, prefills, offset=len(decodes))
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
@@ -239,22 +238,14 @@ class ModelRunner:
         return torch.tensor([t + [0] * (nblocks - len(t)) for t in tables], dtype=torch.long)
 
     def _prepare_prefills(self, meta: AttentionMetadata, rows: list[StepRow], offset: int):
-        n = torch.tensor([len(r.token_ids) for r in rows])
-        start = torch.tensor([r.start for r in rows])
-        lq = int(n.max())
-        table = self._block_tables(rows, int((start + n).max()))
-        lk = table.shape[1] * self.block_size
-        row_start = offset + torch.cumsum(n, 0) - n
-        i = torch.arange(lq)[None, :]
-        valid = i < n[:, None]
-        q_rows = torch.where(valid, row_start[:, None] + i, row_start[:, None])
-        j = torch.arange(lk)[None, None, :]
-        causal = j <= (start[:, None] + i)[:, :, None]
-        mask = (causal & valid[:, :, None]) | (~valid[:, :, None] & (j == 0))
-        dev = self.device
-        meta.prefill_q_rows, meta.prefill_q_valid = q_rows.to(dev), valid.to(dev)
-        meta.prefill_block_tables = table.to(dev)
-        meta.prefill_mask = mask[:, None].to(dev)
+        """Each chunk's (first token row, tokens, first position) and its blocks."""
+        chunks, row = [], offset
+        for r in rows:
+            chunks.append((row, len(r.token_ids), r.start))
+            row += len(r.token_ids)
+        meta.prefill_chunks = chunks
+        length = max(r.start + len(r.token_ids) for r in rows)
+        meta.prefill_block_tables = self._block_tables(rows, length).to(self.device)
 
     def _sample(self, seqs: list[ScheduledSeq], logits: torch.Tensor | None) -> RunnerOutput:
         n = len(seqs)

@@ -21,13 +21,16 @@ class ModelSpec:
     path: Path  # the checkpoint directory (the same path on every node)
     hf_config: dict
     args: ModelArgs
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the model computes and caches in
     max_model_len: int
     eos_ids: frozenset[int]
     layer_split: list[int]  # first layer of each pipeline stage, then the end
     attn_backend: str  # native | flash: what runs here (--attn-backend resolved)
     block_size: int = 16  # tokens per KV block (--block-size, or the backend's default)
     flash_library: str | None = None  # with flash: the module it imports (kernels/flash_attention.py)
+    # The weights' precision when it is narrower than `dtype`: bfloat16/float16 asked for on a
+    # CPU without matmul units for it computes in float32 on weights rounded to it (below).
+    weight_dtype: torch.dtype | None = None
 
 
 def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
@@ -41,12 +44,13 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     args = ModelArgs.from_hf(hf)
     cuda = device_type(config) == "cuda"
     dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
+    dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")
     backend, library = attn_backend(config, dtype, args.head_dim)
     if cuda:
         log.info("attention backend %s%s, dtype %s", backend, f" ({library})" if library else "",
                  str(dtype).removeprefix("torch."))
     return ModelSpec(
-        path=path, hf_config=hf, args=args, dtype=dtype,
+        path=path, hf_config=hf, args=args, dtype=dtype, weight_dtype=weight_dtype,
         max_model_len=config.max_model_len or limit,
         eos_ids=frozenset(eos_token_ids(path, hf, tokenizer)),
         layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
@@ -70,6 +74,27 @@ def gpu_auto_dtype(hf: dict) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+def compute_dtype(dtype: torch.dtype, on_cpu: bool) -> tuple[torch.dtype, torch.dtype | None]:
+    """(compute dtype, weight dtype or None). A CPU without bfloat16 (AVX512-BF16 / AMX) or
+    float16 (AVX512-FP16 / AMX-FP16) matmul instructions runs 16-bit matmuls several times
+    slower than float32 (7x for bf16 on an AVX2 EPYC, docs/benchmarks.md): there the model
+    computes in float32 on weights rounded to the 16-bit dtype, so outputs are those of the
+    16-bit weights, computed more precisely, at float32 speed and memory."""
+    if dtype == torch.float32 or not on_cpu or cpu_has_matmul(dtype):
+        return dtype, None
+    log.warning("this CPU has no %s matmul instructions: computing in float32 on weights rounded "
+                "to %s", dtype, dtype)
+    return torch.float32, dtype
+
+
+def cpu_has_matmul(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has fast 16-bit matmul kernels for `dtype` on this CPU."""
+    mkldnn = torch.ops.mkldnn
+    if dtype == torch.bfloat16:
+        return bool(mkldnn._is_mkldnn_bf16_supported())
+    return bool(mkldnn._is_mkldnn_fp16_supported())
+
+
 def attn_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> tuple[str, str | None]:
     """(backend, flash library). auto picks flash where it runs and says nothing otherwise; an
     explicit flash that can't run falls back to native with one warning naming why."""
@@ -78,9 +103,7 @@ def attn_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> tup
     why = flash_unavailable(config, dtype, head_dim)
     if why is None:
         library = flash_attention.installed()
-        if config.block_size and config.block_size % flash_attention.block_multiple(library) == 0:
-            return "flash", library
-        if not config.block_size:
+        if not config.block_size or config.block_size % flash_attention.block_multiple(library) == 0:
             return "flash", library
         why = (f"{library} needs a block size that is a multiple of "
                f"{flash_attention.block_multiple(library)}, not --block-size {config.block_size}")

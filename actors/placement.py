@@ -7,6 +7,8 @@ one line naming what the layout needs and what the cluster has.
 """
 from __future__ import annotations
 
+import os
+
 from actors.config import EngineConfig
 
 
@@ -31,6 +33,16 @@ def rank_bundle(config: EngineConfig) -> dict:
     """One rank's resources: its CPUs (also its torch threads) and its GPU, if any."""
     gpus = gpus_per_rank(config)
     return {"CPU": config.shard_cpus, **({"GPU": gpus} if gpus else {})}
+
+
+def rank_runtime_env() -> dict:
+    """The environment of a rank's process: its OpenMP threads sleep while they wait
+    (OMP_WAIT_POLICY=PASSIVE) unless the caller's environment says otherwise.
+
+    libgomp's default spins at every barrier; when anything else runs on the cores (Ray's
+    proxy, ingress and replica, or another job) a spinning thread waits for a descheduled
+    partner and a 2-thread decode step took 10-20x longer (docs/benchmarks.md, "Threads")."""
+    return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
 
 
 def default_strategy(bundles: list[dict]) -> str:

@@ -27,6 +27,7 @@ from actors.config import EngineConfig
 from actors.metrics import DecodeProgress, Replica
 from actors.ray_metrics import start_ray_export
 from actors.outputs import accumulate
+from actors.placement import rank_runtime_env
 from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.scheduler")
@@ -122,10 +123,14 @@ class SchedulerActor:
                              name="shoal-progress", daemon=True).start()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0, lora: str | None = None):
-        """Lists of delta RequestOutputs. Cancelling or closing the stream aborts the request."""
+                       request_id: str, priority: int = 0, lora: str | None = None,
+                       whole: bool = False):
+        """Lists of delta RequestOutputs. Cancelling or closing the stream aborts the request.
+        whole: the caller wants only the finished output (a non-streamed HTTP request), so it
+        leaves as one item, which every hop relays once instead of once per chunk."""
         stream = self.engine.generate(prompt_token_ids, params, request_id, priority, lora=lora)
-        async for outputs in coalesce(stream, self._gather_seconds):
+        gather = (lambda: float("inf")) if whole else self._gather_seconds
+        async for outputs in coalesce(stream, gather):
             # One merged delta per chunk: less for every hop to pickle (each delta repeats
             # the request's prompt ids), and the ingress gets one delta per chunk anyway.
             yield [accumulate(outputs)] if len(outputs) > 1 else outputs
@@ -187,4 +192,4 @@ def scheduler_actor_class(bundle: dict):
     """The Ray actor class, claiming rank 0's bundle (its CPUs and its GPU, if any). Async (an
     event loop per actor), so many requests stream at once."""
     return ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                      max_concurrency=10_000)(SchedulerActor)
+                      max_concurrency=10_000, runtime_env=rank_runtime_env())(SchedulerActor)

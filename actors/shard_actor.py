@@ -20,7 +20,7 @@ import torch
 from actors.config import EngineConfig
 from actors.model_spec import ModelSpec
 from actors.parallel import init_distributed
-from actors.placement import check_fits, default_strategy, rank_bundle
+from actors.placement import check_fits, default_strategy, rank_bundle, rank_runtime_env
 from actors.progress import progress_bar
 
 log = logging.getLogger("shoal.shards")
@@ -134,7 +134,8 @@ def start_shards(config: EngineConfig, spec: ModelSpec, rank0, placement: tuple 
     pg, first = placement
     _wait(pg.ready(), timeout, f"the placement group for {world} ranks could not be placed within "
                                f"{timeout:.0f} s; is every node up? cluster has {ray.cluster_resources()}")
-    cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=2)(ShardActor)
+    cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=2,
+                     runtime_env=rank_runtime_env())(ShardActor)
     actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, first + r - 1))
               .remote(config, spec, r, rank0.num_blocks) for r in range(1, world)]
     infos = _gather([a.describe.remote() for a in actors], timeout, "start (load its weights)")

@@ -3,9 +3,12 @@
 The KV cache is a flat pool of slots ([num_slots, kv_heads, head_dim] per layer), cut into
 blocks of `block_size` slots; a sequence's keys live in the blocks its block table names.
 Each step the batch is laid out with the single-token queries (decodes) first, then the
-multi-token chunks (prefills). Each group gathers its blocks from the pool once (whole
-blocks: a row copy each) and runs one scaled-dot-product attention call, so the whole batch
-costs two kernel calls per layer, whatever its mix.
+multi-token chunks (prefills). The decodes run as one batched call; each prefill chunk runs
+its own causal scaled-dot-product attention over exactly its keys (no padding to the longest
+chunk, no dense mask): a chunk that starts its sequence attends to the keys it has just
+computed, with nothing gathered from the pool; a later chunk (chunked prefill, prefix-cache
+hit) gathers its context's blocks. A loop over chunks costs one call per chunk per layer,
+nothing per token.
 
 On CPU the decode rows use the native kernel (kernels/native.py, csrc/paged_attention.cpp)
 when it is available: it reads K/V straight from the pool instead of gathering a copy.
@@ -31,11 +34,9 @@ class AttentionMetadata:
     block_size: int = 16
     decode_block_tables: torch.Tensor | None = None  # [Bd, nb] blocks each decode row attends to
     decode_context_lens: torch.Tensor | None = None  # [Bd] int32 keys per decode row
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * block_size] True where a key is valid
-    prefill_q_rows: torch.Tensor | None = None  # [Bp, Lq] token rows of each chunk (padded)
-    prefill_q_valid: torch.Tensor | None = None  # [Bp, Lq] True for real (not padding) rows
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nb * block_size] (torch path; else built here)
+    prefill_chunks: list[tuple[int, int, int]] | None = None  # (first token row, tokens, first position)
     prefill_block_tables: torch.Tensor | None = None  # [Bp, nb]
-    prefill_mask: torch.Tensor | None = None  # [Bp, 1, Lq, nb * block_size] causal over the context
     flash: flash_attention.FlashMetadata | None = None  # set: the flash backend runs the step
 
 
@@ -46,8 +47,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, d] -> [T, heads, d]. K/V of this step must already be written."""
+                    meta: AttentionMetadata, scale: float,
+                    k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, heads, d] -> [T, heads, d]. K/V of this step must already be written; k/v
+    ([T, kv_heads, d], this step's) spare the gather for chunks that start their sequence."""
     if meta.flash is not None:
         return flash_attention.paged_attention(q, k_cache, v_cache, meta.flash, scale)
     out = q.new_empty(q.shape)
@@ -59,13 +62,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                meta.decode_context_lens, meta.block_size, scale)
         else:
             out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_block_tables,
-                               meta.block_size, meta.decode_mask, scale).squeeze(1)
-    if meta.prefill_q_rows is not None:
-        rows, valid = meta.prefill_q_rows, meta.prefill_q_valid
-        o = _attend(q[rows], k_cache, v_cache, meta.prefill_block_tables, meta.block_size,
-                    meta.prefill_mask, scale)
-        out[rows[valid]] = o[valid]
+                               meta.block_size, _decode_mask(meta), scale).squeeze(1)
+    for i, (row, n, start) in enumerate(meta.prefill_chunks or ()):
+        if start == 0 and k is not None:
+            ki, vi = k[row:row + n], v[row:row + n]
+        else:
+            nb = -(-(start + n) // meta.block_size)
+            table = meta.prefill_block_tables[i:i + 1, :nb]
+            ki = gather_blocks(k_cache, table, meta.block_size)[0, :start + n]
+            vi = gather_blocks(v_cache, table, meta.block_size)[0, :start + n]
+        out[row:row + n] = _causal(q[row:row + n], ki, vi, start, scale)
     return out
+
+
+def _decode_mask(meta: AttentionMetadata) -> torch.Tensor:
+    if meta.decode_mask is not None:
+        return meta.decode_mask
+    keys = torch.arange(meta.decode_block_tables.shape[1] * meta.block_size, device=meta.decode_context_lens.device)
+    return (keys[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """One chunk: q [n, h, d] at positions start.. over keys k/v [start + n, kvh, d] -> [n, h, d]."""
+    n = q.shape[0]
+    q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, h, L, d]
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if start == 0:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:  # query i sees keys 0 .. start + i
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

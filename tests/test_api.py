@@ -71,7 +71,7 @@ class StubClient:
     def __init__(self):
         self.mode, self.is_ready, self.prompts, self.request_ids = "ok", True, [], []
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0):
+    def generate(self, prompt_token_ids, params, request_id, priority=0, whole=False):
         self.prompts.append(prompt_token_ids)
         self.request_ids.append(request_id)
         return self._outputs(prompt_token_ids, request_id)

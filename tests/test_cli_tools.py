@@ -39,7 +39,7 @@ class RecordingClient:
         self.max_model_len = inner.max_model_len
         self.prompts, self.params = [], []
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0):
+    def generate(self, prompt_token_ids, params, request_id, priority=0, whole=False):
         self.prompts.append(self.tokenizer.decode(prompt_token_ids))
         self.params.append(params)
         return self.inner.generate(prompt_token_ids, params, request_id, priority)

@@ -170,7 +170,8 @@ def test_unplaceable_layout_fails_fast_with_one_line(llama_ckpt):
     assert proc.returncode == 1
     assert len(errors) == 1 and errors[0].startswith("shoal serve: error: cannot place 1 replica(s)")
     assert "GPU: 1" in errors[0] and "the cluster has node 0:" in errors[0]
-    assert took < 10  # checked before a local Ray starts (about 4 s here, mostly imports)
+    assert "Ray instance" not in proc.stderr + proc.stdout  # refused before a local Ray starts
+    assert took < 60  # about 4 s on an idle machine (imports); 16 s seen under load 15
     print(f"unplaceable layout: exit 1 after {took:.1f} s")
 
 

@@ -36,7 +36,7 @@ class ScriptedClient:
         self.max_model_len = inner.max_model_len
         self.mode, self.prompts, self.closed = "real", [], []
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0):
+    def generate(self, prompt_token_ids, params, request_id, priority=0, whole=False):
         self.prompts.append(self.tokenizer.decode(prompt_token_ids))
         if self.mode == "slow":
             params = dataclasses.replace(params, ignore_eos=True,

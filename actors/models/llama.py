@@ -59,7 +59,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin)
         write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 

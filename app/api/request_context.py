@@ -90,7 +90,8 @@ class Served:
 
     # ---- running engine requests -------------------------------------------------------
     def open_streams(self, prompts: list[list[int]], params: list[SamplingParams],
-                     priority: int = 0) -> EngineStreams:
+                     priority: int = 0, whole: bool = False) -> EngineStreams:
+        """whole: only finished outputs are needed (the engine sends each request's once)."""
         generators = []
         for index, (ids, p) in enumerate(zip(prompts, params)):
             # The request id prefixes the engine id (grep finds both); the random tail keeps
@@ -99,13 +100,15 @@ class Served:
             self.log_engine_request(engine_id, ids, p)
             # Only adapter requests pass `lora`: clients without adapters keep their signature.
             extra = {"lora": self.lora} if self.lora else {}
+            if whole:
+                extra["whole"] = True
             generators.append(self.client.generate(ids, p, engine_id, priority, **extra))
         return EngineStreams(generators)
 
     async def complete(self, prompts: list[list[int]], params: list[SamplingParams],
                        priority: int = 0) -> Batch:
         """Cumulative outputs by prompt index; a client that leaves aborts them."""
-        streams = self.open_streams(prompts, params, priority)
+        streams = self.open_streams(prompts, params, priority, whole=True)
         try:
             outputs = await unless_disconnected(self.request.receive, collect(streams))
         except Exception as exc:

@@ -6,6 +6,7 @@ Heavy imports (torch, the engine, Ray) happen inside the handlers to keep `--hel
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from app.cli.bench.cli import add_bench_parser
@@ -62,5 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch loads OpenMP: threads that sleep at barriers instead of spinning, since the
+    # engine shares its cores with Ray's processes (actors/placement.py: rank_runtime_env).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     return args.handler(args) or 0

@@ -17,9 +17,10 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0, lora: str | None = None) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, lora: str | None = None, whole: bool = False) -> AsyncIterator[RequestOutput]:
         """Delta outputs until finished. Raises ValueError for a request that can't be served
-        (UnknownAdapterError for an adapter `lora` the engine lacks). Closing the iterator (or
+        (UnknownAdapterError for an adapter `lora` the engine lacks). whole: the caller needs
+        only the finished output, so deltas may arrive merged. Closing the iterator (or
         cancelling the task awaiting it) aborts the request and frees its KV blocks: there is
         no separate abort call (app/api/streams.py)."""
 
@@ -53,8 +54,8 @@ class LocalEngineClient:
         self.max_model_len = self.engine.max_model_len
         self.lora_enabled = self.engine.lora_enabled
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0, lora=None):
-        return self.engine.generate(prompt_token_ids, params, request_id, priority, lora=lora)
+    def generate(self, prompt_token_ids, params, request_id, priority=0, lora=None, whole=False):
+        return self.engine.generate(prompt_token_ids, params, request_id, priority, lora=lora)  # no hops to save
 
     async def load_lora(self, name: str, path: str) -> None:
         await self.engine.load_lora(name, path)

@@ -42,6 +42,7 @@ class EngineRequest:
     request_id: str
     priority: int = 0
     lora: str | None = None  # a LoRA adapter's name; None: the base model
+    whole: bool = False  # only the finished output is wanted (not streamed to the client)
 
     @property
     def prompt(self) -> str:
@@ -92,7 +93,8 @@ class LLMServer:
         """Lists of delta RequestOutputs, relayed as the scheduler paced them."""
         request_id = request.request_id
         stream = self.scheduler.generate.options(num_returns="streaming").remote(
-            request.prompt_token_ids, request.params, request_id, request.priority, request.lora)
+            request.prompt_token_ids, request.params, request_id, request.priority, request.lora,
+            request.whole)
         finished = False
         try:
             async for ref in stream:
@@ -169,9 +171,10 @@ class ServeEngineClient:
                    await handle.lora_enabled.remote())
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0, lora: str | None = None):
+                       request_id: str, priority: int = 0, lora: str | None = None,
+                       whole: bool = False):
         response = self._streaming.generate.remote(
-            EngineRequest(prompt_token_ids, params, request_id, priority, lora))
+            EngineRequest(prompt_token_ids, params, request_id, priority, lora, whole))
         try:
             async for outputs in response:
                 if isinstance(outputs, BaseException):

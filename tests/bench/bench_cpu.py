@@ -1,0 +1,125 @@
+"""CPU facts behind the engine's choices (docs/benchmarks.md), one subcommand each.
+
+    .venv/bin/python tests/bench/bench_cpu.py matmul [--threads 1]
+        F.linear in float32 vs bfloat16 at the bench model's shapes (is bf16 fast here?)
+    .venv/bin/python tests/bench/bench_cpu.py threads
+        a decode step at batch 32 with 1 thread, 2 spinning and 2 passive OpenMP threads,
+        each in its own process (the wait policy is read when OpenMP loads)
+    .venv/bin/python tests/bench/bench_cpu.py prefill --root CHECKOUT [--threads 1]
+        CPU seconds to prefill 3 x 64 prompts of 32-256 tokens with CHECKOUT's engine (run it
+        for an older export and this one, alternating, to compare)
+
+Every line printed carries the load average.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # this checkout's engine (prefill --root puts another first)
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def median_ms(fn, n: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def matmul(args) -> None:
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(args.threads)
+    print(f"oneDNN bf16 kernels: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}; load average {load()}")
+    print("| rows x (in -> out) | float32 | bfloat16 | bf16 / f32 time |")
+    print("| --- | --- | --- | --- |")
+    for rows, (out, inp) in [(32, (1536, 512)), (32, (2048, 512)), (64, (1536, 512)), (256, (2048, 512))]:
+        x, w = torch.randn(rows, inp), torch.randn(out, inp)
+        xb, wb = x.bfloat16(), w.bfloat16()
+        f32 = median_ms(lambda: F.linear(x, w))
+        bf16 = median_ms(lambda: F.linear(xb, wb))
+        print(f"| {rows} x ({inp} -> {out}) | {f32:.2f} ms | {bf16:.2f} ms | {bf16 / f32:.1f}x |")
+    print(f"load average at the end {load()}")
+
+
+def decode_step(args) -> None:
+    """(child) median decode step at batch 32 after the prefill."""
+    import torch
+    from common import bench_checkpoint, workload
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+    torch.set_num_threads(args.threads)
+    llm = LLM(str(bench_checkpoint()), max_num_seqs=32, kv_cache_memory=1.0, num_threads=args.threads)
+    engine = llm.engine
+    for i, ids in enumerate(workload(32, 32, 128, seed=1)):
+        engine.add_request(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=600, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    times = []
+    for _ in range(30):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    print(f"{statistics.median(times) * 1e3:.0f}")
+
+
+def threads(args) -> None:
+    settings = [("1 thread", 1, {}), ("2 threads, libgomp default (spin)", 2, {}),
+                ("2 threads, GOMP_SPINCOUNT=10000", 2, {"GOMP_SPINCOUNT": "10000"}),
+                ("2 threads, OMP_WAIT_POLICY=PASSIVE", 2, {"OMP_WAIT_POLICY": "PASSIVE"})]
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    print("| setting | median decode step, batch 32 (per pass) | load average at the start |")
+    print("| --- | --- | --- |")
+    for name, n, env in settings:
+        results, before = [], load()
+        for _ in range(args.passes):
+            out = subprocess.run([sys.executable, __file__, "decode-step", "--threads", str(n)],
+                                 env={**base, **env}, capture_output=True, text=True, check=True)
+            results.append(out.stdout.strip().splitlines()[-1] + " ms")
+        print(f"| {name} | {' / '.join(results)} | {before} |", flush=True)
+
+
+def prefill(args) -> None:
+    sys.path.insert(0, str(args.root))
+    import torch
+    from common import bench_checkpoint, workload
+    from actors.llm import LLM
+    from actors.sampling_params import SamplingParams
+    torch.set_num_threads(args.threads)
+    llm = LLM(str(bench_checkpoint()), max_num_seqs=64, kv_cache_memory=1.0, max_num_batched_tokens=2048)
+    engine, seconds = llm.engine, []
+    for rep in range(3):
+        for i, ids in enumerate(workload(64, 32, 256, seed=3 + rep)):
+            engine.add_request(f"o{rep}-{i}", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        start = time.process_time()
+        while engine.has_unfinished():
+            engine.step()
+        seconds.append(time.process_time() - start)
+    print(f"{args.root}: prefill CPU seconds {' / '.join(f'{s:.2f}' for s in seconds)}; load average {load()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["matmul", "threads", "prefill", "decode-step"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--root", type=Path, default=HERE.parents[1])
+    args = ap.parse_args()
+    {"matmul": matmul, "threads": threads, "prefill": prefill, "decode-step": decode_step}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
