@@ -1,8 +1,12 @@
 """Helpers for tests that run Ray Serve apps on loopback."""
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -60,3 +64,87 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_process_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    """Wait for a server process's `url`/readyz; fail with its log if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def outliving(family: set[int], wait: float = 30) -> set[int]:
+    """The processes of `family` still alive after up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while any(alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return {p for p in family if alive(p)}
+
+
+def stop_process(proc: subprocess.Popen) -> tuple[int, set[int]]:
+    """SIGTERM, wait; the exit code and the processes that outlived it."""
+    family = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    return code, outliving(family)
+
+
+def check_sigterm_drain(url: str, proc: subprocess.Popen, log: Path, tokens: int,
+                        timeout_s: float) -> tuple[float, float]:
+    """A stream of `tokens` in flight, then SIGTERM: probes and new requests get 503, the
+    stream completes with all its tokens, the process exits 0 and leaves no process behind.
+    Returns (seconds to the stream's end, seconds to the exit) after the signal."""
+    family = descendants(proc.pid)
+    body = {"model": "", "prompt": "The quick brown fox", "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    events, started, ended = [], threading.Event(), {}
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        started.set()
+            ended["how"] = "complete"
+        except httpx.HTTPError as exc:  # a cut stream
+            ended["how"] = f"{type(exc).__name__}: {exc}"
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    deadline = signalled + 20  # the drain begins: probes say not ready
+    while httpx.get(f"{url}/readyz", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    refused = httpx.post(f"{url}/v1/completions", json={"model": "", "prompt": "hi", "max_tokens": 2},
+                         timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+    assert reader.is_alive()  # the stream was in flight all along
+
+    reader.join(timeout=timeout_s + 30)
+    streamed = time.monotonic() - signalled
+    code = proc.wait(timeout=timeout_s + 60)
+    exited = time.monotonic() - signalled
+    assert ended.get("how") == "complete", ended
+    assert not any("error" in e for e in events), events[-3:]
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+    assert finishes[-1] == "length" and events[-1]["usage"]["completion_tokens"] == tokens  # all of them
+    assert code == 0, log.read_text()[-3000:]
+    assert exited < timeout_s + 30
+    assert not outliving(family), "the server left processes behind"
+    return streamed, exited

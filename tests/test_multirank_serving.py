@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 from oracle import hf_greedy
-from serving import alive, descendants, free_port, loopback_env
+from serving import free_port, loopback_env, stop_process, wait_process_ready
 from test_engine import prompts_of
 
 pytestmark = pytest.mark.slow
@@ -40,34 +40,6 @@ def completion_ids(url: str, ids: list[int], n: int = 10) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
-def wait_until_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> tuple[int, set[int]]:
-    """SIGTERM, wait; the exit code and the processes that outlived it."""
-    family = descendants(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        code = proc.wait()
-    deadline = time.monotonic() + 30
-    while any(alive(p) for p in family) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return code, {p for p in family if alive(p)}
-
-
 # --------------------------------------------------------------------------- shoal serve, tp=2
 
 @pytest.fixture(scope="module")
@@ -82,11 +54,11 @@ def tp2_server(llama_ckpt, tmp_path_factory):
             cwd=REPO, env=loopback_env(), stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_ready(url, proc, log)
+        wait_process_ready(url, proc, log)
         yield url, proc, log
     finally:
         if proc.poll() is None:
-            stop(proc)
+            stop_process(proc)
 
 
 def test_shoal_serve_tp2_answers_like_transformers(tp2_server, llama_ckpt):
@@ -154,7 +126,7 @@ def test_killed_shard_fails_the_stream_then_the_replica_comes_back(tp2_server, l
 
 def test_sigterm_stops_every_process(tp2_server):
     _, proc, _ = tp2_server
-    code, left = stop(proc)
+    code, left = stop_process(proc)
     assert code == 0 and not left
 
 
@@ -201,11 +173,11 @@ def test_serve_run_pp2_and_expert_parallel_apps(checkpoint_factory, tmp_path):
     try:
         base = f"http://127.0.0.1:{port}"
         for name, ckpt in (("pp", dense), ("ep", moe)):
-            wait_until_ready(f"{base}/{name}", proc, log)
+            wait_process_ready(f"{base}/{name}", proc, log)
             for ids in prompts_of([9, 23]):
                 assert completion_ids(f"{base}/{name}", ids) == hf_greedy(ckpt, ids, 10), name
         (replica,) = httpx.get(f"{base}/ep/stats", timeout=10).json()["replicas"]
         assert len(replica["ranks"]) == 2 and "experts" in replica
     finally:
-        code, left = stop(proc)
+        code, left = stop_process(proc)
     assert not left, "serve run left processes behind"

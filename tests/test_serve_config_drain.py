@@ -4,19 +4,15 @@ all its tokens, the process exits 0 and leaves no Ray process behind. Plain `ser
 do this (docs/operations.md); the fast tests check the command's one-line refusals."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
-from serving import alive, descendants, free_port, loopback_env
+from serving import alive, check_sigterm_drain, descendants, free_port, loopback_env, wait_process_ready
 
 REPO = Path(__file__).resolve().parent.parent
 STREAM_TOKENS = 500  # ~5-8 s of decoding for the bundled model on this machine
@@ -68,70 +64,15 @@ def test_dev_yaml_drains_on_sigterm_then_exits_0(tmp_path):
     url = f"http://127.0.0.1:{port}"
     family: set[int] = set()
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_process_ready(url, proc, log, timeout=180)
         family = descendants(proc.pid)
-
-        body = {"model": "", "prompt": "The quick brown fox", "max_tokens": STREAM_TOKENS,
-                "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        events, started, ended = [], threading.Event(), {}
-
-        def stream():
-            try:
-                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            events.append(json.loads(line[6:]))
-                            started.set()
-                ended["how"] = "complete"
-            except httpx.HTTPError as exc:  # a cut stream: what plain `serve run` does
-                ended["how"] = f"{type(exc).__name__}: {exc}"
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(60)
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-
-        deadline = time.monotonic() + 20  # the drain begins: probes say not ready
-        while httpx.get(f"{url}/readyz", timeout=5).status_code != 503:
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
-        refused = httpx.post(f"{url}/v1/completions", timeout=30,
-                             json={"model": "", "prompt": "hi", "max_tokens": 2})
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
-        assert reader.is_alive()  # the stream was in flight all along
-
-        reader.join(timeout=timeout_s + 30)
-        streamed = time.monotonic() - signalled
-        code = proc.wait(timeout=timeout_s + 60)
-        exited = time.monotonic() - signalled
-        assert ended.get("how") == "complete", ended
-        assert not any("error" in e for e in events), events[-3:]
-        finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
-        assert finishes[-1] == "length"
-        assert events[-1]["usage"]["completion_tokens"] == STREAM_TOKENS  # all of them
-        assert code == 0, log.read_text()[-3000:]
+        streamed, exited = check_sigterm_drain(url, proc, log, STREAM_TOKENS, timeout_s)
         assert "drained in" in log.read_text()
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in family) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not [p for p in family if alive(p)], "shoal serve --config left processes behind"
         print(f"drain: stream complete {streamed:.1f} s, exited 0 {exited:.1f} s after SIGTERM")
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # its own session: kill Ray and all with it
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for pid in family | descendants(proc.pid):
+        for pid in family:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
