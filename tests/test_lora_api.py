@@ -115,10 +115,14 @@ def test_bad_adapter_is_400_and_metrics_name_adapters(server, tmp_path):
     assert float(line.rsplit(" ", 1)[1]) >= 1
 
 
-def test_prefix_routing_key_starts_with_the_adapter():
+def test_prefix_routing_key_starts_with_the_adapter_and_salt():
     params = SamplingParams()
     plain = EngineRequest([1, 2, 3], params, "r1")
     on_a = EngineRequest([1, 2, 3], params, "r2", lora="a")
     on_b = EngineRequest([1, 2, 3], params, "r3", lora="b")
     assert on_a.prompt.startswith("a\x00") and on_a.prompt.endswith(plain.prompt)
     assert not on_b.prompt.startswith(on_a.prompt[:2]) and not plain.prompt.startswith("a")
+    salted = EngineRequest([1, 2, 3], SamplingParams(cache_salt="s"), "r4", lora="a")
+    other_salt = EngineRequest([1, 2, 3], SamplingParams(cache_salt="t"), "r5", lora="a")
+    assert salted.prompt.startswith("a\x00s\x01") and salted.prompt.endswith(plain.prompt)
+    assert salted.prompt != other_salt.prompt != on_a.prompt  # salted KV lives apart: so does routing

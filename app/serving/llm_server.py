@@ -47,12 +47,15 @@ class EngineRequest:
     @property
     def prompt(self) -> str:
         """What prefix-aware routing matches on: one character per token id (past the control
-        characters), so a shared token prefix is a shared string prefix. An adapter's name
-        comes first (ended by a control character no token maps to): an adapter's requests
-        share a prefix, so they go where that adapter is already loaded (and its KV cached),
-        and never match a prefix cached for another adapter or the base model."""
+        characters), so a shared token prefix is a shared string prefix. What else the KV
+        depends on comes first, each ended by a control character no token maps to: the
+        adapter's name, then the cache salt. Requests sharing an adapter (and salt) share a
+        prefix, so they go where that adapter is loaded and its KV cached, and never match a
+        prefix cached for another adapter, salt or the base model."""
         tokens = "".join(chr(0x20 + t) for t in self.prompt_token_ids)
-        return tokens if self.lora is None else f"{self.lora}\x00{tokens}"
+        adapter = "" if self.lora is None else f"{self.lora}\x00"
+        salt = "" if self.params.cache_salt is None else f"{self.params.cache_salt}\x01"
+        return adapter + salt + tokens
 
 
 def scheduler_name_prefix(app_name: str) -> str:
