@@ -200,8 +200,8 @@ class ModelRunner:
 
     def lora_batch(self, output: SchedulerOutput):
         """The step's token rows grouped by adapter slot, or None (no LoRA, or no row uses one)."""
-        if not self.lora_layers:
-            return None
+        if not self.lora_layers or all(r.lora_slot < 0 for r in output.rows):
+            return None  # a base-model step skips the per-token grouping
         slots = [r.lora_slot for r in output.rows for _ in r.token_ids]
         return lora_batch(slots, self.config.max_loras, self.dtype, self.device)
 
