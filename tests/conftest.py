@@ -23,6 +23,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from checkpoints import make_checkpoint  # noqa: E402
 
+from app.demo.yielding import mark_test_run  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    # A demo-model training run (make demo-model) pauses while this marker exists.
+    session.config._shoal_marker = mark_test_run()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._shoal_marker.unlink(missing_ok=True)
+
 
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):

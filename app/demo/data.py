@@ -67,10 +67,15 @@ def _leaks(a: int, b: int) -> bool:
 
 
 def add_steps(a: int, b: int) -> list[str]:
-    """Units first, then tens: the carry is written out before it is needed."""
-    units, tens = a % 10 + b % 10, (a // 10 + b // 10) * 10
-    return [f"{a % 10} + {b % 10} = {units}", f"{a // 10 * 10} + {b // 10 * 10} = {tens}",
-            f"{tens} + {units} = {tens + units}"]
+    """Units first, then tens (then hundreds for a 3-digit a): the carry is written out
+    before it is needed."""
+    units, tens = a % 10 + b % 10, (a // 10 % 10 + b // 10 % 10) * 10
+    steps = [f"{a % 10} + {b % 10} = {units}",
+             f"{a // 10 % 10 * 10} + {b // 10 % 10 * 10} = {tens}"]
+    if a >= 100:
+        steps.append(f"{a // 100 * 100} + {tens} = {a // 100 * 100 + tens}")
+        tens += a // 100 * 100
+    return steps + [f"{tens} + {units} = {tens + units}"]
 
 
 def mul21_steps(a: int, b: int) -> list[str]:
@@ -82,14 +87,19 @@ def mul21_steps(a: int, b: int) -> list[str]:
 
 
 def mul22_steps(a: int, b: int) -> list[str]:
-    """47 * 36 = 47 * 30 + 47 * 6; the final sum 1410 + 282 is done as 141 + 28 = 169
-    with the units digit 2 carried down, so no step adds more than 3 digits to 2."""
+    """47 * 36 = 47 * 30 + 47 * 6. Both partial products are 2x1 facts; their sum
+    1410 + 282 is (141 + 28) tens plus the units digit 2, and 141 + 28 is done place by
+    place like the addition scratchpad, so every line is one small step."""
     t, u = b // 10, b % 10
     lo, hi = a * u, a * t
-    return [f"{a} * {b} = {a} * {t * 10} + {a} * {u}",
-            f"{a} * {u} = {lo}",
-            f"{a} * {t} = {hi}, so {a} * {t * 10} = {hi * 10}",
-            f"{hi} + {lo // 10} = {hi + lo // 10}, so {hi * 10} + {lo} = {a * b}"]
+    tens = lo // 10  # 282 -> 28 tens and 2 units
+    steps = [f"{a} * {b} = {a} * {t * 10} + {a} * {u}",
+             f"{a} * {u} = {lo}",
+             f"{a} * {t} = {hi}",
+             f"{hi * 10} + {lo} = {hi} tens + {tens} tens + {lo % 10}"]
+    steps += add_steps(hi, tens)
+    steps.append(f"{hi + tens} tens + {lo % 10} = {a * b}")
+    return steps
 
 
 def arithmetic_answer(q: str, value: int) -> str:
@@ -264,18 +274,38 @@ NO_TOOL_ASKS = ["Hello!", "Hi there.", "Thanks!", "What can you do?", "Who are y
                 "Tell me a fun fact.", "Good morning!", "How are you?"]
 
 
-# Words for names that say nothing about the domain: a quarter of the training tools are
-# named this way, so the only way to get the name right is to copy it from the schema
-# (names seen only in evaluation must be copied too).
+# Most training tools get a name that says nothing about their domain: random pieces
+# (made-up syllables, unrelated words, other domains' words) joined with "_", so copying
+# the name from the schema is the only way to get it right, and names seen only in
+# evaluation (`weather_now`) are copied the same way. A quarter keep a domain-looking name.
 NAME_WORDS = ("alpha beta gamma delta omega nova apex zen echo orbit pixel quartz ruby "
-              "cobalt maple cedar delphi atlas vega lyra tango kilo sierra juno").split()
+              "cobalt maple cedar delphi atlas vega lyra tango kilo sierra juno now live "
+              "quick smart daily fast main my api tool fn service v2 pro info data").split()
+SYLLABLES = ("ka ri to mu ne sa lo vi de ba zu po fe gi ha ju ko la me ni ro su ta wa "
+             "ye zo bri cha dro fla gra kle pla qua sti tre vor").split()
+
+
+def made_up_word(rng, capital: bool = False) -> str:
+    word = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
+    return word.capitalize() if capital else word
 
 
 def tool_name(rng, domain: str) -> str:
-    if rng.random() < 0.25:
-        return f"{rng.choice(NAME_WORDS)}_{rng.choice(NAME_WORDS + ['tool', 'api', 'fn'])}"
-    d = DOMAINS[domain]
-    return f"{rng.choice(d['verbs'])}_{rng.choice(d['stems'])}"
+    r = rng.random()
+    if r < 0.25:
+        d = DOMAINS[domain]
+        return f"{rng.choice(d['verbs'])}_{rng.choice(d['stems'])}"
+    pieces = []
+    for _ in range(rng.randint(1, 3)):
+        x = rng.random()
+        if x < 0.4:
+            pieces.append(made_up_word(rng))
+        elif x < 0.7:
+            pieces.append(rng.choice(NAME_WORDS))
+        else:  # a word from a random domain: a name's words must not predict its domain
+            other = DOMAINS[rng.choice(list(DOMAINS))]
+            pieces.append(rng.choice(other["verbs"] + other["stems"]))
+    return "_".join(pieces) if len(pieces) > 1 else f"{pieces[0]}_{rng.choice(NAME_WORDS)}"
 
 
 def tool_schema(rng, domain: str, name: str) -> tuple[dict, list[str]]:
@@ -291,20 +321,25 @@ def tool_schema(rng, domain: str, name: str) -> tuple[dict, list[str]]:
     return {"type": "function", "function": fn}, keys
 
 
-def _args(rng, domain: str) -> list:
+def _args(rng, domain: str, made_up: bool = False) -> list:
+    """Argument values; with `made_up`, string values are invented words so they can only
+    be copied from the request (plain values may then be written from memory)."""
     vals = []
-    for choices, _, draw in DOMAINS[domain]["params"]:
+    for choices, typ, draw in DOMAINS[domain]["params"]:
         v = draw(rng)
+        if made_up and typ == "string" and "@" not in str(v) and ":" not in str(v):
+            v = made_up_word(rng, capital=str(v)[:1].isupper())
         while isinstance(v, str) and len(DOMAINS[domain]["params"]) > 1 and v in vals:
             v = draw(rng)
         vals.append(v)
     return vals
 
 
-def _toolset(rng, need: str | None, heldout: bool) -> tuple[list[dict], dict]:
-    """1-3 tools; `need` (if given) among them at a random position. Returns the tools and
-    {domain: (name, keys)}."""
-    others = [d for d in DOMAINS if d != need]
+def _toolset(rng, need: str | None, heldout: bool, exclude: str | None = None
+             ) -> tuple[list[dict], dict]:
+    """1-2 tools; `need` (if given) among them at a random position, `exclude` never.
+    Returns the tools and {domain: (name, keys)}."""
+    others = [d for d in DOMAINS if d not in (need, exclude)]
     # At most two tools: each schema costs ~50 prompt tokens and training time is scarce.
     picked = rng.sample(others, rng.randint(0 if need else 1, 1 if need else 2)) + ([need] if need else [])
     rng.shuffle(picked)
@@ -328,7 +363,7 @@ def call_text(name: str, arguments: dict) -> str:
 def tool_call_sample(rng, thinking: bool, heldout: bool = False) -> dict:
     def draw(r):
         dom = r.choice(list(DOMAINS))
-        vals = _args(r, dom)
+        vals = _args(r, dom, made_up=not heldout and r.random() < 0.3)
         return f"{dom}:{vals}", dom, vals
     _, dom, vals = _fresh(rng, draw, heldout, tries=200)
     tools, info = _toolset(rng, dom, heldout)
@@ -360,24 +395,34 @@ def tool_result_sample(rng, thinking: bool) -> dict:
                 kind="tool_result", expect=answer)
 
 
+DECLINE = "Sorry, none of my tools can do that, so I cannot help with this request."
+
+
+def decline_sample(rng, thinking: bool, heldout: bool = False) -> dict:
+    """A tool request that none of the offered tools covers: the same prompts as
+    tool_call_sample with the needed tool left out, so only the schemas tell them apart."""
+    dom = rng.choice(list(DOMAINS))
+    tools, info = _toolset(rng, None, heldout, exclude=dom)
+    user = rng.choice(DOMAINS[dom]["asks"]).format(*_args(rng, dom, made_up=not heldout and rng.random() < 0.3))
+    return dict(messages=_with_system(rng, [{"role": "user", "content": user}]), tools=tools,
+                thinking=thinking, target=(THINK_EMPTY if thinking else "") + DECLINE,
+                kind="no_tool", expect=None)
+
+
 def no_tool_sample(rng, thinking: bool, heldout: bool = False) -> dict:
     """Tools are offered but the request needs none of them: answer directly."""
-    tools, info = _toolset(rng, None, heldout)
     r = rng.random()
+    if r >= 0.75:
+        return decline_sample(rng, thinking, heldout)
+    tools, info = _toolset(rng, None, heldout)
     if r < 0.4:  # arithmetic with tools around: still solved by hand
         kind = rng.choice(["add", "mul21"])
         s = arithmetic_sample(rng, kind, thinking, heldout)
         s.update(tools=tools, kind="no_tool", expect=None,
                  messages=_with_system(rng, [m for m in s["messages"] if m["role"] == "user"]))
         return s
-    if r < 0.75:
-        user = rng.choice(NO_TOOL_ASKS)
-        reply = plain_reply(user)
-    else:  # a request for a domain none of the offered tools covers
-        dom = rng.choice([d for d in DOMAINS if d not in info])
-        user = rng.choice(DOMAINS[dom]["asks"]).format(*_args(rng, dom))
-        reply = "Sorry, none of my tools can do that, so I cannot help with this request."
-    target = (THINK_EMPTY if thinking else "") + reply
+    user = rng.choice(NO_TOOL_ASKS)
+    target = (THINK_EMPTY if thinking else "") + plain_reply(user)
     return dict(messages=_with_system(rng, [{"role": "user", "content": user}]), tools=tools,
                 thinking=thinking, target=target, kind="no_tool", expect=None)
 
@@ -425,26 +470,26 @@ def _with_system(rng, messages: list[dict]) -> list[dict]:
 
 # --------------------------------------------------------------------------- mixture
 
-MIXTURE = [  # (weight, maker); arithmetic dominates because it is the hardest to learn
-    (0.16, lambda r, t: arithmetic_sample(r, "add", t)),
-    (0.18, lambda r, t: arithmetic_sample(r, "mul21", t)),
-    (0.23, lambda r, t: arithmetic_sample(r, "mul22", t)),
-    (0.21, tool_call_sample),
-    (0.08, tool_result_sample),
-    (0.09, no_tool_sample),
-    (0.05, plain_sample),
+MIXTURE = [  # (weight, maker, share of samples with thinking on)
+    (0.13, lambda r, t: arithmetic_sample(r, "add", t), 0.45),
+    (0.15, lambda r, t: arithmetic_sample(r, "mul21", t), 0.45),
+    # Bare 2x2 answers are out of reach for this model: 2x2 is always worked out.
+    (0.20, lambda r, t: arithmetic_sample(r, "mul22", t), 1.0),
+    (0.22, tool_call_sample, 0.5),
+    (0.11, decline_sample, 0.5),
+    (0.06, tool_result_sample, 0.5),
+    (0.08, no_tool_sample, 0.5),
+    (0.05, plain_sample, 0.5),
 ]
 
 
 def sample(rng: random.Random) -> dict:
-    """One training sample; thinking on for 70% (arithmetic scratchpads are the point)."""
-    thinking = rng.random() < 0.7
+    """One training sample, drawn by MIXTURE weight."""
     x = rng.random()
-    for weight, make in MIXTURE:
-        if x < weight:
-            return make(rng, thinking)
+    for weight, make, thinking in MIXTURE:
+        if x < weight or (weight, make, thinking) == MIXTURE[-1]:
+            return make(rng, rng.random() < thinking)
         x -= weight
-    return MIXTURE[-1][1](rng, thinking)
 
 
 def stream(seed: int):
