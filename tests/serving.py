@@ -106,6 +106,20 @@ def check_sigterm_drain(url: str, proc: subprocess.Popen, log: Path, tokens: int
     stream completes with all its tokens, the process exits 0 and leaves no process behind.
     Returns (seconds to the stream's end, seconds to the exit) after the signal."""
     family = descendants(proc.pid)
+    streamed, signalled = check_drain(url, lambda: proc.send_signal(signal.SIGTERM), tokens,
+                                      timeout_s, log)
+    code = proc.wait(timeout=timeout_s + 60)
+    exited = time.monotonic() - signalled
+    assert code == 0, log.read_text()[-3000:]
+    assert exited < timeout_s + 30
+    assert not outliving(family), "the server left processes behind"
+    return streamed, exited
+
+
+def check_drain(url: str, start_drain, tokens: int, timeout_s: float, log: Path) -> tuple[float, float]:
+    """A stream of `tokens` in flight, then `start_drain()`: probes and new requests get 503
+    and the stream completes with all its tokens. Returns (seconds from the drain's start to
+    the stream's end, the monotonic time the drain started)."""
     body = {"model": "", "prompt": "The quick brown fox", "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     events, started, ended = [], threading.Event(), {}
@@ -124,7 +138,7 @@ def check_sigterm_drain(url: str, proc: subprocess.Popen, log: Path, tokens: int
     reader = threading.Thread(target=stream)
     reader.start()
     assert started.wait(60)
-    proc.send_signal(signal.SIGTERM)
+    start_drain()
     signalled = time.monotonic()
     deadline = signalled + 20  # the drain begins: probes say not ready
     while httpx.get(f"{url}/readyz", timeout=5).status_code != 503:
@@ -138,13 +152,8 @@ def check_sigterm_drain(url: str, proc: subprocess.Popen, log: Path, tokens: int
 
     reader.join(timeout=timeout_s + 30)
     streamed = time.monotonic() - signalled
-    code = proc.wait(timeout=timeout_s + 60)
-    exited = time.monotonic() - signalled
     assert ended.get("how") == "complete", ended
     assert not any("error" in e for e in events), events[-3:]
     finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
     assert finishes[-1] == "length" and events[-1]["usage"]["completion_tokens"] == tokens  # all of them
-    assert code == 0, log.read_text()[-3000:]
-    assert exited < timeout_s + 30
-    assert not outliving(family), "the server left processes behind"
-    return streamed, exited
+    return streamed, signalled

@@ -1,7 +1,8 @@
 """serve_configs/dev.yaml through `shoal serve --config` (the `serve run` path with a drain):
 SIGTERM with a stream in flight stops admitting (503 shutting_down, probes 503), the stream gets
 all its tokens, the process exits 0 and leaves no Ray process behind. Plain `serve run` cannot
-do this (docs/operations.md); the fast tests check the command's one-line refusals."""
+drain by itself (docs/operations.md): `shoal drain` run beside it does the same drain before
+Ray's stop. The fast tests check the commands' one-line refusals."""
 from __future__ import annotations
 
 import os
@@ -10,12 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
-from serving import alive, check_sigterm_drain, descendants, free_port, loopback_env, wait_process_ready
+from serving import (alive, check_drain, check_sigterm_drain, descendants, free_port, loopback_env,
+                     outliving, wait_process_ready)
 
 REPO = Path(__file__).resolve().parent.parent
 STREAM_TOKENS = 500  # ~5-8 s of decoding for the bundled model on this machine
+LONG_STREAM_TOKENS = 4000  # ~15 s on a tiny test checkpoint
 
 
 def shoal_serve(*args: str) -> list[str]:
@@ -48,6 +52,14 @@ def test_bad_application_args_fail_in_one_line_before_ray_starts(tmp_path):
         f"shoal serve: error: {path}: application 'shoal': --shutdown-timeout must be >= 0, got -1.0"]
 
 
+def test_shoal_drain_without_a_cluster_says_so_in_one_line(tmp_path):
+    done = subprocess.run(shoal_serve()[:3] + ["drain"], cwd=REPO, capture_output=True, text=True,
+                          env=checkout_env(RAY_TMPDIR=str(tmp_path)), timeout=60)  # no cluster file
+    assert done.returncode == 1
+    assert done.stderr.startswith("shoal drain: error: no Ray cluster at auto: ")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.slow
 def test_dev_yaml_drains_on_sigterm_then_exits_0(tmp_path):
     config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
@@ -76,3 +88,51 @@ def test_dev_yaml_drains_on_sigterm_then_exits_0(tmp_path):
         for pid in family:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_serve_run_drains_with_shoal_drain_first(checkpoint_factory, tmp_path):
+    """Plain `serve run dev.yaml` (Ray's own CLI): `shoal drain` from another process stops
+    admitting and lets the stream in flight finish, then exits 0; Ray's stop (SIGTERM) then
+    cuts nothing and leaves no process behind. The drainer's start (Python, Ray's client)
+    takes seconds, so the stream is a long one, on a tiny checkpoint with a long context."""
+    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+    config["applications"][0]["args"]["model_path"] = str(
+        checkpoint_factory("llama", max_position_embeddings=LONG_STREAM_TOKENS + 64))
+    port = free_port()
+    config["http_options"]["port"] = port
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(path)],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=checkout_env(RAY_ADDRESS="local", SHOAL_NUM_KV_BLOCKS="320"))
+    url = f"http://127.0.0.1:{port}"
+    family: set[int] = set()
+    drainer = []
+    try:
+        wait_process_ready(url, proc, log, timeout=180)
+        family = descendants(proc.pid)
+        # `auto`: the cluster `serve run` started on this machine, as a user's second shell finds it.
+        start = lambda: drainer.append(subprocess.Popen(  # noqa: E731
+            shoal_serve()[:3] + ["drain", "--address", "auto", "--timeout", "60"], cwd=REPO,
+            env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        streamed, _ = check_drain(url, start, LONG_STREAM_TOKENS, 60, log)
+        output, _ = drainer[0].communicate(timeout=90)
+        assert drainer[0].returncode == 0, output
+        assert "drained in" in output and "0 request(s) ended unfinished" in output, output
+        assert httpx.get(f"{url}/readyz", timeout=5).status_code == 503  # still drained
+        print(f"shoal drain under serve run: stream complete {streamed:.1f} s after it began")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # Ray's own stop; nothing is in flight now
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for p in drainer:
+            if p.poll() is None:
+                p.kill()
+    assert not outliving(family), "serve run left processes behind"

@@ -255,7 +255,7 @@ def test_prefix_aware_routing_keeps_a_prefix_on_one_replica(routed_url):
 def test_dead_engine_is_503(pair_url):
     import ray
 
-    from app.serving.llm_server import scheduler_actors
+    from app.serving.schedulers import scheduler_actors
 
     headers = {"Authorization": f"Bearer {PAIR_KEY}"}
     victim = next(iter(scheduler_actors("pair").values()))

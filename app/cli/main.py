@@ -12,6 +12,7 @@ import sys
 from app.cli.bench.cli import add_bench_parser
 from app.cli.chat import add_chat_parser, add_complete_parser
 from app.cli.collect_env import add_collect_env_parser
+from app.cli.drain import add_drain_parser
 from app.cli.engine_args import add_engine_args, engine_config_or_exit
 from app.cli.serve import add_serve_parser
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_complete_parser(subparsers)
     add_bench_parser(subparsers)
     add_collect_env_parser(subparsers)
+    add_drain_parser(subparsers)
     return parser
 
 

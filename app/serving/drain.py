@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from app.serving.llm_server import scheduler_actors
+from app.serving.schedulers import scheduler_actors
 
 log = logging.getLogger("shoal.serve")
 

@@ -26,10 +26,10 @@ from actors.metrics import Replica
 from actors.placement import rank_bundle
 from actors.sampling_params import SamplingParams
 from actors.scheduler_actor import scheduler_actor_class
+from app.serving.schedulers import SCHEDULER_NAMESPACE, scheduler_actors, scheduler_name_prefix
 
 log = logging.getLogger("shoal.server")
 
-SCHEDULER_NAMESPACE = "shoal"
 # The engine's refusals and failures of one request (400, 429, 503, 500 at the HTTP layer).
 REFUSALS = (ValueError, QueueFullError, EngineDeadError, RequestFailedError, ShuttingDownError)
 
@@ -56,10 +56,6 @@ class EngineRequest:
         adapter = "" if self.lora is None else f"{self.lora}\x00"
         salt = "" if self.params.cache_salt is None else f"{self.params.cache_salt}\x01"
         return adapter + salt + tokens
-
-
-def scheduler_name_prefix(app_name: str) -> str:
-    return f"scheduler:{app_name}:"
 
 
 # A replica's placement group: bundle 0 the replica, bundle 1 the scheduler with rank 0's
@@ -246,14 +242,6 @@ def replica_info(ctx, model_name: str | None) -> Replica:
     rank = getattr(ctx, "rank", None)  # newer Serve numbers replicas; older ones don't
     rank = rank if isinstance(rank, int) else getattr(rank, "rank", 0)
     return Replica(ctx.replica_id.unique_id, model_name, rank or 0, getattr(ctx, "world_size", 1) or 1)
-
-
-def scheduler_actors(app_name: str) -> dict:
-    """Replica id -> scheduler actor handle, for every live replica of the app."""
-    prefix = scheduler_name_prefix(app_name)
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == SCHEDULER_NAMESPACE and a["name"].startswith(prefix)]
-    return {n[len(prefix):]: ray.get_actor(n, namespace=SCHEDULER_NAMESPACE) for n in sorted(names)}
 
 
 def _stats_or_error(result) -> dict:
