@@ -22,8 +22,12 @@ STREAM_TOKENS = 500  # ~5-8 s of decoding for the bundled model on this machine
 LONG_STREAM_TOKENS = 4000  # ~15 s on a tiny test checkpoint
 
 
+def shoal(*args: str) -> list[str]:
+    return [sys.executable, "-m", "app.cli", *args]
+
+
 def shoal_serve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "app.cli", "serve", *args]
+    return shoal("serve", *args)
 
 
 def checkout_env(**extra) -> dict:
@@ -53,7 +57,7 @@ def test_bad_application_args_fail_in_one_line_before_ray_starts(tmp_path):
 
 
 def test_shoal_drain_without_a_cluster_says_so_in_one_line(tmp_path):
-    done = subprocess.run(shoal_serve()[:3] + ["drain"], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run(shoal("drain"), cwd=REPO, capture_output=True, text=True,
                           env=checkout_env(RAY_TMPDIR=str(tmp_path)), timeout=60)  # no cluster file
     assert done.returncode == 1
     assert done.stderr.startswith("shoal drain: error: no Ray cluster at auto: ")
@@ -116,7 +120,7 @@ def test_serve_run_drains_with_shoal_drain_first(checkpoint_factory, tmp_path):
         family = descendants(proc.pid)
         # `auto`: the cluster `serve run` started on this machine, as a user's second shell finds it.
         start = lambda: drainer.append(subprocess.Popen(  # noqa: E731
-            shoal_serve()[:3] + ["drain", "--address", "auto", "--timeout", "60"], cwd=REPO,
+            shoal("drain", "--address", "auto", "--timeout", "60"), cwd=REPO,
             env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         streamed, _ = check_drain(url, start, LONG_STREAM_TOKENS, 60, log)
         output, _ = drainer[0].communicate(timeout=90)
