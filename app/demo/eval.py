@@ -21,6 +21,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from app.demo.yielding import mark_test_run
+
 CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 NUM = re.compile(r"-?\d+")
 
@@ -166,7 +168,7 @@ def inproc_server(model_path: str | None):
 def ask(client, model: str, sample: dict):
     extra = {} if sample["thinking"] else {"chat_template_kwargs": {"enable_thinking": False}}
     kwargs = dict(model=model, messages=sample["messages"], temperature=0,
-                  max_tokens=160 if sample["thinking"] else 80, extra_body=extra)
+                  max_tokens=200 if sample["thinking"] else 80, extra_body=extra)
     if sample["tools"]:
         kwargs["tools"] = sample["tools"]
     return client.chat.completions.create(**kwargs).choices[0].message
@@ -233,6 +235,8 @@ def main(argv=None) -> None:
 
     how = "shoal serve (Ray Serve, HTTP on 127.0.0.1)"
     with contextlib.ExitStack() as stack:
+        # A training run (make demo-model) gives the cores back while this runs.
+        stack.callback(mark_test_run().unlink, missing_ok=True)
         url = None
         if not args.inproc:
             url = stack.enter_context(shoal_serve(args.model_path, args.startup_timeout,

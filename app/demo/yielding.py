@@ -1,8 +1,9 @@
 """Demo training gives the 2 cores back while a test run is going (issue: training must
 never hold the cores while tests run).
 
-A pytest session drops a file named after its pid into a shared temp folder and removes it
-at the end; the trainer checkpoints and sleeps while any such file names a live process.
+A pytest session (and `make demo-eval`) drops a file named after its pid into a shared temp
+folder and removes it at the end; the trainer checkpoints and sleeps while any such file
+names a live process.
 The folder is machine-wide, so a test run in any checkout pauses a training run in another.
 """
 from __future__ import annotations
