@@ -33,7 +33,9 @@ chromium:
 bench: install
 	$(PY) tests/bench/bench_engine.py
 
-# The bundled default model (actors/demo_model): synthetic chats, own BPE, just under 1 h on 2 cores.
+# The bundled default model (actors/demo_model): synthetic chats, own BPE, 105 minutes of
+# training on 2 cores. Resumable: stop it any time and run it again to continue (a checkpoint
+# every 4 minutes, build/demo_train/state.pt); it pauses while a test run or demo-eval runs.
 demo-model: install
 	$(PY) -m app.demo.train --out actors/demo_model
 

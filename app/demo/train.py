@@ -1,10 +1,11 @@
 """Train the bundled demo model: `python -m app.demo.train --out actors/demo_model`.
 
 A BPE tokenizer (digits one per token) and a few-million-parameter Qwen3 decoder trained on
-the synthetic chats of app/demo/data.py, loss on assistant tokens only. Fixed seeds. The
-output folder is rewritten every `--save-every` steps, so a usable checkpoint exists even
-if the run is stopped early; the next run continues from the last saved training state
-(`--fresh` starts over), and a run pauses while a test run is going (app/demo/yielding.py).
+the synthetic chats of app/demo/data.py, loss on assistant tokens only. Fixed seeds. Every
+`--save-minutes` the training state and a loadable checkpoint go to the --state folder, so a
+run stopped at any point loses a few minutes at most: the next run continues from there
+(`--fresh` starts over). Only a finished run writes --out. A run pauses while a test run is
+going (app/demo/yielding.py).
 """
 from __future__ import annotations
 
@@ -209,7 +210,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="actors/demo_model")
     p.add_argument("--state", default="build/demo_train/state.pt", help="resumable training state")
     p.add_argument("--steps", type=int, default=100_000, help="step budget")
-    p.add_argument("--minutes", type=float, default=115.0,
+    p.add_argument("--minutes", type=float, default=105.0,
                    help="wall-time budget: the LR schedule follows whichever budget is "
                         "further along, so a slow (shared) machine still anneals and stops")
     p.add_argument("--tokens-per-batch", type=int, default=2048)
@@ -246,6 +247,7 @@ def main(argv=None) -> None:
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
     step, state_path, out, st = 0, Path(args.state), Path(args.out), {}
+    work = state_path.parent / "model"  # the latest checkpoint, loadable while the run goes on
     # A saved state continues only the run it came from: same model, data and budgets.
     run_id = fingerprint(args)
     if not args.fresh and state_path.exists():
@@ -263,8 +265,8 @@ def main(argv=None) -> None:
     stream = batches(tok, SEED + step, args.tokens_per_batch)
     save_dtype = getattr(torch, args.save_dtype)
 
-    def checkpoint():
-        save(model, tok, out, save_dtype)
+    def checkpoint(folder: Path):
+        save(model, tok, folder, save_dtype)
         state_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                     "elapsed": time.time() - start, "seen": seen, "run": run_id},
@@ -277,7 +279,7 @@ def main(argv=None) -> None:
     bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=5)
     while step < args.steps:
         if tests_running():
-            checkpoint()
+            checkpoint(work)
             bar.write(f"step {step}: a test run started; paused (checkpoint saved)")
             paused = time.time()
             while tests_running():
@@ -306,7 +308,7 @@ def main(argv=None) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}", tok_s=f"{seen / elapsed:.0f}")
         if time.time() - last_save > args.save_minutes * 60:
-            checkpoint()
+            checkpoint(work)
             last_save = time.time()
         if time.time() - last_eval > args.eval_minutes * 60:
             figs = quick_eval(model, tok)
@@ -314,7 +316,7 @@ def main(argv=None) -> None:
                       + " ".join(f"{k} {v:.0%}" for k, v in figs.items()))
             last_eval = time.time()
     bar.close()
-    checkpoint()
+    checkpoint(out)  # only a finished run replaces --out
     figs = quick_eval(model, tok)
     print("final quick eval: " + " ".join(f"{k} {v:.0%}" for k, v in figs.items()), flush=True)
     print(f"done: {step} steps, {seen} tokens, {(time.time() - start) / 60:.1f} min -> {out}",
