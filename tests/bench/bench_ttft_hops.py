@@ -1,0 +1,150 @@
+"""Where the time-to-first-token tax goes: one request at a time (a 32-token prompt, one output
+token), entered at each hop of the serving path in turn, in one run:
+
+    .venv/bin/python tests/bench/bench_ttft_hops.py [--n 20]
+
+- in-process: an AsyncEngine in this process (no hop);
+- scheduler actor: its streaming `generate` called directly (one Ray actor hop);
+- LLMServer handle: a Serve DeploymentHandle to the model replica (Serve's router, the
+  replica, then the actor);
+- HTTP: a streamed /v1/completions (the proxy and the ingress in front of all that).
+Also the no-op round trip of each hop (an actor method, a handle method, GET /v1/models), and
+the CPU each process of the local cluster spends per HTTP request (from /proc), which on 2
+cores comes out of the engine's. The same engine settings as tests/bench/bench_serve.py.
+Prints markdown tables.
+"""
+import argparse
+import asyncio
+import os
+import statistics
+import time
+import uuid
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from bench_serve import start_serve, stop_serve  # noqa: E402
+from common import bench_checkpoint  # noqa: E402
+
+from actors.async_engine import AsyncEngine  # noqa: E402
+from actors.config import EngineConfig  # noqa: E402
+from actors.sampling_params import SamplingParams  # noqa: E402
+
+PROMPT = list(range(100, 132))
+
+
+def timed(make_call):
+    """An async function timing one call of `make_call()` (an awaitable or async iterator:
+    the time to its first item)."""
+    async def once() -> float:
+        start = time.perf_counter()
+        call = make_call()
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                break
+        else:
+            await call
+        return time.perf_counter() - start
+    return once
+
+
+async def measure(options: dict, url: str, n: int) -> list[tuple[str, float]]:
+    from ray import serve
+
+    from app.serving.llm_server import EngineRequest
+    from app.serving.schedulers import scheduler_actors
+
+    engine = AsyncEngine(EngineConfig(**options))
+    params = SamplingParams(max_tokens=1, temperature=0)
+    scheduler = next(iter(scheduler_actors("bench").values()))
+    handle = serve.get_deployment_handle("LLMServer", "bench")
+    http = httpx.AsyncClient(timeout=60)
+
+    async def first_ref():
+        async for ref in scheduler.generate.options(num_returns="streaming").remote(
+                PROMPT, params, uuid.uuid4().hex):
+            yield await ref
+
+    async def first_sse():
+        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    yield line
+
+    cases = [
+        ("in-process engine", timed(lambda: engine.generate(PROMPT, params, uuid.uuid4().hex))),
+        ("scheduler actor, directly", timed(first_ref)),
+        ("LLMServer via Serve handle", timed(lambda: handle.options(stream=True).generate.remote(
+            EngineRequest(PROMPT, params, uuid.uuid4().hex)))),
+        ("HTTP stream (proxy, ingress, handle, actor)", timed(first_sse)),
+        ("no-op: actor method", timed(lambda: scheduler.ready.remote())),
+        ("no-op: Serve handle method", timed(lambda: handle.ready.remote())),
+        ("no-op: HTTP GET /v1/models (proxy, ingress)", timed(lambda: http.get(f"{url}/v1/models"))),
+    ]
+    rows = []
+    for name, once in cases:
+        for _ in range(3):  # warm-up
+            await once()
+        rows.append((name, statistics.median([await once() for _ in range(n)]) * 1000))
+    engine.shutdown()
+    cpu = {}
+    for name, once in [("streamed, 1 token", timed(first_sse)),
+                       ("GET /v1/models", timed(lambda: http.get(f"{url}/v1/models")))]:
+        before = cluster_cpu()
+        for _ in range(n):
+            await once()
+        after = cluster_cpu()
+        cpu[name] = {k: (after[k] - before.get(k, after[k])) / n * 1000 for k in after}
+    await http.aclose()
+    return rows, cpu
+
+
+PROCESSES = ("ProxyActor", "Ingress", "LLMServer", "Scheduler", "ServeController", "raylet",
+             "gcs_server")
+
+
+def cluster_cpu() -> dict[str, float]:
+    """CPU seconds so far of each of the local cluster's processes, by role."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        role = next((r for r in PROCESSES if r in cmd), None)
+        if role:
+            out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=20, help="timed requests per row")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    options = dict(model_path=str(bench_checkpoint()), num_threads=args.threads, max_num_seqs=64,
+                   kv_cache_memory=1.0, attn_backend="native")
+    url = start_serve({**options, "shard_cpus": args.threads, "stream_chunks_per_s": 100})
+    try:
+        rows, cpu = asyncio.run(measure(options, url, args.n))
+    finally:
+        stop_serve()
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| entered at | first token p50 (ms) |\n| --- | --- |")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.1f} |")
+    print("\n| CPU ms per request | " + " | ".join(PROCESSES) + " |")
+    print("| --- |" + " --- |" * len(PROCESSES))
+    for name, per in cpu.items():
+        print(f"| {name} | " + " | ".join(f"{per.get(p, 0.0):.1f}" for p in PROCESSES) + " |")
+
+
+if __name__ == "__main__":
+    main()
