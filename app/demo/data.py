@@ -402,7 +402,7 @@ def decline_sample(rng, thinking: bool, heldout: bool = False) -> dict:
     """A tool request that none of the offered tools covers: the same prompts as
     tool_call_sample with the needed tool left out, so only the schemas tell them apart."""
     dom = rng.choice(list(DOMAINS))
-    tools, info = _toolset(rng, None, heldout, exclude=dom)
+    tools, _ = _toolset(rng, None, heldout, exclude=dom)
     user = rng.choice(DOMAINS[dom]["asks"]).format(*_args(rng, dom, made_up=not heldout and rng.random() < 0.3))
     return dict(messages=_with_system(rng, [{"role": "user", "content": user}]), tools=tools,
                 thinking=thinking, target=(THINK_EMPTY if thinking else "") + DECLINE,
@@ -414,7 +414,7 @@ def no_tool_sample(rng, thinking: bool, heldout: bool = False) -> dict:
     r = rng.random()
     if r >= 0.75:
         return decline_sample(rng, thinking, heldout)
-    tools, info = _toolset(rng, None, heldout)
+    tools, _ = _toolset(rng, None, heldout)
     if r < 0.4:  # arithmetic with tools around: still solved by hand
         kind = rng.choice(["add", "mul21"])
         s = arithmetic_sample(rng, kind, thinking, heldout)
@@ -486,10 +486,12 @@ MIXTURE = [  # (weight, maker, share of samples with thinking on)
 def sample(rng: random.Random) -> dict:
     """One training sample, drawn by MIXTURE weight."""
     x = rng.random()
-    for weight, make, thinking in MIXTURE:
-        if x < weight or (weight, make, thinking) == MIXTURE[-1]:
+    for weight, make, thinking in MIXTURE[:-1]:
+        if x < weight:
             return make(rng, rng.random() < thinking)
         x -= weight
+    _, make, thinking = MIXTURE[-1]
+    return make(rng, rng.random() < thinking)
 
 
 def stream(seed: int):

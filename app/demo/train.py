@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from actors.model_spec import cpu_has_matmul
 from app.demo import data
 from app.demo.yielding import tests_running
-from actors.model_spec import cpu_has_matmul
 from app.protocol.chatml import CHAT_TEMPLATE
 
 SEED = 1234
@@ -192,12 +192,14 @@ def save(model, tok, out: Path, dtype: torch.dtype) -> None:
 
 
 def fingerprint(args) -> str:
-    """What a resumable state must match: model shape, data code and optimizer settings.
-    Not the budgets: a larger --minutes continues a run on a longer schedule."""
+    """What a resumable state must match: model shape, the data (its first samples, so an
+    edit that changes no sample keeps the run) and optimizer settings. Not the budgets: a
+    larger --minutes continues a run on a longer schedule."""
     import hashlib
-    import inspect
-    key = json.dumps([MODEL, BPE_VOCAB, inspect.getsource(data), args.tokens_per_batch,
-                      args.lr, args.warmup, args.bf16], sort_keys=True)
+    import itertools
+    samples = list(itertools.islice(data.stream(SEED), 300))
+    key = json.dumps([MODEL, BPE_VOCAB, samples, args.tokens_per_batch, args.lr, args.warmup,
+                      args.bf16], sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
