@@ -62,7 +62,8 @@ def test_load_use_unload_over_http(server):
     r = post(url, "/v1/load_lora_adapter", body)
     assert r.status_code == 200 and "added successfully" in r.text
     assert post(url, "/v1/load_lora_adapter", body).status_code == 400  # already loaded
-    assert models()["b"] == {**models()["b"], "parent": base.name, "root": str(paths["b"])}
+    card = models()["b"]  # one listing: `created` is the listing's time, as in vLLM
+    assert card == {**card, "parent": base.name, "root": str(paths["b"])}
     assert httpx.get(f"{url}/v1/models/b", headers=AUTH).json()["id"] == "b"
 
     # a, b and the base model at once; one adapter slot, so a and b take turns (LRU).
