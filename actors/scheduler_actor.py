@@ -113,6 +113,7 @@ class SchedulerActor:
         self.engine = AsyncEngine(config, placement)
         self.max_model_len = self.engine.max_model_len
         self.chunk_rate = stream_chunks_per_s
+        self.http_counts: dict = {}  # see set_http_counts
         self.replica = replica or Replica()
         self.engine.engine.metrics.set_replica(self.replica)
         self.exporter = start_ray_export(self.engine.engine)  # Ray dashboard / Prometheus
@@ -161,7 +162,12 @@ class SchedulerActor:
 
     def metrics(self) -> dict:
         """This engine's counters, gauges and histogram buckets; GET /metrics sums replicas."""
-        return self.engine.metrics()
+        return {**self.engine.metrics(), "http": self.http_counts}
+
+    def set_http_counts(self, counts: dict) -> None:
+        """The HTTP response counts of the API that runs in this replica's Serve process (the
+        merged layout), kept here so GET /metrics on any replica can sum every replica's."""
+        self.http_counts = counts
 
     def ready(self) -> bool:
         """Can take a request: alive and not draining."""

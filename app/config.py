@@ -45,6 +45,10 @@ class DeployOptions:
     decode_progress_interval_s: float = 0.0  # > 0: the scheduler logs throughput this often
     stream_chunks_per_s: float = 100.0  # per replica, under load; 0: every token as it comes
     routing: str = "load"  # load (Serve's power of two choices) | prefix-aware
+    # merged: each replica is the HTTP ingress too; split: an Ingress deployment in front of
+    # the LLMServer pool. None: split where it is needed (prefix-aware routing, or
+    # --ingress-replicas above 1), else merged (one process hop fewer per request and chunk).
+    serve_layout: str | None = None
     shutdown_timeout: float = 30.0  # seconds requests in flight may finish after SIGTERM / shutdown
 
 
@@ -249,6 +253,11 @@ def _check_layout(config: ShoalConfig) -> None:
         raise ConfigError("--tp-size, --pp-size and --world-size must be positive")
     if d.routing not in ("load", "prefix-aware"):
         raise ConfigError(f"--routing must be load or prefix-aware, got {d.routing!r}")
+    if d.serve_layout not in (None, "merged", "split"):
+        raise ConfigError(f"--serve-layout must be merged or split, got {d.serve_layout!r}")
+    if d.serve_layout == "merged" and (d.routing == "prefix-aware" or d.ingress_replicas > 1):
+        raise ConfigError("--routing prefix-aware and --ingress-replicas need --serve-layout split "
+                          "(a separate ingress in front of the model replicas)")
     if d.world_size is not None and d.world_size % shards_per_replica(config):
         raise ConfigError(f"--world-size {d.world_size} is not divisible by --tp-size x --pp-size "
                           f"= {e.tp_size} x {e.pp_size} = {shards_per_replica(config)}")
@@ -281,6 +290,14 @@ def _check_resources(config: ShoalConfig) -> None:
         raise ConfigError("--ingress-replicas must be positive")
     if d.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {d.shutdown_timeout}")
+
+
+def split_layout(config: ShoalConfig) -> bool:
+    """A separate Ingress deployment in front of the LLMServer pool (see DeployOptions)."""
+    d = config.deploy
+    if d.serve_layout is not None:
+        return d.serve_layout == "split"
+    return d.routing == "prefix-aware" or d.ingress_replicas > 1
 
 
 def replica_count(config: ShoalConfig) -> int:

@@ -26,3 +26,20 @@ def test_bad_engine_option_is_one_clear_line(name):
     with pytest.raises(ConfigError, match=message) as error:
         load_config({name: value}, environ={})
     assert "\n" not in str(error.value)
+
+
+def test_serve_layout_is_merged_unless_a_separate_ingress_is_needed():
+    from app.config import split_layout
+
+    def split(**options) -> bool:
+        return split_layout(load_config(options, environ={}))
+
+    assert not split()  # each model replica is its own HTTP ingress
+    assert split(routing="prefix-aware") and split(ingress_replicas=2)  # a router before the replicas
+    assert split(serve_layout="split") and not split(serve_layout="merged")
+    for bad in ({"serve_layout": "merged", "routing": "prefix-aware"},
+                {"serve_layout": "merged", "ingress_replicas": 2}):
+        with pytest.raises(ConfigError, match="need --serve-layout split"):
+            load_config(bad, environ={})
+    with pytest.raises(ConfigError, match="--serve-layout must be merged or split"):
+        load_config({"serve_layout": "both"}, environ={})

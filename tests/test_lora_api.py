@@ -17,7 +17,7 @@ from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
 from app.api.settings import ServerSettings
 from app.serving.engine_client import LocalEngineClient
-from app.serving.llm_server import EngineRequest
+from app.serving.replica import EngineRequest
 from oracle import hf_greedy, hf_prompt_logprobs
 from test_engine import prompts_of
 

@@ -277,10 +277,18 @@ def test_serve_metrics_match_requests(serve_ports, llama_ckpt):
     serve.run(app, name="metrics", route_prefix="/")
     base = wait_ready(f"http://127.0.0.1:{http_port}")
     usage = make_requests(base)
-    m = scrape(f"{base}/metrics")  # summed over both replicas by the ingress
+    m = scrape(f"{base}/metrics")  # summed over both replicas by the answering one
     check_engine_counters(m, usage, model="tiny")
-    check_http_counters(m, model="tiny")
     assert total(m, "shoal_kv_cache_usage") == 0  # finished requests hold no blocks
+    deadline = time.monotonic() + 10  # each replica pushes its HTTP counts once a second
+    while True:
+        try:
+            check_http_counters(scrape(f"{base}/metrics"), model="tiny")
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     ray_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     deadline = time.monotonic() + 30  # exporter thread 1 s, Ray's report interval 1 s
     while True:

@@ -1,8 +1,10 @@
 """End to end through Ray Serve: the official openai client against real deployments.
 
-One Ray instance for the module (loopback only, no dashboard) hosts two apps: `shoal` at /
-(one replica) and `pair` at /pair (two replicas, an API key and a tiny queue limit, for the
-routing, 401 and 429 checks). `serve run serve_configs/dev.yaml` and the `shoal serve`
+One Ray instance for the module (loopback only, no dashboard) hosts the apps: `shoal` at /
+(one replica), `pair` at /pair (two replicas, an API key and a tiny queue limit, for the
+routing, 401 and 429 checks), both in the default merged layout (each replica its own
+ingress); `split` at /split (a separate Ingress in front of one LLMServer replica) and
+`routed` at /routed (prefix-aware routing, which is split too). `serve run serve_configs/dev.yaml` and the `shoal serve`
 command are exercised in subprocesses.
 """
 from __future__ import annotations
@@ -75,6 +77,18 @@ def pair_url(serve_port, llama_ckpt, base_url):
 
 
 @pytest.fixture(scope="module")
+def split_url(serve_port, llama_ckpt, base_url):
+    from ray import serve
+
+    from app.serving.builder import build_app
+
+    app = build_app({"model_path": str(llama_ckpt), "serve_layout": "split", "shard_cpus": 0.2,
+                     "num_kv_blocks": 256, "num_threads": 1})
+    serve.run(app, name="split", route_prefix="/split")
+    return wait_ready(f"http://127.0.0.1:{serve_port}/split")
+
+
+@pytest.fixture(scope="module")
 def client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
@@ -115,10 +129,13 @@ def test_chat_streaming_equals_non_streaming(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_greedy_http_equals_offline_engine(client, offline):
+@pytest.mark.parametrize("layout", ["merged", "split"])
+def test_greedy_http_equals_offline_engine(layout, request, offline):
     from actors.sampling_params import SamplingParams
     from app.protocol.chat_template import render_chat_prompt
 
+    url = request.getfixturevalue("base_url" if layout == "merged" else "split_url")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     params = SamplingParams(temperature=0, max_tokens=24)
     text = client.completions.create(model="", prompt=PROMPT, **greedy()).choices[0].text
     assert text == offline.generate(PROMPT, params)[0].outputs[0].text
@@ -149,7 +166,9 @@ def test_64_concurrent_streams_complete(base_url):
     assert results == [("length", 32)] * 64, f"after {time.monotonic() - start:.1f} s"
 
 
-def test_cancelled_stream_frees_its_blocks(base_url):
+@pytest.mark.parametrize("layout", ["merged", "split"])
+def test_cancelled_stream_frees_its_blocks(layout, request):
+    base_url = request.getfixturevalue("base_url" if layout == "merged" else "split_url")
     body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
     before = replica_stats(base_url)[0]
     with httpx.Client(timeout=30) as http:
@@ -198,6 +217,18 @@ def test_both_replicas_receive_traffic(pair_url):
     stats = replica_stats(pair_url, Authorization=f"Bearer {PAIR_KEY}")
     assert len(stats) == 2
     assert all(r["generated_tokens"] > 0 for r in stats), stats
+    # Each replica hosts the API: a scrape answered by either counts both replicas' responses
+    # (each pushes its counts about once a second).
+    sample = 'shoal_http_requests_total{model="%s",path="/v1/completions",status="200"} 16.0'
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        scrapes = [httpx.get(f"{pair_url}/metrics", headers={"Authorization": f"Bearer {PAIR_KEY}"}).text
+                   for _ in range(4)]
+        if all(sample % pair.models.list().data[0].id in text for text in scrapes):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"/metrics never summed both replicas' responses: {scrapes[-1]}")
 
 
 def test_missing_api_key_is_401(pair_url):

@@ -1,12 +1,15 @@
-"""GET /metrics: Prometheus text for the whole replica pool, plus this ingress's HTTP counters.
+"""GET /metrics: Prometheus text for the whole replica pool, HTTP counters included.
 
 Each replica's scheduler hands back a snapshot of its engine metrics (actors/metrics.py:
 counters, gauges, histogram buckets); this module sums them over replicas and renders them
 with a prometheus_client custom collector. Names match the Ray export: `shoal_...` here,
 summed, with a `model` label; `ray_shoal_...` from Ray's per-node exporter, per replica.
 
-`HttpMetrics` counts responses by route and status in the ingress middleware, and mirrors
-them into Ray's metrics API when the ingress runs in a Ray worker (the Serve ingress).
+`HttpMetrics` counts responses by route and status in the API's middleware, and mirrors
+them into Ray's metrics API when the API runs in a Serve replica. Where every model replica
+hosts the API (the merged layout) each pushes its counts to its scheduler about once a
+second (app/serving/model_server.py), and a scrape answered by any replica sums what they
+pushed.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class HttpMetrics:
     def __init__(self):
         self.counts: dict[tuple[str, str], int] = defaultdict(int)  # (path, status) -> responses
         self.replica, self._ray = ray_counter()
+        self.pushed = False  # True where the counts are pushed to this replica's scheduler
 
     def record(self, model: str, path: str, status: int) -> None:
         key = (path, str(status))
@@ -72,7 +76,7 @@ async def metrics(request: Request):
     state = request.app.state
     snapshots = await pool_snapshots(getattr(state, "client", None))
     registry = CollectorRegistry()
-    registry.register(ShoalCollector(combine(snapshots), state.http_metrics.counts,
+    registry.register(ShoalCollector(combine(snapshots), http_counts(state.http_metrics, snapshots),
                                      state.settings.served_model_name))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -85,6 +89,19 @@ async def pool_snapshots(client) -> list[dict]:
     except Exception:  # a scrape must still answer: show what we have (HTTP counters)
         log.warning("could not gather engine metrics", exc_info=True)
         return []
+
+
+def http_counts(own: HttpMetrics, snapshots: list[dict]) -> dict:
+    """Every replica's counts as last pushed to its scheduler, where the replicas push them
+    (the same figures whichever replica answers, so the counters never go back); else this
+    API's own."""
+    if not own.pushed:
+        return own.counts
+    total = defaultdict(int)
+    for snap in snapshots:
+        for key, n in snap.get("http", {}).items():
+            total[key] += n
+    return total
 
 
 def combine(snapshots: list[dict]) -> dict | None:

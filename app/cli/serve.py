@@ -17,7 +17,7 @@ import time
 
 from app.cli.engine_args import add_engine_args, add_option
 from app.cli.serve_config import is_serve_config
-from app.config import ConfigError, ShoalConfig, load_config, replica_count
+from app.config import ConfigError, ShoalConfig, load_config, replica_count, split_layout
 
 log = logging.getLogger("shoal.serve")
 
@@ -30,8 +30,9 @@ def add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", allow_abbrev=False, conflict_handler="resolve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve chat and text completions on Ray Serve: an ingress, a pool of "
-                    "model replicas, a scheduler actor per replica.")
+        description="Serve chat and text completions on Ray Serve: a pool of model replicas "
+                    "(each its own HTTP ingress, or behind a separate one: --serve-layout), a "
+                    "scheduler actor per replica.")
     add_server_args(parser)
     add_engine_args(parser)
     add_layout_args(parser)
@@ -96,11 +97,16 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     add("--target-ongoing-requests", type=float,
         help="autoscaling target per replica (default 64)")
     add("--max-ongoing-requests", type=int,
-        help="requests each model replica and each ingress replica takes before Serve queues "
-             "(default 1024)")
+        help="requests each model replica (and each split-layout ingress replica) takes "
+             "before Serve queues (default 1024)")
     add("--replica-cpus", type=float, help="CPUs of each replica process (default 0.1)")
-    add("--ingress-replicas", type=int, help="replicas of the HTTP ingress (default 1)")
-    add("--ingress-cpus", type=float, help="CPUs of each ingress replica (default 0.1)")
+    add("--serve-layout", choices=["merged", "split"],
+        help="merged: every model replica is also an HTTP ingress (one process hop fewer per "
+             "request and stream chunk); split: a separate Ingress deployment in front of the "
+             "LLMServer pool (default: split for --routing prefix-aware or --ingress-replicas > 1, "
+             "else merged)")
+    add("--ingress-replicas", type=int, help="split layout: replicas of the HTTP ingress (default 1)")
+    add("--ingress-cpus", type=float, help="split layout: CPUs of each ingress replica (default 0.1)")
     add("--address", help="Ray cluster address to join (default: $RAY_ADDRESS, else start a "
                           "local Ray)")
     add("--app-name", help="Serve application name (default shoal)")
@@ -265,7 +271,8 @@ def local_resources(config: ShoalConfig) -> dict:
     d, e = config.deploy, config.engine
     replicas = replica_count(config) if d.max_replicas is None else d.max_replicas
     ranks = replicas * e.tp_size * e.pp_size
-    need = replicas * (d.replica_cpus + e.tp_size * e.pp_size * e.shard_cpus) + d.ingress_replicas * d.ingress_cpus
+    ingress = d.ingress_replicas * d.ingress_cpus if split_layout(config) else 0
+    need = replicas * (d.replica_cpus + e.tp_size * e.pp_size * e.shard_cpus) + ingress
     cores = os.cpu_count() or 1
     if ranks > cores:
         log.warning("%d shard ranks share %d CPU cores: outputs are exact, but expect it to be slow", ranks, cores)

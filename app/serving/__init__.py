@@ -1,3 +1,4 @@
-"""Ray Serve hosting: the application `serve run` imports (builder.py), the Ingress deployment
-hosting the FastAPI app, the LLMServer replica pool, and the EngineClient interface the API
-talks to (over the pool, or an in-process engine)."""
+"""Ray Serve hosting: the application `serve run` imports (builder.py), its deployments (the
+merged layout's ModelServer, or the split layout's Ingress in front of the LLMServer pool), a
+replica's scheduler actor (replica.py), and the EngineClient interface the API talks to (a
+replica's own scheduler, the pool through a handle, or an in-process engine)."""

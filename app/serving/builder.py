@@ -10,10 +10,12 @@ import ray
 from ray import serve
 
 from actors.placement import check_fits, default_strategy
-from app.config import ShoalConfig, load_config, replica_count
+from app.config import ShoalConfig, load_config, replica_count, split_layout
 from app.serving.ingress import Ingress
-from app.serving.llm_server import LLMServer, placement_bundles
+from app.serving.llm_server import LLMServer
+from app.serving.model_server import ModelServer
 from app.serving.ray_llm_config import from_llm_configs
+from app.serving.replica import placement_bundles
 
 
 def build_app(args: dict | None = None) -> serve.Application:
@@ -22,13 +24,18 @@ def build_app(args: dict | None = None) -> serve.Application:
 
 
 def application(config: ShoalConfig) -> serve.Application:
-    """Ingress -> LLMServer pool, each replica with its own placement group. On a running Ray
-    the layout is checked against the cluster first: one that can never be placed fails here
-    (PlacementError, one line) instead of waiting forever."""
+    """The ModelServer pool (merged layout), or Ingress -> LLMServer pool (split); each model
+    replica with its own placement group. On a running Ray the layout is checked against the
+    cluster first: one that can never be placed fails here (PlacementError, one line) instead
+    of waiting forever."""
     if ray.is_initialized():
         check_placement(config)
     d = config.deploy
-    llm = LLMServer.options(**llm_server_options(config)).bind(
+    if not split_layout(config):
+        return ModelServer.options(**replica_options(config)).bind(
+            config.engine, config.server, d.log_level, d.decode_progress_interval_s,
+            d.stream_chunks_per_s)
+    llm = LLMServer.options(**replica_options(config)).bind(
         config.engine, d.log_level, d.decode_progress_interval_s, d.stream_chunks_per_s,
         config.server.served_model_name)
     ingress = Ingress.options(num_replicas=d.ingress_replicas, max_ongoing_requests=d.max_ongoing_requests,
@@ -38,7 +45,8 @@ def application(config: ShoalConfig) -> serve.Application:
     return ingress.bind(llm, config.server, d.log_level)
 
 
-def llm_server_options(config: ShoalConfig) -> dict:
+def replica_options(config: ShoalConfig) -> dict:
+    """Serve options of the model replicas' deployment (ModelServer or LLMServer)."""
     d, e = config.deploy, config.engine
     bundles = placement_bundles(e, d.replica_cpus)
     options = dict(
@@ -50,7 +58,7 @@ def llm_server_options(config: ShoalConfig) -> dict:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         # serve shutdown / a scale-down: requests in flight get this long, then __del__ ends them.
         graceful_shutdown_timeout_s=d.shutdown_timeout,
-        # One access-log line per token stream is noise; the ingress logs every request.
+        # Serve's access log: the API logs every request itself (app/api/request_log.py).
         logging_config={"log_level": d.log_level.upper(), "enable_access_log": False},
     )
     if d.routing == "prefix-aware":
@@ -92,9 +100,10 @@ def pack_strategy(bundles: list[dict]) -> str:
 
 def check_placement(config: ShoalConfig, nodes: list[dict] | None = None) -> None:
     """Can the nodes (default: the cluster's) hold the replicas (the minimum, when autoscaling)
-    and the ingress?"""
+    and the split layout's ingress?"""
     d = config.deploy
     bundles = placement_bundles(config.engine, d.replica_cpus)
     replicas = replica_count(config) if d.max_replicas is None else (1 if d.min_replicas is None else d.min_replicas)
     strategy = config.engine.placement_strategy or ("STRICT_PACK" if nodes else pack_strategy(bundles))
-    check_fits(bundles, replicas, strategy, [{"CPU": d.ingress_cpus}] * d.ingress_replicas, nodes)
+    ingress = [{"CPU": d.ingress_cpus}] * d.ingress_replicas if split_layout(config) else []
+    check_fits(bundles, replicas, strategy, ingress, nodes)

@@ -1,4 +1,6 @@
-"""The ingress deployment: the FastAPI app of app/api/app.py, hosted by Ray Serve.
+"""The split layout's ingress deployment: the FastAPI app of app/api/app.py, hosted by Ray
+Serve in front of the LLMServer pool (the merged layout's ModelServer hosts it in each model
+replica instead: app/serving/model_server.py).
 
 It validates, authenticates, renders chat templates and tokenizes in its own replica (so
 that CPU work stays off the engine loop and scales with ingress replicas), then streams

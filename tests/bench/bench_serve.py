@@ -6,7 +6,8 @@ workload on the in-process engine, in the same run; TTFT and inter-token latency
 Both sides run the same EngineConfig on the same checkpoint (tests/bench/common.py) with
 the same torch thread count. The in-process side streams from an AsyncEngine in this
 process; the HTTP side streams /v1/completions (token-id prompts, so both see identical
-prompts) through proxy -> ingress -> LLMServer replica -> scheduler actor. Both stay up and
+prompts) through proxy -> ModelServer replica -> scheduler actor (`--serve-layout split`: proxy
+-> ingress -> LLMServer replica -> scheduler actor). Both stay up and
 the two sides alternate for a few rounds, so each HTTP round has an in-process neighbour
 that saw the same machine load; the ratio is the median over rounds. Prints markdown.
 """
@@ -151,6 +152,7 @@ async def alternate(sides: dict, prompts: list, concurrency: int, rounds: int) -
 
 # What each of our Ray processes does (by process title); raylet and GCS by program name.
 PROCESS_KINDS = {"ray::SchedulerActor": "scheduler actor (engine)",
+                 "ray::ServeReplica:bench:ModelServer": "ModelServer replica",
                  "ray::ServeReplica:bench:LLMServer": "LLMServer replica",
                  "ray::ServeReplica:bench:Ingress": "ingress replica", "ray::ProxyActor": "HTTP proxy",
                  "ray::ServeController": "Serve controller", "raylet": "raylet + GCS",
@@ -229,6 +231,7 @@ def cpu_per_k(runs: list[Run], kind: str) -> str:
 def report(args, many: dict, one: dict) -> None:
     print(f"{args.requests} requests, prompts of 32-256 tokens, {args.output_len} output tokens, greedy, "
           f"{args.threads} torch threads, --stream-chunks-per-s {args.chunks_per_s:g}, "
+          f"--serve-layout {args.serve_layout}, "
           f"{args.rounds} alternating rounds; concurrency 1: "
           f"{args.single} requests x 64 tokens per round\n")
     print("| run | output tok/s per round | TTFT p50 / p99 (ms) | time per output token p50 / p99 (ms) "
@@ -260,6 +263,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine, both sides")
     ap.add_argument("--chunks-per-s", type=float, default=100.0, help="the server's --stream-chunks-per-s")
+    ap.add_argument("--serve-layout", choices=["merged", "split"], default="merged")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_checkpoint()
@@ -267,7 +271,8 @@ def main():
     options = dict(model_path=str(path), num_threads=args.threads, max_num_seqs=args.requests,
                    kv_cache_memory=1.0, attn_backend="native")
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    url = start_serve({**options, "shard_cpus": args.threads, "stream_chunks_per_s": args.chunks_per_s})
+    url = start_serve({**options, "shard_cpus": args.threads, "stream_chunks_per_s": args.chunks_per_s,
+                       "serve_layout": args.serve_layout})
     try:
         many, one = asyncio.run(measure(options, url, prompts, args))
     finally:

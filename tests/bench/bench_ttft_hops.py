@@ -5,12 +5,13 @@ token), entered at each hop of the serving path in turn, in one run:
 
 - in-process: an AsyncEngine in this process (no hop);
 - scheduler actor: its streaming `generate` called directly (one Ray actor hop);
-- LLMServer handle: a Serve DeploymentHandle to the model replica (Serve's router, the
-  replica, then the actor);
-- HTTP: a streamed /v1/completions (the proxy and the ingress in front of all that).
-Also the no-op round trip of each hop (an actor method, a handle method, GET /v1/models), and
-the CPU each process of the local cluster spends per HTTP request (from /proc), which on 2
-cores comes out of the engine's. The same engine settings as tests/bench/bench_serve.py.
+- HTTP, merged layout (the default): a streamed /v1/completions through Serve's proxy and
+  the ModelServer replica, which streams from its scheduler actor;
+- split layout: the LLMServer replica through a Serve DeploymentHandle (Serve's router, the
+  replica, then the actor), and HTTP through the proxy and the Ingress replica in front of that.
+Both layouts run side by side, one app each. Also the no-op round trip of each hop (an actor
+method, a handle method, GET /v1/models), and the CPU each process of the local cluster spends
+per HTTP request (from /proc), which on 2 cores comes out of the engine's. The same engine settings as tests/bench/bench_serve.py.
 Prints markdown tables.
 """
 import argparse
@@ -52,16 +53,16 @@ def timed(make_call):
     return once
 
 
-async def measure(options: dict, url: str, n: int) -> list[tuple[str, float]]:
+async def measure(options: dict, url: str, split_url: str, n: int) -> list[tuple[str, float]]:
     from ray import serve
 
-    from app.serving.llm_server import EngineRequest
+    from app.serving.replica import EngineRequest
     from app.serving.schedulers import scheduler_actors
 
     engine = AsyncEngine(EngineConfig(**options))
     params = SamplingParams(max_tokens=1, temperature=0)
     scheduler = next(iter(scheduler_actors("bench").values()))
-    handle = serve.get_deployment_handle("LLMServer", "bench")
+    handle = serve.get_deployment_handle("LLMServer", "split")
     http = httpx.AsyncClient(timeout=60)
 
     async def first_ref():
@@ -69,22 +70,26 @@ async def measure(options: dict, url: str, n: int) -> list[tuple[str, float]]:
                 PROMPT, params, uuid.uuid4().hex):
             yield await ref
 
-    async def first_sse():
-        body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    yield line
+    def first_sse(base: str):
+        async def first():
+            body = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True}
+            async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        yield line
+        return first
 
     cases = [
         ("in-process engine", timed(lambda: engine.generate(PROMPT, params, uuid.uuid4().hex))),
         ("scheduler actor, directly", timed(first_ref)),
-        ("LLMServer via Serve handle", timed(lambda: handle.options(stream=True).generate.remote(
+        ("merged: HTTP stream (proxy, ModelServer, actor)", timed(first_sse(url))),
+        ("split: LLMServer via Serve handle", timed(lambda: handle.options(stream=True).generate.remote(
             EngineRequest(PROMPT, params, uuid.uuid4().hex)))),
-        ("HTTP stream (proxy, ingress, handle, actor)", timed(first_sse)),
+        ("split: HTTP stream (proxy, Ingress, handle, LLMServer, actor)", timed(first_sse(split_url))),
         ("no-op: actor method", timed(lambda: scheduler.ready.remote())),
         ("no-op: Serve handle method", timed(lambda: handle.ready.remote())),
-        ("no-op: HTTP GET /v1/models (proxy, ingress)", timed(lambda: http.get(f"{url}/v1/models"))),
+        ("no-op: merged HTTP GET /v1/models", timed(lambda: http.get(f"{url}/v1/models"))),
+        ("no-op: split HTTP GET /v1/models", timed(lambda: http.get(f"{split_url}/v1/models"))),
     ]
     rows = []
     for name, once in cases:
@@ -93,8 +98,10 @@ async def measure(options: dict, url: str, n: int) -> list[tuple[str, float]]:
         rows.append((name, statistics.median([await once() for _ in range(n)]) * 1000))
     engine.shutdown()
     cpu = {}
-    for name, once in [("streamed, 1 token", timed(first_sse)),
-                       ("GET /v1/models", timed(lambda: http.get(f"{url}/v1/models")))]:
+    for name, once in [("merged: streamed, 1 token", timed(first_sse(url))),
+                       ("merged: GET /v1/models", timed(lambda: http.get(f"{url}/v1/models"))),
+                       ("split: streamed, 1 token", timed(first_sse(split_url))),
+                       ("split: GET /v1/models", timed(lambda: http.get(f"{split_url}/v1/models")))]:
         before = cluster_cpu()
         for _ in range(n):
             await once()
@@ -104,8 +111,8 @@ async def measure(options: dict, url: str, n: int) -> list[tuple[str, float]]:
     return rows, cpu
 
 
-PROCESSES = ("ProxyActor", "Ingress", "LLMServer", "Scheduler", "ServeController", "raylet",
-             "gcs_server")
+PROCESSES = ("ProxyActor", "ModelServer", "Ingress", "LLMServer", "Scheduler", "ServeController",
+             "raylet", "gcs_server")
 
 
 def cluster_cpu() -> dict[str, float]:
@@ -131,9 +138,16 @@ def main():
     torch.set_num_threads(args.threads)
     options = dict(model_path=str(bench_checkpoint()), num_threads=args.threads, max_num_seqs=64,
                    kv_cache_memory=1.0, attn_backend="native")
-    url = start_serve({**options, "shard_cpus": args.threads, "stream_chunks_per_s": 100})
+    served = {**options, "shard_cpus": args.threads, "stream_chunks_per_s": 100}
+    url = start_serve({**served, "serve_layout": "merged"})
     try:
-        rows, cpu = asyncio.run(measure(options, url, args.n))
+        from ray import serve
+
+        from app.serving.builder import build_app
+        # Logical CPUs only (both engines run num_threads torch threads): 4 in all fit both apps.
+        serve.run(build_app({**served, "serve_layout": "split", "shard_cpus": 1.5}), name="split",
+                  route_prefix="/split")
+        rows, cpu = asyncio.run(measure(options, url, f"{url}/split", args.n))
     finally:
         stop_serve()
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")

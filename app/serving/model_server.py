@@ -1,0 +1,103 @@
+"""The merged layout's deployment: each replica is both the HTTP ingress (the FastAPI app of
+app/api/app.py) and one model instance, streaming from its own scheduler actor.
+
+Serve's proxy picks the replica (power of two choices on requests in flight) and counts the
+HTTP requests for autoscaling and graceful shutdown, as it would for a model deployment.
+Against the split layout (Ingress -> handle -> LLMServer -> scheduler) a request crosses one
+Serve process and one Serve router fewer, and every stream chunk one process hop fewer; a
+replica's template rendering and tokenizing scale with the replicas. Prefix-aware routing
+needs the split layout: the proxy routes before the prompt is read.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+
+from ray import serve
+
+from actors.config import EngineConfig
+from actors.loader import load_tokenizer, resolve_model_path
+from app.api.app import attach, build_api
+from app.api.settings import ServerSettings
+from app.serving.app_replicas import AppReplicas
+from app.serving.replica import EngineRequest, ReplicaEngine
+
+log = logging.getLogger("shoal.server")
+
+HTTP_COUNTS_PUSH_S = 1.0
+
+
+@serve.deployment(name="ModelServer")
+@serve.ingress()
+class ModelServer:
+    async def __init__(self, engine_config: EngineConfig, settings: ServerSettings,
+                       log_level: str = "INFO", progress_interval_s: float = 0.0,
+                       stream_chunks_per_s: float = 0.0):
+        logging.basicConfig(level=log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.api = build_api(settings)
+        self.engine = ReplicaEngine(engine_config, log_level, progress_interval_s,
+                                    stream_chunks_per_s, settings.served_model_name)
+        tokenizer = load_tokenizer(resolve_model_path(settings.model_path))
+        # Wait for the model: until then Serve routes no request here (a replica added by the
+        # autoscaler takes traffic only once it can serve it).
+        client = await ReplicaEngineClient.create(self.engine, serve.get_replica_context().app_name)
+        attach(self.api, client, tokenizer, settings)
+        self._pushing = asyncio.create_task(self._push_http_counts())
+        log.info("replica %s ready (max_model_len %d)", self.engine.replica, client.max_model_len)
+
+    def __serve_build_asgi_app__(self):
+        return self.api
+
+    async def _push_http_counts(self) -> None:
+        """This replica's HTTP counts to its scheduler, where a /metrics scrape answered by
+        another replica finds them (app/api/metrics.py)."""
+        metrics = self.api.state.http_metrics
+        metrics.pushed = True
+        counts, pushed = metrics.counts, {}
+        while True:
+            await asyncio.sleep(HTTP_COUNTS_PUSH_S)
+            if counts != pushed:
+                pushed = dict(counts)
+                try:
+                    await self.engine.scheduler.set_http_counts.remote(pushed)
+                except Exception:  # the scheduler died: the health check replaces the replica
+                    log.warning("could not push HTTP counts to the scheduler", exc_info=True)
+
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose scheduler died or whose engine failed."""
+        if not await self.engine.healthy():
+            raise RuntimeError("the engine failed")
+
+    async def __del__(self):
+        await self.engine.shut_down()
+
+
+class ReplicaEngineClient(AppReplicas):
+    """EngineClient over this replica's own scheduler actor (no Serve handle in between)."""
+
+    def __init__(self, engine: ReplicaEngine, max_model_len: int, app_name: str, lora_enabled: bool):
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.app_name = app_name
+        self.lora_enabled = lora_enabled
+
+    @classmethod
+    async def create(cls, engine: ReplicaEngine, app_name: str) -> "ReplicaEngineClient":
+        scheduler = engine.scheduler
+        return cls(engine, await scheduler.get_max_model_len.remote(), app_name,
+                   await scheduler.lora_enabled.remote())
+
+    async def generate(self, prompt_token_ids, params, request_id, priority=0, lora=None, whole=False):
+        request = EngineRequest(prompt_token_ids, params, request_id, priority, lora, whole)
+        async with aclosing(self.engine.stream(request)) as stream:  # closed early: aborted
+            async for outputs in stream:
+                for out in outputs:
+                    yield out
+
+    async def ready(self) -> bool:
+        try:
+            return await self.engine.scheduler.ready.remote()
+        except Exception:  # a dead scheduler: not ready
+            return False
