@@ -194,6 +194,31 @@ def test_models_and_readiness(client, base_url, llama_ckpt):
     assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
 
 
+def test_a_replica_still_loading_does_not_hold_up_stats_or_health(base_url):
+    """A replica the autoscaler just added answers nothing until its model is loaded: /stats
+    and /health show it as not answering yet, at once, instead of waiting for it."""
+    import ray
+
+    from app.serving.schedulers import SCHEDULER_NAMESPACE, scheduler_name_prefix
+
+    @ray.remote(num_cpus=0)
+    class Loading:
+        async def stats(self):
+            await asyncio.sleep(60)
+
+    loading = Loading.options(name=scheduler_name_prefix("shoal") + "loading",
+                              namespace=SCHEDULER_NAMESPACE).remote()
+    try:
+        ray.get(loading.__ray_ready__.remote())
+        start = time.monotonic()
+        stats = {r["replica"]: r for r in replica_stats(base_url)}
+        assert time.monotonic() - start < 5
+        assert stats["loading"]["engine_alive"] is None and "no answer" in stats["loading"]["error"]
+        assert httpx.get(f"{base_url}/health", timeout=10).json() == {"status": "ok", "replicas": 2, "alive": 2}
+    finally:
+        ray.kill(loading)
+
+
 def test_bad_request_is_400_with_openai_body(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="", prompt=PROMPT, max_tokens=100_000)

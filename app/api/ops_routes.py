@@ -44,7 +44,7 @@ async def health(request: Request):
     if client is None:
         return JSONResponse({"status": "loading", "replicas": 0, "alive": 0}, status_code=503)
     replicas = (await client.stats()).get("replicas", [])
-    alive = sum(bool(r.get("engine_alive", True)) for r in replicas)
+    alive = sum(r.get("engine_alive", True) is not False for r in replicas)  # None: starting
     ready = await is_ready(request.app.state, cached=False)
     status = "ok" if ready and alive == len(replicas) else "degraded" if ready and alive else \
         "unavailable"

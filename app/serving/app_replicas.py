@@ -36,7 +36,7 @@ class AppReplicas:
     async def stats(self) -> dict:
         """Every replica's scheduler stats, not just the one a call lands on."""
         actors = await asyncio.to_thread(scheduler_actors, self.app_name)
-        results = await asyncio.gather(*(a.stats.remote() for a in actors.values()),
+        results = await asyncio.gather(*(_answer(a.stats) for a in actors.values()),
                                        return_exceptions=True)
         return {"replicas": [{"replica": replica, **_stats_or_error(r)}
                              for replica, r in zip(actors, results)]}
@@ -44,7 +44,7 @@ class AppReplicas:
     async def metrics(self) -> list[dict]:
         """Every replica's engine metrics snapshot (actors/metrics.py), for GET /metrics."""
         actors = await asyncio.to_thread(scheduler_actors, self.app_name)
-        results = await asyncio.gather(*(a.metrics.remote() for a in actors.values()),
+        results = await asyncio.gather(*(_answer(a.metrics) for a in actors.values()),
                                        return_exceptions=True)
         for replica, r in zip(actors, results):
             if isinstance(r, Exception):  # a replica starting or gone: the others still count
@@ -59,7 +59,22 @@ class AppReplicas:
         return [unwrap(r) if isinstance(r, Exception) else r for r in results]
 
 
+# A replica that is still loading its model answers nothing until it is loaded: /stats and
+# /metrics show it as not answering rather than wait for it.
+QUICK_ANSWER_S = 2.0
+
+
+async def _answer(method):
+    try:
+        return await asyncio.wait_for(method.remote(), QUICK_ANSWER_S)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"no answer within {QUICK_ANSWER_S:g} s (starting, or busy)") from None
+
+
 def _stats_or_error(result) -> dict:
+    """A replica's stats; one that did not answer in time is not known dead (engine_alive None)."""
+    if isinstance(result, TimeoutError):
+        return {"engine_alive": None, "error": str(result)}
     if isinstance(result, Exception):
         return {"engine_alive": False, "error": str(unwrap(result)).splitlines()[0]}
     return result
