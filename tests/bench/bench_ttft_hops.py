@@ -91,11 +91,14 @@ async def measure(options: dict, url: str, split_url: str, n: int) -> list[tuple
         ("no-op: merged HTTP GET /v1/models", timed(lambda: http.get(f"{url}/v1/models"))),
         ("no-op: split HTTP GET /v1/models", timed(lambda: http.get(f"{split_url}/v1/models"))),
     ]
-    rows = []
     for name, once in cases:
         for _ in range(3):  # warm-up
             await once()
-        rows.append((name, statistics.median([await once() for _ in range(n)]) * 1000))
+    times = {name: [] for name, _ in cases}
+    for _ in range(n):  # the cases in turn, so a slow moment of the machine hits them all alike
+        for name, once in cases:
+            times[name].append(await once())
+    rows = [(name, statistics.median(t) * 1000) for name, t in times.items()]
     engine.shutdown()
     cpu = {}
     for name, once in [("merged: streamed, 1 token", timed(first_sse(url))),
