@@ -22,13 +22,13 @@ from ray.exceptions import RayActorError, RayTaskError
 from actors.config import EngineConfig
 from actors.errors import EngineDeadError
 from app.serving.app_replicas import AppReplicas
-from app.serving.replica import REFUSALS, EngineRequest, ReplicaEngine, unwrap
+from app.serving.replica import REFUSALS, EngineRequest, ReplicaEngine, ReplicaLifecycle, unwrap
 
 log = logging.getLogger("shoal.server")
 
 
 @serve.deployment(name="LLMServer")
-class LLMServer:
+class LLMServer(ReplicaLifecycle):
     async def __init__(self, engine_config: EngineConfig, log_level: str = "INFO",
                        progress_interval_s: float = 0.0, stream_chunks_per_s: float = 0.0,
                        model_name: str | None = None):
@@ -59,14 +59,6 @@ class LLMServer:
 
     async def lora_enabled(self) -> bool:
         return await self.scheduler.lora_enabled.remote()
-
-    async def check_health(self) -> None:
-        """Serve restarts a replica whose scheduler died or whose engine failed."""
-        if not await self.engine.healthy():
-            raise RuntimeError("the engine failed")
-
-    async def __del__(self):
-        await self.engine.shut_down()
 
 
 class ServeEngineClient(AppReplicas):

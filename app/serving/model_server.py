@@ -21,7 +21,7 @@ from actors.loader import load_tokenizer, resolve_model_path
 from app.api.app import attach, build_api
 from app.api.settings import ServerSettings
 from app.serving.app_replicas import AppReplicas
-from app.serving.replica import EngineRequest, ReplicaEngine
+from app.serving.replica import EngineRequest, ReplicaEngine, ReplicaLifecycle
 
 log = logging.getLogger("shoal.server")
 
@@ -30,7 +30,7 @@ HTTP_COUNTS_PUSH_S = 1.0
 
 @serve.deployment(name="ModelServer")
 @serve.ingress()
-class ModelServer:
+class ModelServer(ReplicaLifecycle):
     async def __init__(self, engine_config: EngineConfig, settings: ServerSettings,
                        log_level: str = "INFO", progress_interval_s: float = 0.0,
                        stream_chunks_per_s: float = 0.0):
@@ -64,14 +64,6 @@ class ModelServer:
                     await self.engine.scheduler.set_http_counts.remote(pushed)
                 except Exception:  # the scheduler died: the health check replaces the replica
                     log.warning("could not push HTTP counts to the scheduler", exc_info=True)
-
-    async def check_health(self) -> None:
-        """Serve restarts a replica whose scheduler died or whose engine failed."""
-        if not await self.engine.healthy():
-            raise RuntimeError("the engine failed")
-
-    async def __del__(self):
-        await self.engine.shut_down()
 
 
 class ReplicaEngineClient(AppReplicas):

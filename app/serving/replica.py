@@ -111,6 +111,21 @@ class ReplicaEngine:
             pass
 
 
+class ReplicaLifecycle:
+    """Serve's health check and shutdown hook for a deployment whose replicas each own a
+    ReplicaEngine (`self.engine`)."""
+
+    engine: ReplicaEngine
+
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose scheduler died or whose engine failed."""
+        if not await self.engine.healthy():
+            raise RuntimeError("the engine failed")
+
+    async def __del__(self):
+        await self.engine.shut_down()
+
+
 def refusal(exc: BaseException) -> BaseException | None:
     """The engine's refusal of one request inside Ray's wrappers (a dead scheduler counts as
     a dead engine), or None for anything else."""
