@@ -27,7 +27,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def llm():
-    # float32 like the transformers oracle; the shipped weights are bf16, upcast exactly.
+    # float32 like the transformers oracle (and the shipped weights).
     return LLM(None, dtype="float32")
 
 
@@ -95,8 +95,9 @@ def test_chat_template_renders_tools_results_and_thinking(llm):
 
 
 # The eval (docs/demo-model.md) shows what the model does reliably: the formats, and
-# addition and 2-digit x 1-digit multiplication when it thinks (96% each on held-out
-# problems); not yet the bare answers, 2x2 products or tool names. Check only that.
+# addition and 2-digit x 1-digit multiplication when it thinks (95% and 99% on held-out
+# problems); not yet the bare answers, 2x2 products, unseen tool names or declining a
+# request no offered tool covers (58% and 82%). Check only that.
 
 @pytest.mark.parametrize("kind", ["add_think", "mul21_think"])
 def test_thinking_arithmetic_is_right_on_held_out_problems(llm, kind):
@@ -109,7 +110,7 @@ def test_thinking_arithmetic_is_right_on_held_out_problems(llm, kind):
         for p in problems]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=120))
     right = sum(answer_number(o.outputs[0].text) == p["expect"] for o, p in zip(outs, problems))
-    assert right >= 16, f"{right}/20"  # the eval measured 96/100; this sample gives 18-20
+    assert right >= 16, f"{right}/20"  # the eval measured 95 and 99/100
 
 def test_arithmetic_reply_has_the_trained_shape(llm):
     """A think block with one step per line, then the problem restated with `=`;
