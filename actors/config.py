@@ -1,7 +1,14 @@
 """Engine settings: one dataclass, filled by the CLI, YAML configs or Python callers."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
+
+
+def _eager_decode_default() -> bool:
+    """SHOAL_EAGER_DECODE=1 makes eager decode the default (the test suite sets it: compiling
+    the decode step costs ~20-40 s per engine start on CPU)."""
+    return os.environ.get("SHOAL_EAGER_DECODE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -27,8 +34,9 @@ class EngineConfig:
     max_queued_requests: int | None = 256  # requests waiting to start; over it, new ones get 429. None: no limit
     # Compute
     attn_backend: str = "auto"  # auto (flash where it can run, else native) | native | flash
-    # CUDA graphs (decode-only steps, one graph per batch-size bucket, padded inputs); CUDA only.
-    eager_decode: bool = False  # True: no graphs (vLLM's --enforce-eager)
+    # Decode-only steps as CUDA graphs (one per batch-size bucket, padded inputs) or, on CPU,
+    # through torch.compile (one dynamic-shape graph: actors/compiled_decode.py).
+    eager_decode: bool = field(default_factory=_eager_decode_default)  # True: neither (vLLM's --enforce-eager)
     cuda_graph_sizes: list[int] | None = None  # vLLM's meaning: None, one max size N, or the exact sizes
     max_seq_len_to_capture: int = 8192  # decodes with a longer context run eagerly
     num_threads: int | None = None  # rank 0's torch threads; None: the CPUs Ray gave it (Serve) or torch's default

@@ -45,9 +45,10 @@ def padded_size(batch: int, sizes: list[int]) -> int | None:
 
 def graphs_off_reason(*, device_type: str, eager_decode: bool, world_size: int, lora: bool,
                       moe: bool) -> str | None:
-    """Why this runner decodes eagerly (None: it captures graphs)."""
-    if device_type != "cuda":
-        return "no CUDA"  # never logged on CPU
+    """Why this runner decodes eagerly (None: it captures CUDA graphs, or on CPU compiles its
+    decode step: actors/compiled_decode.py)."""
+    if device_type not in ("cuda", "cpu"):
+        return f"{device_type} device"
     if eager_decode:
         return "--eager-decode"
     if world_size > 1:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from actors import memory_profile
+from actors.compiled_decode import CompiledDecode
 from actors.config import EngineConfig
 from actors.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason
 from actors.expert_balancer import ExpertBalancer
@@ -82,17 +83,20 @@ class ModelRunner:
             device_type=self.device.type, eager_decode=config.eager_decode, world_size=self.p.world_size,
             lora=bool(self.lora_layers), moe=self.args.moe is not None)
         self.graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | CompiledDecode | None = None  # decode-only steps
         self.num_blocks = num_blocks or self._num_kv_blocks(spec.max_model_len)
         self._allocate_kv_cache()
         if num_blocks and self.device.type == "cuda":  # a shard rank with rank 0's pool size
             memory_profile.check_pool_fits(self)
-        if self.graphs_off is None:
-            self._capture_graphs()
+        if self.device.type == "cpu":  # build the CPU kernel now (before compiling decode with
+            native.paged_decode_attention_op()  # it), not on the first request
+        if self.graphs_off is not None:
+            log.info("%s off: %s", "CUDA graphs" if self.device.type == "cuda" else "compiled decode",
+                     self.graphs_off)
         elif self.device.type == "cuda":
-            log.info("CUDA graphs off: %s", self.graphs_off)
-        if self.device.type == "cpu":
-            native.paged_decode_attention_op()  # build the CPU kernel now, not on the first request
+            self._capture_graphs()
+        else:
+            self._compile_decode()
         # Grammar masks of one step's constrained rows, filled in place (nothing grows per step).
         self.bitmask = torch.zeros(config.max_num_seqs, bitmask_width(self.args.vocab_size),
                                    dtype=torch.int32)
@@ -119,7 +123,8 @@ class ModelRunner:
         return max(2, min(budget // self.block_bytes(), useful))
 
     def _allocate_kv_cache(self) -> None:
-        # With CUDA graphs one spare block past the pool takes the padding rows' writes.
+        # With CUDA graphs or compiled decode one spare block past the pool takes the padding
+        # rows' writes.
         self.bind_kv_cache(self.num_blocks + (self.graphs_off is None))
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.dtype.itemsize / 2**20)
@@ -144,9 +149,17 @@ class ModelRunner:
         self.graphs.capture()
         log.info("CUDA graphs took %.0f MiB", (before - torch.cuda.mem_get_info()[0]) / 2**20)
 
+    def _compile_decode(self) -> None:
+        self.graphs = CompiledDecode(self.model, block_size=self.block_size, spare_block=self.num_blocks)
+        try:
+            self.graphs.compile()
+        except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: decode eagerly
+            self.graphs, self.graphs_off = None, f"compiling failed ({type(e).__name__}: {str(e)[:300]})"
+            log.warning("compiled decode off: %s", self.graphs_off)
+
     @property
     def graph_replays(self) -> int:
-        """Decode steps run as CUDA graphs so far (0 where there are none)."""
+        """Decode steps run as CUDA graphs or compiled so far (0 where there are none)."""
         return self.graphs.replays if self.graphs is not None else 0
 
     # ---- one step ---------------------------------------------------------------------

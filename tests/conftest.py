@@ -9,6 +9,10 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no fork warnings / deadlocks w
 # Every Ray socket on 127.0.0.1, and no token auth for the local test clusters (MACHINE-NOTES).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Engines decode eagerly unless a test asks for the compiled path (tests/test_compiled_decode.py):
+# compiling costs ~20-40 s per engine start on these 2 cores. Ray workers and `shoal serve`
+# subprocesses inherit it.
+os.environ.setdefault("SHOAL_EAGER_DECODE", "1")
 
 import hashlib  # noqa: E402
 import json  # noqa: E402

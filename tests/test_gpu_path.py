@@ -153,8 +153,10 @@ def test_graphs_off_reasons():
     assert graphs_off_reason(**{**base, "world_size": 2}).startswith("tp x pp > 1")
     assert graphs_off_reason(**{**base, "lora": True}).startswith("LoRA")
     assert graphs_off_reason(**{**base, "moe": True}).startswith("mixture-of-experts")
-    assert graphs_off_reason(**{**base, "device_type": "cpu"}) == "no CUDA"
-    assert graphs_off_reason(**{**base, "device_type": "cpu", "eager_decode": True}) == "no CUDA"
+    # On CPU the same rules decide whether decode steps are compiled (actors/compiled_decode.py).
+    assert graphs_off_reason(**{**base, "device_type": "cpu"}) is None
+    assert graphs_off_reason(**{**base, "device_type": "cpu", "eager_decode": True}) == "--eager-decode"
+    assert graphs_off_reason(**{**base, "device_type": "mps"}) == "mps device"
 
 
 # --------------------------------------------------------------------------- memory sizing

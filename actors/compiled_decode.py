@@ -1,0 +1,72 @@
+"""Decode steps through torch.compile on CPU: the CPU's counterpart of CUDA graphs.
+
+Inductor fuses the elementwise work between the matmuls (RMSNorm, rotary, SiLU x up, the
+residual adds) into C++ loops and drops most of the per-op dispatch, which is ~15-25% of an
+eager decode step on CPU (docs/benchmarks.md). One graph serves every batch size and context
+length (dynamic shapes). A step whose rows are all one-token decodes runs through it; any
+other step (prefill chunks) runs eagerly.
+
+Inputs are padded to at least 2 rows and 2 blocks per block table, with rows that write to and
+read from a spare block of the KV pool the block manager never hands out: torch.compile
+specialises sizes 0 and 1, and the padding keeps every step on the one graph.
+
+Compiling takes ~20-40 s on 2 cores (less with inductor's cache warm in
+/tmp/torchinductor_$USER), once per engine start, at start-up; `--eager-decode` (or
+SHOAL_EAGER_DECODE=1, which the test suite sets) skips it. If compiling fails (no C++
+compiler, say), the engine logs why and decodes eagerly.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from actors.cuda_graphs import pad_decode
+from kernels.attention import AttentionMetadata
+
+log = logging.getLogger("shoal.runner")
+
+MIN_ROWS = MIN_BLOCKS = 2  # below these torch.compile would specialise a second graph
+
+
+class CompiledDecode:
+    """The compiled model of one runner; `run` takes decode-only steps."""
+
+    def __init__(self, model, *, block_size: int, spare_block: int):
+        import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as shape_config
+
+        inductor_config.compile_threads = 1  # compile in this process: no worker pool left behind
+        # Sizes that happen to be equal when compiling (2 padding rows, the KV pool's K/V axis)
+        # must not become one symbol, or the first real batch recompiles.
+        shape_config.use_duck_shape = False
+        self.fn = torch.compile(model, dynamic=True, fullgraph=True)
+        self.block_size, self.spare_block = block_size, spare_block
+        self.replays = 0  # decode steps that ran compiled (the progress line's graph=True)
+
+    def can_run(self, output) -> bool:
+        return bool(output.rows) and output.num_decodes == len(output.rows)
+
+    def run(self, output) -> torch.Tensor:
+        """Hidden states of the step's rows."""
+        rows = output.rows
+        width = max(MIN_BLOCKS, -(-max(r.start + 1 for r in rows) // self.block_size))
+        hidden = self.fn(*self._inputs(rows, width))
+        self.replays += 1
+        return hidden[:len(rows)]
+
+    def _inputs(self, rows, width: int):
+        p = pad_decode(rows, max(MIN_ROWS, len(rows)), self.block_size, width, self.spare_block)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(p.slots), num_decode_tokens=p.size,
+                                 block_size=self.block_size,
+                                 decode_block_tables=torch.tensor(p.block_tables),
+                                 decode_context_lens=torch.tensor(p.context_lens, dtype=torch.int32))
+        return torch.tensor(p.input_ids), torch.tensor(p.positions), meta
+
+    @torch.inference_mode()
+    def compile(self) -> None:
+        """Compile now, on padding rows only (what the first decode step would otherwise pay)."""
+        start = time.perf_counter()
+        self.fn(*self._inputs([], MIN_BLOCKS))
+        log.info("compiled decode ready in %.1f s", time.perf_counter() - start)

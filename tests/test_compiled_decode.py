@@ -1,0 +1,112 @@
+"""Compiled decode on CPU (actors/compiled_decode.py): decode-only steps through torch.compile.
+
+The suite runs eagerly (conftest sets SHOAL_EAGER_DECODE=1: compiling costs seconds per engine
+start); these tests turn compilation on and hold it to the oracle: greedy tokens equal
+transformers' token for token, log-probs equal an eager engine's, at batch 1 (padded) and at
+mixed batches whose contexts cross blocks. The slow test starts `shoal serve` the way a user
+does (compiled is the default) and reads the progress line it logs.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from oracle import hf_greedy
+from serving import free_port, loopback_env, stop_process, wait_process_ready
+from test_engine import prompts_of
+
+from actors.llm import LLM
+from actors.metrics import DecodeProgress
+from actors.sampling_params import SamplingParams
+
+OPTIONS = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8)
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def compiled(request, checkpoint_factory):
+    path = checkpoint_factory(request.param)
+    llm = LLM(str(path), eager_decode=False, **OPTIONS)
+    assert type(llm.engine.runner.graphs).__name__ == "CompiledDecode", llm.engine.runner.graphs_off
+    return path, llm
+
+
+def test_compiled_decode_equals_transformers_and_eager(compiled):
+    path, llm = compiled
+    eager = LLM(str(path), eager_decode=True, **OPTIONS)
+    prompts = prompts_of([3, 9, 30, 1, 5, 14])  # 6 rows; contexts cross blocks of 4 as they grow
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    progress = DecodeProgress(llm.engine)
+    before = llm.engine.runner.graph_replays
+    got, want = llm.generate(prompts, params), eager.generate(prompts, params)
+    assert llm.engine.runner.graph_replays > before and "graph=True" in progress.line()
+    for g, w, ids in zip(got, want, prompts):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids == hf_greedy(path, ids, 16)
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert lg.keys() == lw.keys()
+            assert max(abs(lg[t] - lw[t]) for t in lw) < 1e-4
+    assert "graph=False" in progress.line()  # nothing decoded since
+
+
+def test_one_request_runs_padded_and_frees_its_blocks(compiled):
+    path, llm = compiled
+    ids = prompts_of([6], seed=3)[0]
+    replays = llm.engine.runner.graph_replays
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(path, ids, 12)
+    assert llm.engine.runner.graph_replays - replays == 11  # every decode step after the prefill
+    assert llm.engine.blocks.num_free_blocks == OPTIONS["num_kv_blocks"]  # the spare one is outside the pool
+
+
+def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, monkeypatch, caplog):
+    """No working C++ compiler: the engine says why once and decodes eagerly."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()  # nothing compiled earlier may be reused
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    path = checkpoint_factory("llama")
+    try:
+        with caplog.at_level(logging.INFO):
+            llm = LLM(str(path), eager_decode=False, **OPTIONS)
+    finally:
+        torch._dynamo.reset()
+    assert llm.engine.runner.graphs is None
+    (warning,) = [r.getMessage() for r in caplog.records
+                  if r.levelno >= logging.WARNING and r.name.startswith("shoal")]
+    assert warning.startswith("compiled decode off: compiling failed")
+    ids = prompts_of([5])[0]
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(path, ids, 8)
+
+
+@pytest.mark.slow
+def test_shoal_serve_compiles_decode_by_default(llama_ckpt, tmp_path):
+    port, log = free_port(), tmp_path / "serve.log"
+    env = {k: v for k, v in loopback_env().items() if k != "SHOAL_EAGER_DECODE"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(llama_ckpt),
+             "--host", "127.0.0.1", "--port", str(port), "--decode-progress-interval-s", "0.5"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_process_ready(url, proc, log)
+        for ids in prompts_of([7, 19]):
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "", "prompt": ids, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 40)
+    finally:
+        code, outliving = stop_process(proc)
+    assert code == 0 and not outliving
+    text = log.read_text()
+    assert "compiled decode ready in" in text and "graph=True" in text, text[-3000:]
