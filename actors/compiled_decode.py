@@ -18,6 +18,7 @@ compiler, say), the engine logs why and decodes eagerly.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -28,6 +29,12 @@ from kernels.attention import AttentionMetadata
 log = logging.getLogger("shoal.runner")
 
 MIN_ROWS = MIN_BLOCKS = 2  # below these torch.compile would specialise a second graph
+
+
+def eager_by_environment() -> bool:
+    """SHOAL_EAGER_DECODE=1 decodes eagerly whatever the engine's options say (read at engine
+    start; `shoal serve` also takes it as --eager-decode). The test suite sets it."""
+    return os.environ.get("SHOAL_EAGER_DECODE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class CompiledDecode:

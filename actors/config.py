@@ -1,14 +1,7 @@
 """Engine settings: one dataclass, filled by the CLI, YAML configs or Python callers."""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field, fields
-
-
-def _eager_decode_default() -> bool:
-    """SHOAL_EAGER_DECODE=1 makes eager decode the default (the test suite sets it: compiling
-    the decode step costs ~20-40 s per engine start on CPU)."""
-    return os.environ.get("SHOAL_EAGER_DECODE", "").strip().lower() in ("1", "true", "yes", "on")
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -36,7 +29,7 @@ class EngineConfig:
     attn_backend: str = "auto"  # auto (flash where it can run, else native) | native | flash
     # Decode-only steps as CUDA graphs (one per batch-size bucket, padded inputs) or, on CPU,
     # through torch.compile (one dynamic-shape graph: actors/compiled_decode.py).
-    eager_decode: bool = field(default_factory=_eager_decode_default)  # True: neither (vLLM's --enforce-eager)
+    eager_decode: bool = False  # True: neither (vLLM's --enforce-eager); so does SHOAL_EAGER_DECODE=1
     cuda_graph_sizes: list[int] | None = None  # vLLM's meaning: None, one max size N, or the exact sizes
     max_seq_len_to_capture: int = 8192  # decodes with a longer context run eagerly
     num_threads: int | None = None  # rank 0's torch threads; None: the CPUs Ray gave it (Serve) or torch's default

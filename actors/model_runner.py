@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from actors import memory_profile
-from actors.compiled_decode import CompiledDecode
+from actors.compiled_decode import CompiledDecode, eager_by_environment
 from actors.config import EngineConfig
 from actors.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason
 from actors.expert_balancer import ExpertBalancer
@@ -80,7 +80,8 @@ class ModelRunner:
         self.block_size = spec.block_size
         self.flash_ops = flash_attention.load(spec.flash_library) if spec.attn_backend == "flash" else None
         self.graphs_off = graphs_off_reason(
-            device_type=self.device.type, eager_decode=config.eager_decode, world_size=self.p.world_size,
+            device_type=self.device.type, eager_decode=config.eager_decode or eager_by_environment(),
+            world_size=self.p.world_size,
             lora=bool(self.lora_layers), moe=self.args.moe is not None)
         self.graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         self.graphs: DecodeGraphs | CompiledDecode | None = None  # decode-only steps

@@ -28,17 +28,31 @@ OPTIONS = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8)
 REPO = Path(__file__).resolve().parent.parent
 
 
+def compiled_llm(path) -> LLM:
+    """An engine that compiles its decode step (the suite's SHOAL_EAGER_DECODE=1 lifted)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("SHOAL_EAGER_DECODE", raising=False)
+        return LLM(str(path), **OPTIONS)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def compiled(request, checkpoint_factory):
     path = checkpoint_factory(request.param)
-    llm = LLM(str(path), eager_decode=False, **OPTIONS)
+    llm = compiled_llm(path)
     assert type(llm.engine.runner.graphs).__name__ == "CompiledDecode", llm.engine.runner.graphs_off
     return path, llm
 
 
+def test_eager_decode_by_option_or_environment(checkpoint_factory, monkeypatch):
+    path = checkpoint_factory("llama")
+    assert LLM(str(path), **OPTIONS).engine.runner.graphs_off == "--eager-decode"  # the suite's variable
+    monkeypatch.delenv("SHOAL_EAGER_DECODE")
+    assert LLM(str(path), eager_decode=True, **OPTIONS).engine.runner.graphs_off == "--eager-decode"
+
+
 def test_compiled_decode_equals_transformers_and_eager(compiled):
     path, llm = compiled
-    eager = LLM(str(path), eager_decode=True, **OPTIONS)
+    eager = LLM(str(path), **OPTIONS)  # SHOAL_EAGER_DECODE=1
     prompts = prompts_of([3, 9, 30, 1, 5, 14])  # 6 rows; contexts cross blocks of 4 as they grow
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     progress = DecodeProgress(llm.engine)
@@ -75,7 +89,7 @@ def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, monkeypatch, c
     path = checkpoint_factory("llama")
     try:
         with caplog.at_level(logging.INFO):
-            llm = LLM(str(path), eager_decode=False, **OPTIONS)
+            llm = compiled_llm(path)
     finally:
         torch._dynamo.reset()
     assert llm.engine.runner.graphs is None

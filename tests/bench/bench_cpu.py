@@ -5,6 +5,9 @@
     .venv/bin/python tests/bench/bench_cpu.py threads
         a decode step at batch 32 with 1 thread, 2 spinning and 2 passive OpenMP threads,
         each in its own process (the wait policy is read when OpenMP loads)
+    .venv/bin/python tests/bench/bench_cpu.py attention [--threads 2]
+        the native paged decode attention kernel over 8 layers of float32 K/V (more than the
+        L3 cache) at the bench model's shape, as GB/s of K/V read, next to a plain memory copy
     .venv/bin/python tests/bench/bench_cpu.py prefill --root CHECKOUT [--threads 1]
         CPU seconds to prefill 3 x 64 prompts of 32-256 tokens with CHECKOUT's engine (run it
         for an older export and this one, alternating, to compare)
@@ -52,6 +55,38 @@ def matmul(args) -> None:
         bf16 = median_ms(lambda: F.linear(xb, wb))
         print(f"| {rows} x ({inp} -> {out}) | {f32:.2f} ms | {bf16:.2f} ms | {bf16 / f32:.1f}x |")
     print(f"load average at the end {load()}")
+
+
+def attention(args) -> None:
+    import torch
+    from kernels import native
+    torch.set_num_threads(args.threads)
+    op = native.paged_decode_attention_op()
+    heads, d, bs, layers = 8, 64, 16, 8
+    big = torch.randn(64 * 2**20)  # 256 MiB: a copy of it is DRAM bandwidth
+    copy_s = min(_timed(lambda: torch.empty_like(big).copy_(big)) for _ in range(5))
+    print(f"threads {args.threads}; plain copy {2 * big.numel() * 4 / copy_s / 1e9:.1f} GB/s; "
+          f"load average {load()}")
+    print("| batch x context | 8 layers | K/V read | GB/s |")
+    print("| --- | --- | --- | --- |")
+    for batch, ctx in [(32, 100), (32, 300), (64, 300)]:
+        per_row = -(-ctx // bs)
+        slots = (batch * per_row + 1) * bs
+        caches = [(torch.randn(slots, heads, d), torch.randn(slots, heads, d)) for _ in range(layers)]
+        tables = torch.randperm(batch * per_row).view(batch, per_row)  # scattered blocks
+        q, lens = torch.randn(batch, heads, d), torch.full((batch,), ctx, dtype=torch.int32)
+        out = torch.empty_like(q)
+        run = lambda: [op(out, q, k, v, tables, lens, bs, d ** -0.5) for k, v in caches]  # noqa: E731
+        run()
+        t = min(_timed(run) for _ in range(10))
+        read = layers * 2 * batch * ctx * heads * d * 4
+        print(f"| {batch} x {ctx} | {t * 1e3:.1f} ms | {read / 2**20:.0f} MiB | {read / t / 1e9:.1f} |")
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def decode_step(args) -> None:
@@ -113,12 +148,13 @@ def prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["matmul", "threads", "prefill", "decode-step"])
+    ap.add_argument("what", choices=["matmul", "threads", "prefill", "decode-step", "attention"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--root", type=Path, default=HERE.parents[1])
     args = ap.parse_args()
-    {"matmul": matmul, "threads": threads, "prefill": prefill, "decode-step": decode_step}[args.what](args)
+    {"matmul": matmul, "threads": threads, "prefill": prefill, "decode-step": decode_step,
+     "attention": attention}[args.what](args)
 
 
 if __name__ == "__main__":
