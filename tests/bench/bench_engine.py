@@ -20,15 +20,31 @@ from actors.llm import LLM  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 
-def shoal_throughput(path, prompts, out_len, eager_decode: bool) -> float:
-    """Output tok/s; the engine is built (and its decode step compiled) before the clock starts."""
+def shoal_throughput(path, prompts, out_len, eager_decode: bool) -> tuple[float, str]:
+    """(output tok/s, where the time went); the engine is built (and its decode step compiled)
+    before the clock starts."""
     llm = LLM(str(path), max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory=2.0,
               eager_decode=eager_decode)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    steps = {"decode": [0, 0.0], "prefill": [0, 0.0]}  # steps, seconds in ModelRunner.execute
+    execute = llm.engine.runner.execute
+
+    def timed_execute(output):
+        t = time.perf_counter()
+        result = execute(output)
+        kind = steps["decode" if output.num_decodes == len(output.rows) else "prefill"]
+        kind[0] += 1
+        kind[1] += time.perf_counter() - t
+        return result
+
+    llm.engine.runner.execute = timed_execute
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    (nd, td), (np_, tp) = steps["decode"], steps["prefill"]
+    split = (f"{np_} steps with prefill {tp:.1f} s, {nd} decode steps {td:.1f} s "
+             f"({1e3 * td / max(nd, 1):.0f} ms each), outside the runner {elapsed - td - tp:.1f} s")
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, split
 
 
 def hf_model(path):
@@ -91,8 +107,8 @@ def main():
     path = bench_checkpoint()
     prompts = workload(args.requests)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    shoal = shoal_throughput(path, prompts, args.output_len, eager_decode=False)
-    eager = shoal_throughput(path, prompts, args.output_len, eager_decode=True)
+    shoal, shoal_split = shoal_throughput(path, prompts, args.output_len, eager_decode=False)
+    eager, eager_split = shoal_throughput(path, prompts, args.output_len, eager_decode=True)
     model = hf_model(path)
     hf1 = hf_throughput(model, prompts[:args.hf_single], args.output_len, batch=1)
     hf16 = hf_throughput(model, prompts, args.output_len, batch=16)
@@ -103,6 +119,8 @@ def main():
     print(f"| shoal output tokens/s ({args.requests} requests) | {shoal:.0f} | |")
     print(f"| shoal with --eager-decode | {eager:.0f} tok/s | |")
     print(f"| compiled / eager decode | {shoal / eager:.2f}x | |")
+    print(f"| where the time went, compiled | {shoal_split} | |")
+    print(f"| where the time went, eager | {eager_split} | |")
     print(f"| transformers generate, batch 1 | {hf1:.0f} tok/s | |")
     print(f"| transformers generate, static batches of 16 | {hf16:.0f} tok/s | |")
     print(f"| shoal / transformers batch 1 | {shoal / hf1:.1f}x | >= 15x |")
