@@ -65,3 +65,14 @@ def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int,
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                          generation_config=gen_config)
     return out[0, len(prompt_ids):].tolist()
+
+
+def assert_equals_eager_and_hf(path, prompts, got, want, max_tokens: int) -> None:
+    """`got` (a captured / compiled decode path's RequestOutputs) against `want` (an eager
+    engine's, same prompts and greedy params with logprobs): tokens equal both and
+    transformers', log-probs equal the eager ones within 1e-4."""
+    for g, w, ids in zip(got, want, prompts, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids == hf_greedy(path, ids, max_tokens)
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            assert lg.keys() == lw.keys()
+            assert max(abs(lg[t] - lw[t]) for t in lw) < 1e-4

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from oracle import hf_greedy
+from oracle import assert_equals_eager_and_hf, hf_greedy
 from serving import free_port, loopback_env, stop_process, wait_process_ready
 from test_engine import prompts_of
 
@@ -59,11 +59,7 @@ def test_compiled_decode_equals_transformers_and_eager(compiled):
     before = llm.engine.runner.graph_replays
     got, want = llm.generate(prompts, params), eager.generate(prompts, params)
     assert llm.engine.runner.graph_replays > before and "graph=True" in progress.line()
-    for g, w, ids in zip(got, want, prompts):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids == hf_greedy(path, ids, 16)
-        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            assert lg.keys() == lw.keys()
-            assert max(abs(lg[t] - lw[t]) for t in lw) < 1e-4
+    assert_equals_eager_and_hf(path, prompts, got, want, 16)
     assert "graph=False" in progress.line()  # nothing decoded since
 
 
