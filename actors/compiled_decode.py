@@ -3,12 +3,15 @@
 Inductor fuses the elementwise work between the matmuls (RMSNorm, rotary, SiLU x up, the
 residual adds) into C++ loops and drops most of the per-op dispatch, which is ~15-25% of an
 eager decode step on CPU (docs/benchmarks.md). One graph serves every batch size and context
-length (dynamic shapes). A step whose rows are all one-token decodes runs through it; any
-other step (prefill chunks) runs eagerly.
+length (dynamic shapes). A step of two or more rows, all one-token decodes, runs through it;
+any other step (prefill chunks) runs eagerly, and so does a batch of one: at one row MKL takes
+its matrix-vector path, faster than any compiled 2-row step (14 vs 19 ms a step on the bench
+model, docs/benchmarks.md).
 
-Inputs are padded to at least 2 rows and 2 blocks per block table, with rows that write to and
-read from a spare block of the KV pool the block manager never hands out: torch.compile
-specialises sizes 0 and 1, and the padding keeps every step on the one graph.
+torch.compile specialises sizes 0 and 1, so block tables are padded to at least 2 blocks
+(with the spare block of the KV pool the block manager never hands out, as CUDA graphs pad),
+and the graph is compiled at start-up on 2 padding rows that write to and read from that block:
+every step then runs on the one graph.
 
 Compiling takes ~20-40 s on 2 cores (less with inductor's cache warm in
 /tmp/torchinductor_$USER), once per engine start, at start-up; `--eager-decode` (or
@@ -53,7 +56,7 @@ class CompiledDecode:
         self.replays = 0  # decode steps that ran compiled (the progress line's graph=True)
 
     def can_run(self, output) -> bool:
-        return bool(output.rows) and output.num_decodes == len(output.rows)
+        return len(output.rows) >= MIN_ROWS and output.num_decodes == len(output.rows)
 
     def run(self, output) -> torch.Tensor:
         """Hidden states of the step's rows."""

@@ -2,8 +2,8 @@
 
 The suite runs eagerly (conftest sets SHOAL_EAGER_DECODE=1: compiling costs seconds per engine
 start); these tests turn compilation on and hold it to the oracle: greedy tokens equal
-transformers' token for token, log-probs equal an eager engine's, at batch 1 (padded) and at
-mixed batches whose contexts cross blocks. The slow test starts `shoal serve` the way a user
+transformers' token for token, log-probs equal an eager engine's, on mixed batches whose
+contexts cross blocks (a batch of one decodes eagerly, by design). The slow test starts `shoal serve` the way a user
 does (compiled is the default) and reads the progress line it logs.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -63,13 +64,15 @@ def test_compiled_decode_equals_transformers_and_eager(compiled):
     assert "graph=False" in progress.line()  # nothing decoded since
 
 
-def test_one_request_runs_padded_and_frees_its_blocks(compiled):
+def test_two_requests_compile_one_runs_eagerly_and_blocks_come_back(compiled):
     path, llm = compiled
-    ids = prompts_of([6], seed=3)[0]
+    prompts = prompts_of([6, 2], seed=3)  # the 2-token prompt's table pads to 2 blocks at first
     replays = llm.engine.runner.graph_replays
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == hf_greedy(path, ids, 12)
-    assert llm.engine.runner.graph_replays - replays == 11  # every decode step after the prefill
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 6)]
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [hf_greedy(path, p, n) for p, n in zip(prompts, (12, 6))]
+    # 5 decode steps with both rows ran compiled; the first request's last 6 alone ran eagerly.
+    assert llm.engine.runner.graph_replays - replays == 5
     assert llm.engine.blocks.num_free_blocks == OPTIONS["num_kv_blocks"]  # the spare one is outside the pool
 
 
@@ -109,10 +112,16 @@ def test_shoal_serve_compiles_decode_by_default(llama_ckpt, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_process_ready(url, proc, log)
-        for ids in prompts_of([7, 19]):
-            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        prompts = prompts_of([7, 19])
+
+        def complete(ids):
+            return httpx.post(f"{url}/v1/completions", timeout=60, json={
                 "model": "", "prompt": ids, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True})
+
+        with ThreadPoolExecutor(2) as pool:  # together, so decode steps have 2 rows (compiled)
+            responses = list(pool.map(complete, prompts))
+        for r, ids in zip(responses, prompts):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 40)
     finally:
