@@ -13,10 +13,19 @@ from pathlib import Path
 import httpx
 
 
+# Ray's fixed default ports inside the kernel's ephemeral range: a port the OS hands out here
+# may be taken by the Ray that the server under test starts a moment later (the dashboard
+# agent's 52365 did, once).
+RAY_DEFAULT_PORTS = {52365}  # the dashboard agent's HTTP port (--dashboard-agent-listen-port)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 def wait_ready(url: str, timeout: float = 60.0) -> str:
