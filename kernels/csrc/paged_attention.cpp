@@ -7,6 +7,12 @@
 // float32 / bfloat16 / float16 caches; all arithmetic is float32. No -ffast-math: the result
 // stays within ~1e-6 of torch's scaled_dot_product_attention.
 //
+// Two implementations of one task: on a CPU with AVX-512 (and head_dim a multiple of 16) an
+// explicit one that scores 16 keys at a time and exponentiates 16 scores at a time; elsewhere
+// a portable loop that the compiler vectorises (one dot product per key, scalar exp). The
+// portable one is also registered on its own (paged_decode_attention_portable) so tests and
+// benchmarks can hold the two against each other on one machine.
+//
 // Built against torch's stable C++ API (torch/csrc/stable): its headers compile in seconds,
 // where torch/extension.h takes ~45 s. Registered as torch.ops.shoal.paged_decode_attention.
 #include <torch/csrc/stable/library.h>
@@ -20,6 +26,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -169,6 +178,169 @@ SHOAL_INLINE void attend(const Args<T>& a, int64_t b, int64_t kh0, int64_t kh1, 
     for (int64_t i = 0; i < d; ++i) out[(h0 + h) * a.o_s1 + i] = T(acc[h * d + i]);
 }
 
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SHOAL_HAS_AVX512_PATH 1
+// Every function here is compiled for AVX-512 (and inlined into avx512_task).
+#define SHOAL_AVX512 inline __attribute__((always_inline, target("avx512f,fma,f16c")))
+
+SHOAL_AVX512 __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SHOAL_AVX512 __m512 load16(const c10::BFloat16* p) {  // bfloat16 -> float32: a 16-bit shift
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+SHOAL_AVX512 __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The 16 horizontal sums of a[0..15] as one vector (lane t = sum of a[t]'s lanes), by a
+// transpose-add tree: 45 shuffles and adds for 16 dot products where reducing each on its
+// own takes 8 dependent steps apiece.
+SHOAL_AVX512 __m512 sum16(const __m512* a) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the 4 keys' sums over that lane
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  constexpr int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], even), _mm512_shuffle_f32x4(y[0], y[1], odd));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], even), _mm512_shuffle_f32x4(y[2], y[3], odd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, even), _mm512_shuffle_f32x4(s01, s23, odd));
+}
+
+// exp(x) for x <= 0 (max-subtracted scores), Cephes' expf: a degree-6 polynomial on
+// x - n ln2, scaled by 2^n; within ~2 ulp of std::exp.
+SHOAL_AVX512 __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below this exp underflows to ~0 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Prefetches the first rows of the row's next block (its kv heads' run of each slot): the
+// blocks are scattered through the pool, so the hardware prefetcher cannot guess it.
+template <typename T>
+SHOAL_AVX512 void prefetch_block(const Args<T>& a, const T* base, int64_t block, int64_t rows, int64_t row_bytes) {
+  const char* p = reinterpret_cast<const char*>(base + block * a.block_size * a.kv_s0);
+  for (int64_t r = 0; r < std::min<int64_t>(rows, 16); ++r, p += a.kv_s0 * int64_t(sizeof(T)))
+    for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// The same task as attend(): scores 16 keys at a time (sum16), softmax with exp16, then the
+// sum of V rows. The workspace layout is attend()'s.
+template <typename T>
+__attribute__((target("avx512f,fma,f16c"))) void avx512_task(const Args<T>& a, int64_t b, int64_t kh0,
+                                                             int64_t kh1, float* ws) {
+  const int64_t d = a.d, group = a.heads / a.kv_heads, n = a.lens[b];
+  const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;
+  float* qf = ws;
+  float* acc = qf + nh * d;
+  float* s = acc + nh * d + d;  // after attend()'s one-row buffer, unused here
+  const int64_t* table = a.tables + b * a.table_s0;
+  const int64_t row_bytes = (kh1 - kh0) * a.kv_s1 * int64_t(sizeof(T));
+  const int64_t blocks = (n + a.block_size - 1) / a.block_size;
+  T* out = a.out + b * a.o_s0;
+  if (n <= 0) {
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t i = 0; i < d; ++i) out[(h0 + h) * a.o_s1 + i] = T(0.0f);
+    return;
+  }
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(qf + h * d + i, load16(a.q + b * a.q_s0 + (h0 + h) * a.q_s1 + i));
+  const __m512 scale = _mm512_set1_ps(a.scale);
+
+  // Pass 1: scores, 16 consecutive slots of a block at a time. Slots past the row's end read
+  // the last real slot again (in bounds) and their lanes are not stored.
+  const T* k_base = a.k + kh0 * a.kv_s1;
+  for (int64_t j = 0; j < blocks; ++j) {
+    if (j + 1 < blocks) prefetch_block(a, k_base, table[j + 1], n - (j + 1) * a.block_size, row_bytes);
+    const int64_t first = j * a.block_size, m = std::min(a.block_size, n - first);
+    for (int64_t o0 = 0; o0 < m; o0 += 16) {
+      const int64_t valid = std::min<int64_t>(16, m - o0);
+      const T* rows[16];
+      for (int t = 0; t < 16; ++t)
+        rows[t] = k_base + (table[j] * a.block_size + o0 + std::min<int64_t>(t, valid - 1)) * a.kv_s0;
+      const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+      for (int64_t kh = 0, h = 0; kh < kh1 - kh0; ++kh) {
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          __m512 dots[16];
+          for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+          for (int64_t i = 0; i < d; i += 16) {
+            const __m512 qi = _mm512_loadu_ps(qf + h * d + i);
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; ++t) dots[t] = _mm512_fmadd_ps(qi, load16(rows[t] + kh * a.kv_s1 + i), dots[t]);
+          }
+          _mm512_mask_storeu_ps(s + h * n + first + o0, keep, _mm512_mul_ps(sum16(dots), scale));
+        }
+      }
+    }
+  }
+
+  // Softmax per query head, 16 scores at a time (masked at the end).
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sh = s + h * n;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 keep = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, keep, sh + t));
+    }
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 keep = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(keep, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, sh + t), top)));
+      _mm512_mask_storeu_ps(sh + t, keep, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 keep = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+      _mm512_mask_storeu_ps(sh + t, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, sh + t), inv));
+    }
+  }
+
+  // Pass 2: acc = sum_t p_t * v_t.
+  std::fill(acc, acc + nh * d, 0.0f);
+  const T* v_base = a.v + kh0 * a.kv_s1;
+  for (int64_t j = 0; j < blocks; ++j) {
+    if (j + 1 < blocks) prefetch_block(a, v_base, table[j + 1], n - (j + 1) * a.block_size, row_bytes);
+    const int64_t first = j * a.block_size, m = std::min(a.block_size, n - first);
+    for (int64_t o = 0; o < m; ++o) {
+      const T* row = v_base + (table[j] * a.block_size + o) * a.kv_s0;
+      for (int64_t kh = 0, h = 0; kh < kh1 - kh0; ++kh) {
+        for (int64_t i = 0; i < d; i += 16) {
+          const __m512 vi = load16(row + kh * a.kv_s1 + i);
+          for (int64_t g = 0; g < group; ++g) {
+            float* ah = acc + (h + g) * d + i;
+            _mm512_storeu_ps(ah, _mm512_fmadd_ps(_mm512_set1_ps(s[(h + g) * n + first + o]), vi, _mm512_loadu_ps(ah)));
+          }
+        }
+        h += group;
+      }
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t i = 0; i < d; ++i) out[(h0 + h) * a.o_s1 + i] = T(acc[h * d + i]);
+}
+
+bool avx512_path(int64_t d) {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
+  return cpu && d % 16 == 0;
+}
+#endif
+
 // Task i is row i / splits, kv heads [span * (i % splits), +span).
 template <typename T>
 SHOAL_INLINE void run(const Args<T>& a, int64_t splits, int64_t i, float* ws) {
@@ -180,9 +352,20 @@ SHOAL_MULTIVERSION void run_f32(const Args<float>& a, int64_t sp, int64_t i, flo
 SHOAL_MULTIVERSION void run_bf16(const Args<c10::BFloat16>& a, int64_t sp, int64_t i, float* ws) { run(a, sp, i, ws); }
 SHOAL_MULTIVERSION void run_f16(const Args<c10::Half>& a, int64_t sp, int64_t i, float* ws) { run(a, sp, i, ws); }
 
-void run_any(const Args<float>& a, int64_t sp, int64_t i, float* ws) { run_f32(a, sp, i, ws); }
-void run_any(const Args<c10::BFloat16>& a, int64_t sp, int64_t i, float* ws) { run_bf16(a, sp, i, ws); }
-void run_any(const Args<c10::Half>& a, int64_t sp, int64_t i, float* ws) { run_f16(a, sp, i, ws); }
+void run_portable(const Args<float>& a, int64_t sp, int64_t i, float* ws) { run_f32(a, sp, i, ws); }
+void run_portable(const Args<c10::BFloat16>& a, int64_t sp, int64_t i, float* ws) { run_bf16(a, sp, i, ws); }
+void run_portable(const Args<c10::Half>& a, int64_t sp, int64_t i, float* ws) { run_f16(a, sp, i, ws); }
+
+template <typename T>
+void run_any(const Args<T>& a, int64_t splits, int64_t i, float* ws, bool portable) {
+#ifdef SHOAL_HAS_AVX512_PATH
+  if (!portable && avx512_path(a.d)) {
+    const int64_t span = a.kv_heads / splits, kh0 = (i % splits) * span;
+    return avx512_task(a, i / splits, kh0, kh0 + span, ws);
+  }
+#endif
+  run_portable(a, splits, i, ws);
+}
 
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
@@ -190,7 +373,7 @@ using torch::headeronly::ScalarType;
 template <typename T>
 void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
             const Tensor& tables, const Tensor& lens, int64_t block_size, double scale,
-            int64_t max_len) {
+            int64_t max_len, bool portable) {
   Args<T> a{q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
             out.mutable_data_ptr<T>(), tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int32_t>(),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -204,7 +387,7 @@ void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v
   while (splits < a.kv_heads && batch * splits < 4 * threads) splits *= 2;
   while (a.kv_heads % splits) --splits;
   const int64_t tasks = batch * splits, nh = a.heads / splits;
-  const int64_t ws_size = 2 * nh * a.d + a.d + nh * max_len;
+  const int64_t ws_size = 2 * nh * a.d + a.d + nh * max_len + 16;  // + one 16-lane store's overhang
   // Tasks cost in proportion to their context length, which differs from row to row, so
   // instead of fixed shares each thread pulls tasks one at a time from a shared counter.
   // The workspace is allocated once per thread.
@@ -212,15 +395,15 @@ void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v
   std::atomic<int64_t> next{0};
   torch::stable::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> ws(ws_size);
-    for (int64_t i; (i = next.fetch_add(1)) < tasks;) run_any(a, splits, i, ws.data());
+    for (int64_t i; (i = next.fetch_add(1)) < tasks;) run_any(a, splits, i, ws.data(), portable);
   });
 }
 
 }  // namespace
 
-void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
-                            Tensor block_tables, Tensor context_lens, int64_t block_size,
-                            double scale) {
+static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                    const Tensor& block_tables, const Tensor& context_lens, int64_t block_size,
+                    double scale, bool portable) {
   // Shapes, dtypes, layouts and block ids are checked here, before any thread starts, so the
   // task loop can trust raw pointers.
   STD_TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
@@ -233,7 +416,7 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   const int64_t batch = q.size(0), kv_heads = k_cache.size(1), d = q.size(2);
   STD_TORCH_CHECK(k_cache.size(2) == d, "head_dim of q and the cache differ");
   STD_TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, "heads must be a multiple of kv_heads");
-  for (const Tensor* t : {&out, &q, &k_cache, &v_cache}) {
+  for (const Tensor* t : {static_cast<const Tensor*>(&out), &q, &k_cache, &v_cache}) {
     STD_TORCH_CHECK(t->is_cpu() && t->scalar_type() == q.scalar_type(),
                     "q, out and the caches must be CPU tensors of one dtype");
     STD_TORCH_CHECK(t->stride(2) == 1, "the head_dim axis must be contiguous");
@@ -265,21 +448,40 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
 
   switch (q.scalar_type()) {
     case ScalarType::Float:
-      return launch<float>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len);
+      return launch<float>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len,
+                              portable);
     case ScalarType::BFloat16:
-      return launch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len);
+      return launch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len,
+                              portable);
     case ScalarType::Half:
-      return launch<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len);
+      return launch<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len,
+                              portable);
     default:
       STD_TORCH_CHECK(false, "paged_decode_attention: unsupported dtype");
   }
 }
 
+void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
+                            Tensor block_tables, Tensor context_lens, int64_t block_size,
+                            double scale) {
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, false);
+}
+
+// The portable loop even where AVX-512 is there: for tests and benchmarks.
+void paged_decode_attention_portable(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
+                                     Tensor block_tables, Tensor context_lens, int64_t block_size,
+                                     double scale) {
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, true);
+}
+
 STABLE_TORCH_LIBRARY(shoal, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, int block_size, float scale) -> ()");
+  m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, int block_size, float scale) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention));
+  m.impl("paged_decode_attention_portable", TORCH_BOX(&paged_decode_attention_portable));
 }

@@ -58,29 +58,38 @@ def matmul(args) -> None:
 
 
 def attention(args) -> None:
+    """The decode kernel's K/V read rate, the default path (AVX-512 where the CPU has it) and
+    the portable loop in the same run, against torch's sum of a DRAM-sized tensor."""
     import torch
     from kernels import native
     torch.set_num_threads(args.threads)
-    op = native.paged_decode_attention_op()
+    kernels = {"default": native.paged_decode_attention_op(),
+               "portable": torch.ops.shoal.paged_decode_attention_portable.default}
     heads, d, bs, layers = 8, 64, 16, 8
     big = torch.randn(64 * 2**20)  # 256 MiB: summing it reads from DRAM
     read_s = min(_timed(big.sum) for _ in range(5))
     print(f"threads {args.threads}; torch sum of 256 MiB reads {big.numel() * 4 / read_s / 1e9:.1f} GB/s; "
           f"load average {load()}")
-    print("| batch x context | 8 layers | K/V read | GB/s |")
-    print("| --- | --- | --- | --- |")
-    for batch, ctx in [(32, 100), (32, 300), (64, 300)]:
-        per_row = -(-ctx // bs)
-        slots = (batch * per_row + 1) * bs
-        caches = [(torch.randn(slots, heads, d), torch.randn(slots, heads, d)) for _ in range(layers)]
-        tables = torch.randperm(batch * per_row).view(batch, per_row)  # scattered blocks
-        q, lens = torch.randn(batch, heads, d), torch.full((batch,), ctx, dtype=torch.int32)
-        out = torch.empty_like(q)
-        run = lambda: [op(out, q, k, v, tables, lens, bs, d ** -0.5) for k, v in caches]  # noqa: E731
-        run()
-        t = min(_timed(run) for _ in range(10))
-        read = layers * 2 * batch * ctx * heads * d * 4
-        print(f"| {batch} x {ctx} | {t * 1e3:.1f} ms | {read / 2**20:.0f} MiB | {read / t / 1e9:.1f} |")
+    print("| dtype | batch x context | K/V read (8 layers) | default | portable | GB/s default / portable | speed-up |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, ctx in [(32, 100), (32, 300), (64, 300)]:
+            per_row = -(-ctx // bs)
+            slots = (batch * per_row + 1) * bs
+            caches = [(torch.randn(slots, heads, d).to(dtype), torch.randn(slots, heads, d).to(dtype))
+                      for _ in range(layers)]
+            tables = torch.randperm(batch * per_row).view(batch, per_row)  # scattered blocks
+            q, lens = torch.randn(batch, heads, d).to(dtype), torch.full((batch,), ctx, dtype=torch.int32)
+            out = torch.empty_like(q)
+            times = {}
+            for name, op in kernels.items():
+                run = lambda: [op(out, q, k, v, tables, lens, bs, d ** -0.5) for k, v in caches]  # noqa: E731
+                run()
+                times[name] = min(_timed(run) for _ in range(10))
+            read = layers * 2 * batch * ctx * heads * d * dtype.itemsize
+            t, tp = times["default"], times["portable"]
+            print(f"| {str(dtype)[6:]} | {batch} x {ctx} | {read / 2**20:.0f} MiB | {t * 1e3:.1f} ms | {tp * 1e3:.1f} ms "
+                  f"| {read / t / 1e9:.1f} / {read / tp / 1e9:.1f} | {tp / t:.2f}x |")
 
 
 def _timed(fn) -> float:
