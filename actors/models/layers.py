@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.parallel import Parallel
+from kernels.linear import linear
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -23,7 +24,7 @@ class ColumnParallelLinear(nn.Linear):
         self.lora = None  # LoraWeights when adapters are enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.add_delta(x, y)
 
 
@@ -35,9 +36,9 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.p.tp_size == 1:
-            y = F.linear(x, self.weight, self.bias)
+            y = linear(x, self.weight, self.bias)
             return y if self.lora is None else self.lora.add_delta(x, y)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.lora is not None:  # this rank's share of the delta, summed with the product
             y = self.lora.add_delta(x, y)
         y = self.p.all_reduce(y)
@@ -74,5 +75,5 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.p.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.p.all_gather_last_dim(linear(hidden, self.weight))
         return logits[..., :self.vocab]

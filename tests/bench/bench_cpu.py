@@ -2,6 +2,9 @@
 
     .venv/bin/python tests/bench/bench_cpu.py matmul [--threads 1]
         F.linear in float32 vs bfloat16 at the bench model's shapes (is bf16 fast here?)
+    .venv/bin/python tests/bench/bench_cpu.py linear [--threads 2]
+        float32 linear layers through MKL (F.linear) and oneDNN (kernels/linear.py) at one
+        decoder layer's shapes plus the LM head, from 1 to 2048 rows
     .venv/bin/python tests/bench/bench_cpu.py threads
         a decode step at batch 32 with 1 thread, 2 spinning and 2 passive OpenMP threads,
         each in its own process (the wait policy is read when OpenMP loads)
@@ -54,6 +57,32 @@ def matmul(args) -> None:
         f32 = median_ms(lambda: F.linear(x, w))
         bf16 = median_ms(lambda: F.linear(xb, wb))
         print(f"| {rows} x ({inp} -> {out}) | {f32:.2f} ms | {bf16:.2f} ms | {bf16 / f32:.1f}x |")
+    print(f"load average at the end {load()}")
+
+
+def linear(args) -> None:
+    """One llama layer's four projections (the llama.cpp comparison model) and the LM head,
+    each through MKL and oneDNN, interleaved; the fastest of 20 calls each."""
+    import torch
+    import torch.nn.functional as F
+    from kernels.linear import _onednn
+    torch.set_num_threads(args.threads)
+    shapes = [(512, 1024), (512, 512), (512, 2304), (1152, 512), (512, 8000)]  # in -> out
+    print(f"threads {args.threads}; load average {load()}")
+    print("| rows | " + " | ".join(f"{i} -> {o}" for i, o in shapes) + " | all: MKL | all: oneDNN | speed-up |")
+    print("| --- " * (len(shapes) + 4) + "|")
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048):
+        cells, mkl_all, onednn_all = [], 0.0, 0.0
+        for inp, out in shapes:
+            x, w = torch.randn(rows, inp), torch.randn(out, inp)
+            mkl, onednn = float("inf"), float("inf")
+            for _ in range(20):
+                mkl = min(mkl, _timed(lambda: F.linear(x, w)))
+                onednn = min(onednn, _timed(lambda: _onednn(x, w, None)))
+            cells.append(f"{mkl / onednn:.2f}x")
+            mkl_all, onednn_all = mkl_all + mkl, onednn_all + onednn
+        print(f"| {rows} | {' | '.join(cells)} | {mkl_all * 1e3:.2f} ms | {onednn_all * 1e3:.2f} ms "
+              f"| **{mkl_all / onednn_all:.2f}x** |", flush=True)
     print(f"load average at the end {load()}")
 
 
@@ -157,12 +186,12 @@ def prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["matmul", "threads", "prefill", "decode-step", "attention"])
+    ap.add_argument("what", choices=["matmul", "linear", "threads", "prefill", "decode-step", "attention"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--root", type=Path, default=HERE.parents[1])
     args = ap.parse_args()
-    {"matmul": matmul, "threads": threads, "prefill": prefill, "decode-step": decode_step,
+    {"matmul": matmul, "linear": linear, "threads": threads, "prefill": prefill, "decode-step": decode_step,
      "attention": attention}[args.what](args)
 
 
