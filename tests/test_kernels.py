@@ -107,13 +107,16 @@ def test_small_batches_split_kv_heads(op, batch, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_vector_and_portable_paths_agree(op, dtype, atol, block_size):
-    """The AVX-512 path (16 keys a step, vector exp; taken where the CPU has AVX-512) and the
-    portable loop give the same attention, both within float32 rounding of SDPA."""
+@pytest.mark.parametrize("block_size", [1, 6, 8, 16, 32])
+@pytest.mark.parametrize("d", [24, 64])
+def test_vector_and_portable_paths_agree(op, dtype, atol, block_size, d):
+    """The vector path this CPU takes (AVX-512: 16 keys a step, for head_dim a multiple of 16;
+    AVX2: 8 keys a step and V rows 4 at a time, for head_dim a multiple of 8; both with a vector
+    exp) and the portable loop give the same attention, both within float32 rounding of SDPA.
+    Block sizes that are not multiples of the lane count exercise the masked tails."""
     portable = torch.ops.shoal.paged_decode_attention_portable.default
     lens = MIXED_LENS + [31, 47]
-    q, kc, vc, tables, lens_t = make_case(lens, 8, 2, 64, block_size, dtype=dtype, seed=block_size)
+    q, kc, vc, tables, lens_t = make_case(lens, 8, 2, d, block_size, dtype=dtype, seed=block_size)
     out, ref_out = torch.empty_like(q), torch.empty_like(q)
     op(out, q, kc, vc, tables, lens_t, block_size, 0.125)
     portable(ref_out, q, kc, vc, tables, lens_t, block_size, 0.125)

@@ -7,11 +7,12 @@
 // float32 / bfloat16 / float16 caches; all arithmetic is float32. No -ffast-math: the result
 // stays within ~1e-6 of torch's scaled_dot_product_attention.
 //
-// Two implementations of one task: on a CPU with AVX-512 (and head_dim a multiple of 16) an
-// explicit one that scores 16 keys at a time and exponentiates 16 scores at a time; elsewhere
-// a portable loop that the compiler vectorises (one dot product per key, scalar exp). The
-// portable one is also registered on its own (paged_decode_attention_portable) so tests and
-// benchmarks can hold the two against each other on one machine.
+// Three implementations of one task: on a CPU with AVX-512 (and head_dim a multiple of 16) an
+// explicit one that scores 16 keys at a time and exponentiates 16 scores at a time; with AVX2
+// and FMA (head_dim a multiple of 8) the same 8 lanes wide; elsewhere a portable loop that the
+// compiler vectorises (one dot product per key, scalar exp). The portable one is also
+// registered on its own (paged_decode_attention_portable) so tests and benchmarks can hold
+// the vector paths against it on one machine.
 //
 // Built against torch's stable C++ API (torch/csrc/stable): its headers compile in seconds,
 // where torch/extension.h takes ~45 s. Registered as torch.ops.shoal.paged_decode_attention.
@@ -114,6 +115,42 @@ SHOAL_INLINE void for_each_slot(const Args<T>& a, const int64_t* table, int64_t 
   }
 }
 
+// A task's start, shared by every path: false (after writing zeros) for a row with nothing
+// to attend to (the engine never sends one), else the task's queries as float32 in qf
+// ([nh, d]); `row` is a [d] buffer for widening 16-bit queries.
+template <typename T>
+SHOAL_INLINE bool load_queries(const Args<T>& a, int64_t b, int64_t h0, int64_t nh, float* qf, float* row) {
+  if (a.lens[b] <= 0) {  // zeros, not NaN
+    T* out = a.out + b * a.o_s0;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t i = 0; i < a.d; ++i) out[(h0 + h) * a.o_s1 + i] = T(0.0f);
+    return false;
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* src = as_float(a.q + b * a.q_s0 + (h0 + h) * a.q_s1, row, a.d);
+    std::memcpy(qf + h * a.d, src, a.d * sizeof(float));
+  }
+  return true;
+}
+
+// A task's end, shared by every path: the accumulators ([nh, d]) into the output row.
+template <typename T>
+SHOAL_INLINE void store_out(const Args<T>& a, int64_t b, int64_t h0, int64_t nh, const float* acc) {
+  T* out = a.out + b * a.o_s0;
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t i = 0; i < a.d; ++i) out[(h0 + h) * a.o_s1 + i] = T(acc[h * a.d + i]);
+}
+
+// Prefetches the first rows of a row's next block (its kv heads' run of each slot) for the
+// vector paths, which walk a block at a time: blocks are scattered through the pool, so the
+// hardware prefetcher cannot guess the next one.
+template <typename T>
+SHOAL_INLINE void prefetch_block(const Args<T>& a, const T* base, int64_t block, int64_t rows, int64_t row_bytes) {
+  const char* p = reinterpret_cast<const char*>(base + block * a.block_size * a.kv_s0);
+  for (int64_t r = 0; r < std::min<int64_t>(rows, 16); ++r, p += a.kv_s0 * int64_t(sizeof(T)))
+    for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(p + i);
+}
+
 // One task: batch row b, kv heads [kh0, kh1) and the query heads they serve. Going through
 // the tokens once for all those heads reads each token's K (then V) as one contiguous run
 // (~1.4x faster than one kv head per task), and each K/V row serves its whole GQA group.
@@ -128,17 +165,7 @@ SHOAL_INLINE void attend(const Args<T>& a, int64_t b, int64_t kh0, int64_t kh1, 
   float* s = row + d;         // [nh, n] scores, then probabilities
   const int64_t* table = a.tables + b * a.table_s0;
   const int64_t row_bytes = (kh1 - kh0) * a.kv_s1 * int64_t(sizeof(T));
-  T* out = a.out + b * a.o_s0;
-
-  if (n <= 0) {  // nothing to attend to (the engine never sends this): zeros, not NaN
-    for (int64_t h = 0; h < nh; ++h)
-      for (int64_t i = 0; i < d; ++i) out[(h0 + h) * a.o_s1 + i] = T(0.0f);
-    return;
-  }
-  for (int64_t h = 0; h < nh; ++h) {
-    const float* src = as_float(a.q + b * a.q_s0 + (h0 + h) * a.q_s1, row, d);
-    std::memcpy(qf + h * d, src, d * sizeof(float));
-  }
+  if (!load_queries(a, b, h0, nh, qf, row)) return;
 
   // Pass 1: scaled scores q . k for every key; kv head kh serves query heads [kh*group, +group).
   for_each_slot(a, table, n, a.k + kh0 * a.kv_s1, row_bytes, [&](int64_t t, int64_t slot) {
@@ -174,13 +201,12 @@ SHOAL_INLINE void attend(const Args<T>& a, int64_t b, int64_t kh0, int64_t kh1, 
       }
     }
   });
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t i = 0; i < d; ++i) out[(h0 + h) * a.o_s1 + i] = T(acc[h * d + i]);
+  store_out(a, b, h0, nh, acc);
 }
 
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define SHOAL_HAS_AVX512_PATH 1
+#define SHOAL_HAS_VECTOR_PATHS 1
 // Every function here is compiled for AVX-512 (and inlined into avx512_task).
 #define SHOAL_AVX512 inline __attribute__((always_inline, target("avx512f,fma,f16c")))
 
@@ -229,15 +255,6 @@ SHOAL_AVX512 __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Prefetches the first rows of the row's next block (its kv heads' run of each slot): the
-// blocks are scattered through the pool, so the hardware prefetcher cannot guess it.
-template <typename T>
-SHOAL_AVX512 void prefetch_block(const Args<T>& a, const T* base, int64_t block, int64_t rows, int64_t row_bytes) {
-  const char* p = reinterpret_cast<const char*>(base + block * a.block_size * a.kv_s0);
-  for (int64_t r = 0; r < std::min<int64_t>(rows, 16); ++r, p += a.kv_s0 * int64_t(sizeof(T)))
-    for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-}
-
 // The same task as attend(): scores 16 keys at a time (sum16), softmax with exp16, then the
 // sum of V rows. The workspace layout is attend()'s.
 template <typename T>
@@ -247,18 +264,11 @@ __attribute__((target("avx512f,fma,f16c"))) void avx512_task(const Args<T>& a, i
   const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;
   float* qf = ws;
   float* acc = qf + nh * d;
-  float* s = acc + nh * d + d;  // after attend()'s one-row buffer, unused here
+  float* s = acc + nh * d + d;  // the workspace layout of attend()
   const int64_t* table = a.tables + b * a.table_s0;
   const int64_t row_bytes = (kh1 - kh0) * a.kv_s1 * int64_t(sizeof(T));
   const int64_t blocks = (n + a.block_size - 1) / a.block_size;
-  T* out = a.out + b * a.o_s0;
-  if (n <= 0) {
-    for (int64_t h = 0; h < nh; ++h)
-      for (int64_t i = 0; i < d; ++i) out[(h0 + h) * a.o_s1 + i] = T(0.0f);
-    return;
-  }
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(qf + h * d + i, load16(a.q + b * a.q_s0 + (h0 + h) * a.q_s1 + i));
+  if (!load_queries(a, b, h0, nh, qf, acc)) return;
   const __m512 scale = _mm512_set1_ps(a.scale);
 
   // Pass 1: scores, 16 consecutive slots of a block at a time. Slots past the row's end read
@@ -331,13 +341,180 @@ __attribute__((target("avx512f,fma,f16c"))) void avx512_task(const Args<T>& a, i
       }
     }
   }
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t i = 0; i < d; ++i) out[(h0 + h) * a.o_s1 + i] = T(acc[h * d + i]);
+  store_out(a, b, h0, nh, acc);
 }
 
 bool avx512_path(int64_t d) {
   static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c");
   return cpu && d % 16 == 0;
+}
+
+// ---- AVX2 + FMA: the same task 8 lanes wide (the AMD EPYCs and older Intel CPUs) ----------
+#define SHOAL_AVX2 inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+SHOAL_AVX2 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+SHOAL_AVX2 __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+SHOAL_AVX2 __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The 8 horizontal sums of a[0..7] as one vector (lane t = sum of a[t]'s lanes): two rounds
+// of pairwise adds, then the 128-bit halves.
+SHOAL_AVX2 __m256 sum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+SHOAL_AVX2 float lane_sum(__m256 x) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+SHOAL_AVX2 float lane_max(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// exp(x) for x <= 0: exp16's polynomial, scaled by 2^n through the exponent bits (n >= -126
+// after the clamp, so 2^n is a normal float).
+SHOAL_AVX2 __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+// The same task as attend(): scores 8 keys at a time (sum8), softmax with exp8, then the sum
+// of V rows 4 tokens at a time (each accumulator loaded and stored once per 4 rows, the
+// additions in token order as in attend()).
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) void avx2_task(const Args<T>& a, int64_t b, int64_t kh0,
+                                                        int64_t kh1, float* ws) {
+  const int64_t d = a.d, group = a.heads / a.kv_heads, n = a.lens[b];
+  const int64_t h0 = kh0 * group, nh = (kh1 - kh0) * group;
+  float* qf = ws;
+  float* acc = qf + nh * d;
+  float* s = acc + nh * d + d;  // the workspace layout of attend()
+  const int64_t* table = a.tables + b * a.table_s0;
+  const int64_t row_bytes = (kh1 - kh0) * a.kv_s1 * int64_t(sizeof(T));
+  const int64_t blocks = (n + a.block_size - 1) / a.block_size;
+  if (!load_queries(a, b, h0, nh, qf, acc)) return;
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+
+  // Pass 1: scores, 8 consecutive slots of a block at a time. Slots past the block's end read
+  // the last real slot again (in bounds) and their lanes are not stored.
+  const T* k_base = a.k + kh0 * a.kv_s1;
+  for (int64_t j = 0; j < blocks; ++j) {
+    if (j + 1 < blocks) prefetch_block(a, k_base, table[j + 1], n - (j + 1) * a.block_size, row_bytes);
+    const int64_t first = j * a.block_size, m = std::min(a.block_size, n - first);
+    for (int64_t o0 = 0; o0 < m; o0 += 8) {
+      const int64_t valid = std::min<int64_t>(8, m - o0);
+      const T* rows[8];
+      for (int t = 0; t < 8; ++t)
+        rows[t] = k_base + (table[j] * a.block_size + o0 + std::min<int64_t>(t, valid - 1)) * a.kv_s0;
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(valid)), lane);
+      for (int64_t kh = 0, h = 0; kh < kh1 - kh0; ++kh) {
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          __m256 dots[8];
+          for (int t = 0; t < 8; ++t) dots[t] = _mm256_setzero_ps();
+          for (int64_t i = 0; i < d; i += 8) {
+            const __m256 qi = _mm256_loadu_ps(qf + h * d + i);
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; ++t) dots[t] = _mm256_fmadd_ps(qi, load8(rows[t] + kh * a.kv_s1 + i), dots[t]);
+          }
+          _mm256_maskstore_ps(s + h * n + first + o0, keep, _mm256_mul_ps(sum8(dots), scale));
+        }
+      }
+    }
+  }
+
+  // Softmax per query head, 8 scores at a time, the last n % 8 one by one.
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sh = s + h * n;
+    const int64_t whole = n - n % 8;
+    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < whole; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sh + t));
+    float top = lane_max(mx);
+    for (int64_t t = whole; t < n; ++t) top = std::max(top, sh[t]);
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < whole; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), vtop));
+      _mm256_storeu_ps(sh + t, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = lane_sum(vsum);
+    for (int64_t t = whole; t < n; ++t) {
+      sh[t] = std::exp(sh[t] - top);
+      sum += sh[t];
+    }
+    const float inv = 1.0f / sum;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t t = 0; t < whole; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), vinv));
+    for (int64_t t = whole; t < n; ++t) sh[t] *= inv;
+  }
+
+  // Pass 2: acc = sum_t p_t * v_t, 4 tokens of a block at a time, then the block's rest.
+  std::fill(acc, acc + nh * d, 0.0f);
+  const T* v_base = a.v + kh0 * a.kv_s1;
+  for (int64_t j = 0; j < blocks; ++j) {
+    if (j + 1 < blocks) prefetch_block(a, v_base, table[j + 1], n - (j + 1) * a.block_size, row_bytes);
+    const int64_t first = j * a.block_size, m = std::min(a.block_size, n - first);
+    const T* block = v_base + table[j] * a.block_size * a.kv_s0;
+    int64_t o = 0;
+    for (; o + 4 <= m; o += 4) {
+      for (int64_t kh = 0, h = 0; kh < kh1 - kh0; ++kh) {
+        const T* row = block + o * a.kv_s0 + kh * a.kv_s1;
+        for (int64_t g = 0; g < group; ++g, ++h) {  // a group's later heads read V from L1
+          const float* p = s + h * n + first + o;
+          const __m256 p0 = _mm256_broadcast_ss(p), p1 = _mm256_broadcast_ss(p + 1);
+          const __m256 p2 = _mm256_broadcast_ss(p + 2), p3 = _mm256_broadcast_ss(p + 3);
+          float* ah = acc + h * d;
+          for (int64_t i = 0; i < d; i += 8) {
+            __m256 x = _mm256_fmadd_ps(p0, load8(row + i), _mm256_loadu_ps(ah + i));
+            x = _mm256_fmadd_ps(p1, load8(row + a.kv_s0 + i), x);
+            x = _mm256_fmadd_ps(p2, load8(row + 2 * a.kv_s0 + i), x);
+            _mm256_storeu_ps(ah + i, _mm256_fmadd_ps(p3, load8(row + 3 * a.kv_s0 + i), x));
+          }
+        }
+      }
+    }
+    for (; o < m; ++o) {
+      for (int64_t kh = 0, h = 0; kh < kh1 - kh0; ++kh, h += group) {
+        const T* row = block + o * a.kv_s0 + kh * a.kv_s1;
+        for (int64_t i = 0; i < d; i += 8) {
+          const __m256 vi = load8(row + i);
+          for (int64_t g = 0; g < group; ++g) {
+            float* ah = acc + (h + g) * d + i;
+            _mm256_storeu_ps(ah, _mm256_fmadd_ps(_mm256_broadcast_ss(s + (h + g) * n + first + o), vi, _mm256_loadu_ps(ah)));
+          }
+        }
+      }
+    }
+  }
+  store_out(a, b, h0, nh, acc);
+}
+
+bool avx2_path(int64_t d) {
+  static const bool cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return cpu && d % 8 == 0;
 }
 #endif
 
@@ -358,11 +535,10 @@ void run_portable(const Args<c10::Half>& a, int64_t sp, int64_t i, float* ws) { 
 
 template <typename T>
 void run_any(const Args<T>& a, int64_t splits, int64_t i, float* ws, bool portable) {
-#ifdef SHOAL_HAS_AVX512_PATH
-  if (!portable && avx512_path(a.d)) {
-    const int64_t span = a.kv_heads / splits, kh0 = (i % splits) * span;
-    return avx512_task(a, i / splits, kh0, kh0 + span, ws);
-  }
+#ifdef SHOAL_HAS_VECTOR_PATHS
+  const int64_t span = a.kv_heads / splits, kh0 = (i % splits) * span;
+  if (!portable && avx512_path(a.d)) return avx512_task(a, i / splits, kh0, kh0 + span, ws);
+  if (!portable && avx2_path(a.d)) return avx2_task(a, i / splits, kh0, kh0 + span, ws);
 #endif
   run_portable(a, splits, i, ws);
 }
@@ -467,7 +643,7 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, false);
 }
 
-// The portable loop even where AVX-512 is there: for tests and benchmarks.
+// The portable loop even where AVX-512 or AVX2 is there: for tests and benchmarks.
 void paged_decode_attention_portable(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                                      Tensor block_tables, Tensor context_lens, int64_t block_size,
                                      double scale) {

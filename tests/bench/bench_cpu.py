@@ -87,7 +87,7 @@ def linear(args) -> None:
 
 
 def attention(args) -> None:
-    """The decode kernel's K/V read rate, the default path (AVX-512 where the CPU has it) and
+    """The decode kernel's K/V read rate, the default path (AVX-512 or AVX2 where the CPU has it) and
     the portable loop in the same run, against torch's sum of a DRAM-sized tensor."""
     import torch
     from kernels import native
