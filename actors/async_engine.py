@@ -17,9 +17,12 @@ import queue
 import threading
 import time
 
+import torch
+
 from actors.config import EngineConfig
 from actors.engine import LLMEngine
 from actors.errors import EngineDeadError, QueueFullError, ShuttingDownError
+from actors.placement import use_threads
 from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.engine")
@@ -42,7 +45,8 @@ class AsyncEngine:
         self._rate = TokenRate()
         self._dying = threading.Lock()
         self._step_started: float | None = None  # while a step runs (the watchdog reads it)
-        self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),), name="shoal-engine",
+                                        daemon=True)
         self._thread.start()
         self._watcher = threading.Thread(target=self._watch, name="shoal-watch", daemon=True)
         self._watcher.start()
@@ -167,7 +171,8 @@ class AsyncEngine:
         self._wake.set()
 
     # ---- loop thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, threads: int) -> None:
+        use_threads(threads)
         try:
             self._loop()
         except BaseException as exc:  # the engine is unusable now: fail every stream

@@ -45,6 +45,16 @@ def rank_runtime_env() -> dict:
     return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}}
 
 
+def use_threads(n: int) -> None:
+    """Gives the calling thread's matmuls `n` threads. OpenMP keeps its thread count per OS
+    thread, and a new thread starts from OMP_NUM_THREADS (1 in a Ray actor) whatever
+    torch.get_num_threads() says: without this, oneDNN and MKL ran the scheduler actor's
+    engine-loop matmuls on one thread (a batch-32 decode step took 60 ms instead of 50 ms,
+    docs/benchmarks.md)."""
+    import torch
+    torch.set_num_threads(n)
+
+
 def default_strategy(bundles: list[dict]) -> str:
     """STRICT_PACK when one node can hold every bundle, else PACK."""
     need = _sum(bundles)

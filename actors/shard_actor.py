@@ -20,7 +20,7 @@ import torch
 from actors.config import EngineConfig
 from actors.model_spec import ModelSpec
 from actors.parallel import init_distributed
-from actors.placement import check_fits, default_strategy, rank_bundle, rank_runtime_env
+from actors.placement import check_fits, default_strategy, rank_bundle, rank_runtime_env, use_threads
 from actors.progress import progress_bar
 
 log = logging.getLogger("shoal.shards")
@@ -33,7 +33,8 @@ class ShardActor:
     def __init__(self, config: EngineConfig, spec: ModelSpec, rank: int, num_blocks: int):
         from actors.model_runner import ModelRunner
         start = time.perf_counter()
-        torch.set_num_threads(max(1, int(config.shard_cpus)))
+        self.threads = max(1, int(config.shard_cpus))
+        torch.set_num_threads(self.threads)
         self.runner = ModelRunner(config, spec, rank, num_blocks)
         self.info = {**rank_info(rank, self.runner.device),
                      "load_seconds": round(time.perf_counter() - start, 2),
@@ -50,6 +51,7 @@ class ShardActor:
         init_distributed(self.runner.p, master_addr, master_port, timeout_s, backend)
 
     def run(self) -> None:
+        use_threads(self.threads)  # a threaded actor: this call's thread is not __init__'s
         self.runner.worker_loop()
 
 

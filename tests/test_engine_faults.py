@@ -127,3 +127,35 @@ def test_watchdog_declares_a_stuck_step_dead(llama_ckpt):
         assert time.monotonic() - start < 3 and not engine.alive
     finally:
         engine.shutdown()
+
+
+def test_the_engine_loop_thread_gets_the_callers_matmul_threads(llama_ckpt):
+    """OpenMP keeps its thread count per OS thread and a new thread starts from the default
+    (OMP_NUM_THREADS, else the core count), whatever torch.get_num_threads() says. The engine
+    loop's thread must run its matmuls (oneDNN, MKL) with the count set where the engine was
+    built; in a Ray actor the default is 1, and decode steps ran on one thread."""
+    import ctypes
+
+    import torch
+    omp_threads = ctypes.CDLL(None).omp_get_max_threads  # torch's OpenMP runtime
+    before = torch.get_num_threads()
+    want = 1 if omp_threads() != 1 else 2  # not what a fresh thread would start with
+    torch.set_num_threads(want)
+    engine = AsyncEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32))
+    seen, step = [], engine.engine.step
+
+    def observed_step():
+        seen.append(omp_threads())
+        return step()
+
+    engine.engine.step = observed_step
+
+    async def one():
+        return [out async for out in engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=3), "r")]
+
+    try:
+        assert asyncio.run(one())
+        assert seen and set(seen) == {want}
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(before)
