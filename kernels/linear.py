@@ -25,16 +25,21 @@ ONEDNN = torch.backends.mkldnn.is_available() and \
     os.environ.get("SHOAL_ONEDNN_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else None
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return _LINEAR(x, weight, bias, "none", [], "")
 
 
-@torch.library.custom_op("shoal::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _onednn(x, weight, bias)
+# Registered through torch.library rather than @custom_op: ~20 us less per call (32 calls a
+# compiled decode step).
+_library = torch.library.Library("shoal", "FRAGMENT")
+_library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_library.impl("onednn_linear", _onednn, "CPU")
 
 
-@onednn_linear.register_fake
+@torch.library.register_fake("shoal::onednn_linear")
 def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -42,5 +47,7 @@ def _(x, weight, bias):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if (ONEDNN and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and weight.requires_grad)):
-        return onednn_linear(x, weight, bias) if torch.compiler.is_compiling() else _onednn(x, weight, bias)
+        if torch.compiler.is_compiling():
+            return torch.ops.shoal.onednn_linear(x, weight, bias)
+        return _onednn(x, weight, bias)
     return F.linear(x, weight, bias)
