@@ -13,6 +13,12 @@ torch.compile specialises sizes 0 and 1, so block tables are padded to at least 
 and the graph is compiled at start-up on 2 padding rows that write to and read from that block:
 every step then runs on the one graph.
 
+The graph ends with the LM head, and its linear layers run through oneDNN
+(kernels/linear.py), which builds and keeps a kernel (~0.6 MB) for every row count it
+meets. So the rows are padded to the next of a few bucket sizes (CUDA graphs' capture sizes:
+2, 4, 8, then multiples of 8 up to --max-num-seqs): the kernels kept stay few and the memory
+bounded, for at most 7 padding rows of work.
+
 Compiling takes ~20-40 s on 2 cores (less with inductor's cache warm in
 /tmp/torchinductor_$USER), once per engine start, at start-up; `--eager-decode` (or
 SHOAL_EAGER_DECODE=1, which the test suite sets) skips it. If compiling fails (no C++
@@ -26,7 +32,7 @@ import time
 
 import torch
 
-from actors.cuda_graphs import pad_decode
+from actors.cuda_graphs import pad_decode, padded_size
 from kernels.attention import AttentionMetadata
 
 log = logging.getLogger("shoal.runner")
@@ -43,7 +49,7 @@ def eager_by_environment() -> bool:
 class CompiledDecode:
     """The compiled model of one runner; `run` takes decode-only steps."""
 
-    def __init__(self, model, *, block_size: int, spare_block: int):
+    def __init__(self, model, *, sizes: list[int], block_size: int, spare_block: int):
         import torch._inductor.config as inductor_config
         import torch.fx.experimental._config as shape_config
 
@@ -51,23 +57,26 @@ class CompiledDecode:
         # Sizes that happen to be equal when compiling (2 padding rows, the KV pool's K/V axis)
         # must not become one symbol, or the first real batch recompiles.
         shape_config.use_duck_shape = False
-        self.fn = torch.compile(model, dynamic=True, fullgraph=True)
+        self.fn = torch.compile(lambda ids, positions, meta: model.compute_logits(model(ids, positions, meta)),
+                                dynamic=True, fullgraph=True)
+        self.sizes = sorted({max(MIN_ROWS, s) for s in sizes})
         self.block_size, self.spare_block = block_size, spare_block
         self.replays = 0  # decode steps that ran compiled (the progress line's graph=True)
 
     def can_run(self, output) -> bool:
-        return len(output.rows) >= MIN_ROWS and output.num_decodes == len(output.rows)
+        return (MIN_ROWS <= len(output.rows) <= self.sizes[-1]
+                and output.num_decodes == len(output.rows))
 
     def run(self, output) -> torch.Tensor:
-        """Hidden states of the step's rows."""
+        """Logits of the step's rows (the LM head is part of the graph)."""
         rows = output.rows
         width = max(MIN_BLOCKS, -(-max(r.start + 1 for r in rows) // self.block_size))
-        hidden = self.fn(*self._inputs(rows, width))
+        logits = self.fn(*self._inputs(rows, padded_size(len(rows), self.sizes), width))
         self.replays += 1
-        return hidden[:len(rows)]
+        return logits[:len(rows)]
 
-    def _inputs(self, rows, width: int):
-        p = pad_decode(rows, max(MIN_ROWS, len(rows)), self.block_size, width, self.spare_block)
+    def _inputs(self, rows, size: int, width: int):
+        p = pad_decode(rows, size, self.block_size, width, self.spare_block)
         meta = AttentionMetadata(slot_mapping=torch.tensor(p.slots), num_decode_tokens=p.size,
                                  block_size=self.block_size,
                                  decode_block_tables=torch.tensor(p.block_tables),
@@ -78,5 +87,5 @@ class CompiledDecode:
     def compile(self) -> None:
         """Compile now, on padding rows only (what the first decode step would otherwise pay)."""
         start = time.perf_counter()
-        self.fn(*self._inputs([], MIN_BLOCKS))
+        self.fn(*self._inputs([], MIN_ROWS, MIN_BLOCKS))
         log.info("compiled decode ready in %.1f s", time.perf_counter() - start)

@@ -151,7 +151,8 @@ class ModelRunner:
         log.info("CUDA graphs took %.0f MiB", (before - torch.cuda.mem_get_info()[0]) / 2**20)
 
     def _compile_decode(self) -> None:
-        self.graphs = CompiledDecode(self.model, block_size=self.block_size, spare_block=self.num_blocks)
+        self.graphs = CompiledDecode(self.model, sizes=self.graph_sizes, block_size=self.block_size,
+                                     spare_block=self.num_blocks)
         try:
             self.graphs.compile()
         except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: decode eagerly
@@ -174,6 +175,8 @@ class ModelRunner:
             self.load_adapters(output)
             if self.lora_layers:
                 self.model.lora_state.batch = self.lora_batch(output)
+            if isinstance(self.graphs, CompiledDecode) and self.graphs.can_run(output):
+                return self.graphs.run(output)[output.logit_rows]  # its graph ends with the LM head
             if self.graphs is not None and self.graphs.can_run(output):
                 hidden = self.graphs.run(output)
             else:

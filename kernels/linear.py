@@ -1,18 +1,22 @@
-"""The model's matmuls: float32 linear layers on CPU go through oneDNN.
+"""The model's matmuls: on CPU, the float32 linear layers of compiled decode steps go through
+oneDNN.
 
 torch's `F.linear` on a CPU calls MKL's sgemm. On the AMD EPYC these machines run on, oneDNN's
-inner product (`torch.ops.mkldnn._linear_pointwise`) computes the same product 1.05-1.8x
-faster, most at decode batch sizes (`tests/bench/bench_cpu.py linear`, docs/benchmarks.md).
-Its sums run in another order, so results differ from MKL's in the last bits (~1e-6
-relative), as any other kernel's would; float32 outputs stay token for token those of
-transformers (the suite checks).
+inner product (`torch.ops.mkldnn._linear_pointwise`) computes the same product 1.2-1.85x
+faster at decode batch sizes, most for the LM head (`tests/bench/bench_cpu.py linear`,
+docs/benchmarks.md). Its sums run in another order, so results differ from MKL's in the last
+bits (~1e-6 relative), as any other kernel's would; float32 outputs stay token for token those
+of transformers (tests/test_compiled_decode.py).
 
-Inside torch.compile (compiled decode) the call goes through the opaque custom op
-`shoal::onednn_linear`: inductor's own lowering of the oneDNN op only takes weights frozen
-into the graph as constants.
+oneDNN builds and keeps a kernel (~0.6 MB, even with its primitive cache off) for every row
+count it meets. Compiled decode (actors/compiled_decode.py) pads its rows to a few bucket
+sizes, so there the kernels stay few; eager steps (prefill chunks of any length) keep MKL,
+whose speed at those sizes is within ~15% of oneDNN's. Inside torch.compile the call is the
+opaque op `shoal::onednn_linear`: inductor's own lowering of the oneDNN op only takes weights
+frozen into the graph as constants.
 
-Everything else (CUDA, 16-bit dtypes, autograd) keeps `F.linear`. `SHOAL_ONEDNN_LINEAR=0`
-turns the oneDNN path off (read once, at import).
+CUDA and 16-bit dtypes keep `F.linear`. `SHOAL_ONEDNN_LINEAR=0` turns the oneDNN path off
+(read once, at import).
 """
 from __future__ import annotations
 
@@ -45,9 +49,8 @@ def _(x, weight, bias):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if (ONEDNN and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and weight.requires_grad)):
-        if torch.compiler.is_compiling():
-            return torch.ops.shoal.onednn_linear(x, weight, bias)
-        return _onednn(x, weight, bias)
+    """oneDNN inside torch.compile (compiled decode), MKL everywhere else (module docstring)."""
+    if (ONEDNN and torch.compiler.is_compiling() and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.device.type == "cpu"):
+        return torch.ops.shoal.onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)

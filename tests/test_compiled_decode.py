@@ -76,18 +76,18 @@ def test_two_requests_compile_one_runs_eagerly_and_blocks_come_back(compiled):
     assert llm.engine.blocks.num_free_blocks == OPTIONS["num_kv_blocks"]  # the spare one is outside the pool
 
 
-def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, monkeypatch, caplog):
+def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, caplog):
     """No working C++ compiler: the engine says why once and decodes eagerly."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()  # nothing compiled earlier may be reused
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     path = checkpoint_factory("llama")
+    # The configs' own patch(): monkeypatch's undo left enable_autograd_cache deleted, and
+    # every later compile in the process failed on it.
     try:
-        with caplog.at_level(logging.INFO):
+        with inductor_config.patch({"fx_graph_cache": False, "cpp.cxx": ("/nonexistent/c++",)}), \
+                functorch_config.patch(enable_autograd_cache=False), caplog.at_level(logging.INFO):
             llm = compiled_llm(path)
     finally:
         torch._dynamo.reset()
