@@ -151,8 +151,9 @@ class ModelRunner:
         log.info("CUDA graphs took %.0f MiB", (before - torch.cuda.mem_get_info()[0]) / 2**20)
 
     def _compile_decode(self) -> None:
-        self.graphs = CompiledDecode(self.model, sizes=self.graph_sizes, block_size=self.block_size,
-                                     spare_block=self.num_blocks)
+        # The capture sizes stop at the last multiple of 8: every batch up to --max-num-seqs runs compiled.
+        sizes = [*self.graph_sizes, self.config.max_num_seqs]
+        self.graphs = CompiledDecode(self.model, sizes=sizes, block_size=self.block_size, spare_block=self.num_blocks)
         try:
             self.graphs.compile()
         except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: decode eagerly

@@ -76,6 +76,17 @@ def test_two_requests_compile_one_runs_eagerly_and_blocks_come_back(compiled):
     assert llm.engine.blocks.num_free_blocks == OPTIONS["num_kv_blocks"]  # the spare one is outside the pool
 
 
+def test_rows_pad_to_a_few_bucket_sizes(compiled):
+    """oneDNN keeps a kernel per row count it meets (kernels/linear.py), so the compiled step
+    pads its rows to the capture sizes plus --max-num-seqs (8 here): 2, 4, 8."""
+    _, llm = compiled
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [2, 4, 8]
+    from actors.compiled_decode import CompiledDecode
+    assert CompiledDecode(torch.nn.Identity(), sizes=[1, 2, 4, 8, 10], block_size=4, spare_block=0).sizes \
+        == [2, 4, 8, 10]
+
+
 def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, caplog):
     """No working C++ compiler: the engine says why once and decodes eagerly."""
     import torch._functorch.config as functorch_config
