@@ -1,8 +1,10 @@
-"""Demo-model training yields the cores to test runs (app/demo/yielding.py)."""
+"""Demo-model training: it yields the cores to test runs (app/demo/yielding.py), and its
+tokenizer reads the prompt's fixed text as a few tokens (app/demo/train.py)."""
+import random
 import subprocess
 import sys
 
-from app.demo import yielding
+from app.demo import data, train, yielding
 
 
 def test_this_session_counts_and_a_dead_run_marker_is_dropped():
@@ -13,3 +15,21 @@ def test_this_session_counts_and_a_dead_run_marker_is_dropped():
     stale.touch()
     assert yielding.tests_running()
     assert not stale.exists()
+
+
+def test_the_prompts_fixed_text_is_a_token_a_piece_and_replies_keep_their_pieces():
+    tok = train.build_tokenizer()
+    pieces = [tok.convert_tokens_to_ids(p) for p in train.PROMPT_PIECES]
+    assert len(set(pieces)) == len(pieces) and tok.unk_token_id not in pieces
+    rng = random.Random(0)
+    for thinking in (False, True):
+        s = data.tool_call_sample(rng, thinking)
+        text = train.render_prompt(tok, s)
+        prompt = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(prompt) == text
+        # The preamble and the schema's scaffolding match the template's rendering exactly.
+        assert set(pieces[:7]) | {pieces[-1]} <= set(prompt)
+        assert len(prompt) < 110  # ~300 before the pieces were tokens
+        reply = tok.encode(s["target"], add_special_tokens=False)
+        assert not set(pieces) & set(reply)
+        assert tok.decode(reply) == s["target"]

@@ -471,15 +471,17 @@ def _with_system(rng, messages: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------- mixture
 
 MIXTURE = [  # (weight, maker, share of samples with thinking on)
-    (0.13, lambda r, t: arithmetic_sample(r, "add", t), 0.45),
-    (0.15, lambda r, t: arithmetic_sample(r, "mul21", t), 0.45),
+    # Bare answers (a carry done in one step) are the hard part of small arithmetic and the
+    # cheapest samples (~35 tokens): most additions and 2x1 products are bare.
+    (0.14, lambda r, t: arithmetic_sample(r, "add", t), 0.3),
+    (0.20, lambda r, t: arithmetic_sample(r, "mul21", t), 0.3),
     # Bare 2x2 answers are out of reach for this model: 2x2 is always worked out.
     (0.20, lambda r, t: arithmetic_sample(r, "mul22", t), 1.0),
     (0.22, tool_call_sample, 0.5),
-    (0.11, decline_sample, 0.5),
-    (0.06, tool_result_sample, 0.5),
-    (0.08, no_tool_sample, 0.5),
-    (0.05, plain_sample, 0.5),
+    (0.10, decline_sample, 0.5),
+    (0.05, tool_result_sample, 0.5),
+    (0.05, no_tool_sample, 0.5),
+    (0.04, plain_sample, 0.5),
 ]
 
 
@@ -515,12 +517,19 @@ def eval_set(n: int = 100, seed: int = 20261122) -> dict[str, list[dict]]:
 
 
 def corpus(n: int = 3000, seed: int = 99) -> list[str]:
-    """Text for training the BPE: targets plus the user turns and tool schemas."""
+    """Text for training the BPE: whole chats as the chat template renders them (the tools
+    preamble, role headers and schemas included, so they become a few tokens each instead
+    of ~130 byte-sized ones), each followed by its target."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from app.protocol.chatml import CHAT_TEMPLATE
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         s = sample(rng)
-        out.append(s["target"])
-        out.extend(m["content"] for m in s["messages"] if isinstance(m.get("content"), str))
-        out.extend(json.dumps(t) for t in s["tools"] or [])
+        (prompt,), _ = render_jinja_template([s["messages"]], tools=s["tools"],
+                                             chat_template=CHAT_TEMPLATE,
+                                             add_generation_prompt=True,
+                                             enable_thinking=s["thinking"])
+        out.append(prompt + s["target"])
     return out
