@@ -27,9 +27,18 @@ def test_the_prompts_fixed_text_is_a_token_a_piece_and_replies_keep_their_pieces
         text = train.render_prompt(tok, s)
         prompt = tok.encode(text, add_special_tokens=False)
         assert tok.decode(prompt) == text
-        # The preamble and the schema's scaffolding match the template's rendering exactly.
-        assert set(pieces[:7]) | {pieces[-1]} <= set(prompt)
-        assert len(prompt) < 110  # ~300 before the pieces were tokens
+        # The preamble and the schema's scaffolding match the template's rendering exactly,
+        names = [t["function"]["name"] for t in s["tools"]]
+        assert set(pieces[:7]) | set(pieces[-2:]) <= set(prompt)
+        assert len(prompt) < 120  # ~300 before the pieces were tokens
+        # and a name has the same tokens around it in the schema as in the call.
+        for name in names:
+            in_call = tok.encode(f'"name": "{name}", "arguments"', add_special_tokens=False)
+            assert _contains(prompt, in_call[3:-3])  # ` "` name `",`
         reply = tok.encode(s["target"], add_special_tokens=False)
         assert not set(pieces) & set(reply)
         assert tok.decode(reply) == s["target"]
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))

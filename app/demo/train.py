@@ -29,9 +29,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
 # Fixed text of the prompt that the model reads but never writes: the chat template's tools
 # preamble and the JSON scaffolding of a tool schema (as `tojson` renders the OpenAI
-# layout). As BPE pieces (merges never cross a word) a tool sample's prompt was ~75% of
-# it; as tokens of their own a tool sample trains in about a third of the tokens. Names,
-# keys and values between them keep the same BPE pieces as in the model's tool calls.
+# layout). As BPE pieces (merges never cross a word) they were ~75% of a tool sample's
+# prompt; as tokens of their own a tool sample trains in about a third of the tokens.
+# Every name and key in a schema keeps the BPE tokens around it that it has in a call
+# (` "` name `",`, ` {"` key `":`), so a copy can find it by them: a first cut that
+# swallowed those into the pieces learned tool calls at a third of the pace.
 PROMPT_PIECES = [
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
@@ -39,13 +41,14 @@ PROMPT_PIECES = [
     "arguments within ",
     " XML tags:\n",
     '\n{"name": <function-name>, "arguments": <args-json-object>}\n',
-    '{"type": "function", "function": {"name": "',
-    '", "description": "',
-    '", "parameters": {"type": "object", "properties": {"',
-    '": {"type": "string"}, "',
-    '": {"type": "number"}, "',
-    '": {"type": "string"}}, "required": ["',
-    '": {"type": "number"}}, "required": ["',
+    '{"type": "function", "function": {"name":',
+    ' "description": "',
+    ' "parameters": {"type": "object", "properties":',
+    ' {"type": "string"},',
+    ' {"type": "number"},',
+    ' {"type": "string"}},',
+    ' {"type": "number"}},',
+    ' "required":',
     '"]}}}',
 ]
 BPE_VOCAB = 1024
