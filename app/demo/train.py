@@ -30,7 +30,7 @@ EOS, PAD = "<|im_end|>", "<|endoftext|>"
 # Fixed text of the prompt that the model reads but never writes: the chat template's tools
 # preamble and the JSON scaffolding of a tool schema (as `tojson` renders the OpenAI
 # layout). As BPE pieces (merges never cross a word) they were ~75% of a tool sample's
-# prompt; as tokens of their own a tool sample trains in about a third of the tokens.
+# prompt; as tokens of their own a tool call sample takes ~115 tokens instead of ~320.
 # Every name and key in a schema keeps the BPE tokens around it that it has in a call
 # (` "` name `",`, ` {"` key `":`), so a copy can find it by them: a first cut that
 # swallowed those into the pieces learned tool calls at a third of the pace.
