@@ -34,8 +34,8 @@ bench: install
 	$(PY) tests/bench/bench_engine.py
 
 # The bundled default model (actors/demo_model): synthetic chats, own BPE, 3 hours of
-# training on 2 cores, as the shipped one was: a 105-minute run, then the same run continued
-# to 180 minutes (docs/demo-model.md). Resumable: stop it any time and run it again to
+# training on 2 cores: a 105-minute run, then the same run continued to 180 minutes. This
+# trains the recipe in app/demo; the shipped weights are 05d6304's recipe (docs/demo-model.md). Resumable: stop it any time and run it again to
 # continue (a checkpoint every 4 minutes, build/demo_train/state.pt); it pauses while a test
 # run or demo-eval runs.
 demo-model: install
