@@ -35,9 +35,9 @@ bench: install
 
 # The bundled default model (actors/demo_model): synthetic chats, own BPE, 3 hours of
 # training on 2 cores: a 105-minute run, then the same run continued to 180 minutes. This
-# trains the recipe in app/demo; the shipped weights are 05d6304's recipe (docs/demo-model.md). Resumable: stop it any time and run it again to
-# continue (a checkpoint every 4 minutes, build/demo_train/state.pt); it pauses while a test
-# run or demo-eval runs.
+# trains the recipe in app/demo; the shipped weights are 05d6304's recipe (docs/demo-model.md).
+# Resumable: stop it any time and run it again to continue (a checkpoint every 4 minutes,
+# build/demo_train/state.pt); it pauses while a test run or demo-eval runs.
 demo-model: install
 	$(PY) -m app.demo.train --minutes 105 --out build/demo_train/first_leg
 	$(PY) -m app.demo.train --minutes 180 --out actors/demo_model

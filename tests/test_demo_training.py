@@ -28,11 +28,10 @@ def test_the_prompts_fixed_text_is_a_token_a_piece_and_replies_keep_their_pieces
         prompt = tok.encode(text, add_special_tokens=False)
         assert tok.decode(prompt) == text
         # The preamble and the schema's scaffolding match the template's rendering exactly,
-        names = [t["function"]["name"] for t in s["tools"]]
         assert set(pieces[:7]) | set(pieces[-2:]) <= set(prompt)
         assert len(prompt) < 120  # ~300 before the pieces were tokens
         # and a name has the same tokens around it in the schema as in the call.
-        for name in names:
+        for name in (t["function"]["name"] for t in s["tools"]):
             in_call = tok.encode(f'"name": "{name}", "arguments"', add_special_tokens=False)
             assert _contains(prompt, in_call[3:-3])  # ` "` name `",`
         reply = tok.encode(s["target"], add_special_tokens=False)
