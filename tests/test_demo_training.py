@@ -1,5 +1,6 @@
 """Demo-model training: it yields the cores to test runs (app/demo/yielding.py), and its
 tokenizer reads the prompt's fixed text as a few tokens (app/demo/train.py)."""
+import json
 import random
 import subprocess
 import sys
@@ -31,10 +32,11 @@ def test_the_prompts_fixed_text_is_a_token_a_piece_and_replies_keep_their_pieces
         assert set(pieces[:7]) | set(pieces[-2:]) <= set(prompt)
         assert len(prompt) < 120  # ~300 before the pieces were tokens
         # and a name has the same tokens around it in the schema as in the call.
-        for name in (t["function"]["name"] for t in s["tools"]):
-            in_call = tok.encode(f'"name": "{name}", "arguments"', add_special_tokens=False)
-            assert _contains(prompt, in_call[3:-3])  # ` "` name `",`
         reply = tok.encode(s["target"], add_special_tokens=False)
+        name = json.loads(s["target"].split("<tool_call>")[1].split("</tool_call>")[0])["name"]
+        around = tok.encode(f'{{"name": "{name}",', add_special_tokens=False)
+        assert tok.convert_ids_to_tokens(around[:4]) == ['{"', "name", '":', 'Ġ"']
+        assert _contains(prompt, around) and _contains(reply, around)
         assert not set(pieces) & set(reply)
         assert tok.decode(reply) == s["target"]
 

@@ -32,8 +32,9 @@ EOS, PAD = "<|im_end|>", "<|endoftext|>"
 # layout). As BPE pieces (merges never cross a word) they were ~75% of a tool sample's
 # prompt; as tokens of their own a tool call sample takes ~115 tokens instead of ~320.
 # Every name and key in a schema keeps the BPE tokens around it that it has in a call
-# (` "` name `",`, ` {"` key `":`), so a copy can find it by them: a first cut that
-# swallowed those into the pieces learned tool calls at a third of the pace.
+# (`{"name": "` name `",`, ` {"` key `":`), so a copy can find it by them. Two runs whose
+# pieces swallowed some of those (`{"name": "`, then `{"name":`) copied keys and a name's
+# later pieces but seldom a name's first (docs/demo-model.md).
 PROMPT_PIECES = [
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
@@ -41,7 +42,7 @@ PROMPT_PIECES = [
     "arguments within ",
     " XML tags:\n",
     '\n{"name": <function-name>, "arguments": <args-json-object>}\n',
-    '{"type": "function", "function": {"name":',
+    '{"type": "function", "function": ',
     ' "description": "',
     ' "parameters": {"type": "object", "properties":',
     ' {"type": "string"},',
