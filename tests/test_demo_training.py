@@ -1,11 +1,11 @@
 """Demo-model training: it yields the cores to test runs (app/demo/yielding.py), and its
 tokenizer reads the prompt's fixed text as a few tokens (app/demo/train.py)."""
-import json
 import random
 import subprocess
 import sys
 
 from app.demo import data, train, yielding
+from app.demo.eval import parse_tool_calls
 
 
 def test_this_session_counts_and_a_dead_run_marker_is_dropped():
@@ -33,10 +33,12 @@ def test_the_prompts_fixed_text_is_a_token_a_piece_and_replies_keep_their_pieces
         assert len(prompt) < 120  # ~300 before the pieces were tokens
         # and a name has the same tokens around it in the schema as in the call.
         reply = tok.encode(s["target"], add_special_tokens=False)
-        name = json.loads(s["target"].split("<tool_call>")[1].split("</tool_call>")[0])["name"]
-        around = tok.encode(f'{{"name": "{name}",', add_special_tokens=False)
-        assert tok.convert_ids_to_tokens(around[:4]) == ['{"', "name", '":', 'Ġ"']
-        assert _contains(prompt, around) and _contains(reply, around)
+        [called] = parse_tool_calls(s["target"])[1]
+        for name in (t["function"]["name"] for t in s["tools"]):
+            around = tok.encode(f'{{"name": "{name}",', add_special_tokens=False)
+            assert tok.convert_ids_to_tokens(around[:4]) == ['{"', "name", '":', 'Ġ"']
+            assert _contains(prompt, around)
+            assert _contains(reply, around) == (name == called["name"])
         assert not set(pieces) & set(reply)
         assert tok.decode(reply) == s["target"]
 
