@@ -33,14 +33,12 @@ chromium:
 bench: install
 	$(PY) tests/bench/bench_engine.py
 
-# The bundled default model (actors/demo_model): synthetic chats, own BPE, 3 hours of
-# training on 2 cores: a 105-minute run, then the same run continued to 180 minutes. This
-# trains the recipe in app/demo; the shipped weights are 05d6304's recipe (docs/demo-model.md).
-# Resumable: stop it any time and run it again to continue (a checkpoint every 4 minutes,
-# build/demo_train/state.pt); it pauses while a test run or demo-eval runs.
+# The bundled default model (actors/demo_model): synthetic chats, own BPE, 105 minutes of
+# training on 2 cores, the recipe in app/demo (docs/demo-model.md). Resumable: stop it any
+# time and run it again to continue (a checkpoint every 4 minutes, build/demo_train/state.pt);
+# it pauses while a test run or demo-eval runs.
 demo-model: install
-	$(PY) -m app.demo.train --minutes 105 --out build/demo_train/first_leg
-	$(PY) -m app.demo.train --minutes 180 --out actors/demo_model
+	$(PY) -m app.demo.train --minutes 105 --out actors/demo_model
 
 # Held-out exact-match rates of the bundled model through `shoal serve` (docs/demo-model.md).
 demo-eval: install

@@ -94,23 +94,23 @@ def test_chat_template_renders_tools_results_and_thinking(llm):
     assert plain.endswith("<|im_start|>assistant\n")
 
 
-# The eval (docs/demo-model.md) shows what the model does reliably: the formats, and
-# addition and 2-digit x 1-digit multiplication when it thinks (95% and 99% on held-out
-# problems); not yet the bare answers, 2x2 products, unseen tool names or declining a
-# request no offered tool covers (58% and 82%). Check only that.
+# The eval (docs/demo-model.md) shows what the model does reliably: the formats, all five
+# arithmetic rows (95-100% on held-out problems) and declining what no offered tool covers
+# (99%); not yet tool calls with unseen names (18%: the arguments are right in 60%).
 
-@pytest.mark.parametrize("kind", ["add_think", "mul21_think"])
-def test_thinking_arithmetic_is_right_on_held_out_problems(llm, kind):
+@pytest.mark.parametrize("kind", ["add", "add_think", "mul21", "mul21_think", "mul22_think"])
+def test_arithmetic_is_right_on_held_out_problems(llm, kind):
     from app.demo.data import eval_set
     from app.demo.eval import answer_number
+    from app.demo.train import render_prompt
 
     problems = eval_set(20, seed=5)[kind]
-    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
-        p["messages"], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
-        for p in problems]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=120))
+    prompts = [llm.tokenizer.encode(render_prompt(llm.tokenizer, p), add_special_tokens=False)
+               for p in problems]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=240))
     right = sum(answer_number(o.outputs[0].text) == p["expect"] for o, p in zip(outs, problems))
-    assert right >= 16, f"{right}/20"  # the eval measured 95 and 99/100
+    assert right >= 16, f"{right}/20"  # 18-20/20 here; the eval measured 95-100/100
+
 
 def test_arithmetic_reply_has_the_trained_shape(llm):
     """A think block with one step per line, then the problem restated with `=`;
@@ -128,12 +128,30 @@ def test_emits_a_tool_call_with_the_arguments_from_the_request(llm):
                thinking=False)
     body = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", out.strip(), re.S)
     assert body, out
-    call = json.loads(body.group(1))
-    # The eval shows the value copied reliably, the exact key and function name not yet.
-    assert "Paris" in call["arguments"].values()
+    # A familiar name; the eval's unseen invented names are copied right far less often.
+    assert json.loads(body.group(1)) == {"name": "get_weather", "arguments": {"city": "Paris"}}
 
 
 def test_greeting_gets_a_plain_reply(llm):
     out = chat(llm, [{"role": "user", "content": "Hello!"}], [WEATHER], thinking=False)
     assert "<tool_call>" not in out
     assert out.strip() == "Hello! How can I help you today?"
+
+
+def test_declines_a_request_no_offered_tool_covers(llm):
+    """The eval's uncovered requests (same requests as tool calls, the covering tool left
+    out) get a plain reply, no call: 99% there."""
+    import random
+
+    from app.demo.data import decline_sample
+    from app.demo.eval import parse_tool_calls
+    from app.demo.train import render_prompt
+
+    rng = random.Random(5)
+    samples = [decline_sample(rng, rng.random() < 0.5, heldout=True) for _ in range(20)]
+    prompts = [llm.tokenizer.encode(render_prompt(llm.tokenizer, s), add_special_tokens=False)
+               for s in samples]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60,
+                                                skip_special_tokens=False))
+    called = [o.outputs[0].text for o in outs if parse_tool_calls(o.outputs[0].text)[1]]
+    assert len(called) <= 2, called
