@@ -93,11 +93,7 @@ def test_chat_template_tools(llama_ckpt):
     text = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False,
                                    add_generation_prompt=True, enable_thinking=False)
     assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
-    # each tool one JSON line, its description before its name
-    schema = text.split("<tools>\n")[1].split("\n</tools>")[0]
-    assert json.loads(schema) == TOOLS[0]
-    assert schema.startswith('{"type": "function", "function": {"description": "Weather for a '
-                             'city", "name": "get_weather", "parameters": ')
+    assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in text
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
             '"arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>\n') in text

@@ -476,8 +476,8 @@ MIXTURE = [  # (weight, maker, share of samples with thinking on)
     (0.14, lambda r, t: arithmetic_sample(r, "add", t), 0.3),
     (0.20, lambda r, t: arithmetic_sample(r, "mul21", t), 0.3),
     # Bare 2x2 answers are out of reach for this model: 2x2 is always worked out.
-    (0.18, lambda r, t: arithmetic_sample(r, "mul22", t), 1.0),
-    (0.24, tool_call_sample, 0.5),
+    (0.20, lambda r, t: arithmetic_sample(r, "mul22", t), 1.0),
+    (0.22, tool_call_sample, 0.5),
     (0.10, decline_sample, 0.5),
     (0.05, tool_result_sample, 0.5),
     (0.05, no_tool_sample, 0.5),

@@ -32,10 +32,9 @@ EOS, PAD = "<|im_end|>", "<|endoftext|>"
 # layout). As BPE pieces (merges never cross a word) they were ~75% of a tool sample's
 # prompt; as tokens of their own a tool call sample takes ~115 tokens instead of ~320.
 # Every name and key in a schema keeps the BPE tokens around it that it has in a call
-# (`name": "` name `",`, ` {"` key `":`), so a copy can find it by them. Two runs whose
+# (`{"name": "` name `",`, ` {"` key `":`), so a copy can find it by them. Two runs whose
 # pieces swallowed some of those (`{"name": "`, then `{"name":`) copied keys and a name's
-# later pieces but seldom a name's first; so did a run with them kept, where a name came
-# before its description (docs/demo-model.md). The template now puts the description first.
+# later pieces but seldom a name's first (docs/demo-model.md).
 PROMPT_PIECES = [
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
@@ -43,7 +42,8 @@ PROMPT_PIECES = [
     "arguments within ",
     " XML tags:\n",
     '\n{"name": <function-name>, "arguments": <args-json-object>}\n',
-    '{"type": "function", "function": {"description": "',
+    '{"type": "function", "function": ',
+    ' "description": "',
     ' "parameters": {"type": "object", "properties":',
     ' {"type": "string"},',
     ' {"type": "number"},',
@@ -66,17 +66,12 @@ MAX_LEN = 512  # longest rendered sample (3 tool schemas + a tool turn) is ~350 
 
 def build_tokenizer():
     """Byte-level BPE (any UTF-8 round-trips) with every digit its own token, so numbers
-    are spelled digit by digit and arithmetic is learnable, and a space before a word its
-    own token: `Paris` is then the same tokens in `Weather in Paris?` as in the call's
-    `"Paris"`, so an argument value can be copied token for token (with ` Paris` one
-    token in the request and `Paris` another in the call, a copy had to translate each
-    value's first token)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    are spelled digit by digit and arithmetic is learnable."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r" (?=\p{L})"), behavior="isolated"),
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()

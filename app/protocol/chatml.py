@@ -1,7 +1,6 @@
 """A ChatML chat template (Qwen style) for the models this repository builds.
 
-System prompt; `tools` rendered as JSON lines inside <tools></tools> in the system turn
-(a function's description before its name);
+System prompt; `tools` rendered as JSON lines inside <tools></tools> in the system turn;
 assistant tool calls as JSON inside <tool_call></tool_call>; tool results as a user turn of
 <tool_response> blocks; `enable_thinking=false` pre-fills an empty think block. Used by the
 demo model (app/demo/train.py) and the tests' tiny checkpoints (tests/checkpoints.py).
@@ -27,19 +26,7 @@ CHAT_TEMPLATE = r"""
     {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
     {%- for tool in tools %}
         {{- "\n" }}
-        {%- set fn = tool.function if tool.function is defined else none %}
-        {%- if fn is mapping and fn.description is defined and fn.name is defined %}
-            {#- A function's description before its name: read left to right, a name's
-                tokens then already know what the tool does, which a call that must
-                copy the right name can look up in one step. #}
-            {{- '{"type": "function", "function": {"description": ' + fn.description | tojson + ', "name": ' + fn.name | tojson }}
-            {%- for key, value in fn.items() if key != 'description' and key != 'name' %}
-                {{- ', ' + key | tojson + ': ' + value | tojson }}
-            {%- endfor %}
-            {{- '}}' }}
-        {%- else %}
-            {{- tool | tojson }}
-        {%- endif %}
+        {{- tool | tojson }}
     {%- endfor %}
     {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
 {%- elif messages and messages[0].role == 'system' %}
