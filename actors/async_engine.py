@@ -22,7 +22,7 @@ import torch
 from actors.config import EngineConfig
 from actors.engine import LLMEngine
 from actors.errors import EngineDeadError, QueueFullError, ShuttingDownError
-from actors.placement import use_threads
+from actors.placement import build_on_own_thread, use_threads
 from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.engine")
@@ -33,7 +33,8 @@ RANK_ANSWER_TIMEOUT_S = 10.0
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, placement: tuple | None = None):
-        self.engine = LLMEngine(config, placement)
+        # Built on a thread that then ends, so the loop thread is the one that keeps OpenMP workers.
+        self.engine = build_on_own_thread(lambda: LLMEngine(config, placement), torch.get_num_threads())
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -20,7 +20,8 @@ import torch
 from actors.config import EngineConfig
 from actors.model_spec import ModelSpec
 from actors.parallel import init_distributed
-from actors.placement import check_fits, default_strategy, rank_bundle, rank_runtime_env, use_threads
+from actors.placement import (build_on_own_thread, check_fits, default_strategy, rank_bundle,
+                              rank_runtime_env, use_threads)
 from actors.progress import progress_bar
 
 log = logging.getLogger("shoal.shards")
@@ -34,8 +35,8 @@ class ShardActor:
         from actors.model_runner import ModelRunner
         start = time.perf_counter()
         self.threads = max(1, int(config.shard_cpus))
-        torch.set_num_threads(self.threads)
-        self.runner = ModelRunner(config, spec, rank, num_blocks)
+        # Built on a thread that then ends, so `run`'s thread is the one that keeps OpenMP workers.
+        self.runner = build_on_own_thread(lambda: ModelRunner(config, spec, rank, num_blocks), self.threads)
         self.info = {**rank_info(rank, self.runner.device),
                      "load_seconds": round(time.perf_counter() - start, 2),
                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -1,8 +1,12 @@
 """The placement check that fails an impossible layout at once (no Ray needed: nodes given)."""
+import threading
+
 import pytest
+import torch
 
 from actors.config import EngineConfig
-from actors.placement import PlacementError, check_fits, gpus_per_rank, rank_bundle
+from actors.placement import (PlacementError, build_on_own_thread, check_fits, gpus_per_rank, rank_bundle,
+                              rank_runtime_env)
 from app.config import load_config, replica_count
 
 NODE = {"CPU": 2, "GPU": 2}
@@ -39,3 +43,25 @@ def test_gpus_per_rank():
 def test_tp_size_alone_is_one_replica():
     assert replica_count(load_config({"tp_size": 2}, environ={})) == 1
     assert replica_count(load_config({"tp_size": 2, "world_size": 4}, environ={})) == 2
+
+
+def test_ranks_spin_briefly_at_openmp_barriers_unless_told_otherwise(monkeypatch):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert rank_runtime_env() == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")  # e.g. cores shared with another busy job
+    assert rank_runtime_env()["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+
+
+def test_build_on_own_thread():
+    """The engine is built on a thread that ends (its OpenMP pool with it), with the torch
+    threads asked for; what the build raises is raised to the caller."""
+    here, n = threading.get_ident(), torch.get_num_threads()  # (n: MKL's count is process-wide)
+    ident, threads = build_on_own_thread(lambda: (threading.get_ident(), torch.get_num_threads()), n)
+    assert ident != here and threads == n
+    assert not [t for t in threading.enumerate() if t.name == "shoal-build"]
+
+    def broken():
+        raise ValueError("no such checkpoint")
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        build_on_own_thread(broken, 1)

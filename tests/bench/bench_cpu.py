@@ -152,7 +152,9 @@ def decode_step(args) -> None:
 def threads(args) -> None:
     settings = [("1 thread", 1, {}), ("2 threads, libgomp default (spin)", 2, {}),
                 ("2 threads, GOMP_SPINCOUNT=10000", 2, {"GOMP_SPINCOUNT": "10000"}),
-                ("2 threads, OMP_WAIT_POLICY=PASSIVE", 2, {"OMP_WAIT_POLICY": "PASSIVE"})]
+                ("2 threads, OMP_WAIT_POLICY=PASSIVE", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
+                ("2 threads, PASSIVE + GOMP_SPINCOUNT=10000 (shoal's default)", 2,
+                 {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"})]
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     print("| setting | median decode step, batch 32 (per pass) | load average at the start |")
     print("| --- | --- | --- |")

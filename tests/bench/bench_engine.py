@@ -10,7 +10,9 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `shoal` sets it (actors/placement.py)
+from actors.placement import openmp_env  # noqa: E402
+
+os.environ.update(openmp_env())  # as `shoal` sets it (actors/placement.py), before torch loads
 
 import torch  # noqa: E402
 

@@ -23,7 +23,9 @@ import uuid
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from actors.placement import openmp_env  # noqa: E402
+
+os.environ.update(openmp_env())  # as `shoal` sets it (actors/placement.py), before torch loads
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
