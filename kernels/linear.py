@@ -21,6 +21,7 @@ CUDA and 16-bit dtypes keep `F.linear`. `SHOAL_ONEDNN_LINEAR=0` turns the oneDNN
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,36 @@ ONEDNN = torch.backends.mkldnn.is_available() and \
 
 
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else None
+# bfloat16 only where oneDNN has bf16 matmuls (elsewhere actors/model_spec.py computes in float32).
+_DTYPES = (torch.float32,) + ((torch.bfloat16,) if ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
+
+
+# oneDNN wants its weights in a blocked layout (for AMX, bf16 pairs interleaved) and, given a
+# plain one, reorders the whole matrix on every call. Compiled decode packs them once:
+# weight.data_ptr() -> (the weight's version when packed, the packed copy). An entry goes when
+# its weight is freed, so a later tensor at the same address never meets it.
+_PACKED: dict[int, tuple[int, torch.Tensor]] = {}
+
+
+def prepack(weights: list[torch.Tensor], rows: int) -> int:
+    """Keep a oneDNN-blocked copy of each CPU weight that compiled decode multiplies (float32,
+    or bfloat16 where the CPU has bf16 matmuls), laid out for `rows` input rows (it serves
+    every row count). Returns the bytes the copies take: the weights' size again."""
+    if not ONEDNN:
+        return 0
+    kept = 0
+    for w in {w.data_ptr(): w for w in weights}.values():
+        if w.device.type == "cpu" and w.dtype in _DTYPES and w.dim() == 2 and w.data_ptr() not in _PACKED:
+            _PACKED[w.data_ptr()] = (w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
+            weakref.finalize(w, _PACKED.pop, w.data_ptr(), None)
+            kept += w.numel() * w.element_size()
+    return kept
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    version, packed = _PACKED.get(weight.data_ptr(), (None, None))
+    if packed is not None and version == weight._version:  # not changed in place since packed
+        weight = packed
     return _LINEAR(x, weight, bias, "none", [], "")
 
 
@@ -50,7 +78,7 @@ def _(x, weight, bias):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN inside torch.compile (compiled decode), MKL everywhere else (module docstring)."""
-    if (ONEDNN and torch.compiler.is_compiling() and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.device.type == "cpu"):
+    if (ONEDNN and torch.compiler.is_compiling() and x.dtype in _DTYPES
+            and weight.dtype == x.dtype and x.device.type == "cpu"):
         return torch.ops.shoal.onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -62,3 +62,26 @@ def test_off_switch(monkeypatch):
     x = torch.randn(4, 8)
     assert torch.equal(compiled(x), F.linear(x, w))
     torch._dynamo.reset()
+
+
+PACKED_DTYPES = [torch.float32] + ([torch.bfloat16] if torch.bfloat16 in linear_mod._DTYPES else [])
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_prepacked_weights_serve_the_op_until_the_weight_changes_or_goes(dtype):
+    """Compiled decode packs its weights once (oneDNN's blocked layout). The op then reads the
+    packed copy; an in-place change to the weight (a new version) sends it back to the weight
+    itself, and the entry goes with the weight."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(200, 96, generator=g).to(dtype), torch.randn(8, 96, generator=g).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    before = F.linear(x, w)
+    assert linear_mod.prepack([w, w], 32) == w.numel() * w.element_size()  # each weight once
+    torch.testing.assert_close(torch.ops.shoal.onednn_linear(x, w, None), before, **tol)
+    w.data.mul_(2)  # .data: the same memory without a new version, so the packed copy is read
+    torch.testing.assert_close(torch.ops.shoal.onednn_linear(x, w, None), before, **tol)
+    w.mul_(2)  # a new version: the weight itself is read (4x what was packed)
+    torch.testing.assert_close(torch.ops.shoal.onednn_linear(x, w, None), F.linear(x, w), **tol)
+    key = w.data_ptr()
+    del w
+    assert key not in linear_mod._PACKED
