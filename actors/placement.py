@@ -41,7 +41,7 @@ def rank_bundle(config: EngineConfig) -> dict:
     return {"CPU": config.shard_cpus, **({"GPU": gpus} if gpus else {})}
 
 
-# How a rank's OpenMP threads wait at a barrier: spin ~10,000 rounds (well under a millisecond),
+# How a rank's OpenMP threads wait at a barrier: spin ~10,000 rounds (about half a millisecond),
 # then sleep. libgomp's default spins 300,000 rounds: when anything else runs on the cores (Ray's
 # proxy and replicas, another job) a spinning thread waits for a descheduled partner, and a
 # 2-thread decode step took 10-20x longer. Sleeping at once (PASSIVE alone) wakes a thread for
