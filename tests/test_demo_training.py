@@ -45,3 +45,37 @@ def test_the_prompts_fixed_text_is_a_token_a_piece_and_replies_keep_their_pieces
 
 def _contains(ids: list[int], part: list[int]) -> bool:
     return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_training_runs_its_stages_resumes_and_tunes_a_base(tmp_path, monkeypatch, capsys):
+    import torch
+    monkeypatch.setattr(train, "tests_running", lambda: False)  # this test is the test run
+    tiny = ["--eval-n", "0", "--tokens-per-batch", "256", "--threads", "1", "--save-minutes", "0"]
+    out, state = tmp_path / "model", tmp_path / "train" / "state.pt"
+    train.main(["--steps", "2", "--copy-steps", "1", "--mix-steps", "1", "--out", str(out),
+                "--state", str(state), *tiny])
+    assert (out / "model.safetensors").exists() and (tmp_path / "train" / "base").is_dir()
+    saved = torch.load(state, weights_only=False)
+    assert (saved["stage"], saved["stage_step"], saved["step"]) == ("mix", 1, 4)
+    # A longer mixed stage continues the same run where it stopped.
+    train.main(["--steps", "2", "--copy-steps", "1", "--mix-steps", "2", "--out", str(out),
+                "--state", str(state), *tiny])
+    assert "resumed at step 4 (mix stage)" in capsys.readouterr().out
+    assert torch.load(state, weights_only=False)["step"] == 5
+    # Tuning a finished model: the copy and mixed stages only, from its weights.
+    tuned_state = tmp_path / "tune" / "state.pt"
+    train.main(["--base", str(out), "--copy-steps", "1", "--mix-steps", "1",
+                "--out", str(tmp_path / "tuned"), "--state", str(tuned_state), *tiny])
+    saved = torch.load(tuned_state, weights_only=False)
+    assert (saved["stage"], saved["step"]) == ("mix", 2)
+
+
+def test_copy_samples_only_copy_and_the_tuning_mixture_adds_up():
+    rng = random.Random(0)
+    for _ in range(50):
+        s = data.copy_sample(rng, False)
+        assert s["target"] == s["expect"] and s["messages"][-1]["content"].endswith("\n" + s["expect"])
+    for mixture, share in ((data.COPY_MIXTURE, 0.5), (data.TUNE_MIXTURE, 0.1)):
+        assert abs(sum(w for w, _, _ in mixture) - 1.0) < 1e-9
+        kinds = [data.sample(rng, mixture)["kind"] for _ in range(2000)]
+        assert abs(kinds.count("copy") / len(kinds) - share) < 0.03

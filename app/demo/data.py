@@ -462,6 +462,26 @@ def plain_sample(rng, thinking: bool) -> dict:
                 thinking=thinking, target=target, kind="plain", expect=PLAIN[user])
 
 
+COPY_ASKS = ["Repeat this line:\n{}", "Repeat after me:\n{}", "Copy this exactly:\n{}",
+             "Say this back:\n{}", "Echo this:\n{}"]
+
+
+def copy_sample(rng, thinking: bool) -> dict:
+    """Repeat a line of made-up names and words. Every reply token can only be copied, which
+    is what a tool call needs for an unseen name (train.py's tuning stages)."""
+    words = []
+    for _ in range(rng.randint(2, 5)):
+        word = tool_name(rng, rng.choice(list(DOMAINS))) if rng.random() < 0.7 \
+            else made_up_word(rng, capital=rng.random() < 0.5)
+        while word in EVAL_ONLY_NAMES.values():
+            word = tool_name(rng, rng.choice(list(DOMAINS)))
+        words.append(word)
+    line = " ".join(words)
+    return dict(messages=[{"role": "user", "content": rng.choice(COPY_ASKS).format(line)}],
+                tools=[], thinking=thinking, target=(THINK_EMPTY if thinking else "") + line,
+                kind="copy", expect=line)
+
+
 def _with_system(rng, messages: list[dict]) -> list[dict]:
     if rng.random() < 0.3:
         return [{"role": "system", "content": rng.choice(SYSTEMS)}] + messages
@@ -485,21 +505,31 @@ MIXTURE = [  # (weight, maker, share of samples with thinking on)
 ]
 
 
-def sample(rng: random.Random) -> dict:
-    """One training sample, drawn by MIXTURE weight."""
+# The tuning stages (train.py): MIXTURE with copying at half the samples, then at a tenth.
+def with_copying(share: float) -> list:
+    return [(w * (1 - share), make, t) for w, make, t in MIXTURE[:-1]] + \
+        [(share, copy_sample, 0.3), (MIXTURE[-1][0] * (1 - share),) + MIXTURE[-1][1:]]
+
+
+COPY_MIXTURE = with_copying(0.5)
+TUNE_MIXTURE = with_copying(0.1)
+
+
+def sample(rng: random.Random, mixture: list = MIXTURE) -> dict:
+    """One training sample, drawn by mixture weight (the last entry takes the remainder)."""
     x = rng.random()
-    for weight, make, thinking in MIXTURE[:-1]:
+    for weight, make, thinking in mixture[:-1]:
         if x < weight:
             return make(rng, rng.random() < thinking)
         x -= weight
-    _, make, thinking = MIXTURE[-1]
+    _, make, thinking = mixture[-1]
     return make(rng, rng.random() < thinking)
 
 
-def stream(seed: int):
+def stream(seed: int, mixture: list = MIXTURE):
     rng = random.Random(seed)
     while True:
-        yield sample(rng)
+        yield sample(rng, mixture)
 
 
 def eval_set(n: int = 100, seed: int = 20261122) -> dict[str, list[dict]]:

@@ -1,7 +1,8 @@
 """Train the bundled demo model: `python -m app.demo.train --out actors/demo_model`.
 
 A BPE tokenizer (digits one per token) and a few-million-parameter Qwen3 decoder trained on
-the synthetic chats of app/demo/data.py, loss on assistant tokens only. Fixed seeds. Every
+the synthetic chats of app/demo/data.py, loss on assistant tokens only: a base run, then two
+tuning stages that teach copying (`Run`; `--base` tunes a finished model). Fixed seeds. Every
 `--save-minutes` the training state and a loadable checkpoint go to the --state folder, so a
 run stopped at any point loses a few minutes at most: the next run continues from there
 (`--fresh` starts over). Only a finished run writes --out. A run pauses while a test run is
@@ -124,10 +125,10 @@ def encode(tok, sample: dict) -> tuple[list[int], list[int]]:
 
 # --------------------------------------------------------------------------- batches
 
-def batches(tok, seed: int, tokens_per_batch: int, pool: int = 256):
+def batches(tok, seed: int, tokens_per_batch: int, pool: int = 256, mixture: list = data.MIXTURE):
     """Length-grouped padded batches of about `tokens_per_batch` tokens (padding waste
     stays small because a pool of samples is sorted by length before it is cut)."""
-    it = data.stream(seed)
+    it = data.stream(seed, mixture)
     rng = random.Random(seed + 1)
     pad = tok.convert_tokens_to_ids(PAD)
     while True:
@@ -200,6 +201,11 @@ def quick_eval(model, tok, n: int = 12) -> dict[str, float]:
             else:
                 ok += answer_number(o) == s["expect"]
         res[kind] = ok / n
+    # Copying a line of unseen names, what a tool call needs for an unseen tool's name.
+    rng = random.Random(7)
+    samples = [data.copy_sample(rng, False) for _ in range(n)]
+    outs = greedy(model, tok, [render_prompt(tok, s) for s in samples], 60)
+    res["copy"] = sum(o.split(EOS)[0] == s["expect"] for s, o in zip(samples, outs)) / n
     model.train()
     return res
 
@@ -220,6 +226,7 @@ def save(model, tok, out: Path, dtype: torch.dtype) -> None:
         state.pop("lm_head.weight", None)  # the same tensor as the embedding; loaders tie it
     model.save_pretrained(out, state_dict=state)
     tok.padding_side = "right"
+    tok.backend_tokenizer.no_padding()  # a quick check's batched greedy turned it on
     tok.save_pretrained(out)
 
 
@@ -235,23 +242,172 @@ def fingerprint(args) -> str:
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
+def tune_fingerprint(args) -> str:
+    """What a saved state of the tuning stages must match, besides the base run's fingerprint
+    (not the step budgets: a longer stage continues the run)."""
+    import hashlib
+    import itertools
+    samples = list(itertools.islice(data.stream(SEED, data.TUNE_MIXTURE), 300))
+    key = json.dumps([samples, args.tune_lr, args.base], sort_keys=True)
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def optimizer(model, lr: float):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.98), eps=1e-8)
+
+
+class Run:
+    """A training run across its stages: the model, its optimizer and where it stands.
+
+    Stages: "base" (data.MIXTURE, the step or wall-time budget, cosine LR), then tuning with a
+    fresh optimizer: "copy" (half the samples copying, --copy-steps, LR warm-up to --tune-lr)
+    and "mix" (a tenth copying, --mix-steps, cosine to 10%). A base run alone guesses the
+    tokens of an unseen tool name rather than copying them (docs/demo-model.md); a stage
+    heavy in copying forms the heads that copy, and the other half keeps the other tasks.
+    """
+
+    def __init__(self, args, tok, model):
+        self.args, self.tok, self.model = args, tok, model
+        self.opt = optimizer(model, args.lr)
+        self.stage, self.step, self.stage_step, self.seen = "base", 0, 0, 0
+        self.start = time.time()  # moved on by pauses, so time.time() - start is training time
+        self.state_path = Path(args.state)
+        self.work = self.state_path.parent / "model"  # the latest checkpoint, loadable meanwhile
+        self.ids = {"run": fingerprint(args), "tune": tune_fingerprint(args)}
+
+    def resume(self) -> None:
+        """Continue the saved run, if it is this one (same model, data, optimizer settings)."""
+        if self.args.fresh or not self.state_path.exists():
+            return
+        st = torch.load(self.state_path, weights_only=False)
+        if self.args.base and st.get("stage", "base") == "base":
+            return  # a base run's state: tuning --base starts from that checkpoint instead
+        if st.get("run") != self.ids["run"] or (st.get("stage", "base") != "base"
+                                                and st.get("tune") != self.ids["tune"]):
+            print(f"{self.state_path} is from another run (model, data or optimizer changed): "
+                  "starting over", flush=True)
+            return
+        self.stage, self.stage_step = st.get("stage", "base"), st.get("stage_step", st["step"])
+        if self.stage != "base":
+            self.opt = optimizer(self.model, self.args.tune_lr)
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["opt"])
+        self.step, self.seen = st["step"], st["seen"]
+        self.start = time.time() - st["elapsed"]
+        print(f"resumed at step {self.step} ({self.stage} stage), "
+              f"{st['elapsed'] / 60:.1f} min in", flush=True)
+
+    def checkpoint(self, folder: Path) -> None:
+        save(self.model, self.tok, folder, getattr(torch, self.args.save_dtype))
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "step": self.step, "stage": self.stage, "stage_step": self.stage_step,
+                    "elapsed": time.time() - self.start, "seen": self.seen, **self.ids},
+                   self.state_path)
+
+    def next_stage(self, stage: str) -> None:
+        """Tuning starts with a fresh optimizer (the base run's moments are for its LR)."""
+        self.stage, self.stage_step = stage, 0
+        if stage == "copy":
+            self.opt = optimizer(self.model, self.args.tune_lr)
+
+    def lr(self) -> float | None:
+        """This step's LR, or None when the stage is over."""
+        a = self.args
+        if self.stage == "base":
+            progress = max(self.step / a.steps, (time.time() - self.start) / (a.minutes * 60))
+            return None if progress >= 1.0 else lr_at(self.step, progress, a.lr, a.warmup)
+        if self.stage == "copy":
+            return None if self.stage_step >= a.copy_steps else \
+                a.tune_lr * min(1.0, (self.stage_step + 1) / a.warmup)
+        return None if self.stage_step >= a.mix_steps else \
+            lr_at(a.warmup, self.stage_step / a.mix_steps, a.tune_lr, a.warmup)
+
+    def train_stage(self) -> None:
+        from tqdm import tqdm
+        a = self.args
+        mixture = {"base": data.MIXTURE, "copy": data.COPY_MIXTURE, "mix": data.TUNE_MIXTURE}[self.stage]
+        total = {"base": a.steps, "copy": a.copy_steps, "mix": a.mix_steps}[self.stage]
+        # The data stream is keyed by the step it resumes from, so a resumed run sees new samples.
+        stream = batches(self.tok, SEED + self.step, a.tokens_per_batch, mixture=mixture)
+        last_save = last_eval = time.time()
+        bar = tqdm(total=total, initial=self.stage_step, dynamic_ncols=True, mininterval=5,
+                   desc=self.stage)
+        ema = None
+        while True:
+            if tests_running():
+                self.checkpoint(self.work)
+                bar.write(f"step {self.step}: a test run started; paused (checkpoint saved)")
+                paused = time.time()
+                while tests_running():
+                    time.sleep(5)
+                # The pause is not training time: the budget and the timers skip it.
+                idle = time.time() - paused
+                self.start, last_save, last_eval = self.start + idle, last_save + idle, last_eval + idle
+                bar.write(f"step {self.step}: resumed after {idle / 60:.1f} min")
+            ids, labels, mask = next(stream)
+            lr = self.lr()
+            if lr is None:
+                break
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
+                loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.step, self.stage_step = self.step + 1, self.stage_step + 1
+            self.seen += int(mask.sum())
+            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+            elapsed = time.time() - self.start
+            bar.update(1)
+            bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}", tok_s=f"{self.seen / elapsed:.0f}")
+            if time.time() - last_save > a.save_minutes * 60:
+                self.checkpoint(self.work)
+                last_save = time.time()
+            if time.time() - last_eval > a.eval_minutes * 60:
+                bar.write(f"step {self.step} loss {ema:.3f} {elapsed / 60:.1f} min  eval "
+                          + self.quick_check())
+                last_eval = time.time()
+        bar.close()
+        print(f"{self.stage} stage done at step {self.step}: {self.quick_check()}", flush=True)
+
+    def quick_check(self) -> str:
+        if not self.args.eval_n:
+            return "-"
+        figs = quick_eval(self.model, self.tok, self.args.eval_n)
+        return " ".join(f"{k} {v:.0%}" for k, v in figs.items())
+
+
 def main(argv=None) -> None:
-    from tqdm import tqdm
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="actors/demo_model")
     p.add_argument("--state", default="build/demo_train/state.pt", help="resumable training state")
-    p.add_argument("--steps", type=int, default=100_000, help="step budget")
+    p.add_argument("--steps", type=int, default=100_000, help="step budget of the base stage")
     p.add_argument("--minutes", type=float, default=105.0,
-                   help="wall-time budget: the LR schedule follows whichever budget is "
-                        "further along, so a slow (shared) machine still anneals and stops")
+                   help="wall-time budget of the base stage: its LR schedule follows whichever "
+                        "budget is further along, so a slow (shared) machine still anneals and stops")
     p.add_argument("--tokens-per-batch", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--copy-steps", type=int, default=1200,
+                   help="tuning: steps of the mixture with half the samples copying")
+    p.add_argument("--mix-steps", type=int, default=1500,
+                   help="tuning: steps of the mixture with copying (data.TUNE_MIXTURE)")
+    p.add_argument("--tune-lr", type=float, default=1e-3)
+    p.add_argument("--base", default=None,
+                   help="tune this checkpoint instead of training a base model first")
     p.add_argument("--save-minutes", type=float, default=4.0)
     p.add_argument("--eval-minutes", type=float, default=10.0)
+    p.add_argument("--eval-n", type=int, default=12, help="problems per quick check (0: none)")
     # Two threads on an idle 2-core machine: 1.30x one (bf16; tests/bench/bench_demo_train.py).
     # On shared, busy cores use 1: a second OpenMP thread then mostly spin-waits for a
     # descheduled partner (measured 10x slower wall time than one thread under load).
@@ -259,7 +415,7 @@ def main(argv=None) -> None:
     p.add_argument("--fp32", action="store_true",
                    help="train in float32 even where the CPU has bf16 matmuls (bf16 autocast "
                         "is ~1.5x faster with AMX, and ~20x slower without native bf16)")
-    # float32 keeps the trained weights exact and is still only ~8 MB (limit 20 MB).
+    # float32 keeps the trained weights exact and is still only ~15 MB (limit 20 MB).
     p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--fresh", action="store_true",
                    help="start over instead of continuing from --state")
@@ -274,87 +430,26 @@ def main(argv=None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer {len(tok)} ids; model {n_params / 1e6:.2f}M parameters; "
           f"{'bf16 autocast' if args.bf16 else 'float32'}", flush=True)
-
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-    step, state_path, out, st = 0, Path(args.state), Path(args.out), {}
-    work = state_path.parent / "model"  # the latest checkpoint, loadable while the run goes on
-    # A saved state continues only the run it came from: same model, data and budgets.
-    run_id = fingerprint(args)
-    if not args.fresh and state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        if st.get("run") != run_id:
-            print(f"{state_path} is from another run (model, data or optimizer changed): "
-                  "starting over", flush=True)
-            st = {}
-        else:
-            model.load_state_dict(st["model"])
-            opt.load_state_dict(st["opt"])
-            step = st["step"]
-            print(f"resumed at step {step}, {st['elapsed'] / 60:.1f} min in", flush=True)
-    # The data stream is keyed by the step it resumes from, so a resumed run sees new samples.
-    stream = batches(tok, SEED + step, args.tokens_per_batch)
-    save_dtype = getattr(torch, args.save_dtype)
-
-    def checkpoint(folder: Path):
-        save(model, tok, folder, save_dtype)
-        state_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "elapsed": time.time() - start, "seen": seen, "run": run_id},
-                   state_path)
-
-    model.train()
-    # A resumed run continues the wall-time budget (and the token count) where it stopped.
-    start, seen, ema = time.time() - st.get("elapsed", 0), st.get("seen", 0), None
-    last_save = last_eval = time.time()
-    bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=5)
-    while step < args.steps:
-        if tests_running():
-            checkpoint(work)
-            bar.write(f"step {step}: a test run started; paused (checkpoint saved)")
-            paused = time.time()
-            while tests_running():
-                time.sleep(5)
-            # The pause is not training time: the budget and the timers skip it.
-            idle = time.time() - paused
-            start, last_save, last_eval = start + idle, last_save + idle, last_eval + idle
-            bar.write(f"step {step}: resumed after {idle / 60:.1f} min")
-        ids, labels, mask = next(stream)
-        progress = max(step / args.steps, (time.time() - start) / (args.minutes * 60))
-        if progress >= 1.0:
-            break
-        lr = lr_at(step, progress, args.lr, args.warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        seen += int(mask.sum())
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        elapsed = time.time() - start
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.1e}", tok_s=f"{seen / elapsed:.0f}")
-        if time.time() - last_save > args.save_minutes * 60:
-            checkpoint(work)
-            last_save = time.time()
-        if time.time() - last_eval > args.eval_minutes * 60:
-            figs = quick_eval(model, tok)
-            bar.write(f"step {step} loss {ema:.3f} {elapsed / 60:.1f} min  eval "
-                      + " ".join(f"{k} {v:.0%}" for k, v in figs.items()))
-            last_eval = time.time()
-    bar.close()
-    checkpoint(out)  # only a finished run replaces --out
-    figs = quick_eval(model, tok)
-    print("final quick eval: " + " ".join(f"{k} {v:.0%}" for k, v in figs.items()), flush=True)
-    print(f"done: {step} steps, {seen} tokens, {(time.time() - start) / 60:.1f} min -> {out}",
-          flush=True)
+    if args.base:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        if AutoTokenizer.from_pretrained(args.base).get_vocab() != tok.get_vocab():
+            raise SystemExit(f"{args.base} has another tokenizer than this recipe's")
+        model.load_state_dict(AutoModelForCausalLM.from_pretrained(args.base).state_dict())
+    run = Run(args, tok, model)
+    if args.base:
+        run.next_stage("copy")
+    run.resume()
+    for stage in ("base", "copy", "mix"):
+        if run.stage != stage:
+            continue
+        run.train_stage()
+        if stage == "base":
+            run.checkpoint(run.state_path.parent / "base")  # the base model, for --base
+        if stage != "mix":
+            run.next_stage({"base": "copy", "copy": "mix"}[stage])
+    run.checkpoint(Path(args.out))  # only a finished run replaces --out
+    print(f"done: {run.step} steps, {run.seen} tokens, {(time.time() - run.start) / 60:.1f} min "
+          f"-> {args.out}", flush=True)
 
 
 if __name__ == "__main__":
