@@ -398,7 +398,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokens-per-batch", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--copy-steps", type=int, default=1200,
+    p.add_argument("--copy-steps", type=int, default=2400,
                    help="tuning: steps of the mixture with half the samples copying")
     p.add_argument("--mix-steps", type=int, default=1500,
                    help="tuning: steps of the mixture with copying (data.TUNE_MIXTURE)")
