@@ -86,7 +86,13 @@ def test_chat_template_renders_tools_results_and_thinking(llm):
     text = tok.apply_chat_template(messages, tools=[WEATHER], tokenize=False,
                                    add_generation_prompt=True, enable_thinking=False)
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
-    assert json.dumps(WEATHER) in text
+    # The shipped template puts a tool's description before its name (app/demo/train.py).
+    fn = WEATHER["function"]
+    assert ('{"type": "function", "function": {"description": ' + json.dumps(fn["description"])
+            + ', "name": "get_weather", "parameters": ' + json.dumps(fn["parameters"]) + "}}") in text
+    bare = {"type": "function", "function": {"name": "ping"}}  # no description, no parameters
+    assert '\n{"type": "function", "function": {"name": "ping"}}\n' in tok.apply_chat_template(
+        messages[1:2], tools=[bare], tokenize=False)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert '<|im_start|>user\n<tool_response>\n{"temperature": 18}\n</tool_response><|im_end|>' in text
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -96,7 +102,7 @@ def test_chat_template_renders_tools_results_and_thinking(llm):
 
 # The eval (docs/demo-model.md) shows what the model does reliably: the formats, all five
 # arithmetic rows (95-100% on held-out problems) and declining what no offered tool covers
-# (99%); not yet tool calls with unseen names (18%: the arguments are right in 60%).
+# (99-100%); not yet tool calls with unseen names (59%: the arguments are right in 74%).
 
 @pytest.mark.parametrize("kind", ["add", "add_think", "mul21", "mul21_think", "mul22_think"])
 def test_arithmetic_is_right_on_held_out_problems(llm, kind):

@@ -23,21 +23,26 @@ def test_the_prompts_fixed_text_is_a_token_a_piece_and_replies_keep_their_pieces
     pieces = [tok.convert_tokens_to_ids(p) for p in train.PROMPT_PIECES]
     assert len(set(pieces)) == len(pieces) and tok.unk_token_id not in pieces
     rng = random.Random(0)
-    for thinking in (False, True):
+    for thinking, template in ((False, train.CHAT_TEMPLATE), (True, train.CHAT_TEMPLATE),
+                               (False, train.DESCRIPTION_FIRST_TEMPLATE)):
+        tok.chat_template = template
         s = data.tool_call_sample(rng, thinking)
         text = train.render_prompt(tok, s)
         prompt = tok.encode(text, add_special_tokens=False)
         assert tok.decode(prompt) == text
-        # The preamble and the schema's scaffolding match the template's rendering exactly,
-        assert set(pieces[:7]) | set(pieces[-2:]) <= set(prompt)
-        assert len(prompt) < 120  # ~300 before the pieces were tokens
+        # The preamble and the schema's scaffolding match the template's rendering exactly
+        # (description first, the scaffolding before a description is byte-level pieces),
+        assert set(pieces[:5] + pieces[6:7]) | set(pieces[-2:]) <= set(prompt)
+        assert (pieces[5] in prompt) == (template == train.CHAT_TEMPLATE)
+        assert len(prompt) < 130  # ~300 before the pieces were tokens
         # and a name has the same tokens around it in the schema as in the call.
         reply = tok.encode(s["target"], add_special_tokens=False)
         [called] = parse_tool_calls(s["target"])[1]
         for name in (t["function"]["name"] for t in s["tools"]):
             around = tok.encode(f'{{"name": "{name}",', add_special_tokens=False)
             assert tok.convert_ids_to_tokens(around[:4]) == ['{"', "name", '":', 'Ġ"']
-            assert _contains(prompt, around)
+            # (description first, the `{"` before `name` is the description's `", "`)
+            assert _contains(prompt, around if template == train.CHAT_TEMPLATE else around[1:])
             assert _contains(reply, around) == (name == called["name"])
         assert not set(pieces) & set(reply)
         assert tok.decode(reply) == s["target"]
@@ -68,6 +73,11 @@ def test_training_runs_its_stages_resumes_and_tunes_a_base(tmp_path, monkeypatch
                 "--out", str(tmp_path / "tuned"), "--state", str(tuned_state), *tiny])
     saved = torch.load(tuned_state, weights_only=False)
     assert (saved["stage"], saved["step"]) == ("mix", 2)
+    # The base stage reads schemas name first (OpenAI order), the tuned model description first.
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(tmp_path / "train" / "base").chat_template == train.CHAT_TEMPLATE
+    for tuned in (out, tmp_path / "tuned"):
+        assert AutoTokenizer.from_pretrained(tuned).chat_template == train.DESCRIPTION_FIRST_TEMPLATE
 
 
 def test_copy_samples_only_copy_and_the_tuning_mixture_adds_up():

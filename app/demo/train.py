@@ -2,7 +2,8 @@
 
 A BPE tokenizer (digits one per token) and a few-million-parameter Qwen3 decoder trained on
 the synthetic chats of app/demo/data.py, loss on assistant tokens only: a base run, then two
-tuning stages that teach copying (`Run`; `--base` tunes a finished model). Fixed seeds. Every
+tuning stages that teach copying and read a tool's description before its name (`Run`;
+`--base` tunes a finished model). Fixed seeds. Every
 `--save-minutes` the training state and a loadable checkpoint go to the --state folder, so a
 run stopped at any point loses a few minutes at most: the next run continues from there
 (`--fresh` starts over). Only a finished run writes --out. A run pauses while a test run is
@@ -23,6 +24,23 @@ from actors.model_spec import cpu_has_matmul
 from app.demo import data
 from app.demo.yielding import tests_running
 from app.protocol.chatml import CHAT_TEMPLATE
+
+# The tuning stages and the shipped model read each tool's description before its name. A
+# causal model reading a schema name-first cannot know at the name what the tool does, so
+# a call had to find the matching description and step back to the name before it (half of
+# the 2026-11-26 misses copied the other tool's name, or pieces of both). Description first,
+# the name's tokens carry what the tool does and one lookup finds them. The base stage keeps
+# the OpenAI order (name first), the order the shipped base checkpoint was trained on.
+DESCRIPTION_FIRST_TEMPLATE = CHAT_TEMPLATE.replace("{{- tool | tojson }}", """
+        {%- set fn = tool.function if tool.function is defined else tool %}
+        {{- '{"type": "function", "function": {' }}
+        {%- if fn.description %}{{- '"description": ' + fn.description | tojson + ', ' }}{%- endif %}
+        {{- '"name": ' + fn.name | tojson }}
+        {%- if fn.parameters is defined %}{{- ', "parameters": ' + fn.parameters | tojson }}{%- endif %}
+        {{- '}}' }}""")
+assert DESCRIPTION_FIRST_TEMPLATE != CHAT_TEMPLATE
+STAGE_TEMPLATE = {"base": CHAT_TEMPLATE, "copy": DESCRIPTION_FIRST_TEMPLATE,
+                  "mix": DESCRIPTION_FIRST_TEMPLATE}
 
 SEED = 1234
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
@@ -86,7 +104,7 @@ def build_tokenizer():
         tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
         additional_special_tokens=["<|im_start|>"],
         clean_up_tokenization_spaces=False, model_max_length=MODEL["max_position_embeddings"])
-    hf.chat_template = CHAT_TEMPLATE
+    hf.chat_template = CHAT_TEMPLATE  # the base stage's; Run.train_stage sets each stage's
     return hf
 
 
@@ -248,7 +266,7 @@ def tune_fingerprint(args) -> str:
     import hashlib
     import itertools
     samples = list(itertools.islice(data.stream(SEED, data.TUNE_MIXTURE), 300))
-    key = json.dumps([samples, args.tune_lr, args.base], sort_keys=True)
+    key = json.dumps([samples, args.tune_lr, args.base, STAGE_TEMPLATE], sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
@@ -331,6 +349,7 @@ class Run:
         from tqdm import tqdm
         a = self.args
         mixture = {"base": data.MIXTURE, "copy": data.COPY_MIXTURE, "mix": data.TUNE_MIXTURE}[self.stage]
+        self.tok.chat_template = STAGE_TEMPLATE[self.stage]  # checkpoints save it too
         total = {"base": a.steps, "copy": a.copy_steps, "mix": a.mix_steps}[self.stage]
         # The data stream is keyed by the step it resumes from, so a resumed run sees new samples.
         stream = batches(self.tok, SEED + self.step, a.tokens_per_batch, mixture=mixture)
