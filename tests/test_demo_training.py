@@ -87,5 +87,11 @@ def test_copy_samples_only_copy_and_the_tuning_mixture_adds_up():
         assert s["target"] == s["expect"] and s["messages"][-1]["content"].endswith("\n" + s["expect"])
     for mixture, share in ((data.COPY_MIXTURE, 0.5), (data.TUNE_MIXTURE, 0.1)):
         assert abs(sum(w for w, _, _ in mixture) - 1.0) < 1e-9
-        kinds = [data.sample(rng, mixture)["kind"] for _ in range(2000)]
+        samples = [data.sample(rng, mixture) for _ in range(2000)]
+        kinds = [s["kind"] for s in samples]
         assert abs(kinds.count("copy") / len(kinds) - share) < 0.03
+        # Tool calls offer the needed tool with another one 80% of the time (base mixture: half).
+        calls = [len(s["tools"]) for s in samples if s["kind"] == "tool_call"]
+        assert abs(calls.count(2) / len(calls) - 0.8) < 0.08
+    calls = [len(s["tools"]) for s in (data.sample(rng) for _ in range(2000)) if s["kind"] == "tool_call"]
+    assert abs(calls.count(2) / len(calls) - 0.5) < 0.08

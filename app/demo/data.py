@@ -335,13 +335,17 @@ def _args(rng, domain: str, made_up: bool = False) -> list:
     return vals
 
 
-def _toolset(rng, need: str | None, heldout: bool, exclude: str | None = None
-             ) -> tuple[list[dict], dict]:
-    """1-2 tools; `need` (if given) among them at a random position, `exclude` never.
-    Returns the tools and {domain: (name, keys)}."""
+def _toolset(rng, need: str | None, heldout: bool, exclude: str | None = None,
+             pair: float | None = None) -> tuple[list[dict], dict]:
+    """1-2 tools; `need` (if given) among them at a random position, with another tool half
+    the time (or at rate `pair`); `exclude` never. Returns the tools and {domain: (name, keys)}."""
     others = [d for d in DOMAINS if d not in (need, exclude)]
     # At most two tools: each schema costs ~50 prompt tokens and training time is scarce.
-    picked = rng.sample(others, rng.randint(0 if need else 1, 1 if need else 2)) + ([need] if need else [])
+    if need:
+        count = rng.randint(0, 1) if pair is None else int(rng.random() < pair)
+    else:
+        count = rng.randint(1, 2)
+    picked = rng.sample(others, count) + ([need] if need else [])
     rng.shuffle(picked)
     tools, info = [], {}
     for dom in picked:
@@ -360,13 +364,13 @@ def call_text(name: str, arguments: dict) -> str:
     return '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + '}\n</tool_call>'
 
 
-def tool_call_sample(rng, thinking: bool, heldout: bool = False) -> dict:
+def tool_call_sample(rng, thinking: bool, heldout: bool = False, pair: float | None = None) -> dict:
     def draw(r):
         dom = r.choice(list(DOMAINS))
         vals = _args(r, dom, made_up=not heldout and r.random() < 0.3)
         return f"{dom}:{vals}", dom, vals
     _, dom, vals = _fresh(rng, draw, heldout, tries=200)
-    tools, info = _toolset(rng, dom, heldout)
+    tools, info = _toolset(rng, dom, heldout, pair=pair)
     name, keys = info[dom]
     arguments = dict(zip(keys, vals))
     user = rng.choice(DOMAINS[dom]["asks"]).format(*vals)
@@ -507,8 +511,13 @@ MIXTURE = [  # (weight, maker, share of samples with thinking on)
 
 # The tuning stages (train.py): MIXTURE with copying at half the samples, then at a tenth.
 def with_copying(share: float) -> list:
-    return [(w * (1 - share), make, t) for w, make, t in MIXTURE[:-1]] + \
-        [(share, copy_sample, 0.3), (MIXTURE[-1][0] * (1 - share),) + MIXTURE[-1][1:]]
+    """Tool calls there offer the needed tool with another one 80% of the time (the base
+    mixture: half): which name to copy is what the tuned model still gets wrong."""
+    def paired_call(rng, thinking):
+        return tool_call_sample(rng, thinking, pair=0.8)
+    base = [(w, paired_call if make is tool_call_sample else make, t) for w, make, t in MIXTURE]
+    return [(w * (1 - share), make, t) for w, make, t in base[:-1]] + \
+        [(share, copy_sample, 0.3), (base[-1][0] * (1 - share),) + base[-1][1:]]
 
 
 COPY_MIXTURE = with_copying(0.5)
