@@ -419,7 +419,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--copy-steps", type=int, default=2400,
                    help="tuning: steps of the mixture with half the samples copying")
-    p.add_argument("--mix-steps", type=int, default=1500,
+    p.add_argument("--mix-steps", type=int, default=2500,
                    help="tuning: steps of the mixture with copying (data.TUNE_MIXTURE)")
     p.add_argument("--tune-lr", type=float, default=1e-3)
     p.add_argument("--base", default=None,
