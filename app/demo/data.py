@@ -342,6 +342,7 @@ def _toolset(rng, need: str | None, heldout: bool, exclude: str | None = None,
     others = [d for d in DOMAINS if d not in (need, exclude)]
     # At most two tools: each schema costs ~50 prompt tokens and training time is scarce.
     if need:
+        # randint for the default keeps the base mixture and eval set the samples they were
         count = rng.randint(0, 1) if pair is None else int(rng.random() < pair)
     else:
         count = rng.randint(1, 2)
