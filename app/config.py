@@ -49,6 +49,10 @@ class DeployOptions:
     # the LLMServer pool. None: split where it is needed (prefix-aware routing, or
     # --ingress-replicas above 1), else merged (one process hop fewer per request and chunk).
     serve_layout: str | None = None
+    # The one model replica answers HTTP on host:port itself instead of behind Serve's proxy
+    # (app/serving/direct_http.py). None: on under `shoal serve` when it starts a local Ray and
+    # the app is a single merged replica; `serve run` configs keep the proxy.
+    direct_ingress: bool | None = None
     shutdown_timeout: float = 30.0  # seconds requests in flight may finish after SIGTERM / shutdown
 
 
@@ -258,6 +262,9 @@ def _check_layout(config: ShoalConfig) -> None:
     if d.serve_layout == "merged" and (d.routing == "prefix-aware" or d.ingress_replicas > 1):
         raise ConfigError("--routing prefix-aware and --ingress-replicas need --serve-layout split "
                           "(a separate ingress in front of the model replicas)")
+    if d.direct_ingress and not single_model_server(config):
+        raise ConfigError("--direct-ingress needs one model replica in the merged layout "
+                          "(no autoscaling, no --serve-layout split)")
     if d.world_size is not None and d.world_size % shards_per_replica(config):
         raise ConfigError(f"--world-size {d.world_size} is not divisible by --tp-size x --pp-size "
                           f"= {e.tp_size} x {e.pp_size} = {shards_per_replica(config)}")
@@ -298,6 +305,12 @@ def split_layout(config: ShoalConfig) -> bool:
     if d.serve_layout is not None:
         return d.serve_layout == "split"
     return d.routing == "prefix-aware" or d.ingress_replicas > 1
+
+
+def single_model_server(config: ShoalConfig) -> bool:
+    """One ModelServer replica and nothing else: what direct ingress can serve."""
+    return (not split_layout(config) and config.deploy.max_replicas is None
+            and replica_count(config) == 1)
 
 
 def replica_count(config: ShoalConfig) -> int:

@@ -1,15 +1,22 @@
-"""The real `shoal serve` process under a short soak, then SIGTERM with a stream in flight:
-it drains (the stream gets all its tokens, new requests get 503, the probes say not ready),
-exits 0 within --shutdown-timeout, and leaves no process behind."""
+"""The real `shoal serve` process under a short soak; its replica answering HTTP itself
+(direct ingress: no Serve proxy), and a killed replica's requests waiting for the next one;
+then SIGTERM with a stream in flight: it drains (the stream gets all its tokens, new requests
+get 503, the probes say not ready), exits 0 within --shutdown-timeout, and leaves no process
+behind."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
-from serving import check_sigterm_drain, free_port, loopback_env, wait_process_ready
+from oracle import hf_greedy
+from serving import alive, check_sigterm_drain, descendants, free_port, loopback_env, wait_process_ready
 
 from bench.soak import soak
 
@@ -44,6 +51,51 @@ def test_short_soak_leaks_nothing(server):
     assert report["server_errors"] == 0 and report["statuses"].get("200", 0) == 150
     assert report["kv_blocks_in_use"] == 0 and report["running_after"] == 0
     assert report["rss_growth"] < 0.10
+
+
+def processes(root: int) -> dict[int, str]:
+    """pid -> command line of every process below root."""
+    found = {}
+    for pid in descendants(root):
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            pass
+    return found
+
+
+def test_the_replica_answers_http_without_serves_proxy(server):
+    url, proc, _ = server
+    names = processes(proc.pid).values()
+    assert any("ModelServer" in name for name in names)
+    assert not any("ProxyActor" in name for name in names)
+    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
+
+
+def test_a_killed_replica_s_requests_wait_for_the_next_one(server, llama_ckpt):
+    """The port stays open in `shoal serve` while Serve replaces the replica: a request sent
+    right after the kill is served by the new replica, not refused."""
+    url, proc, _ = server
+    (victim,) = [pid for pid, name in processes(proc.pid).items() if "ModelServer" in name]
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    ids = list(range(5, 25))
+    r = httpx.post(f"{url}/v1/completions", timeout=240, json={
+        "model": "", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    answered = time.monotonic() - killed
+    while r.status_code == 503 and time.monotonic() - killed < 240:  # the new engine loading
+        assert r.json()["error"]["code"] == "not_ready", r.text
+        time.sleep(1)
+        r = httpx.post(f"{url}/v1/completions", timeout=240, json={
+            "model": "", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 8)
+    assert not alive(victim)
+    schedulers = [n for n in processes(proc.pid).values() if "SchedulerActor" in n]
+    assert len(schedulers) == 1, schedulers  # the dead replica's engine went with it
+    print(f"killed replica: first answer {answered:.1f} s after the kill")
 
 
 def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):

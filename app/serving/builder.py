@@ -23,9 +23,10 @@ def build_app(args: dict | None = None) -> serve.Application:
     return application(load_config(from_llm_configs(args or {})))
 
 
-def application(config: ShoalConfig) -> serve.Application:
+def application(config: ShoalConfig, listener: str | None = None) -> serve.Application:
     """The ModelServer pool (merged layout), or Ingress -> LLMServer pool (split); each model
-    replica with its own placement group. On a running Ray the layout is checked against the
+    replica with its own placement group. `listener`: where `shoal serve` lends the listening
+    socket its one ModelServer replica answers on (direct ingress). On a running Ray the layout is checked against the
     cluster first: one that can never be placed fails here (PlacementError, one line) instead
     of waiting forever."""
     if ray.is_initialized():
@@ -34,7 +35,7 @@ def application(config: ShoalConfig) -> serve.Application:
     if not split_layout(config):
         return ModelServer.options(**replica_options(config)).bind(
             config.engine, config.server, d.log_level, d.decode_progress_interval_s,
-            d.stream_chunks_per_s)
+            d.stream_chunks_per_s, listener)
     llm = LLMServer.options(**replica_options(config)).bind(
         config.engine, d.log_level, d.decode_progress_interval_s, d.stream_chunks_per_s,
         config.server.served_model_name)

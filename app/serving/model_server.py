@@ -7,6 +7,9 @@ Against the split layout (Ingress -> handle -> LLMServer -> scheduler) a request
 Serve process and one Serve router fewer, and every stream chunk one process hop fewer; a
 replica's template rendering and tokenizing scale with the replicas. Prefix-aware routing
 needs the split layout: the proxy routes before the prompt is read.
+
+With `listener` (the path where `shoal serve` lends its listening socket) the replica also
+answers HTTP on that socket itself, without the proxy (app/serving/direct_http.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from actors.loader import load_tokenizer, resolve_model_path
 from app.api.app import attach, build_api
 from app.api.settings import ServerSettings
 from app.serving.app_replicas import AppReplicas
+from app.serving.direct_http import DirectHTTP
 from app.serving.replica import EngineRequest, ReplicaEngine, ReplicaLifecycle
 
 log = logging.getLogger("shoal.server")
@@ -33,7 +37,8 @@ HTTP_COUNTS_PUSH_S = 1.0
 class ModelServer(ReplicaLifecycle):
     async def __init__(self, engine_config: EngineConfig, settings: ServerSettings,
                        log_level: str = "INFO", progress_interval_s: float = 0.0,
-                       stream_chunks_per_s: float = 0.0):
+                       stream_chunks_per_s: float = 0.0,
+                       listener: str | None = None):
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.api = build_api(settings)
@@ -45,10 +50,19 @@ class ModelServer(ReplicaLifecycle):
         client = await ReplicaEngineClient.create(self.engine, serve.get_replica_context().app_name)
         attach(self.api, client, tokenizer, settings)
         self._pushing = asyncio.create_task(self._push_http_counts())
+        self.http = None
+        if listener is not None:
+            self.http = DirectHTTP(self.api, listener)
+            await self.http.start()
         log.info("replica %s ready (max_model_len %d)", self.engine.replica, client.max_model_len)
 
     def __serve_build_asgi_app__(self):
         return self.api
+
+    async def __del__(self):
+        if getattr(self, "http", None) is not None:  # None too when __init__ failed early
+            await self.http.stop()
+        await super().__del__()
 
     async def _push_http_counts(self) -> None:
         """This replica's HTTP counts to its scheduler, where a /metrics scrape answered by

@@ -114,20 +114,33 @@ def over_http(http: httpx.AsyncClient, url: str, out_len: int):
     return one
 
 
-def start_serve(options: dict) -> str:
+def start_serve(options: dict, direct: bool = False) -> str:
+    """The app on a local Ray Serve: behind Serve's HTTP proxy, or (`direct`, what `shoal
+    serve` does for one replica) answering on a socket this process lends its replica."""
     import ray
     from ray import serve
 
-    from app.serving.builder import build_app
+    from app.config import load_config
+    from app.serving.builder import application
+    from app.serving.direct_http import ListeningSocket
 
+    global LISTENER
     ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
              logging_level="WARNING")
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(options), name="bench", route_prefix="/")
+    if direct:
+        LISTENER = ListeningSocket("127.0.0.1", port)
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(application(load_config(options), LISTENER and LISTENER.path), name="bench",
+              route_prefix="/")
     return f"http://127.0.0.1:{port}"
+
+
+LISTENER = None
 
 
 def stop_serve() -> None:
@@ -135,6 +148,8 @@ def stop_serve() -> None:
     from ray import serve
     serve.shutdown()
     ray.shutdown()
+    if LISTENER is not None:
+        LISTENER.close()
 
 
 # --------------------------------------------------------------------------- main
@@ -266,6 +281,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine, both sides")
     ap.add_argument("--chunks-per-s", type=float, default=100.0, help="the server's --stream-chunks-per-s")
     ap.add_argument("--serve-layout", choices=["merged", "split"], default="merged")
+    ap.add_argument("--ingress", choices=["direct", "proxy"], default="direct",
+                    help="merged layout: the replica answers HTTP itself (shoal serve's default "
+                         "for one replica) or behind Serve's proxy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_checkpoint()
@@ -274,7 +292,8 @@ def main():
                    kv_cache_memory=1.0, attn_backend="native")
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     url = start_serve({**options, "shard_cpus": args.threads, "stream_chunks_per_s": args.chunks_per_s,
-                       "serve_layout": args.serve_layout})
+                       "serve_layout": args.serve_layout},
+                      direct=args.ingress == "direct" and args.serve_layout == "merged")
     try:
         many, one = asyncio.run(measure(options, url, prompts, args))
     finally:
