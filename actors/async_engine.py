@@ -1,7 +1,8 @@
 """The engine loop on its own thread, with an asyncio face: `async for out in generate(...)`.
 
 Only the loop thread touches engine state. Callers post adds and aborts to an inbox; outputs
-go back to each request's asyncio queue on the caller's event loop.
+go back to each request's sink (its asyncio queue, or a sink that gathers many requests' for
+one stream: actors/scheduler_actor.py) on the caller's event loop, once per step.
 
 The engine is dead, and every request in flight fails with EngineDeadError, when anything
 ends the loop thread, when one step runs longer than --watchdog-timeout, or (multi-rank
@@ -79,6 +80,25 @@ class AsyncEngine:
                        priority: int = 0, prompt: str | None = None, lora: str | None = None):
         """Yield delta RequestOutputs until the request finishes. Closing the generator aborts it.
         `lora`: a registered adapter's name (None: the base model)."""
+        stream = RequestQueue()
+        await self.submit(prompt_token_ids, params, request_id, stream, priority, prompt, lora)
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self.release(request_id, aborted=not finished)
+
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                     sink, priority: int = 0, prompt: str | None = None, lora: str | None = None) -> None:
+        """Start a request whose delta outputs (and a final error, if it fails) go to
+        `sink.deliver(request_id, item)` on the caller's event loop: every request with news in
+        a step in one call there. Raises the engine's refusal. The caller `release`s the
+        request once it has its finished output or error, or to abort it."""
         if not self.alive:
             raise EngineDeadError(f"the engine failed: {self.error or 'its loop ended'}")
         if self.draining:
@@ -92,21 +112,15 @@ class AsyncEngine:
         grammar = None
         if params.structured is not None:  # compiling can take seconds: not on the loop thread
             grammar = await asyncio.to_thread(self.engine.grammars.compile, params.structured)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._streams[request_id] = (asyncio.get_running_loop(), sink)
         self._post(("add", request_id, prompt_token_ids, params, priority, prompt, grammar, lora))
-        finished = False
-        try:
-            while not finished:
-                out = await stream.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._post(("abort", request_id))
+
+    def release(self, request_id: str, aborted: bool) -> None:
+        """Nothing more goes to the request's sink; `aborted`: it had not finished, so the
+        engine drops it and frees its KV blocks."""
+        self._streams.pop(request_id, None)
+        if aborted:
+            self._post(("abort", request_id))
 
     def num_waiting(self) -> int:
         """Requests none of whose samples runs yet: queued in the scheduler or in the inbox."""
@@ -123,8 +137,7 @@ class AsyncEngine:
     def abort_all(self, message: str) -> int:
         """End every request in flight with ShuttingDownError(message); how many there were."""
         streams = list(self._streams)
-        for rid in streams:
-            self._send(rid, ShuttingDownError(message))
+        self._send_all([(rid, ShuttingDownError(message)) for rid in streams])
         return len(streams)
 
     def stats(self) -> dict:
@@ -190,11 +203,9 @@ class AsyncEngine:
             self._step_started = time.monotonic()
             outputs = self.engine.step()
             self._step_started = None
-            for rid, exc in self.engine.take_failures():
-                self._send(rid, exc)
+            failures = self.engine.take_failures()
             self._rate.add(sum(len(o.token_ids) for out in outputs for o in out.outputs))
-            for out in outputs:
-                self._send(out.request_id, out)
+            self._send_all([*failures, *((out.request_id, out) for out in outputs)])
 
     def _watch(self) -> None:
         """The watchdog on the running step and, for multi-rank layouts, every rank's health."""
@@ -240,16 +251,36 @@ class AsyncEngine:
                 self._send(rid, exc)
 
     def _send(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            self.engine.abort_request(request_id)  # nobody is listening any more
-            return
-        loop, stream = target
-        loop.call_soon_threadsafe(stream.put_nowait, item)
+        self._send_all([(request_id, item)])
+
+    def _send_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand each (request id, output or error) to its sink: one wake-up per event loop,
+        not one per request (each costs the loop a self-pipe write and a callback)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is None:
+                self.engine.abort_request(request_id)  # nobody is listening any more
+                continue
+            loop, sink = target
+            batches.setdefault(loop, []).append((sink, request_id, item))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for rid in list(self._streams):
-            self._send(rid, exc)
+        self._send_all([(rid, exc) for rid in list(self._streams)])
+
+
+def _deliver(batch: list) -> None:
+    for sink, request_id, item in batch:
+        sink.deliver(request_id, item)
+
+
+class RequestQueue(asyncio.Queue):
+    """One request's outputs, for `AsyncEngine.generate`."""
+
+    def deliver(self, request_id: str, item) -> None:
+        self.put_nowait(item)
 
 
 class TokenRate:

@@ -5,11 +5,12 @@ scheduler does, so tp = pp = 1 costs no inter-process hop per step. For larger l
 engine starts ranks 1.. as shard actors in the bundles of `placement` (the replica's
 placement group) and drives them over torch.distributed (actors/shard_actor.py).
 
-Per request, `generate` is a Ray streaming generator yielding LISTS of delta outputs: the
-first as soon as it exists, later ones coalesced. Every chunk costs ~1 ms of CPU in each
-process it crosses (actor -> replica -> ingress -> proxy), so under load a stream gathers
-its tokens for a while: the replica then sends about `stream_chunks_per_s` chunks per
-second in all, however many requests run, and the relay's CPU share stays bounded.
+Requests come in with `add`; their outputs leave through ONE Ray streaming generator per
+replica, `outputs`: at most one item per engine step, carrying a merged delta (or the error)
+of every request that has news, as vLLM's engine core and SGLang's scheduler send one message
+per step. A chunk costs ~1 ms of CPU in each process it crosses, whatever it carries, so one
+per step for all requests, rather than one per request, keeps the hop's cost flat in the
+number of requests; the replica paces what it sends on to clients (app/serving/replica.py).
 """
 from __future__ import annotations
 
@@ -32,61 +33,54 @@ from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.scheduler")
 
-_END = object()
+class Outbox:
+    """Every request's outputs, gathered on the actor's event loop for the `outputs` stream
+    (the AsyncEngine's sink). A `whole` request (not streamed to its client) leaves once,
+    finished: every hop relays it once instead of once per step."""
 
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.pending: dict[str, list] = {}  # request id -> deltas (and a final error) not sent
+        self.whole: set[str] = set()
+        self.ready = asyncio.Event()
+        self.reader = 0  # the stream allowed to take (a newer one replaces an older one)
 
-async def coalesce(source, interval=lambda: 0.0):
-    """Re-yield an async iterator's items as lists: the first at once, later ones gathered
-    for `interval()` seconds after each yield (0: whatever arrived while we were away).
+    def deliver(self, request_id: str, item) -> None:
+        self.pending.setdefault(request_id, []).append(item)
+        if _ended(item):
+            self.engine.release(request_id, aborted=isinstance(item, BaseException))
+        if request_id not in self.whole or _ended(item):
+            self.ready.set()
 
-    A pump task reads `source` into a queue, so reading never waits on the consumer.
-    Closing this generator cancels the pump, which closes `source` (for an engine stream
-    that aborts the request and frees its KV blocks).
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    pump = asyncio.create_task(_pump(source, queue))
-    batch, due = [], 0.0  # due: when held items go out
-    try:
+    def drop(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+        self.whole.discard(request_id)
+
+    async def take(self, reader: int) -> list[tuple] | None:
+        """[(request id, merged delta or None, error or None)] for every request with news,
+        once there is some; None when a newer stream took over."""
         while True:
-            wait = max(0.0, due - loop.time()) if batch else None
-            try:
-                batch.append(await asyncio.wait_for(queue.get(), wait))
-            except asyncio.TimeoutError:
-                pass
-            while not queue.empty():
-                batch.append(queue.get_nowait())
-            last = batch[-1]
-            ended = last is _END or isinstance(last, BaseException)
-            if not (ended or _finished(last) or loop.time() >= due):
-                continue
-            items = batch[:-1] if ended else batch
-            if items:
-                yield items
-            if ended:
-                if isinstance(last, BaseException):
-                    raise last
-                return
-            batch, due = [], loop.time() + interval()
-    finally:
-        pump.cancel()
-        await asyncio.gather(pump, return_exceptions=True)
+            await self.ready.wait()
+            if reader != self.reader:
+                return None
+            self.ready.clear()
+            batch = []
+            for request_id, items in list(self.pending.items()):
+                ended = _ended(items[-1])
+                if request_id in self.whole and not ended:
+                    continue
+                del self.pending[request_id]
+                if ended:
+                    self.whole.discard(request_id)
+                error = items.pop() if isinstance(items[-1], BaseException) else None
+                delta = (items[0] if len(items) == 1 else accumulate(items)) if items else None
+                batch.append((request_id, delta, error))
+            if batch:
+                return batch
 
 
-def _finished(item) -> bool:
-    return bool(getattr(item, "finished", False))
-
-
-async def _pump(source, queue: asyncio.Queue) -> None:
-    try:
-        async for item in source:
-            queue.put_nowait(item)
-        queue.put_nowait(_END)
-    except asyncio.CancelledError:
-        await source.aclose()  # runs the source's clean-up (the abort) before we finish
-        raise
-    except Exception as exc:  # handed to the consumer, which re-raises it
-        queue.put_nowait(exc)
+def _ended(item) -> bool:
+    return isinstance(item, BaseException) or item.finished
 
 
 def torch_threads(config: EngineConfig) -> int:
@@ -102,9 +96,8 @@ class SchedulerActor:
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO",
                  progress_interval_s: float = 0.0, placement: tuple | None = None,
-                 stream_chunks_per_s: float = 0.0, replica: Replica | None = None):
+                 replica: Replica | None = None):
         """placement: (placement group, bundle of shard rank 1), or None for the engine's own.
-        stream_chunks_per_s: 0 sends every step's tokens at once.
         replica: the Serve replica's id, rank and model name (metric labels, progress line)."""
         logging.basicConfig(level=log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -112,7 +105,7 @@ class SchedulerActor:
         torch.set_num_threads(threads)
         self.engine = AsyncEngine(config, placement)
         self.max_model_len = self.engine.max_model_len
-        self.chunk_rate = stream_chunks_per_s
+        self.outbox = Outbox(self.engine)
         self.http_counts: dict = {}  # see set_http_counts
         self.replica = replica or Replica()
         self.engine.engine.metrics.set_replica(self.replica)
@@ -123,27 +116,31 @@ class SchedulerActor:
             threading.Thread(target=self._log_progress, args=(progress_interval_s,),
                              name="shoal-progress", daemon=True).start()
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, priority: int = 0, lora: str | None = None,
-                       whole: bool = False):
-        """Lists of delta RequestOutputs. Cancelling or closing the stream aborts the request.
-        whole: the caller wants only the finished output (a non-streamed HTTP request), so it
-        leaves as one item, which every hop relays once instead of once per chunk."""
-        stream = self.engine.generate(prompt_token_ids, params, request_id, priority, lora=lora)
-        gather = (lambda: float("inf")) if whole else self._gather_seconds
-        async for outputs in coalesce(stream, gather):
-            # One merged delta per chunk: less for every hop to pickle (each delta repeats
-            # the request's prompt ids), and the ingress gets one delta per chunk anyway.
-            yield [accumulate(outputs)] if len(outputs) > 1 else outputs
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                  priority: int = 0, lora: str | None = None, whole: bool = False) -> None:
+        """Start a request (its outputs leave through `outputs`); raises the engine's refusal.
+        whole: the caller wants only the finished output (a non-streamed HTTP request)."""
+        if whole:
+            self.outbox.whole.add(request_id)
+        try:
+            await self.engine.submit(prompt_token_ids, params, request_id, self.outbox, priority,
+                                     lora=lora)
+        except BaseException:
+            self.outbox.whole.discard(request_id)
+            raise
 
-    def _gather_seconds(self) -> float:
-        """How long a stream gathers tokens after a chunk: running / rate (0 when idle)."""
-        if not self.chunk_rate:
-            return 0.0
-        return self.engine.stats()["running"] / self.chunk_rate
+    async def outputs(self):
+        """The replica's one stream of every request's news (see Outbox.take); opening a new
+        one ends the last (a replica that lost its stream reads on from where it was)."""
+        self.outbox.reader += 1
+        reader = self.outbox.reader
+        self.outbox.ready.set()  # whatever piled up meanwhile goes out at once
+        while (batch := await self.outbox.take(reader)) is not None:
+            yield batch
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        self.outbox.drop(request_id)
+        self.engine.release(request_id, aborted=True)
 
     def lora_enabled(self) -> bool:
         return self.engine.lora_enabled

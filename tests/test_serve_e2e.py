@@ -414,30 +414,36 @@ def test_serve_run_ray_serve_llm_config(llama_ckpt, tmp_path):
 
 # --------------------------------------------------------------------------- stream pacing
 
-def test_coalesce_sends_first_at_once_then_gathers_and_closing_aborts():
-    from actors.scheduler_actor import coalesce
+def test_inbox_gives_first_at_once_then_gathers_and_the_end_comes_at_once():
+    """The replica's pacing of one request's stream (app/serving/replica.py Inbox)."""
+    from actors.outputs import CompletionOutput, RequestOutput
+    from app.serving.replica import Inbox
 
-    closed = []
-
-    async def source():
-        try:
-            for i in range(100):
-                yield i
-                await asyncio.sleep(0.01)
-        finally:
-            closed.append(True)  # the engine stream's abort lives here
+    def delta(i: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", [1], [CompletionOutput(0, text=str(i), token_ids=[i])], finished=finished)
 
     async def run():
-        stream = coalesce(source(), interval=lambda: 0.1)
-        first = await stream.__anext__()
-        second = await stream.__anext__()
-        await stream.aclose()
-        return first, second
+        inbox, loop = Inbox(), asyncio.get_running_loop()
+        for i in range(30):  # a token every 10 ms, the last one finishing the request
+            loop.call_later(0.01 * (i + 1), inbox.put, delta(i, finished=i == 29), None)
+        start = loop.time()
+        first, _ = await inbox.take(0.0)
+        gathered, _ = await inbox.take(0.1)
+        took = loop.time()
+        last, _ = await inbox.take(10.0)  # the end does not wait out the hold
+        ended = loop.time()
+        failed = Inbox()
+        loop.call_later(0.01, failed.put, delta(0), None)
+        loop.call_later(0.02, failed.put, None, RuntimeError("the engine died"))
+        _, error = await failed.take(5.0)
+        return first, gathered, took - start, last, ended - took, error
 
-    first, second = asyncio.run(run())
-    assert first == [0]  # no waiting for company
-    assert second[0] == 1 and len(second) >= 4  # ~0.1 s of 10 ms items, gathered
-    assert closed == [True]
+    first, gathered, gathered_at, last, last_wait, error = asyncio.run(run())
+    assert first.outputs[0].token_ids == [0]  # no waiting for company
+    assert gathered.outputs[0].token_ids[0] == 1 and len(gathered.outputs[0].token_ids) >= 4
+    assert 0.09 < gathered_at < 0.5
+    assert last.finished and last.outputs[0].token_ids[-1] == 29 and last_wait < 1.0
+    assert str(error) == "the engine died"
 
 
 # --------------------------------------------------------------------------- shoal serve

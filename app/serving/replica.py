@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.config import EngineConfig
 from actors.errors import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
 from actors.metrics import Replica
+from actors.outputs import accumulate
 from actors.placement import rank_bundle
 from actors.sampling_params import SamplingParams
 from actors.scheduler_actor import scheduler_actor_class
@@ -75,28 +76,58 @@ class ReplicaEngine:
             namespace=SCHEDULER_NAMESPACE, scheduling_strategy=strategy)
         placement = (pg, FIRST_SHARD_BUNDLE) if pg else None
         self.scheduler = actor.remote(engine_config, log_level, progress_interval_s, placement,
-                                      stream_chunks_per_s, replica_info(ctx, model_name))
+                                      replica_info(ctx, model_name))
+        self.chunk_rate = stream_chunks_per_s
+        self.inboxes: dict[str, Inbox] = {}  # requests in flight, by id
+        self.reader: asyncio.Task | None = None
 
     async def stream(self, request: EngineRequest):
-        """Lists of delta RequestOutputs, as the scheduler paced them. Raises the engine's
-        refusal of the request, or EngineDeadError when the scheduler died. Closing the
-        iterator before the end (a client gone) aborts the request and frees its KV blocks."""
-        stream = self.scheduler.generate.options(num_returns="streaming").remote(
-            request.prompt_token_ids, request.params, request.request_id, request.priority,
-            request.lora, request.whole)
+        """Lists of delta RequestOutputs: the first at once, later ones gathered so this
+        replica sends about `stream_chunks_per_s` chunks per second in all (every token at
+        once when that is 0), the last as soon as it exists. Raises the engine's refusal of the
+        request, or EngineDeadError when the scheduler died. Closing the iterator before the
+        end (a client gone) aborts the request and frees its KV blocks."""
+        inbox = self.inboxes[request.request_id] = Inbox()
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.create_task(self._read())
         finished = False
         try:
-            async for ref in stream:
-                outputs = await ref
-                finished = outputs[-1].finished
-                yield outputs
-        except (RayTaskError, RayActorError) as exc:
-            error = refusal(exc)
-            raise (unwrap(exc) if error is None else error) from None
+            try:
+                await self.scheduler.add.remote(
+                    request.prompt_token_ids, request.params, request.request_id,
+                    request.priority, request.lora, request.whole)
+            except (RayTaskError, RayActorError) as exc:
+                finished = True  # refused: nothing to abort
+                error = refusal(exc)
+                raise (unwrap(exc) if error is None else error) from None
+            hold = 0.0
+            while not finished:
+                delta, error = await inbox.take(hold)
+                if delta is not None:
+                    finished = delta.finished
+                    yield [delta]
+                if error is not None:
+                    finished = True  # the engine has dropped it
+                    raise error
+                hold = len(self.inboxes) / self.chunk_rate if self.chunk_rate else 0.0
         finally:
+            self.inboxes.pop(request.request_id, None)
             if not finished:  # cancelled by the caller, or failed: free the request's blocks
-                ray.cancel(stream)
                 self.scheduler.abort.remote(request.request_id)
+
+    async def _read(self) -> None:
+        """The scheduler's one stream, each request's news to its inbox. Ends (with every
+        request in flight failed) when the scheduler dies; the next request starts another."""
+        try:
+            async for ref in self.scheduler.outputs.options(num_returns="streaming").remote():
+                for request_id, delta, error in await ref:
+                    inbox = self.inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.put(delta, error)
+        except Exception as exc:  # noqa: BLE001 - every request learns why
+            error = refusal(exc) or EngineDeadError(f"the engine's output stream failed: {unwrap(exc)}")
+            for inbox in list(self.inboxes.values()):
+                inbox.put(None, error)
 
     async def healthy(self) -> bool:
         return await self.scheduler.healthy.remote()
@@ -124,6 +155,57 @@ class ReplicaLifecycle:
 
     async def __del__(self):
         await self.engine.shut_down()
+
+
+class Inbox:
+    """One request's news from the scheduler, waiting for its stream to take it."""
+
+    __slots__ = ("deltas", "error", "wake", "holding")
+
+    def __init__(self):
+        self.deltas: list = []
+        self.error: BaseException | None = None
+        self.wake: asyncio.Future | None = None
+        self.holding = False  # gathering: only the request's end wakes the taker early
+
+    @property
+    def ended(self) -> bool:
+        return self.error is not None or bool(self.deltas and self.deltas[-1].finished)
+
+    def put(self, delta, error) -> None:
+        if delta is not None:
+            self.deltas.append(delta)
+        if error is not None:
+            self.error = error
+        if self.wake is not None and not self.wake.done() and (self.ended or not self.holding):
+            self.wake.set_result(None)
+
+    async def take(self, hold: float) -> tuple:
+        """(merged delta or None, error or None): after `hold` seconds (sooner if the request
+        ends), whatever has come, waiting for at least one item."""
+        loop = asyncio.get_running_loop()
+        if hold > 0 and not self.ended:
+            await self._wait(loop, holding=True, timeout=hold)
+        while not self.deltas and self.error is None:
+            await self._wait(loop, holding=False)
+        deltas, self.deltas = self.deltas, []
+        delta = (deltas[0] if len(deltas) == 1 else accumulate(deltas)) if deltas else None
+        return delta, self.error
+
+    async def _wait(self, loop, holding: bool, timeout: float | None = None) -> None:
+        self.wake, self.holding = loop.create_future(), holding
+        timer = None if timeout is None else loop.call_later(timeout, _settle, self.wake)
+        try:
+            await self.wake
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self.wake = None
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def refusal(exc: BaseException) -> BaseException | None:
