@@ -58,7 +58,8 @@ class Outbox:
 
     async def take(self, reader: int) -> list[tuple] | None:
         """[(request id, merged delta or None, error or None)] for every request with news,
-        once there is some; None when a newer stream took over."""
+        once there is some; None when a newer stream took over. The deltas leave without
+        their prompt ids (the replica puts its own back)."""
         while True:
             await self.ready.wait()
             if reader != self.reader:
@@ -74,6 +75,8 @@ class Outbox:
                     self.whole.discard(request_id)
                 error = items.pop() if isinstance(items[-1], BaseException) else None
                 delta = (items[0] if len(items) == 1 else accumulate(items)) if items else None
+                if delta is not None:  # the replica has the prompt: not pickled every step
+                    delta.prompt_token_ids = None
                 batch.append((request_id, delta, error))
             if batch:
                 return batch

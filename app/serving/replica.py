@@ -104,6 +104,7 @@ class ReplicaEngine:
             while not finished:
                 delta, error = await inbox.take(hold)
                 if delta is not None:
+                    delta.prompt_token_ids = request.prompt_token_ids  # not sent back (Outbox)
                     finished = delta.finished
                     yield [delta]
                 if error is not None:

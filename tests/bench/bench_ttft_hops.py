@@ -4,12 +4,13 @@ token), entered at each hop of the serving path in turn, in one run:
     .venv/bin/python tests/bench/bench_ttft_hops.py [--n 20]
 
 - in-process: an AsyncEngine in this process (no hop);
-- scheduler actor: its streaming `generate` called directly (one Ray actor hop);
-- HTTP, merged layout (the default): a streamed /v1/completions through Serve's proxy and
-  the ModelServer replica, which streams from its scheduler actor;
+- scheduler actor: `add`, then its output stream, called directly (one Ray actor hop);
+- HTTP, direct ingress (`shoal serve`'s default for one replica): a streamed /v1/completions
+  answered by the ModelServer replica itself, which streams from its scheduler actor;
+- HTTP, merged layout behind Serve's proxy (`serve run`): the same through the proxy;
 - split layout: the LLMServer replica through a Serve DeploymentHandle (Serve's router, the
   replica, then the actor), and HTTP through the proxy and the Ingress replica in front of that.
-Both layouts run side by side, one app each. Also the no-op round trip of each hop (an actor
+The three run side by side, one app each. Also the no-op round trip of each hop (an actor
 method, a handle method, GET /v1/models), and the CPU each process of the local cluster spends
 per HTTP request (from /proc), which on 2 cores comes out of the engine's. The same engine settings as tests/bench/bench_serve.py.
 Prints markdown tables.
@@ -55,7 +56,8 @@ def timed(make_call):
     return once
 
 
-async def measure(options: dict, url: str, split_url: str, n: int) -> list[tuple[str, float]]:
+async def measure(options: dict, url: str, split_url: str, direct_url: str,
+                  n: int) -> list[tuple[str, float]]:
     from ray import serve
 
     from app.serving.replica import EngineRequest
@@ -89,12 +91,14 @@ async def measure(options: dict, url: str, split_url: str, n: int) -> list[tuple
     cases = [
         ("in-process engine", timed(lambda: engine.generate(PROMPT, params, uuid.uuid4().hex))),
         ("scheduler actor, directly (add + a new output stream)", timed(first_ref)),
+        ("direct ingress: HTTP stream (ModelServer, actor)", timed(first_sse(direct_url))),
         ("merged: HTTP stream (proxy, ModelServer, actor)", timed(first_sse(url))),
         ("split: LLMServer via Serve handle", timed(lambda: handle.options(stream=True).generate.remote(
             EngineRequest(PROMPT, params, uuid.uuid4().hex)))),
         ("split: HTTP stream (proxy, Ingress, handle, LLMServer, actor)", timed(first_sse(split_url))),
         ("no-op: actor method", timed(lambda: scheduler.ready.remote())),
         ("no-op: Serve handle method", timed(lambda: handle.ready.remote())),
+        ("no-op: direct ingress HTTP GET /v1/models", timed(lambda: http.get(f"{direct_url}/v1/models"))),
         ("no-op: merged HTTP GET /v1/models", timed(lambda: http.get(f"{url}/v1/models"))),
         ("no-op: split HTTP GET /v1/models", timed(lambda: http.get(f"{split_url}/v1/models"))),
     ]
@@ -108,7 +112,9 @@ async def measure(options: dict, url: str, split_url: str, n: int) -> list[tuple
     rows = [(name, statistics.median(t) * 1000) for name, t in times.items()]
     engine.shutdown()
     cpu = {}
-    for name, once in [("merged: streamed, 1 token", timed(first_sse(url))),
+    for name, once in [("direct ingress: streamed, 1 token", timed(first_sse(direct_url))),
+                       ("direct ingress: GET /v1/models", timed(lambda: http.get(f"{direct_url}/v1/models"))),
+                       ("merged: streamed, 1 token", timed(first_sse(url))),
                        ("merged: GET /v1/models", timed(lambda: http.get(f"{url}/v1/models"))),
                        ("split: streamed, 1 token", timed(first_sse(split_url))),
                        ("split: GET /v1/models", timed(lambda: http.get(f"{split_url}/v1/models")))]:
@@ -150,16 +156,26 @@ def main():
                    kv_cache_memory=1.0, attn_backend="native")
     served = {**options, "shard_cpus": args.threads, "stream_chunks_per_s": 100}
     url = start_serve({**served, "serve_layout": "merged"})
+    direct = None
     try:
         from ray import serve
 
-        from app.serving.builder import build_app
+        from app.config import load_config
+        from app.serving.builder import application, build_app
+        from app.serving.direct_http import ListeningSocket
         # Logical CPUs only (both engines run num_threads torch threads): 4 in all fit both apps.
         serve.run(build_app({**served, "serve_layout": "split", "shard_cpus": 1.5}), name="split",
                   route_prefix="/split")
-        rows, cpu = asyncio.run(measure(options, url, f"{url}/split", args.n))
+        # A third app answering on its own socket (what `shoal serve` runs for one replica).
+        direct = ListeningSocket("127.0.0.1", 0)  # a free port
+        serve.run(application(load_config({**served, "shard_cpus": 0.1}), direct.path),
+                  name="direct", route_prefix="/direct")
+        direct_url = "http://%s:%d" % direct.sock.getsockname()[:2]
+        rows, cpu = asyncio.run(measure(options, url, f"{url}/split", direct_url, args.n))
     finally:
         stop_serve()
+        if direct is not None:
+            direct.close()
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| entered at | first token p50 (ms) |\n| --- | --- |")
     for name, ms in rows:
