@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from serving import free_port, loopback_env
 
@@ -54,6 +55,7 @@ def test_a_borrowed_socket_serves_and_the_lender_keeps_listening():
         assert asyncio.run(serve_once()) == {"hello": "world"}  # a second replica borrows it
     finally:
         listener.close()
+    assert not Path(listener.dir).exists()  # the lending socket's folder goes too
     try:
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
         raise AssertionError("the port still listens after close()")
@@ -86,3 +88,11 @@ def test_direct_ingress_needs_one_merged_replica(llama_ckpt):
     assert done.stderr.strip().splitlines()[-1].endswith(
         "--direct-ingress needs one model replica in the merged layout "
         "(no autoscaling, no --serve-layout split)")
+
+
+def test_serve_run_refuses_direct_ingress(llama_ckpt):
+    from app.config import ConfigError
+    from app.serving.builder import build_app
+
+    with pytest.raises(ConfigError, match="^direct_ingress is a `shoal serve` option"):
+        build_app({"model_path": str(llama_ckpt), "direct_ingress": True})

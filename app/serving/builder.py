@@ -10,7 +10,7 @@ import ray
 from ray import serve
 
 from actors.placement import check_fits, default_strategy
-from app.config import ShoalConfig, load_config, replica_count, split_layout
+from app.config import ConfigError, ShoalConfig, load_config, replica_count, split_layout
 from app.serving.ingress import Ingress
 from app.serving.llm_server import LLMServer
 from app.serving.model_server import ModelServer
@@ -20,7 +20,11 @@ from app.serving.replica import placement_bundles
 
 def build_app(args: dict | None = None) -> serve.Application:
     """`args`: shoal's options, or Ray Serve LLM's `llm_configs` (app/serving/ray_llm_config.py)."""
-    return application(load_config(from_llm_configs(args or {})))
+    config = load_config(from_llm_configs(args or {}))
+    if config.deploy.direct_ingress:
+        raise ConfigError("direct_ingress is a `shoal serve` option: under `serve run` the "
+                          "config's http_options and Serve's proxy answer HTTP")
+    return application(config)
 
 
 def application(config: ShoalConfig, listener: str | None = None) -> serve.Application:
