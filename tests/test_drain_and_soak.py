@@ -72,6 +72,14 @@ def test_the_replica_answers_http_without_serves_proxy(server):
     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
 
 
+def test_the_engine_runs_at_the_servers_priority(server):
+    """Not at Ray's default nice 15 for workers (app/cli/serve.py: workers_at_our_priority)."""
+    _, proc, _ = server
+    (scheduler,) = [pid for pid, name in processes(proc.pid).items() if "SchedulerActor" in name]
+    nice = lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # noqa: E731
+    assert nice(scheduler) == nice(proc.pid)
+
+
 def test_a_killed_replica_s_requests_wait_for_the_next_one(server, llama_ckpt):
     """The port stays open in `shoal serve` while Serve replaces the replica: a request sent
     right after the kill is served by the new replica, not refused."""

@@ -208,6 +208,7 @@ def run_server(config: ShoalConfig) -> int:
     except (PlacementError, OSError) as exc:
         print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
+    workers_at_our_priority()
     ray.init(address=address, logging_level=logging.WARNING, **resources)
     stop = stop_event()
     try:
@@ -253,6 +254,7 @@ def run_serve_config(path: str, address: str | None) -> int:
 
     names = [app.name for app in schema.applications]
     address = address or os.environ.get("RAY_ADDRESS") or "local"
+    workers_at_our_priority()
     ray.init(address=address, namespace=SERVE_NAMESPACE)  # the dashboard too, as `serve run`
     stop = stop_event()  # after ray.init, whose SIGTERM handler would exit at once
     code, ours = 0, names  # the applications to delete at the end (on a joined cluster)
@@ -281,6 +283,17 @@ def run_serve_config(path: str, address: str | None) -> int:
     finally:
         shut_down(ours, joined=address != "local")
     return code
+
+
+def workers_at_our_priority() -> None:
+    """A Ray that this process starts runs its workers at this process's priority. Ray's
+    default is nice 15, so that workers never starve the raylet; but the engine (the
+    scheduler and shard actors) is what an inference server must not starve: at nice 15 it
+    loses its cores to any ordinary process (a client on the same machine, llama-server
+    beside it) and measured 0.81 of the in-process engine's throughput where nice 0 gave
+    0.91 (docs/benchmarks.md). Joining a cluster changes nothing: `ray start` decides there
+    (docs/multinode.md)."""
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def local_resources(config: ShoalConfig) -> dict:
