@@ -127,9 +127,6 @@ class AsyncEngine:
         running = {seq.request_id for seq in list(self.engine.scheduler.running)}
         return len(self._streams) - len(running)
 
-    def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
-
     def drain(self) -> None:
         """Take no new requests; those in flight run to their end (see abort_all)."""
         self.draining = True

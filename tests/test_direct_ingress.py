@@ -96,3 +96,14 @@ def test_serve_run_refuses_direct_ingress(llama_ckpt):
 
     with pytest.raises(ConfigError, match="^direct_ingress is a `shoal serve` option"):
         build_app({"model_path": str(llama_ckpt), "direct_ingress": True})
+
+
+def test_direct_ingress_needs_the_local_ray(llama_ckpt):
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(llama_ckpt),
+         "--direct-ingress", "--address", "127.0.0.1:1", "--port", str(free_port())],
+        cwd=REPO, env=loopback_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "shoal serve: error: --direct-ingress lends this process's socket to the replica: it "
+        "needs the local Ray that shoal serve starts, not --address"]

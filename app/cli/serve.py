@@ -198,14 +198,14 @@ def run_server(config: ShoalConfig) -> int:
     resources, listener = {}, None
     try:
         if d.direct_ingress and address != "local":
-            raise PlacementError("--direct-ingress lends this process's socket to the replica: it "
-                                 "needs the local Ray that shoal serve starts, not --address")
+            raise ConfigError("--direct-ingress lends this process's socket to the replica: it "
+                              "needs the local Ray that shoal serve starts, not --address")
         if address == "local":  # this machine is the whole cluster: check before Ray starts
             resources = local_resources(config)
             check_placement(config, [{"CPU": resources["num_cpus"], "GPU": local_gpus()}])
         if d.direct_ingress:  # bound before Ray starts: a port in use fails at once
             listener = ListeningSocket(d.host, d.port)
-    except (PlacementError, OSError) as exc:
+    except (PlacementError, ConfigError, OSError) as exc:
         print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
     workers_at_our_priority()
