@@ -7,8 +7,8 @@ and per stream chunk over the merged one (app/serving/model_server.py); it is wh
 prefix-aware routing needs, since Serve's router reads the prompt from the handle call.
 
 Cancellation: a client that goes away makes Serve cancel the ingress's handle call, which
-cancels `LLMServer.generate`, which closes the scheduler stream: the scheduler aborts the
-request and frees its KV blocks.
+cancels `LLMServer.generate`, which closes the replica's stream of the request: it tells the
+scheduler to abort the request, which frees its KV blocks.
 """
 from __future__ import annotations
 
