@@ -5,8 +5,9 @@ scheduler does, so tp = pp = 1 costs no inter-process hop per step. For larger l
 engine starts ranks 1.. as shard actors in the bundles of `placement` (the replica's
 placement group) and drives them over torch.distributed (actors/shard_actor.py).
 
-Requests come in with `add`; their outputs leave through ONE Ray streaming generator per
-replica, `outputs`: at most one item per engine step, carrying a merged delta (or the error)
+Requests come in with `add`; their outputs leave through ONE stream per replica, `outputs`
+(a Ray streaming generator) or the Unix socket of actors/engine_link.py that a replica on the
+same node uses for both: at most one item per engine step, carrying a merged delta (or the error)
 of every request that has news, as vLLM's engine core and SGLang's scheduler send one message
 per step. A chunk costs ~1 ms of CPU in each process it crosses, whatever it carries, so one
 per step for all requests, rather than one per request, keeps the hop's cost flat in the
@@ -25,6 +26,7 @@ import torch
 
 from actors.async_engine import AsyncEngine
 from actors.config import EngineConfig
+from actors.engine_link import LinkServer
 from actors.metrics import DecodeProgress, Replica
 from actors.ray_metrics import start_ray_export
 from actors.outputs import accumulate
@@ -109,6 +111,7 @@ class SchedulerActor:
         self.engine = AsyncEngine(config, placement)
         self.max_model_len = self.engine.max_model_len
         self.outbox = Outbox(self.engine)
+        self.link = LinkServer(self)
         self.http_counts: dict = {}  # see set_http_counts
         self.replica = replica or Replica()
         self.engine.engine.metrics.set_replica(self.replica)
@@ -140,6 +143,11 @@ class SchedulerActor:
         self.outbox.ready.set()  # whatever piled up meanwhile goes out at once
         while (batch := await self.outbox.take(reader)) is not None:
             yield batch
+
+    async def link_address(self) -> tuple[str, str | None]:
+        """(this node's id, the address of the engine's Unix socket or None where there is none):
+        a replica on this node talks to the engine there instead of through `add` and `outputs`."""
+        return ray.get_runtime_context().get_node_id(), await self.link.start()
 
     def abort(self, request_id: str) -> None:
         self.outbox.drop(request_id)

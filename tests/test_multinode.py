@@ -58,6 +58,34 @@ def test_llm_server_tp2_across_two_nodes(two_nodes, llama_ckpt):
         serve.shutdown()
 
 
+def test_replica_and_its_engine_on_two_nodes_talk_through_ray(two_nodes, llama_ckpt):
+    """STRICT_SPREAD puts the ModelServer replica and its scheduler actor on different nodes:
+    no shared Unix socket, so requests and outputs go through Ray (RayLink) and must come back
+    the same, streamed or not, with the engine's refusals as 400s."""
+    from ray import serve
+
+    from app.serving.builder import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"model_path": str(llama_ckpt), "shard_cpus": 1, "num_kv_blocks": 32,
+                             "placement_strategy": "STRICT_SPREAD"}), name="shoal", route_prefix="/")
+        url = wait_ready(f"http://127.0.0.1:{port}", timeout=120)
+        (ids,) = prompts_of([11])
+        body = {"model": "", "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json=body)
+        assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 10)
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={**body, "stream": True}) as s:
+            text = "".join(line for line in s.iter_lines())
+        assert text.count("data: {") >= 1 and text.endswith("data: [DONE]")
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={**body, "prompt": [10**6]})
+        assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    finally:
+        serve.shutdown()
+
+
 def test_unplaceable_layout_fails_at_once(two_nodes, llama_ckpt):
     from app.serving.builder import build_app
 

@@ -4,11 +4,13 @@ A replica owns a placement group: bundle 0 holds the Serve replica itself (the L
 the split layout, or the ModelServer that also hosts the HTTP API), bundle 1 the scheduler
 actor it starts (with rank 0's shard), bundles 2.. the shard actors of ranks 1.. that the
 engine starts (actors/shard_actor.py). `ReplicaEngine` starts that scheduler and streams
-requests from it.
+requests from it: over a Unix socket when both share a node (actors/engine_link.py), else
+through Ray (`RayLink`).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import ray
@@ -17,6 +19,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import EngineConfig
+from actors.engine_link import SocketLink
 from actors.errors import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
 from actors.metrics import Replica
 from actors.outputs import accumulate
@@ -29,6 +32,8 @@ from app.serving.schedulers import SCHEDULER_NAMESPACE, scheduler_name_prefix
 REFUSALS = (ValueError, QueueFullError, EngineDeadError, RequestFailedError, ShuttingDownError)
 
 SCHEDULER_BUNDLE, FIRST_SHARD_BUNDLE = 1, 2
+
+log = logging.getLogger("shoal.server")
 
 
 @dataclass
@@ -79,7 +84,9 @@ class ReplicaEngine:
                                       replica_info(ctx, model_name))
         self.chunk_rate = stream_chunks_per_s
         self.inboxes: dict[str, Inbox] = {}  # requests in flight, by id
-        self.reader: asyncio.Task | None = None
+        self.link: SocketLink | RayLink | None = None
+        self.reader: asyncio.Task | None = None  # reads self.link while it works
+        self.linking = asyncio.Lock()
 
     async def stream(self, request: EngineRequest):
         """Lists of delta RequestOutputs: the first at once, later ones gathered so this
@@ -88,18 +95,16 @@ class ReplicaEngine:
         request, or EngineDeadError when the scheduler died. Closing the iterator before the
         end (a client gone) aborts the request and frees its KV blocks."""
         inbox = self.inboxes[request.request_id] = Inbox()
-        if self.reader is None or self.reader.done():
-            self.reader = asyncio.create_task(self._read())
         finished = False
+        link = None
         try:
+            link = await self._link()
             try:
-                await self.scheduler.add.remote(
-                    request.prompt_token_ids, request.params, request.request_id,
-                    request.priority, request.lora, request.whole)
-            except (RayTaskError, RayActorError) as exc:
+                await link.add(request.prompt_token_ids, request.params, request.request_id,
+                               request.priority, request.lora, request.whole)
+            except Exception:
                 finished = True  # refused: nothing to abort
-                error = refusal(exc)
-                raise (unwrap(exc) if error is None else error) from None
+                raise
             hold = 0.0
             while not finished:
                 delta, error = await inbox.take(hold)
@@ -113,15 +118,40 @@ class ReplicaEngine:
                 hold = len(self.inboxes) / self.chunk_rate if self.chunk_rate else 0.0
         finally:
             self.inboxes.pop(request.request_id, None)
-            if not finished:  # cancelled by the caller, or failed: free the request's blocks
-                self.scheduler.abort.remote(request.request_id)
+            if not finished and link is not None:  # cancelled by the caller, or failed: free its blocks
+                link.abort(request.request_id)
 
-    async def _read(self) -> None:
+    async def _link(self) -> "SocketLink | RayLink":
+        """The link to the scheduler, with its reader running: the Unix socket when the
+        scheduler shares this node, else Ray's actor calls and streaming generator."""
+        async with self.linking:
+            if self.reader is None or self.reader.done():
+                self.link = await self._open_link()
+                self.reader = asyncio.create_task(self._read(self.link))
+            return self.link
+
+    async def _open_link(self) -> "SocketLink | RayLink":
+        try:
+            node, address = await self.scheduler.link_address.remote()
+            if address is not None and node == ray.get_runtime_context().get_node_id():
+                link = await SocketLink.open(address)
+                log.info("replica %s: its engine is on this node; talking over a Unix socket", self.replica)
+                return link
+        except OSError as exc:  # e.g. a network namespace between them
+            log.warning("replica %s: its engine's Unix socket is out of reach (%s); talking through Ray",
+                        self.replica, exc)
+            return RayLink(self.scheduler)
+        except (RayTaskError, RayActorError) as exc:
+            raise refusal(exc) or unwrap(exc) from None
+        log.info("replica %s: its engine is on another node; talking through Ray", self.replica)
+        return RayLink(self.scheduler)
+
+    async def _read(self, link: "SocketLink | RayLink") -> None:
         """The scheduler's one stream, each request's news to its inbox. Ends (with every
         request in flight failed) when the scheduler dies; the next request starts another."""
         try:
-            async for ref in self.scheduler.outputs.options(num_returns="streaming").remote():
-                for request_id, delta, error in await ref:
+            async for batch in link.batches():
+                for request_id, delta, error in batch:
                     inbox = self.inboxes.get(request_id)
                     if inbox is not None:
                         inbox.put(delta, error)
@@ -141,6 +171,27 @@ class ReplicaEngine:
             await asyncio.sleep(0.5)  # let the final error events leave
         except Exception:  # the scheduler is gone already
             pass
+
+
+class RayLink:
+    """The scheduler through Ray (another node): `add` is an actor call, the outputs its
+    `outputs` streaming generator."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    async def add(self, *args) -> None:
+        try:
+            await self.scheduler.add.remote(*args)
+        except (RayTaskError, RayActorError) as exc:
+            raise refusal(exc) or unwrap(exc) from None
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort.remote(request_id)
+
+    async def batches(self):
+        async for ref in self.scheduler.outputs.options(num_returns="streaming").remote():
+            yield await ref
 
 
 class ReplicaLifecycle:
