@@ -1,6 +1,6 @@
 """The real `shoal serve` process under a short soak; its replica answering HTTP itself
-(direct ingress: no Serve proxy), and a killed replica's requests waiting for the next one;
-then SIGTERM with a stream in flight: it drains (the stream gets all its tokens, new requests
+(direct ingress: no Serve proxy), a killed replica's requests waiting for the next one, and a
+killed engine ending its stream at once and its replica replaced; then SIGTERM with a stream in flight: it drains (the stream gets all its tokens, new requests
 get 503, the probes say not ready), exits 0 within --shutdown-timeout, and leaves no process
 behind."""
 from __future__ import annotations
@@ -98,6 +98,45 @@ def test_a_killed_replica_s_requests_wait_for_the_next_one(server, llama_ckpt):
     schedulers = [n for n in processes(proc.pid).values() if "SchedulerActor" in n]
     assert len(schedulers) == 1, schedulers  # the dead replica's engine went with it
     print(f"killed replica: first answer {answered:.1f} s after the kill")
+
+
+def test_a_killed_engine_ends_its_stream_at_once_then_a_new_replica_answers(server, llama_ckpt):
+    """SIGKILL the scheduler actor mid-stream: the replica's Unix socket to it closes, so the
+    stream ends with an engine_dead error event at once; Serve's health check then replaces
+    the replica, and the port answers again without an operator."""
+    url, proc, log = server
+    (victim,) = [pid for pid, name in processes(proc.pid).items() if "SchedulerActor" in name]
+    body = {"model": "", "prompt": list(range(5, 15)), "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+        detected = time.monotonic() - killed
+    errors = [json.loads(line[6:])["error"] for line in rest if line.startswith("data: {\"error\"")]
+    assert errors and errors[0]["code"] == "engine_dead", rest[-3:]
+    assert rest[-1] == "data: [DONE]" and detected < 5
+    ids = list(range(30, 50))
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+        except httpx.TransportError:  # held by the old replica when Serve stopped it
+            r = None
+        if r is not None and r.status_code == 200:
+            break
+        if r is not None:
+            assert r.status_code == 503 and r.json()["error"]["code"] in ("engine_dead", "not_ready"), r.text
+        assert time.monotonic() < deadline, f"not back after 240 s:\n{log.read_text()[-3000:]}"
+        time.sleep(1)
+    assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 8)
+    assert not alive(victim)
+    print(f"killed engine: stream ended {detected:.2f} s after the kill, "
+          f"answering again {time.monotonic() - killed:.1f} s after it")
 
 
 def test_sigterm_drains_the_stream_in_flight_then_exits_0(server):

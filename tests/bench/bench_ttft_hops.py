@@ -4,7 +4,9 @@ token), entered at each hop of the serving path in turn, in one run:
     .venv/bin/python tests/bench/bench_ttft_hops.py [--n 20]
 
 - in-process: an AsyncEngine in this process (no hop);
-- scheduler actor: `add`, then its output stream, called directly (one Ray actor hop);
+- scheduler actor, called directly: over its Unix socket (`add` and the output stream, as a
+  replica on its node talks to it: actors/engine_link.py), and through Ray (an actor call,
+  then a new streaming generator each time, as a replica on another node does);
 - HTTP, direct ingress (`shoal serve`'s default for one replica): a streamed /v1/completions
   answered by the ModelServer replica itself, which streams from its scheduler actor;
 - HTTP, merged layout behind Serve's proxy (`serve run`): the same through the proxy;
@@ -60,17 +62,30 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
                   n: int) -> list[tuple[str, float]]:
     from ray import serve
 
+    from actors.engine_link import SocketLink
+    from actors.scheduler_actor import scheduler_actor_class
     from app.serving.replica import EngineRequest
-    from app.serving.schedulers import scheduler_actors
 
     engine = AsyncEngine(EngineConfig(**options))
     params = SamplingParams(max_tokens=1, temperature=0)
-    scheduler = next(iter(scheduler_actors("bench").values()))
+    # Two scheduler actors of the benchmark's own, one per way in: a new output stream takes
+    # the actor's outputs from the last (a replica's would lose its own).
+    scheduler, linked = (scheduler_actor_class({"CPU": 0}).remote(EngineConfig(**options))
+                         for _ in range(2))
+    _, address = await linked.link_address.remote()
+    link = await SocketLink.open(address)
+    firsts: dict[str, asyncio.Future] = {}
+
+    async def read_link():
+        async for batch in link.batches():
+            for request_id, _, _ in batch:
+                if request_id in firsts and not firsts[request_id].done():
+                    firsts[request_id].set_result(None)
+    reader = asyncio.create_task(read_link())
     handle = serve.get_deployment_handle("LLMServer", "split")
     http = httpx.AsyncClient(timeout=60)
 
     async def first_ref():
-        # Sequential cases, so this output stream (which replaces the replica's) misses nothing.
         request_id = uuid.uuid4().hex
         outputs = scheduler.outputs.options(num_returns="streaming").remote()
         await scheduler.add.remote(PROMPT, params, request_id)
@@ -78,6 +93,13 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
             if any(item[0] == request_id for item in await ref):
                 yield request_id
                 return
+
+    async def first_on_link():
+        request_id = uuid.uuid4().hex
+        firsts[request_id] = asyncio.get_running_loop().create_future()
+        await link.add(PROMPT, params, request_id, 0, None, False)
+        await firsts[request_id]
+        del firsts[request_id]
 
     def first_sse(base: str):
         async def first():
@@ -90,7 +112,8 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
 
     cases = [
         ("in-process engine", timed(lambda: engine.generate(PROMPT, params, uuid.uuid4().hex))),
-        ("scheduler actor, directly (add + a new output stream)", timed(first_ref)),
+        ("scheduler actor over its Unix socket (add, its output stream)", timed(first_on_link)),
+        ("scheduler actor through Ray (add + a new output stream)", timed(first_ref)),
         ("direct ingress: HTTP stream (ModelServer, actor)", timed(first_sse(direct_url))),
         ("merged: HTTP stream (proxy, ModelServer, actor)", timed(first_sse(url))),
         ("split: LLMServer via Serve handle", timed(lambda: handle.options(stream=True).generate.remote(
@@ -124,6 +147,7 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
         after = cluster_cpu()
         cpu[name] = {k: (after[k] - before.get(k, after[k])) / n * 1000 for k in after}
     await http.aclose()
+    reader.cancel()
     return rows, cpu
 
 
