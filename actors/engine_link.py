@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import pickle
 import secrets
@@ -25,8 +24,6 @@ import struct
 import sys
 
 from actors.errors import EngineDeadError
-
-log = logging.getLogger("shoal.scheduler")
 
 HEADER = struct.Struct("!I")
 PEERCRED = struct.Struct("3i")  # pid, uid, gid

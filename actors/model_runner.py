@@ -307,7 +307,8 @@ class ModelRunner:
         if any(p.top_p < 1 for p in params):
             b.top_p = f([p.top_p for p in params])
         if any(p.top_k > 0 for p in params):
-            b.top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+            # (a top_k past the vocabulary keeps every token, and must not overflow int64)
+            b.top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
         if any(p.min_p > 0 for p in params):
             b.min_p = f([p.min_p for p in params])
         self._penalties(b, seqs, vocab)

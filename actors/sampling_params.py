@@ -51,6 +51,8 @@ class SamplingParams:
             ("temperature", self.temperature >= 0, "must be non-negative"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1, 0 or positive"),
+            ("seed", self.seed is None or -2**63 <= self.seed <= 2**64 - self.n,  # torch's range
+             "must fit in 64 bits"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),

@@ -97,6 +97,19 @@ def test_mixed_sampling_settings_share_a_batch(qwen3_ckpt):
     assert_pool_free(llm)
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token(llama_ckpt):
+    """Fuzzing sent top_k = 2**70: it must sample like no top_k, not overflow and kill the
+    engine; a seed outside torch's 64 bits is refused by name."""
+    llm = LLM(str(llama_ckpt), num_kv_blocks=64)
+    ids = prompts_of([7])[0]
+    huge, off = (SamplingParams(temperature=1.0, top_k=k, seed=5, max_tokens=8, ignore_eos=True)
+                 for k in (2**70, 0))
+    assert llm.generate([ids], huge)[0].outputs[0].token_ids == llm.generate([ids], off)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="seed must fit in 64 bits"):
+        SamplingParams(seed=2**64)
+    assert_pool_free(llm)
+
+
 def test_prefix_cache_hits_give_identical_output(llama_ckpt):
     llm = LLM(str(llama_ckpt), block_size=4, num_kv_blocks=64)
     shared = prompts_of([33], seed=3)[0]
