@@ -166,3 +166,43 @@ def check_drain(url: str, start_drain, tokens: int, timeout_s: float, log: Path)
     finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
     assert finishes[-1] == "length" and events[-1]["usage"]["completion_tokens"] == tokens  # all of them
     return streamed, signalled
+
+
+def kill_mid_stream(url: str, victim: int, prompt: list[int]) -> tuple[list[str], float, float]:
+    """Stream a long greedy completion and SIGKILL `victim` once tokens flow: the SSE data
+    lines that came after the kill, the kill's monotonic time, and the seconds from the kill
+    to the stream's end."""
+    body = {"model": "", "prompt": prompt, "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+    return rest, killed, time.monotonic() - killed
+
+
+def stream_errors(lines: list[str]) -> list[dict]:
+    """The error objects among SSE data lines."""
+    events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    return [e["error"] for e in events if "error" in e]
+
+
+def wait_answered(url: str, ids: list[int], max_tokens: int, log: Path, timeout: float = 240) -> list[int]:
+    """A greedy completion's token ids, once the server answers 200 again: while Serve replaces
+    a replica it may say 503 engine_dead or not_ready, or drop a connection the old one held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+        except httpx.TransportError:
+            r = None
+        if r is not None and r.status_code == 200:
+            return r.json()["choices"][0]["token_ids"]
+        if r is not None:
+            assert r.status_code == 503 and r.json()["error"]["code"] in ("engine_dead", "not_ready"), r.text
+        assert time.monotonic() < deadline, f"not back after {timeout:.0f} s:\n{log.read_text()[-3000:]}"
+        time.sleep(1)

@@ -16,7 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 from oracle import hf_greedy
-from serving import alive, check_sigterm_drain, descendants, free_port, loopback_env, wait_process_ready
+from serving import (
+    alive, check_sigterm_drain, descendants, free_port, kill_mid_stream, loopback_env, stream_errors,
+    wait_answered, wait_process_ready,
+)
 
 from bench.soak import soak
 
@@ -106,34 +109,12 @@ def test_a_killed_engine_ends_its_stream_at_once_then_a_new_replica_answers(serv
     the replica, and the port answers again without an operator."""
     url, proc, log = server
     (victim,) = [pid for pid, name in processes(proc.pid).items() if "SchedulerActor" in name]
-    body = {"model": "", "prompt": list(range(5, 15)), "max_tokens": 480, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        rest = [line for line in lines if line.startswith("data: ")]
-        detected = time.monotonic() - killed
-    errors = [json.loads(line[6:])["error"] for line in rest if line.startswith("data: {\"error\"")]
+    rest, killed, detected = kill_mid_stream(url, victim, list(range(5, 15)))
+    errors = stream_errors(rest)
     assert errors and errors[0]["code"] == "engine_dead", rest[-3:]
     assert rest[-1] == "data: [DONE]" and detected < 5
     ids = list(range(30, 50))
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-                "model": "", "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True})
-        except httpx.TransportError:  # held by the old replica when Serve stopped it
-            r = None
-        if r is not None and r.status_code == 200:
-            break
-        if r is not None:
-            assert r.status_code == 503 and r.json()["error"]["code"] in ("engine_dead", "not_ready"), r.text
-        assert time.monotonic() < deadline, f"not back after 240 s:\n{log.read_text()[-3000:]}"
-        time.sleep(1)
-    assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 8)
+    assert wait_answered(url, ids, 8, log) == hf_greedy(llama_ckpt, ids, 8)
     assert not alive(victim)
     print(f"killed engine: stream ended {detected:.2f} s after the kill, "
           f"answering again {time.monotonic() - killed:.1f} s after it")

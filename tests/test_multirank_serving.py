@@ -8,9 +8,6 @@ on SIGTERM leaving no process behind. `serve run` hosts a pp=2 and a tp=2 expert
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +17,9 @@ import httpx
 import pytest
 import yaml
 from oracle import hf_greedy
-from serving import free_port, loopback_env, stop_process, wait_process_ready
+from serving import (
+    free_port, kill_mid_stream, loopback_env, stop_process, stream_errors, wait_answered, wait_process_ready,
+)
 from test_engine import prompts_of
 
 pytestmark = pytest.mark.slow
@@ -90,35 +89,16 @@ def test_killed_shard_fails_the_stream_then_the_replica_comes_back(tp2_server, l
     url, _, log = tp2_server
     (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
     victim = replica["ranks"][1]["pid"]
-    body = {"model": "", "prompt": prompts_of([5])[0], "max_tokens": 480, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        rest = [line for line in lines if line.startswith("data: ")]
-        detected = time.monotonic() - killed
-    events = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
-    errors = [e["error"] for e in events if "error" in e]
+    rest, killed, detected = kill_mid_stream(url, victim, prompts_of([5])[0])
+    errors = stream_errors(rest)
     assert errors and errors[0]["code"] == "engine_dead", rest[-3:]
     assert detected < DETECT_BOUND_S
     assert rest[-1] == "data: [DONE]"
 
     # Serve's health check replaces the replica; no operator does anything.
     ids = prompts_of([13])[0]
-    deadline = time.monotonic() + 240
-    while True:
-        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": "", "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
-        if r.status_code == 200:
-            break
-        assert r.status_code == 503 and r.json()["error"]["code"] in ("engine_dead", "not_ready"), r.text
-        assert time.monotonic() < deadline, f"not back after 240 s:\n{log.read_text()[-3000:]}"
-        time.sleep(1)
+    assert wait_answered(url, ids, 10, log) == hf_greedy(llama_ckpt, ids, 10)
     recovered = time.monotonic() - killed
-    assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 10)
     (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
     assert replica["engine_alive"] and replica["ranks"][1]["pid"] != victim
     print(f"dead shard: stream failed after {detected:.1f} s, answered again after {recovered:.1f} s")
