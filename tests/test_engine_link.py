@@ -57,6 +57,14 @@ async def finished(news: dict, request_id: str) -> list:
     return news[request_id]
 
 
+async def long_request_running(link: SocketLink, news: dict, request_id: str) -> None:
+    """Start a 500-token request and wait for its first output."""
+    await link.add(prompts_of([9])[0], SamplingParams(max_tokens=500, ignore_eos=True), request_id,
+                   0, None, False)
+    while not news.get(request_id):
+        await asyncio.sleep(0.01)
+
+
 def test_outputs_equal_transformers_and_refusals_come_back(scheduler, llama_ckpt):
     prompts = prompts_of([5, 17])
 
@@ -81,10 +89,7 @@ def test_outputs_equal_transformers_and_refusals_come_back(scheduler, llama_ckpt
 def test_abort_frees_the_blocks_and_a_newer_link_takes_over(scheduler):
     async def go():
         first, news, reader = await connect(scheduler)
-        await first.add(prompts_of([9])[0], SamplingParams(max_tokens=200, ignore_eos=True), "long",
-                        0, None, False)
-        while not news.get("long"):
-            await asyncio.sleep(0.01)
+        await long_request_running(first, news, "long")
         first.abort("long")
         for _ in range(200):
             stats = await scheduler.stats.remote()
@@ -109,10 +114,7 @@ def test_abort_frees_the_blocks_and_a_newer_link_takes_over(scheduler):
 def test_a_dead_actor_fails_the_link(scheduler):
     async def go():
         link, news, reader = await connect(scheduler)
-        await link.add(prompts_of([9])[0], SamplingParams(max_tokens=500, ignore_eos=True), "cut",
-                       0, None, False)
-        while not news.get("cut"):
-            await asyncio.sleep(0.01)
+        await long_request_running(link, news, "cut")
         ray.kill(scheduler)
         with pytest.raises(EngineDeadError, match="socket closed"):
             await reader
