@@ -1,6 +1,7 @@
 """Per-request sampling settings (vLLM's names, so request bodies map one to one)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from actors.structured import StructuredOutput
@@ -48,7 +49,7 @@ class SamplingParams:
             ("n", self.n >= 1, "must be at least 1"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
-            ("temperature", self.temperature >= 0, "must be non-negative"),
+            ("temperature", 0 <= self.temperature < math.inf, "must be non-negative and finite"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1, 0 or positive"),
             ("seed", self.seed is None or -2**63 <= self.seed <= 2**64 - self.n,  # torch's range
@@ -56,7 +57,7 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be positive"),
+            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "must be positive and finite"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "must be in [0, 20]"),

@@ -299,6 +299,7 @@ def test_loglikelihood_length_mismatch(real):
 
 @pytest.mark.parametrize("body, param", [
     ({"messages": USER, "temperature": -1}, "temperature"),
+    ({"messages": USER, "seed": 2**64}, "seed"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": []}, "messages"),
@@ -308,6 +309,13 @@ def test_invalid_fields_are_400_naming_the_field(real, body, param):
     error = assert_error(httpx.post(f"{real}/v1/chat/completions", json=body), 400, param)
     if param == "max_tokens":  # the numbers: the limit and what was asked
         assert "512" in error["message"] and "100000" in error["message"]
+
+
+def test_an_infinite_temperature_is_400(real):
+    """Python's JSON reads `Infinity`; -inf logits (banned tokens) / inf would be NaN."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}'
+    r = httpx.post(f"{real}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert_error(r, 400, "temperature")
 
 
 def test_invalid_json_and_prompt_too_long(real, engine):

@@ -99,7 +99,7 @@ def test_mixed_sampling_settings_share_a_batch(qwen3_ckpt):
 
 def test_a_top_k_past_the_vocabulary_keeps_every_token(llama_ckpt):
     """Fuzzing sent top_k = 2**70: it must sample like no top_k, not overflow and kill the
-    engine; a seed outside torch's 64 bits is refused by name."""
+    engine; a seed outside torch's 64 bits and an infinite temperature are refused by name."""
     llm = LLM(str(llama_ckpt), num_kv_blocks=64)
     ids = prompts_of([7])[0]
     huge, off = (SamplingParams(temperature=1.0, top_k=k, seed=5, max_tokens=8, ignore_eos=True)
@@ -107,6 +107,8 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(llama_ckpt):
     assert llm.generate([ids], huge)[0].outputs[0].token_ids == llm.generate([ids], off)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="seed must fit in 64 bits"):
         SamplingParams(seed=2**64)
+    with pytest.raises(ValueError, match="temperature must be non-negative and finite"):
+        SamplingParams(temperature=float("inf"))  # JSON's Infinity: -inf logits / inf are NaN
     assert_pool_free(llm)
 
 
