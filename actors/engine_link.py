@@ -70,9 +70,7 @@ class LinkServer:
             writer.close()
             return
         outbox = self.actor.outbox
-        outbox.reader += 1
-        sender = asyncio.create_task(self._send(outbox, outbox.reader, writer))
-        outbox.ready.set()  # whatever piled up meanwhile goes out at once
+        sender = asyncio.create_task(self._send(outbox, outbox.open_reader(), writer))
         try:
             while True:
                 message = await read_message(reader)

@@ -58,6 +58,12 @@ class Outbox:
         self.pending.pop(request_id, None)
         self.whole.discard(request_id)
 
+    def open_reader(self) -> int:
+        """A new reader's number: it replaces the last one, and gets what piled up at once."""
+        self.reader += 1
+        self.ready.set()
+        return self.reader
+
     async def take(self, reader: int) -> list[tuple] | None:
         """[(request id, merged delta or None, error or None)] for every request with news,
         once there is some; None when a newer stream took over. The deltas leave without
@@ -138,9 +144,7 @@ class SchedulerActor:
     async def outputs(self):
         """The replica's one stream of every request's news (see Outbox.take); opening a new
         one ends the last (a replica that lost its stream reads on from where it was)."""
-        self.outbox.reader += 1
-        reader = self.outbox.reader
-        self.outbox.ready.set()  # whatever piled up meanwhile goes out at once
+        reader = self.outbox.open_reader()
         while (batch := await self.outbox.take(reader)) is not None:
             yield batch
 
