@@ -76,11 +76,19 @@ def test_the_replica_answers_http_without_serves_proxy(server):
 
 
 def test_the_engine_runs_at_the_servers_priority(server):
-    """Not at Ray's default nice 15 for workers (app/cli/serve.py: workers_at_our_priority)."""
+    """Not at Ray's default nice 15 for workers (app/cli/serve.py: ray_settings_for_serving)."""
     _, proc, _ = server
     (scheduler,) = [pid for pid, name in processes(proc.pid).items() if "SchedulerActor" in name]
     nice = lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # noqa: E731
     assert nice(scheduler) == nice(proc.pid)
+
+
+def test_serves_controller_checks_once_a_second(server):
+    """Its loop's wake-ups stall the engine's threads on shared cores (ray_settings_for_serving)."""
+    _, proc, _ = server
+    (controller,) = [pid for pid, name in processes(proc.pid).items() if "ServeController" in name]
+    environ = Path(f"/proc/{controller}/environ").read_bytes().split(b"\0")
+    assert b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1" in environ
 
 
 def test_a_killed_replica_s_requests_wait_for_the_next_one(server, llama_ckpt):

@@ -208,7 +208,7 @@ def run_server(config: ShoalConfig) -> int:
     except (PlacementError, ConfigError, OSError) as exc:
         print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
-    workers_at_our_priority()
+    ray_settings_for_serving()
     ray.init(address=address, logging_level=logging.WARNING, **resources)
     stop = stop_event()
     try:
@@ -254,7 +254,7 @@ def run_serve_config(path: str, address: str | None) -> int:
 
     names = [app.name for app in schema.applications]
     address = address or os.environ.get("RAY_ADDRESS") or "local"
-    workers_at_our_priority()
+    ray_settings_for_serving()
     ray.init(address=address, namespace=SERVE_NAMESPACE)  # the dashboard too, as `serve run`
     stop = stop_event()  # after ray.init, whose SIGTERM handler would exit at once
     code, ours = 0, names  # the applications to delete at the end (on a joined cluster)
@@ -285,15 +285,22 @@ def run_serve_config(path: str, address: str | None) -> int:
     return code
 
 
-def workers_at_our_priority() -> None:
-    """A Ray that this process starts runs its workers at this process's priority. Ray's
-    default is nice 15, so that workers never starve the raylet; but the engine (the
-    scheduler and shard actors) is what an inference server must not starve: at nice 15 it
-    loses its cores to any ordinary process (a client on the same machine, llama-server
-    beside it) and measured 0.81 of the in-process engine's throughput where nice 0 gave
-    0.91 (docs/benchmarks.md). Joining a cluster changes nothing: `ray start` decides there
+def ray_settings_for_serving() -> None:
+    """Settings a Ray that this process starts passes on to its processes (set here unless
+    the caller's environment sets them):
+    - Workers at this process's priority. Ray's default is nice 15, so that workers never
+      starve the raylet; but the engine (the scheduler and shard actors) is what an inference
+      server must not starve: at nice 15 it loses its cores to any ordinary process (a client
+      on the same machine, llama-server beside it) and measured 0.81 of the in-process
+      engine's throughput where nice 0 gave 0.91.
+    - Serve's controller checks its deployments once a second, not ten times. Its loop is the
+      busiest of Ray's own processes on an idle server (~5% of a core, ~330 wake-ups a
+      second), and every wake-up on a core the engine's threads share stalls both at their
+      next barrier: the llama.cpp comparison's throughput rose ~10% with it.
+    (docs/benchmarks.md.) Joining a cluster changes nothing: `ray start` decides there
     (docs/multinode.md)."""
     os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1")
 
 
 def local_resources(config: ShoalConfig) -> dict:

@@ -120,13 +120,13 @@ def start_serve(options: dict, direct: bool = False) -> str:
     import ray
     from ray import serve
 
-    from app.cli.serve import workers_at_our_priority
+    from app.cli.serve import ray_settings_for_serving
     from app.config import load_config
     from app.serving.builder import application
     from app.serving.direct_http import ListeningSocket
 
     global LISTENER
-    workers_at_our_priority()  # as `shoal serve` starts Ray
+    ray_settings_for_serving()  # as `shoal serve` starts Ray
     ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
              logging_level="WARNING")
     with socket.socket() as s:  # a free port
