@@ -296,7 +296,8 @@ def ray_settings_for_serving() -> None:
     - Serve's controller checks its deployments once a second, not ten times. Its loop is the
       busiest of Ray's own processes on an idle server (~5% of a core, ~330 wake-ups a
       second), and every wake-up on a core the engine's threads share stalls both at their
-      next barrier: the llama.cpp comparison's throughput rose ~10% with it.
+      next barrier: the llama.cpp comparison's throughput rose ~8% with it, averaged over
+      three A/B runs (one of them went the other way).
     (docs/benchmarks.md.) Joining a cluster changes nothing: `ray start` decides there
     (docs/multinode.md)."""
     os.environ.setdefault("RAY_worker_niceness", "0")
