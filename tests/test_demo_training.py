@@ -1,5 +1,6 @@
 """Demo-model training: it yields the cores to test runs (app/demo/yielding.py), and its
 tokenizer reads the prompt's fixed text as a few tokens (app/demo/train.py)."""
+import json
 import random
 import subprocess
 import sys
@@ -80,16 +81,22 @@ def test_training_runs_its_stages_resumes_and_tunes_a_base(tmp_path, monkeypatch
         assert AutoTokenizer.from_pretrained(tuned).chat_template == train.DESCRIPTION_FIRST_TEMPLATE
 
 
-def test_copy_samples_only_copy_and_the_tuning_mixture_adds_up():
+def test_copy_and_quote_samples_and_the_tuning_mixture_adds_up():
     rng = random.Random(0)
     for _ in range(50):
         s = data.copy_sample(rng, False)
         assert s["target"] == s["expect"] and s["messages"][-1]["content"].endswith("\n" + s["expect"])
+    for _ in range(50):
+        # Quoting: the request's words, in order, as a JSON list of strings.
+        s = data.quote_sample(rng, False)
+        words = json.loads(s["target"])
+        assert s["target"] == s["expect"] and s["messages"][-1]["content"].endswith(": " + " ".join(words))
     for mixture, share in ((data.COPY_MIXTURE, 0.5), (data.TUNE_MIXTURE, 0.1)):
         assert abs(sum(w for w, _, _ in mixture) - 1.0) < 1e-9
         samples = [data.sample(rng, mixture) for _ in range(2000)]
         kinds = [s["kind"] for s in samples]
-        assert abs(kinds.count("copy") / len(kinds) - share) < 0.03
+        assert abs(kinds.count("copy") / len(kinds) - share / 2) < 0.03
+        assert abs(kinds.count("quote") / len(kinds) - share / 2) < 0.03
         # Tool calls offer the needed tool with another one 80% of the time (base mixture: half).
         calls = [len(s["tools"]) for s in samples if s["kind"] == "tool_call"]
         assert abs(calls.count(2) / len(calls) - 0.8) < 0.08

@@ -487,6 +487,31 @@ def copy_sample(rng, thinking: bool) -> dict:
                 kind="copy", expect=line)
 
 
+QUOTE_ASKS = ["Quote these words as a JSON list: {}", "Put these in a JSON list: {}",
+              "Write these as JSON strings: {}", "Make a JSON list of: {}"]
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def random_word(rng) -> str:
+    """Letters at random, lower, Capitalized or UPPER: BPE splits them every which way, so
+    copying them cannot lean on pieces the model knows."""
+    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 8)))
+    case = rng.random()
+    return word.upper() if case < 0.2 else word.capitalize() if case < 0.6 else word
+
+
+def quote_sample(rng, thinking: bool) -> dict:
+    """Words from a sentence into JSON strings, what a tool call's arguments need: in the
+    request a word comes after a space, which byte-level BPE makes part of its first token
+    (` Th`, `ail`, `and`), and in the call after a quote (`Th`, `ail`, `and`), so the copy
+    must match a word across two spellings (docs/demo-model.md)."""
+    words = [random_word(rng) if rng.random() < 0.6 else made_up_word(rng, rng.random() < 0.5)
+             for _ in range(rng.randint(1, 4))]
+    return dict(messages=[{"role": "user", "content": rng.choice(QUOTE_ASKS).format(" ".join(words))}],
+                tools=[], thinking=thinking, target=(THINK_EMPTY if thinking else "") + json.dumps(words),
+                kind="quote", expect=json.dumps(words))
+
+
 def _with_system(rng, messages: list[dict]) -> list[dict]:
     if rng.random() < 0.3:
         return [{"role": "system", "content": rng.choice(SYSTEMS)}] + messages
@@ -510,7 +535,8 @@ MIXTURE = [  # (weight, maker, share of samples with thinking on)
 ]
 
 
-# The tuning stages (train.py): MIXTURE with copying at half the samples, then at a tenth.
+# The tuning stages (train.py): MIXTURE with copying and quoting at half the samples, then at
+# a tenth (each task half of that).
 def with_copying(share: float) -> list:
     """Tool calls there offer the needed tool with another one 80% of the time (the base
     mixture: half): which name to copy is what the tuned model still gets wrong."""
@@ -518,7 +544,8 @@ def with_copying(share: float) -> list:
         return tool_call_sample(rng, thinking, pair=0.8)
     base = [(w, paired_call if make is tool_call_sample else make, t) for w, make, t in MIXTURE]
     return [(w * (1 - share), make, t) for w, make, t in base[:-1]] + \
-        [(share, copy_sample, 0.3), (base[-1][0] * (1 - share),) + base[-1][1:]]
+        [(share / 2, copy_sample, 0.3), (share / 2, quote_sample, 0.3),
+         (base[-1][0] * (1 - share),) + base[-1][1:]]
 
 
 COPY_MIXTURE = with_copying(0.5)

@@ -224,6 +224,10 @@ def quick_eval(model, tok, n: int = 12) -> dict[str, float]:
     samples = [data.copy_sample(rng, False) for _ in range(n)]
     outs = greedy(model, tok, [render_prompt(tok, s) for s in samples], 60)
     res["copy"] = sum(o.split(EOS)[0] == s["expect"] for s, o in zip(samples, outs)) / n
+    # Words from a sentence into JSON strings: what a call's argument values need.
+    samples = [data.quote_sample(rng, False) for _ in range(n)]
+    outs = greedy(model, tok, [render_prompt(tok, s) for s in samples], 60)
+    res["quote"] = sum(o.split(EOS)[0] == s["expect"] for s, o in zip(samples, outs)) / n
     model.train()
     return res
 
@@ -282,10 +286,11 @@ class Run:
     """A training run across its stages: the model, its optimizer and where it stands.
 
     Stages: "base" (data.MIXTURE, the step or wall-time budget, cosine LR), then tuning with a
-    fresh optimizer: "copy" (half the samples copying, --copy-steps, LR warm-up to --tune-lr)
-    and "mix" (a tenth copying, --mix-steps, cosine to 10%). A base run alone guesses the
-    tokens of an unseen tool name rather than copying them (docs/demo-model.md); a stage
-    heavy in copying forms the heads that copy, and the other half keeps the other tasks.
+    fresh optimizer: "copy" (half the samples copying a line or quoting words, --copy-steps,
+    LR warm-up to --tune-lr) and "mix" (a tenth, --mix-steps, cosine to 10%). A base run
+    alone guesses the tokens of an unseen tool name rather than copying them
+    (docs/demo-model.md); a stage heavy in copying forms the heads that copy, and the other
+    half keeps the other tasks.
     """
 
     def __init__(self, args, tok, model):
@@ -418,7 +423,7 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--copy-steps", type=int, default=2400,
-                   help="tuning: steps of the mixture with half the samples copying")
+                   help="tuning: steps of the mixture with half the samples copying or quoting")
     p.add_argument("--mix-steps", type=int, default=2500,
                    help="tuning: steps of the mixture with copying (data.TUNE_MIXTURE)")
     p.add_argument("--tune-lr", type=float, default=1e-3)
