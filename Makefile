@@ -34,12 +34,14 @@ bench: install
 	$(PY) tests/bench/bench_engine.py
 
 # The bundled default model (actors/demo_model): synthetic chats, own BPE, a 105-minute base
-# run on 2 cores, then 35-55 minutes of tuning stages that teach copying, the recipe in app/demo
+# run on 2 cores, then 45-70 minutes of tuning stages that teach copying, the recipe in app/demo
 # (docs/demo-model.md). Resumable: stop it any
 # time and run it again to continue (a checkpoint every 4 minutes, build/demo_train/state.pt);
-# it pauses while a test run or demo-eval runs.
+# it pauses while a test run or demo-eval runs. The second command runs the finished mix
+# stage on from 2,500 to 4,000 steps (the tail of a longer cosine), as the shipped model was.
 demo-model: install
 	$(PY) -m app.demo.train --minutes 105 --out actors/demo_model
+	$(PY) -m app.demo.train --minutes 105 --mix-steps 4000 --out actors/demo_model
 
 # Held-out exact-match rates of the bundled model through `shoal serve` (docs/demo-model.md).
 demo-eval: install
