@@ -503,8 +503,8 @@ def random_word(rng) -> str:
 def quote_sample(rng, thinking: bool) -> dict:
     """Words from a sentence into JSON strings, what a tool call's arguments need: in the
     request a word comes after a space, which byte-level BPE makes part of its first token
-    (` Th`, `ail`, `and`), and in the call after a quote (`Th`, `ail`, `and`), so the copy
-    must match a word across two spellings (docs/demo-model.md)."""
+    (` T`, `h`, `ail`, `an`, `d`), and in the call after a quote (`Th`, `ail`, `an`, `d`), so
+    the copy must match a word across two spellings (docs/demo-model.md)."""
     words = [random_word(rng) if rng.random() < 0.6 else made_up_word(rng, rng.random() < 0.5)
              for _ in range(rng.randint(1, 4))]
     return dict(messages=[{"role": "user", "content": rng.choice(QUOTE_ASKS).format(" ".join(words))}],
