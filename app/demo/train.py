@@ -219,15 +219,13 @@ def quick_eval(model, tok, n: int = 12) -> dict[str, float]:
             else:
                 ok += answer_number(o) == s["expect"]
         res[kind] = ok / n
-    # Copying a line of unseen names, what a tool call needs for an unseen tool's name.
+    # Copying a line of unseen names (what a call needs for an unseen tool's name) and
+    # quoting words into JSON strings (what its argument values need).
     rng = random.Random(7)
-    samples = [data.copy_sample(rng, False) for _ in range(n)]
-    outs = greedy(model, tok, [render_prompt(tok, s) for s in samples], 60)
-    res["copy"] = sum(o.split(EOS)[0] == s["expect"] for s, o in zip(samples, outs)) / n
-    # Words from a sentence into JSON strings: what a call's argument values need.
-    samples = [data.quote_sample(rng, False) for _ in range(n)]
-    outs = greedy(model, tok, [render_prompt(tok, s) for s in samples], 60)
-    res["quote"] = sum(o.split(EOS)[0] == s["expect"] for s, o in zip(samples, outs)) / n
+    for kind, make in (("copy", data.copy_sample), ("quote", data.quote_sample)):
+        samples = [make(rng, False) for _ in range(n)]
+        outs = greedy(model, tok, [render_prompt(tok, s) for s in samples], 60)
+        res[kind] = sum(o.split(EOS)[0] == s["expect"] for s, o in zip(samples, outs)) / n
     model.train()
     return res
 
