@@ -34,7 +34,7 @@ bench: install
 	$(PY) tests/bench/bench_engine.py
 
 # The bundled default model (actors/demo_model): synthetic chats, own BPE, a 105-minute base
-# run on 2 cores, then 45-70 minutes of tuning stages that teach copying, the recipe in app/demo
+# run on 2 cores, then 25-70 minutes of tuning stages that teach copying, the recipe in app/demo
 # (docs/demo-model.md). Resumable: stop it any
 # time and run it again to continue (a checkpoint every 4 minutes, build/demo_train/state.pt);
 # it pauses while a test run or demo-eval runs. The second command runs the finished mix

@@ -91,7 +91,11 @@ def test_copy_and_quote_samples_and_the_tuning_mixture_adds_up():
         s = data.quote_sample(rng, False)
         words = json.loads(s["target"])
         assert s["target"] == s["expect"] and s["messages"][-1]["content"].endswith(": " + " ".join(words))
-    for mixture, share in ((data.COPY_MIXTURE, 0.5), (data.TUNE_MIXTURE, 0.1)):
+    # Spliced words are slices of the data's own words (`lav` + `ico`), never one of them.
+    spliced = [data.spliced_word(rng) for _ in range(500)]
+    assert not {w.lower() for w in spliced} & set(data.VALUE_WORDS)
+    assert all(w.isalpha() and len(w) >= 4 for w in spliced)
+    for mixture, share in ((data.COPY_MIXTURE, 0.5), (data.TUNE_MIXTURE, 0.2)):
         assert abs(sum(w for w, _, _ in mixture) - 1.0) < 1e-9
         samples = [data.sample(rng, mixture) for _ in range(2000)]
         kinds = [s["kind"] for s in samples]
@@ -100,5 +104,34 @@ def test_copy_and_quote_samples_and_the_tuning_mixture_adds_up():
         # Tool calls offer the needed tool with another one 80% of the time (base mixture: half).
         calls = [len(s["tools"]) for s in samples if s["kind"] == "tool_call"]
         assert abs(calls.count(2) / len(calls) - 0.8) < 0.08
+        # 60% of them ask for an invented value (base mixture: 30%): none from the lists.
+        values = [v for s in samples if s["kind"] == "tool_call" for v in s["copied"]]
+        invented = [v for v in values if v.lower() not in data.VALUE_WORDS and v not in data.SYMBOLS
+                    and v not in data.CURRENCIES and "@" not in v and ":" not in v and " " not in v]
+        assert 0.4 < len(invented) / len(values) < 0.7
     calls = [len(s["tools"]) for s in (data.sample(rng) for _ in range(2000)) if s["kind"] == "tool_call"]
     assert abs(calls.count(2) / len(calls) - 0.5) < 0.08
+
+
+def test_tuning_targets_spell_copied_values_as_the_request_does():
+    """`Thailand` after a space is ` T`, `h`, `ail`, `an`, `d`; the tuning stages write it
+    `T`, `h`, `ail`, `an`, `d` (canonical: `Th`, ...), the same text."""
+    tok = train.build_tokenizer()
+    rng = random.Random(3)
+    spelled = 0
+    for _ in range(400):
+        s = data.sample(rng, data.TUNE_MIXTURE)
+        if s["kind"] in ("tool_call", "quote"):
+            request = s["messages"][-1]["content"]
+            assert s["copied"] and all(f" {v}" in request for v in s["copied"])
+        _, canonical = train.encode(tok, s)
+        _, labels = train.encode(tok, s, request_spelling=True)
+        assert tok.decode([t for t in labels if t >= 0]) == s["target"] + train.EOS
+        spelled += labels != canonical
+    assert spelled  # some values do split differently after a space
+    target = data.call_text("pop_x", {"country": "Thailand"}) + train.EOS
+    ids = train.encode_target(tok, target, ["Thailand"])
+    request = tok.encode(" Thailand", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(request[:2]) == ["ĠT", "h"]
+    assert _contains(ids, tok.encode(' "T', add_special_tokens=False) + request[1:])
+    assert tok.decode(ids) == target

@@ -365,10 +365,18 @@ def call_text(name: str, arguments: dict) -> str:
     return '<tool_call>\n{"name": "' + name + '", "arguments": ' + json.dumps(arguments) + '}\n</tool_call>'
 
 
-def tool_call_sample(rng, thinking: bool, heldout: bool = False, pair: float | None = None) -> dict:
+def copied_after_space(values, request: str) -> list[str]:
+    """The string values that the request has after a space, in order: byte-level BPE makes
+    that space part of their first token (` T`, `h`, `ail`, `an`, `d` for `Thailand`), which
+    a quoted value lacks (`Th`, `ail`, `an`, `d`); train.py can spell them the request's way."""
+    return [v for v in values if isinstance(v, str) and f" {v}" in request]
+
+
+def tool_call_sample(rng, thinking: bool, heldout: bool = False, pair: float | None = None,
+                     made_up: float = 0.3) -> dict:
     def draw(r):
         dom = r.choice(list(DOMAINS))
-        vals = _args(r, dom, made_up=not heldout and r.random() < 0.3)
+        vals = _args(r, dom, made_up=not heldout and r.random() < made_up)
         return f"{dom}:{vals}", dom, vals
     _, dom, vals = _fresh(rng, draw, heldout, tries=200)
     tools, info = _toolset(rng, dom, heldout, pair=pair)
@@ -378,7 +386,8 @@ def tool_call_sample(rng, thinking: bool, heldout: bool = False, pair: float | N
     target = (THINK_EMPTY if thinking else "") + call_text(name, arguments)
     return dict(messages=_with_system(rng, [{"role": "user", "content": user}]), tools=tools,
                 thinking=thinking, target=target, kind="tool_call",
-                expect={"name": name, "arguments": arguments})
+                expect={"name": name, "arguments": arguments},
+                copied=copied_after_space(vals, user))
 
 
 def tool_result_sample(rng, thinking: bool) -> dict:
@@ -500,16 +509,43 @@ def random_word(rng) -> str:
     return word.upper() if case < 0.2 else word.capitalize() if case < 0.6 else word
 
 
+# The data's own letters-only words (values, names, topics): slices of them make words whose
+# BPE pieces are those of real values (`ish` in `lavish`, `ic` in `Mexico`), which random
+# letters seldom spell and the tuned models still miscopied.
+VALUE_WORDS = sorted({w.lower() for w in " ".join(
+    [*CITIES, *COUNTRIES, *WORDS, *LANGS, *NAME_WORDS, *PEOPLE, *TOPICS, *SONGS]
+).split() if w.isalpha()})
+
+
+def spliced_word(rng) -> str:
+    """Two or three slices of 2-4 letters of VALUE_WORDS (`lav` + `ico`), never one of them."""
+    def piece():
+        w = rng.choice(VALUE_WORDS)
+        n = rng.randint(2, 4)
+        i = rng.randint(0, max(0, len(w) - n))
+        return w[i:i + n]
+    word = "".join(piece() for _ in range(rng.randint(2, 3)))
+    while word in VALUE_WORDS:
+        word += piece()
+    return word.capitalize() if rng.random() < 0.4 else word
+
+
+def quote_word(rng) -> str:
+    r = rng.random()
+    return random_word(rng) if r < 0.4 else \
+        made_up_word(rng, rng.random() < 0.5) if r < 0.7 else spliced_word(rng)
+
+
 def quote_sample(rng, thinking: bool) -> dict:
     """Words from a sentence into JSON strings, what a tool call's arguments need: in the
     request a word comes after a space, which byte-level BPE makes part of its first token
     (` T`, `h`, `ail`, `an`, `d`), and in the call after a quote (`Th`, `ail`, `an`, `d`), so
     the copy must match a word across two spellings (docs/demo-model.md)."""
-    words = [random_word(rng) if rng.random() < 0.6 else made_up_word(rng, rng.random() < 0.5)
-             for _ in range(rng.randint(1, 4))]
-    return dict(messages=[{"role": "user", "content": rng.choice(QUOTE_ASKS).format(" ".join(words))}],
+    words = [quote_word(rng) for _ in range(rng.randint(1, 4))]
+    user = rng.choice(QUOTE_ASKS).format(" ".join(words))
+    return dict(messages=[{"role": "user", "content": user}],
                 tools=[], thinking=thinking, target=(THINK_EMPTY if thinking else "") + json.dumps(words),
-                kind="quote", expect=json.dumps(words))
+                kind="quote", expect=json.dumps(words), copied=copied_after_space(words, user))
 
 
 def _with_system(rng, messages: list[dict]) -> list[dict]:
@@ -536,12 +572,13 @@ MIXTURE = [  # (weight, maker, share of samples with thinking on)
 
 
 # The tuning stages (train.py): MIXTURE with copying and quoting at half the samples, then at
-# a tenth (each task half of that).
+# a fifth (each task half of that).
 def with_copying(share: float) -> list:
     """Tool calls there offer the needed tool with another one 80% of the time (the base
-    mixture: half): which name to copy is what the tuned model still gets wrong."""
+    mixture: half): which name to copy is what the tuned model still gets wrong. 60% of
+    their string values are invented words (base mixture: 30%), which only copying gets right."""
     def paired_call(rng, thinking):
-        return tool_call_sample(rng, thinking, pair=0.8)
+        return tool_call_sample(rng, thinking, pair=0.8, made_up=0.6)
     base = [(w, paired_call if make is tool_call_sample else make, t) for w, make, t in MIXTURE]
     return [(w * (1 - share), make, t) for w, make, t in base[:-1]] + \
         [(share / 2, copy_sample, 0.3), (share / 2, quote_sample, 0.3),
@@ -549,7 +586,7 @@ def with_copying(share: float) -> list:
 
 
 COPY_MIXTURE = with_copying(0.5)
-TUNE_MIXTURE = with_copying(0.1)
+TUNE_MIXTURE = with_copying(0.2)
 
 
 def sample(rng: random.Random, mixture: list = MIXTURE) -> dict:

@@ -131,26 +131,50 @@ def render_prompt(tok, sample: dict) -> str:
                                    add_generation_prompt=True, enable_thinking=sample["thinking"])
 
 
-def encode(tok, sample: dict) -> tuple[list[int], list[int]]:
+def encode(tok, sample: dict, request_spelling: bool = False) -> tuple[list[int], list[int]]:
     """Prompt and target are tokenized apart, exactly as the server sees the prompt and the
-    model then emits its reply; the loss covers the target and the closing <|im_end|>."""
+    model then emits its reply; the loss covers the target and the closing <|im_end|>.
+    With `request_spelling`, values copied from the request keep its tokens (below)."""
     prompt = tok.encode(render_prompt(tok, sample), add_special_tokens=False)
-    target = tok.encode(sample["target"] + EOS, add_special_tokens=False)
+    copied = sample.get("copied", ()) if request_spelling else ()
+    target = encode_target(tok, sample["target"] + EOS, copied)
     ids = (prompt + target)[:MAX_LEN]
     labels = ([-100] * len(prompt) + target)[:MAX_LEN]
     return ids, labels
 
 
+def encode_target(tok, text: str, copied) -> list[int]:
+    """The target's tokens, with each copied value (in order, each a quoted JSON string in
+    `text`) spelled as in the request: `Thailand` after a space there is ` T`, `h`, `ail`,
+    `an`, `d`, and quoted its canonical tokens are `Th`, `ail`, `an`, `d`. Written as `T`,
+    `h`, `ail`, `an`, `d` (the same text), a copy is one piece with its space dropped and
+    then the request's tokens one for one, which is what an induction head does; the
+    canonical spelling must find `ail` after a token the request does not have (the value
+    every tuned model miscopied, docs/demo-model.md)."""
+    def enc(t):
+        return tok.encode(t, add_special_tokens=False)
+    ids, at = [], 0
+    for value in copied:
+        start = text.index(f'"{value}"', at) + 1
+        spelled = enc(" " + value)
+        head = tok.decode(spelled[:1])[1:]  # the first piece without its space
+        ids += enc(text[at:start]) + (enc(head) if head else []) + spelled[1:]
+        at = start + len(value)
+    return ids + enc(text[at:])
+
+
 # --------------------------------------------------------------------------- batches
 
-def batches(tok, seed: int, tokens_per_batch: int, pool: int = 256, mixture: list = data.MIXTURE):
+def batches(tok, seed: int, tokens_per_batch: int, pool: int = 256, mixture: list = data.MIXTURE,
+            request_spelling: bool = False):
     """Length-grouped padded batches of about `tokens_per_batch` tokens (padding waste
     stays small because a pool of samples is sorted by length before it is cut)."""
     it = data.stream(seed, mixture)
     rng = random.Random(seed + 1)
     pad = tok.convert_tokens_to_ids(PAD)
     while True:
-        enc = sorted((encode(tok, next(it)) for _ in range(pool)), key=lambda e: len(e[0]))
+        enc = sorted((encode(tok, next(it), request_spelling) for _ in range(pool)),
+                     key=lambda e: len(e[0]))
         groups, cur = [], []
         for e in enc:
             if cur and (len(cur) + 1) * len(e[0]) > tokens_per_batch:
@@ -285,7 +309,7 @@ class Run:
 
     Stages: "base" (data.MIXTURE, the step or wall-time budget, cosine LR), then tuning with a
     fresh optimizer: "copy" (half the samples copying a line or quoting words, --copy-steps,
-    LR warm-up to --tune-lr) and "mix" (a tenth, --mix-steps, cosine to 10%). A base run
+    LR warm-up to --tune-lr) and "mix" (a fifth, --mix-steps, cosine to 10%). A base run
     alone guesses the tokens of an unseen tool name rather than copying them
     (docs/demo-model.md); a stage heavy in copying forms the heads that copy, and the other
     half keeps the other tasks.
@@ -355,7 +379,9 @@ class Run:
         self.tok.chat_template = STAGE_TEMPLATE[self.stage]  # checkpoints save it too
         total = {"base": a.steps, "copy": a.copy_steps, "mix": a.mix_steps}[self.stage]
         # The data stream is keyed by the step it resumes from, so a resumed run sees new samples.
-        stream = batches(self.tok, SEED + self.step, a.tokens_per_batch, mixture=mixture)
+        # The tuning stages spell copied values the request's way (encode_target).
+        stream = batches(self.tok, SEED + self.step, a.tokens_per_batch, mixture=mixture,
+                         request_spelling=self.stage != "base")
         last_save = last_eval = time.time()
         bar = tqdm(total=total, initial=self.stage_step, dynamic_ncols=True, mininterval=5,
                    desc=self.stage)
