@@ -137,22 +137,28 @@ def test_emits_a_tool_call_with_the_arguments_from_the_request(llm):
     assert json.loads(body.group(1)) == {"name": "get_weather", "arguments": {"city": "Paris"}}
 
 
-def test_calls_tools_it_never_saw_with_values_held_out_of_training(llm):
-    """The eval's tool calls (names never seen in training, held-out values): 88-96% right on
-    draws of 100 (docs/demo-model.md)."""
+def held_out_calls(llm, make, max_tokens: int) -> list[tuple[dict, list[dict]]]:
+    """20 of the eval's kind of problem (`make` from app/demo/data.py, seeded): each sample
+    with the tool calls in the model's greedy reply."""
     import random
 
-    from app.demo.data import tool_call_sample
     from app.demo.eval import parse_tool_calls
     from app.demo.train import render_prompt
 
     rng = random.Random(5)
-    samples = [tool_call_sample(rng, rng.random() < 0.5, heldout=True) for _ in range(20)]
+    samples = [make(rng, rng.random() < 0.5, heldout=True) for _ in range(20)]
     prompts = [llm.tokenizer.encode(render_prompt(llm.tokenizer, s), add_special_tokens=False)
                for s in samples]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=80,
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                 skip_special_tokens=False))
-    right = sum(parse_tool_calls(o.outputs[0].text)[1] == [s["expect"]] for s, o in zip(samples, outs))
+    return [(s, parse_tool_calls(o.outputs[0].text)[1]) for s, o in zip(samples, outs)]
+
+
+def test_calls_tools_it_never_saw_with_values_held_out_of_training(llm):
+    """The eval's tool calls (names never seen in training, held-out values): 88-96% right on
+    draws of 100 (docs/demo-model.md)."""
+    from app.demo.data import tool_call_sample
+    right = sum(calls == [s["expect"]] for s, calls in held_out_calls(llm, tool_call_sample, 80))
     assert right >= 16, f"{right}/20"  # 17/20 with the shipped weights
 
 
@@ -165,17 +171,6 @@ def test_greeting_gets_a_plain_reply(llm):
 def test_declines_a_request_no_offered_tool_covers(llm):
     """The eval's uncovered requests (same requests as tool calls, the covering tool left
     out) get a plain reply, no call: 99% there."""
-    import random
-
     from app.demo.data import decline_sample
-    from app.demo.eval import parse_tool_calls
-    from app.demo.train import render_prompt
-
-    rng = random.Random(5)
-    samples = [decline_sample(rng, rng.random() < 0.5, heldout=True) for _ in range(20)]
-    prompts = [llm.tokenizer.encode(render_prompt(llm.tokenizer, s), add_special_tokens=False)
-               for s in samples]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60,
-                                                skip_special_tokens=False))
-    called = [o.outputs[0].text for o in outs if parse_tool_calls(o.outputs[0].text)[1]]
+    called = [calls for _, calls in held_out_calls(llm, decline_sample, 60) if calls]
     assert len(called) <= 2, called
