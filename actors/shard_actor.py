@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -58,9 +59,9 @@ class ShardActor:
 
 def rank_info(rank: int, device: torch.device) -> dict:
     """Where a rank runs, for /stats and the logs: an operator finds and acts on a shard by it."""
-    import ray
     info = {"rank": rank, "pid": os.getpid(), "device": str(device)}
-    if ray.is_initialized():
+    ray = sys.modules.get("ray")  # an offline engine that never started Ray need not import it
+    if ray is not None and ray.is_initialized():
         info.update(node_ip=node_ip(), node_id=node_id(), gpu_ids=[str(g) for g in ray.get_gpu_ids()])
     return info
 
