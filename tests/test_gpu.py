@@ -1,15 +1,18 @@
 """The engine on CUDA: parity with transformers, flash attention, CUDA graphs, memory sizing,
 tensor and expert parallelism over NCCL. Runs only where CUDA is (flash tests also need
-vllm-flash-attn or flash-attn; tensor parallelism two GPUs). NOT RUN YET ON HARDWARE: these
-were written on a CPU-only machine; see docs/gpu.md.
+vllm-flash-attn or flash-attn; tensor parallelism two GPUs). Last run: one NVIDIA H200,
+2026-11-27, without the flash libraries (docs/gpu.md has what ran and what was measured).
 
-Tolerances (stated up front, to be confirmed on a GPU):
+Tolerances:
 - float32, flash off: greedy tokens equal transformers' (float32, CPU) exactly; log-probs
   within 1e-3 (GPU vs CPU float32 reductions).
-- bf16 with flash: teacher-forced top-1 agreement with transformers float32 on >= 98% of
-  positions; |log-prob difference| <= 0.05 nats on average and <= 0.25 at worst, for the
-  prompt tokens (prefill and chunked prefill over cached blocks) and for the generated tokens
-  (decode), each scored by transformers on the same context.
+- bf16 (native or flash): tests/test_bf16.py's yardstick. transformers in bf16 (CPU) scores
+  the same sequence; each log-prob is within max(3 x gap, 0.05) of it, `gap` being the largest
+  bf16-vs-float32 difference of transformers itself on that sequence, and the top-1 is the same
+  wherever transformers bf16's top-1/top-2 margin is wider than that. Over the prompt tokens
+  (prefill and chunked prefill over cached blocks) and the generated ones (decode). A first
+  guess, top-1 agreement with float32 on >= 98% of all positions, failed on the H200 (94% and
+  97%): on random checkpoints most positions are near-ties that bf16 rounding flips.
 - graphs vs eager: the same tokens; log-probs within 1e-4 (float32) / 2e-2 (bf16: the decode
   kernel may split keys differently when its key bound differs).
 """
@@ -23,13 +26,21 @@ import torch
 from actors.llm import LLM
 from actors.sampling_params import SamplingParams
 from kernels import flash_attention
-from oracle import hf_greedy, hf_logits, hf_prompt_logprobs
+from oracle import hf_greedy, hf_prompt_logprobs
+from test_bf16 import hf_logprobs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 needs_flash = pytest.mark.skipif(flash_attention.installed() is None,
                                  reason="needs vllm-flash-attn or flash-attn")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.fixture(autouse=True)
+def graphs_allowed(monkeypatch):
+    """The suite's SHOAL_EAGER_DECODE=1 (conftest: compiling is slow on CPU) would turn CUDA graphs
+    off too; here they are part of what is tested."""
+    monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)
 
 
 def prompts_of(lengths, seed=0, vocab=500):
@@ -43,14 +54,6 @@ def greedy(n=16, **extra):
 
 def chosen_logprobs(out) -> list[float]:
     return [d[t] for t, d in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
-
-
-def hf_scored(path, ids: list[int], new: list[int]) -> tuple[list[float], list[int]]:
-    """transformers' log-prob of each token of ids + new given what precedes it, and its argmax."""
-    full = ids + new
-    lp = torch.log_softmax(hf_logits(path, full)[:-1], -1)
-    target = torch.tensor(full[1:])
-    return lp.gather(1, target[:, None])[:, 0].tolist(), lp.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("eager", [False, True])
@@ -74,27 +77,36 @@ def test_auto_dtype_is_bf16_on_gpu(checkpoint_factory):
     assert llm.engine.spec.attn_backend == ("flash" if flash_attention.installed() else "native")
 
 
-@needs_flash
+@pytest.mark.parametrize("backend", ["native", pytest.param("flash", marks=needs_flash)])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_flash_bf16_agrees_with_transformers(checkpoint_factory, arch):
+def test_bf16_matches_transformers_bf16(checkpoint_factory, arch, backend):
+    """tests/test_bf16.py's yardstick, on CUDA and over prefill, chunked prefill and decode."""
     path = checkpoint_factory(arch, max_position_embeddings=1024)
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", attn_backend="flash", max_num_batched_tokens=256)
-    assert llm.engine.spec.attn_backend == "flash"
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", attn_backend=backend, max_num_batched_tokens=256)
+    assert llm.engine.spec.attn_backend == backend
     prompts = prompts_of([5, 40, 300, 600], seed=1)  # 600: chunked prefill over cached blocks
     outs = llm.generate(prompts, greedy(32, prompt_logprobs=1, logprobs=1))
-    diffs, agree, total = [], 0, 0
+    positions = checked = agreed = 0
+    worst = 0.0
     for ids, out in zip(prompts, outs):
-        new = out.outputs[0].token_ids
-        hf_lp, hf_top = hf_scored(path, ids, new)
-        ours = [d[t] for t, d in zip(ids[1:], out.prompt_logprobs[1:])] + chosen_logprobs(out)
-        tops = [max(d, key=d.get) for d in out.prompt_logprobs[1:]] + \
-               [max(d, key=d.get) for d in out.outputs[0].logprobs]
-        diffs += [abs(a - b) for a, b in zip(ours, hf_lp)]
-        agree += sum(a == b for a, b in zip(tops, hf_top))
-        total += len(tops)
-    assert agree / total >= 0.98, f"top-1 agreement {agree}/{total}"
-    assert sum(diffs) / len(diffs) <= 0.05 and max(diffs) <= 0.25, (sum(diffs) / len(diffs), max(diffs))
-
+        full = ids + out.outputs[0].token_ids
+        ref, f32 = hf_logprobs(path, full, torch.bfloat16), hf_logprobs(path, full, torch.float32)
+        target = torch.tensor(full[1:])[:, None]
+        ref_lp = ref.gather(1, target)[:, 0]
+        tol = max(3 * (ref_lp - f32.gather(1, target)[:, 0]).abs().max().item(), 0.05)
+        ours = out.prompt_logprobs[1:] + out.outputs[0].logprobs  # one per position of full[1:]
+        for pos, (t, d) in enumerate(zip(full[1:], ours)):
+            worst = max(worst, abs(d[t] - ref_lp[pos].item()) / tol)
+            top2 = ref[pos].topk(2).values
+            if top2[0] - top2[1] > tol:  # a clear choice at this precision
+                checked += 1
+                agreed += max(d, key=d.get) == int(ref[pos].argmax())
+        positions += len(ours)
+    print(f"bf16 {backend} {arch}: worst |log-prob diff| {worst:.2f} x tolerance, top-1 {agreed}/{checked} "
+          f"clear choices of {positions} positions")
+    assert worst <= 1
+    assert checked > 0.2 * positions  # not vacuous: random 600-token prompts give many close calls
+    assert agreed == checked
 
 @pytest.mark.parametrize("backend", ["native", pytest.param("flash", marks=needs_flash)])
 def test_cuda_graphs_equal_eager(checkpoint_factory, backend):
@@ -110,6 +122,8 @@ def test_cuda_graphs_equal_eager(checkpoint_factory, backend):
     got, want = graphed.generate(prompts, params), eager.generate(prompts, params)
     assert graphed.engine.runner.graph_replays > 0 and eager.engine.runner.graph_replays == 0
     tol = 1e-4 if dtype == "float32" else 2e-2
+    print(f"graphs vs eager ({dtype}): {graphed.engine.runner.graph_replays} replays, max |log-prob diff| "
+          f"{max(abs(a - b) for g, w in zip(got, want) for a, b in zip(chosen_logprobs(g), chosen_logprobs(w))):.2e}")
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert chosen_logprobs(g) == pytest.approx(chosen_logprobs(w), abs=tol)
