@@ -86,14 +86,12 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale
     """One chunk: q [n, h, d] at positions start.. over keys k/v [start + n, kvh, d] -> [n, h, d]."""
     n = q.shape[0]
     q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, h, L, d]
-    if k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    gqa = k.shape[1] != q.shape[1]  # SDPA maps query head i to kv head i // group, copying nothing
     if start == 0:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:  # query i sees keys 0 .. start + i
         mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
 
 
@@ -117,13 +115,14 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
 
 
 def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale):
-    """q: [B, Lq, h, d]; block_tables: [B, nb] -> [B, Lq, h, d]."""
+    """q: [B, 1, h, d] decode rows; block_tables: [B, nb]; mask [B, 1, 1, Lk] -> [B, 1, h, d].
+
+    Grouped-query heads are folded into the query axis ([B, kvh, group, d]: query head i reads
+    kv head i // group, as repeat_interleave would), so K/V are never copied per query head:
+    on a GPU that copy was ~70% of a decode step (docs/gpu.md)."""
+    b, _, h, d = q.shape
     k = gather_blocks(k_cache, block_tables, block_size).transpose(1, 2)  # [B, kvh, Lk, d]
     v = gather_blocks(v_cache, block_tables, block_size).transpose(1, 2)
-    q = q.transpose(1, 2)  # [B, h, Lq, d]
-    if k.shape[1] != q.shape[1]:
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+    q = q.reshape(b, k.shape[1], h // k.shape[1], d)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return o.transpose(1, 2)
+    return o.reshape(b, 1, h, d)
