@@ -279,11 +279,12 @@ class ModelRunner:
         chosen = sample(last, self._sampling_batch(samples, last.shape[-1]))
         if any(sq.params.logprobs is not None for sq in samples):
             k = max((sq.params.logprobs or 0) for sq in samples)
-            lp, top_ids, top_lp = token_logprobs(last, chosen, k)
+            lp, top = _logprob_lists(*token_logprobs(last, chosen, k))
+        tokens = chosen.tolist()  # one device read, not one per row (a sync each on a GPU)
         for row, (i, sq) in enumerate(zip(sampling, samples)):
-            out.tokens[i] = int(chosen[row])
+            out.tokens[i] = tokens[row]
             if sq.params.logprobs is not None:
-                out.logprobs[i] = _lp_dict(int(chosen[row]), float(lp[row]), top_ids, top_lp, row, sq.params.logprobs)
+                out.logprobs[i] = _lp_dict(tokens[row], lp[row], top[row], sq.params.logprobs)
         return out
 
     def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list:
@@ -294,8 +295,8 @@ class ModelRunner:
         if not targets:
             return []
         rows = logits[:len(targets)]
-        lp, top_ids, top_lp = token_logprobs(rows, torch.tensor(targets, device=rows.device), k)
-        return [_lp_dict(t, float(lp[r]), top_ids, top_lp, r, k) for r, t in enumerate(targets)]
+        lp, top = _logprob_lists(*token_logprobs(rows, torch.tensor(targets, device=rows.device), k))
+        return [_lp_dict(t, lp[r], top[r], k) for r, t in enumerate(targets)]
 
     def _sampling_batch(self, seqs, vocab: int) -> SamplingBatch:
         params = [s.params for s in seqs]
@@ -364,10 +365,19 @@ class ModelRunner:
         return bias
 
 
-def _lp_dict(chosen: int, chosen_lp: float, top_ids, top_lp, row: int, k: int) -> dict:
+def _logprob_lists(chosen_lp: torch.Tensor, top_ids: torch.Tensor | None, top_lp: torch.Tensor | None):
+    """token_logprobs' tensors as Python lists, read off the device once: [B] floats and, per
+    row, the top-k (id, log-prob) pairs."""
+    lp = chosen_lp.tolist()
+    if top_ids is None:
+        return lp, [()] * len(lp)
+    return lp, [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
+
+
+def _lp_dict(chosen: int, chosen_lp: float, top: list[tuple[int, float]], k: int) -> dict:
     d = {chosen: chosen_lp}
-    for j in range(k):
-        d.setdefault(int(top_ids[row, j]), float(top_lp[row, j]))
+    for token, value in top[:k]:
+        d.setdefault(token, value)
     return d
 
 
