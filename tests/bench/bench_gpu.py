@@ -1,5 +1,5 @@
 """Decode throughput on one GPU: shoal's variants against each other, and against vLLM when it
-is installed in the same environment (CUDA only; not run yet, see docs/gpu.md).
+is installed in the same environment (CUDA only; figures in docs/benchmarks.md).
 
     .venv/bin/python tests/bench/bench_gpu.py [--model-path DIR] [--requests 256] [--output-len 256]
 
