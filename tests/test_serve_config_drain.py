@@ -18,7 +18,6 @@ from serving import (alive, check_drain, check_sigterm_drain, descendants, free_
                      outliving, wait_process_ready)
 
 REPO = Path(__file__).resolve().parent.parent
-STREAM_TOKENS = 500  # ~5-8 s of decoding for the bundled model on this machine
 LONG_STREAM_TOKENS = 4000  # ~15 s on a tiny test checkpoint
 
 
@@ -65,24 +64,29 @@ def test_shoal_drain_without_a_cluster_says_so_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_dev_yaml_drains_on_sigterm_then_exits_0(tmp_path):
+def test_dev_yaml_drains_on_sigterm_then_exits_0(checkpoint_factory, tmp_path):
+    """The stream in flight must outlast the checks made after the signal: the bundled model
+    decodes its 1,024-token context in ~2 s on a fast CPU, so a tiny checkpoint with a long
+    context stands in for it, and the drain gets 60 s."""
     config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args["model_path"] = str(checkpoint_factory("llama", max_position_embeddings=LONG_STREAM_TOKENS + 64))
+    args["shutdown_timeout"] = timeout_s = 60
     port = free_port()
     config["http_options"]["port"] = port
-    timeout_s = config["applications"][0]["args"]["shutdown_timeout"]
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(shoal_serve("--config", str(path)), cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                env=checkout_env(RAY_ADDRESS="local", SHOAL_NUM_KV_BLOCKS="64"))
+                                env=checkout_env(RAY_ADDRESS="local", SHOAL_NUM_KV_BLOCKS="320"))
     url = f"http://127.0.0.1:{port}"
     family: set[int] = set()
     try:
         wait_process_ready(url, proc, log, timeout=180)
         family = descendants(proc.pid)
-        streamed, exited = check_sigterm_drain(url, proc, log, STREAM_TOKENS, timeout_s)
+        streamed, exited = check_sigterm_drain(url, proc, log, LONG_STREAM_TOKENS, timeout_s)
         assert "drained in" in log.read_text()
         print(f"drain: stream complete {streamed:.1f} s, exited 0 {exited:.1f} s after SIGTERM")
     finally:
