@@ -1,20 +1,20 @@
-"""The model's matmuls: on CPU, the linear layers of compiled decode steps go through oneDNN,
-on weights packed once into its blocked layout (float32, and bf16 where the CPU has bf16
-matmuls: AVX512-BF16 or AMX).
+"""The model's matmuls: on CPU, linear layers go through oneDNN's inner product, float32 and
+bf16 where the CPU has bf16 matmuls (AVX512-BF16 or AMX); compiled decode on weights packed
+once into its blocked layout.
 
-torch's `F.linear` on a CPU calls MKL's sgemm. On the AMD EPYC these machines run on, oneDNN's
-inner product (`torch.ops.mkldnn._linear_pointwise`) computes the same product 1.2-1.85x
-faster at decode batch sizes, most for the LM head (`tests/bench/bench_cpu.py linear`,
+torch's `F.linear` on a CPU calls MKL's sgemm, which on AMD CPUs does not use AVX-512: on the
+Zen 5 EPYC of 2026-11-27 it ran 210-220 GFLOP/s at prefill sizes where oneDNN's inner product
+(`torch.ops.mkldnn._linear_pointwise`) ran 450-530, and at decode batch sizes oneDNN was
+1.2-1.85x faster on the earlier AVX2 EPYC (`tests/bench/bench_cpu.py linear`,
 docs/benchmarks.md). Its sums run in another order, so results differ from MKL's in the last
 bits (~1e-6 relative), as any other kernel's would; float32 outputs stay token for token those
-of transformers (tests/test_compiled_decode.py).
+of transformers (tests/test_engine.py, tests/test_compiled_decode.py).
 
-oneDNN builds and keeps a kernel (~0.6 MB, even with its primitive cache off) for every row
-count it meets. Compiled decode (actors/compiled_decode.py) pads its rows to a few bucket
-sizes, so there the kernels stay few; eager steps (prefill chunks of any length) keep MKL,
-whose speed at those sizes is within ~15% of oneDNN's. Inside torch.compile the call is the
-opaque op `shoal::onednn_linear`: inductor's own lowering of the oneDNN op only takes weights
-frozen into the graph as constants.
+oneDNN builds and keeps a kernel for every row count it meets (~0.6 MB each on the AMX Xeon,
+even with its primitive cache off). Compiled decode (actors/compiled_decode.py) pads its rows
+to a few bucket sizes; eager calls (prefill chunks of any length) pad theirs to `eager_rows`.
+Inside torch.compile the call is the opaque op `shoal::onednn_linear`: inductor's own lowering
+of the oneDNN op only takes weights frozen into the graph as constants.
 
 Packed weights (`prepack`) spare oneDNN a reorder of the whole matrix on every call: 1.1x
 (float32) to 1.4x (bf16) on the linears of a decode step, for the linear weights' size again
@@ -79,9 +79,31 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def eager_rows(n: int) -> int:
+    """The row count an eager oneDNN call is padded to: the next power of two up to 256, then
+    the next multiple of 256. oneDNN keeps a kernel per row count it meets; these keep them to
+    9 + max_num_batched_tokens / 256 per weight shape, for at most 1/8 more rows computed on
+    prefill chunks of more than 256 tokens."""
+    return 1 << max(n - 1, 0).bit_length() if n <= 256 else -(-n // 256) * 256
+
+
+def _eager_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    rows = eager_rows(n)
+    if rows != n:
+        padded = flat.new_empty((rows, flat.shape[1]))
+        padded[:n] = flat
+        padded[n:] = 0
+        flat = padded
+    return _onednn(flat, weight, bias)[:n].view(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """oneDNN inside torch.compile (compiled decode), MKL everywhere else (module docstring)."""
-    if (ONEDNN and torch.compiler.is_compiling() and x.dtype in _DTYPES
-            and weight.dtype == x.dtype and x.device.type == "cpu"):
-        return torch.ops.shoal.onednn_linear(x, weight, bias)
+    """oneDNN on CPU (opaque inside torch.compile, row counts bucketed outside it), F.linear
+    elsewhere (module docstring)."""
+    if ONEDNN and x.dtype in _DTYPES and weight.dtype == x.dtype and x.device.type == "cpu":
+        if torch.compiler.is_compiling():
+            return torch.ops.shoal.onednn_linear(x, weight, bias)
+        return _eager_onednn(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -1,4 +1,4 @@
-"""kernels/linear.py: float32 CPU linears through oneDNN inside compiled decode, MKL elsewhere.
+"""kernels/linear.py: CPU linears through oneDNN, row counts bucketed outside torch.compile.
 
 The engine's compiled decode path against transformers (token for token, float32) is checked
 in tests/test_compiled_decode.py; here, the layer itself.
@@ -35,10 +35,24 @@ def test_batched_and_strided_inputs():
     close(torch.ops.shoal.onednn_linear(xt, w, b), F.linear(xt, w, b))
 
 
-def test_eager_calls_are_f_linear():
-    """Outside torch.compile every call is MKL's: no oneDNN kernel per row count."""
-    x, w = torch.randn(4, 8), torch.randn(16, 8)
-    assert torch.equal(linear(x, w), F.linear(x, w))
+def test_eager_row_buckets():
+    assert [linear_mod.eager_rows(n) for n in (0, 1, 3, 64, 65, 256, 257, 512, 2049)] == \
+        [1, 1, 4, 64, 128, 256, 512, 512, 2304]
+
+
+@pytest.mark.parametrize("shape", [(0, 24), (1, 24), (5, 24), (300, 24), (2, 7, 24)])
+def test_eager_calls_pad_rows_to_buckets(monkeypatch, shape):
+    """Outside torch.compile the call is oneDNN's on a padded copy (a kernel per bucket, not per
+    row count); the padding never reaches the result."""
+    seen = []
+    op = linear_mod._LINEAR
+    monkeypatch.setattr(linear_mod, "_LINEAR", lambda x, *rest: seen.append(x.shape[0]) or op(x, *rest))
+    x, w, b = torch.randn(*shape), torch.randn(40, 24), torch.randn(40)
+    out = linear(x, w, b)
+    assert out.shape == (*shape[:-1], 40)
+    close(out, F.linear(x, w, b))
+    rows = x.reshape(-1, 24).shape[0]
+    assert seen == [linear_mod.eager_rows(rows)]
 
 
 @torch.inference_mode()
