@@ -37,13 +37,12 @@ log = logging.getLogger("shoal.scheduler")
 
 class Outbox:
     """Every request's outputs, gathered on the actor's event loop for the `outputs` stream
-    (the AsyncEngine's sink). A `whole` request (not streamed to its client) leaves once,
-    finished: every hop relays it once instead of once per step."""
+    (the AsyncEngine's sink). A `whole` request (not streamed to its client) arrives, and
+    leaves, once: finished (AsyncEngine.submit folds its deltas)."""
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
         self.pending: dict[str, list] = {}  # request id -> deltas (and a final error) not sent
-        self.whole: set[str] = set()
         self.ready = asyncio.Event()
         self.reader = 0  # the stream allowed to take (a newer one replaces an older one)
 
@@ -51,12 +50,10 @@ class Outbox:
         self.pending.setdefault(request_id, []).append(item)
         if _ended(item):
             self.engine.release(request_id, aborted=isinstance(item, BaseException))
-        if request_id not in self.whole or _ended(item):
-            self.ready.set()
+        self.ready.set()
 
     def drop(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
-        self.whole.discard(request_id)
 
     def open_reader(self) -> int:
         """A new reader's number: it replaces the last one, and gets what piled up at once."""
@@ -75,12 +72,7 @@ class Outbox:
             self.ready.clear()
             batch = []
             for request_id, items in list(self.pending.items()):
-                ended = _ended(items[-1])
-                if request_id in self.whole and not ended:
-                    continue
                 del self.pending[request_id]
-                if ended:
-                    self.whole.discard(request_id)
                 error = items.pop() if isinstance(items[-1], BaseException) else None
                 delta = (items[0] if len(items) == 1 else accumulate(items)) if items else None
                 if delta is not None:  # the replica has the prompt: not pickled every step
@@ -132,14 +124,8 @@ class SchedulerActor:
                   priority: int = 0, lora: str | None = None, whole: bool = False) -> None:
         """Start a request (its outputs leave through `outputs`); raises the engine's refusal.
         whole: the caller wants only the finished output (a non-streamed HTTP request)."""
-        if whole:
-            self.outbox.whole.add(request_id)
-        try:
-            await self.engine.submit(prompt_token_ids, params, request_id, self.outbox, priority,
-                                     lora=lora)
-        except BaseException:
-            self.outbox.whole.discard(request_id)
-            raise
+        await self.engine.submit(prompt_token_ids, params, request_id, self.outbox, priority,
+                                 lora=lora, whole=whole)
 
     async def outputs(self):
         """The replica's one stream of every request's news (see Outbox.take); opening a new
