@@ -80,11 +80,14 @@ def _(x, weight, bias):
 
 
 def eager_rows(n: int) -> int:
-    """The row count an eager oneDNN call is padded to: the next power of two up to 256, then
-    the next multiple of 256. oneDNN keeps a kernel per row count it meets; these keep them to
-    9 + max_num_batched_tokens / 256 per weight shape, for at most 1/8 more rows computed on
-    prefill chunks of more than 256 tokens."""
-    return 1 << max(n - 1, 0).bit_length() if n <= 256 else -(-n // 256) * 256
+    """The row count an eager oneDNN call is padded to: n up to 8, then four sizes per octave
+    (5, 6, 7 and 8 eighths of the next power of two). oneDNN keeps a kernel per row count it
+    meets; these keep them to 8 + 4 per doubling of the step's tokens (40 per weight shape up
+    to 2,048 rows), and pad by less than a quarter."""
+    if n <= 8:
+        return max(n, 1)
+    step = 1 << (n - 1).bit_length() - 3
+    return -(-n // step) * step
 
 
 def _eager_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -36,8 +36,10 @@ def test_batched_and_strided_inputs():
 
 
 def test_eager_row_buckets():
-    assert [linear_mod.eager_rows(n) for n in (0, 1, 3, 64, 65, 256, 257, 512, 2049)] == \
-        [1, 1, 4, 64, 128, 256, 512, 512, 2304]
+    assert [linear_mod.eager_rows(n) for n in (0, 1, 3, 8, 9, 64, 65, 257, 300, 512, 2049)] == \
+        [1, 1, 3, 8, 10, 64, 80, 320, 320, 512, 2560]
+    sizes = {linear_mod.eager_rows(n) for n in range(1, 2049)}
+    assert len(sizes) == 40 and all(n <= linear_mod.eager_rows(n) < 1.25 * n for n in range(1, 4097))
 
 
 @pytest.mark.parametrize("shape", [(0, 24), (1, 24), (5, 24), (300, 24), (2, 7, 24)])
