@@ -26,6 +26,7 @@ from actors.metrics import EngineMetrics
 from actors.model_runner import ModelRunner, RunnerOutput
 from actors.model_spec import resolve_model
 from actors.outputs import CompletionOutput, RequestOutput
+from actors.process_tuning import freeze_startup_heap
 from actors.sampling_params import SamplingParams
 from actors.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from actors.sequence import Sequence
@@ -84,6 +85,7 @@ class LLMEngine:
         self.stats = self.metrics.stats
         self.failures: list[tuple[str, Exception]] = []  # requests whose post-processing raised
         self._finished_on_arrival: list[str] = []  # nothing to compute (max_tokens=0)
+        freeze_startup_heap()  # no 350 ms full collections mid-step (actors/process_tuning.py)
 
     def _lora_registry(self, config: EngineConfig) -> LoraRegistry | None:
         if not config.enable_lora:

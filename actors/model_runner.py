@@ -15,7 +15,7 @@ import torch
 from actors import memory_profile
 from actors.compiled_decode import CompiledDecode, eager_by_environment
 from actors.config import EngineConfig
-from actors.cpu_malloc import keep_freed_memory
+from actors.process_tuning import keep_freed_memory
 from actors.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason
 from actors.expert_balancer import ExpertBalancer
 from actors.loader import build_model
@@ -69,7 +69,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # what this rank may use is measured against this
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
         else:
-            keep_freed_memory()  # no page faults on every step's activations (actors/cpu_malloc.py)
+            keep_freed_memory()  # no page faults on every step's activations (actors/process_tuning.py)
         self.args = spec.args
         self.max_model_len = spec.max_model_len
         self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p,

@@ -23,6 +23,7 @@ from actors.model_spec import ModelSpec
 from actors.parallel import init_distributed
 from actors.placement import (build_on_own_thread, check_fits, default_strategy, rank_bundle,
                               rank_runtime_env, use_threads)
+from actors.process_tuning import freeze_startup_heap
 from actors.progress import progress_bar
 
 log = logging.getLogger("shoal.shards")
@@ -42,6 +43,7 @@ class ShardActor:
                      "load_seconds": round(time.perf_counter() - start, 2),
                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                      "parameters": sum(x.numel() for x in self.runner.model.parameters())}
+        freeze_startup_heap()  # as rank 0 does (actors/process_tuning.py)
 
     def describe(self) -> dict:
         return self.info
