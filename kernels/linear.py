@@ -94,11 +94,8 @@ def _eager_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
     rows = eager_rows(n)
-    if rows != n:
-        padded = flat.new_empty((rows, flat.shape[1]))
-        padded[:n] = flat
-        padded[n:] = 0
-        flat = padded
+    if rows != n:  # zero rows, which the result drops (F.pad copies even when it pads nothing)
+        flat = F.pad(flat, (0, 0, 0, rows - n))
     return _onednn(flat, weight, bias)[:n].view(*x.shape[:-1], weight.shape[0])
 
 
