@@ -180,7 +180,7 @@ class ModelRunner:
             if self.lora_layers:
                 self.model.lora_state.batch = self.lora_batch(output)
             if isinstance(self.graphs, CompiledDecode) and self.graphs.can_run(output):
-                return self.graphs.run(output)[output.logit_rows]  # its graph ends with the LM head
+                return _rows(self.graphs.run(output), output.logit_rows)  # its graph ends with the LM head
             if self.graphs is not None and self.graphs.can_run(output):
                 hidden = self.graphs.run(output)
             else:
@@ -278,7 +278,7 @@ class ModelRunner:
         if not sampling:
             return out
         samples = [seqs[i].seq for i in sampling]
-        last = logits[[seqs[i].logits.stop - 1 for i in sampling]]
+        last = _rows(logits, [seqs[i].logits.stop - 1 for i in sampling])
         chosen = sample(last, self._sampling_batch(samples, last.shape[-1]))
         if any(sq.params.logprobs is not None for sq in samples):
             k = max((sq.params.logprobs or 0) for sq in samples)
@@ -366,6 +366,12 @@ class ModelRunner:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
                 bias[row, [t for t in banned if 0 <= t < vocab]] = float("-inf")
         return bias
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] for increasing row indices: x itself when they are all of its rows (a decode
+    step's logits, ~1 MB copied twice a step otherwise)."""
+    return x if len(rows) == len(x) else x[rows]
 
 
 def _logprob_lists(chosen_lp: torch.Tensor, top_ids: torch.Tensor | None, top_lp: torch.Tensor | None):
