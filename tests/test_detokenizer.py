@@ -78,3 +78,28 @@ def test_engine_text_equals_decode_when_the_last_token_cuts_a_character(llama_ck
     out = llm.generate(prompt, params)[0].outputs[0]
     assert out.token_ids == [cut]
     assert out.text == tok.decode([cut]) and out.text.endswith("\ufffd")
+
+
+def test_decoder_equals_the_tokenizers_decode(llama_ckpt):
+    """The Rust tokenizer's own decode, where the detokenizer uses it, gives what
+    `tokenizer.decode` gives: special tokens kept or skipped, cut characters, any ids."""
+    from actors.detokenizer import decoder
+    from actors.loader import resolve_model_path
+
+    for tok in (load_tokenizer(llama_ckpt), load_tokenizer(resolve_model_path(None))):
+        specials = [i for i in tok.all_special_ids if i is not None]
+        cases = [tok.encode("héllo 世界 🙂", add_special_tokens=False), specials + [5, 6] + specials,
+                 list(range(0, 300, 7)), cut_character_ids(tok), []]
+        for skip in (True, False):
+            decode = decoder(tok, skip)
+            assert decode.func == tok._tokenizer.decode  # the fast path is the one under test
+            for ids in cases:
+                assert decode(ids) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_decoder_keeps_transformers_decode_where_it_cleans_up_spaces(llama_ckpt):
+    from actors.detokenizer import decoder
+
+    tok = load_tokenizer(llama_ckpt)
+    tok.clean_up_tokenization_spaces = True
+    assert decoder(tok, True).func == tok.decode
