@@ -11,7 +11,8 @@ hit) gathers its context's blocks. A loop over chunks costs one call per chunk p
 nothing per token.
 
 On CPU the decode rows use the native kernel (kernels/native.py, csrc/paged_attention.cpp)
-when it is available: it reads K/V straight from the pool instead of gathering a copy.
+when it is available: it reads K/V straight from the pool instead of gathering a copy. So do
+short chunks that continue their sequence (SHORT_CHUNK below), a kernel row per token.
 `SHOAL_NATIVE_KERNELS=0` forces the torch path.
 
 With the flash backend (CUDA) the runner sets `meta.flash` and the step goes to
@@ -38,6 +39,25 @@ class AttentionMetadata:
     prefill_chunks: list[tuple[int, int, int]] | None = None  # (first token row, tokens, first position)
     prefill_block_tables: torch.Tensor | None = None  # [Bp, nb]
     flash: flash_attention.FlashMetadata | None = None  # set: the flash backend runs the step
+    # Built by the step's first layer: the short continuation chunks as decode-kernel rows
+    short_chunks: "ShortChunks | None" = None
+
+
+# A chunk that continues its sequence (a prefix-cache hit's last tokens, say) and has at most
+# this many tokens goes through the native decode kernel, one row per token, instead of a
+# gather of its context and SDPA: with a prefix cache most prompts leave a few tokens to compute,
+# and a step of 32 such prompts spent ~15 of its ~60 ms in per-chunk gathers, masks and SDPA
+# calls (docs/benchmarks.md). Token i of a chunk at position s attends to s + i + 1 keys, as a
+# decode row would; a row re-reads its context once per token, so long chunks stay with SDPA.
+SHORT_CHUNK = 16
+
+
+@dataclass
+class ShortChunks:
+    rows: torch.Tensor | slice  # their token rows in the step (a slice when contiguous)
+    block_tables: torch.Tensor  # [T, nb] each token's sequence's blocks
+    context_lens: torch.Tensor  # [T] int32
+    rest: list[int]  # indexes of the chunks left to the per-chunk loop
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -63,7 +83,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_block_tables,
                                meta.block_size, _decode_mask(meta), scale).squeeze(1)
-    for i, (row, n, start) in enumerate(meta.prefill_chunks or ()):
+    chunks = meta.prefill_chunks or []
+    todo = range(len(chunks))
+    op = _native_decode_op(q, k_cache, meta, prefill=True) if chunks else None
+    if op is not None:
+        if meta.short_chunks is None:
+            meta.short_chunks = _short_chunks(meta)
+        _attend_short_chunks(op, q, out, k_cache, v_cache, meta.short_chunks, meta.block_size, scale)
+        todo = meta.short_chunks.rest
+    for i in todo:
+        row, n, start = chunks[i]
         if start == 0 and k is not None:
             ki, vi = k[row:row + n], v[row:row + n]
         else:
@@ -73,6 +102,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             vi = gather_blocks(v_cache, table, meta.block_size)[0, :start + n]
         out[row:row + n] = _causal(q[row:row + n], ki, vi, start, scale)
     return out
+
+
+def _short_chunks(meta: AttentionMetadata) -> ShortChunks:
+    """The step's short continuation chunks as decode-kernel rows (once per step, for every layer)."""
+    rows, chunk_of, lens, rest = [], [], [], []
+    for i, (row, n, start) in enumerate(meta.prefill_chunks):
+        if start > 0 and n <= SHORT_CHUNK:
+            rows.extend(range(row, row + n))
+            chunk_of.extend([i] * n)
+            lens.extend(range(start + 1, start + n + 1))
+        else:
+            rest.append(i)
+    contiguous = bool(rows) and rows[-1] - rows[0] == len(rows) - 1
+    tables = meta.prefill_block_tables
+    return ShortChunks(slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=tables.device),
+                       tables[torch.tensor(chunk_of, dtype=torch.long, device=tables.device)],
+                       torch.tensor(lens, dtype=torch.int32, device=tables.device), rest)
+
+
+def _attend_short_chunks(op, q, out, k_cache, v_cache, short: ShortChunks, block_size: int, scale: float) -> None:
+    """The short chunks' tokens through the decode kernel, into their rows of out."""
+    if not short.context_lens.numel():
+        return
+    if isinstance(short.rows, slice):  # the kernel writes straight into out's rows
+        op(out[short.rows], q[short.rows], k_cache, v_cache, short.block_tables, short.context_lens,
+           block_size, scale)
+        return
+    o = q.new_empty((short.context_lens.numel(), *q.shape[1:]))
+    op(o, q[short.rows], k_cache, v_cache, short.block_tables, short.context_lens, block_size, scale)
+    out.index_copy_(0, short.rows, o)
 
 
 def _decode_mask(meta: AttentionMetadata) -> torch.Tensor:
@@ -98,10 +157,11 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _native_decode_op(q, k_cache, meta: AttentionMetadata):
+def _native_decode_op(q, k_cache, meta: AttentionMetadata, prefill: bool = False):
     """The native decode kernel when it applies here (CPU, a supported dtype), else None."""
     if (q.device.type != "cpu" or q.dtype not in _NATIVE_DTYPES or k_cache.dtype != q.dtype
-            or q.stride(-1) != 1 or k_cache.stride(-1) != 1 or meta.decode_context_lens is None):
+            or q.stride(-1) != 1 or k_cache.stride(-1) != 1
+            or (meta.prefill_block_tables if prefill else meta.decode_context_lens) is None):
         return None
     return native.paged_decode_attention_op()  # builds or loads it on first use
 

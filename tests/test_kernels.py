@@ -285,3 +285,40 @@ def test_engine_uses_native_kernel(checkpoint_factory, op):
     assert calls, "the decode steps did not go through the native kernel"
     for ids, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(path, ids, 16)
+
+
+def mixed_step(chunks, heads, kv_heads, d, block_size, decode_lens=(40, 7), seed=0):
+    """A step of decode rows then prefill chunks ((tokens, first position) each) over one pool,
+    laid out as actors/model_runner.py lays it out; every key the step reads is in the pool."""
+    lens = list(decode_lens) + [start + n for n, start in chunks]
+    q_rows, kc, vc, tables, _ = make_case(lens, heads, kv_heads, d, block_size, seed=seed)
+    nd = len(decode_lens)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(nd + sum(n for n, _ in chunks), heads, d, generator=g)
+    row, spans = nd, []
+    for n, start in chunks:
+        spans.append((row, n, start))
+        row += n
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(q), dtype=torch.long), num_decode_tokens=nd,
+                             block_size=block_size, decode_block_tables=tables[:nd],
+                             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32),
+                             prefill_chunks=spans, prefill_block_tables=tables[nd:])
+    return q, kc, vc, meta
+
+
+@pytest.mark.parametrize("chunks", [
+    [(5, 37), (16, 100), (1, 3), (9, 64)],  # all short continuations: one contiguous kernel call
+    [(20, 0), (5, 37), (17, 50), (16, 100), (1, 3), (40, 16), (2, 290)],  # short ones between others
+], ids=["contiguous", "interleaved"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)], ids=["mha", "gqa4"])
+def test_short_prefill_chunks_through_the_decode_kernel(op, monkeypatch, chunks, heads, kv_heads):
+    """Continuation chunks of up to SHORT_CHUNK tokens (prefix-cache hits) run as decode rows, a
+    row per token; the rest as before. Same numbers as the torch path, chunk by chunk."""
+    from kernels.attention import SHORT_CHUNK
+
+    q, kc, vc, meta = mixed_step(chunks, heads, kv_heads, 64, 16)
+    native_out = paged_attention(q, kc, vc, meta, 0.125)
+    long_chunks = [i for i, (n, start) in enumerate(chunks) if start == 0 or n > SHORT_CHUNK]
+    assert meta.short_chunks.rest == long_chunks
+    meta.short_chunks = None
+    torch.testing.assert_close(native_out, torch_path(q, kc, vc, meta, 0.125, monkeypatch), rtol=0, atol=1e-5)
