@@ -13,11 +13,12 @@ torch.compile specialises sizes 0 and 1, so block tables are padded to at least 
 and the graph is compiled at start-up on 2 padding rows that write to and read from that block:
 every step then runs on the one graph.
 
-The graph ends with the LM head, and its linear layers run through oneDNN
-(kernels/linear.py), which builds and keeps a kernel (~0.6 MB) for every row count it
-meets. So the rows are padded to the next of a few bucket sizes (CUDA graphs' capture sizes:
-2, 4, 8, then multiples of 8 up to --max-num-seqs): the kernels kept stay few and the memory
-bounded, for at most 7 padding rows of work.
+The graph ends with the LM head. Its linear layers run through kernels/linear.py on weights
+packed once here: float32 on an AVX-512 CPU through shoal's panel kernel, else through oneDNN,
+which builds and keeps a kernel (~0.6 MB) for every row count it meets. So the rows are padded
+to the next of a few bucket sizes (CUDA graphs' capture sizes: 2, 4, 8, then multiples of 8 up
+to --max-num-seqs): the kernels kept stay few and the memory bounded, for at most 7 padding
+rows of work.
 
 Compiling takes ~20-40 s on 2 cores (less with inductor's cache warm in
 /tmp/torchinductor_$USER), once per engine start, at start-up; `--eager-decode` (or
@@ -92,5 +93,5 @@ class CompiledDecode:
         """Compile now, on padding rows only (what the first decode step would otherwise pay)."""
         start = time.perf_counter()
         self.fn(*self._inputs([], MIN_ROWS, MIN_BLOCKS))
-        log.info("compiled decode ready in %.1f s (oneDNN-packed weights: %.0f MiB)",
+        log.info("compiled decode ready in %.1f s (packed weights: %.0f MiB)",
                  time.perf_counter() - start, self.packed_bytes / 2**20)

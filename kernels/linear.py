@@ -1,25 +1,25 @@
-"""The model's matmuls: on CPU, linear layers go through oneDNN's inner product, float32 and
-bf16 where the CPU has bf16 matmuls (AVX512-BF16 or AMX); compiled decode on weights packed
-once into its blocked layout.
+"""The model's matmuls on CPU: float32 through shoal's own AVX-512 kernel where the CPU has
+AVX-512 and the weight was packed for it, else through oneDNN's inner product (float32, and
+bf16 where the CPU has bf16 matmuls); `F.linear` elsewhere.
 
 torch's `F.linear` on a CPU calls MKL's sgemm, which on AMD CPUs does not use AVX-512: on the
 Zen 5 EPYC of 2026-11-27 it ran 210-220 GFLOP/s at prefill sizes where oneDNN's inner product
-(`torch.ops.mkldnn._linear_pointwise`) ran 450-530, and at decode batch sizes oneDNN was
-1.2-1.85x faster on the earlier AVX2 EPYC (`tests/bench/bench_cpu.py linear`,
-docs/benchmarks.md). Its sums run in another order, so results differ from MKL's in the last
+(`torch.ops.mkldnn._linear_pointwise`) ran 450-530. At a decode step's 32 rows oneDNN ran
+~330 GFLOP/s, and the panel kernel (csrc/panel_linear.cpp, weights packed in panels of 64
+columns) 380-450, 1.1-1.4x faster, and at least as fast at every row count measured
+(docs/benchmarks.md). Their sums run in other orders than MKL's, so results differ in the last
 bits (~1e-6 relative), as any other kernel's would; float32 outputs stay token for token those
 of transformers (tests/test_engine.py, tests/test_compiled_decode.py).
 
-oneDNN builds and keeps a kernel for every row count it meets (~0.6 MB each on the AMX Xeon,
-even with its primitive cache off). Compiled decode (actors/compiled_decode.py) pads its rows
-to a few bucket sizes; eager calls (prefill chunks of any length) pad theirs to `eager_rows`.
-Inside torch.compile the call is the opaque op `shoal::onednn_linear`: inductor's own lowering
-of the oneDNN op only takes weights frozen into the graph as constants.
-
-Packed weights (`prepack`) spare oneDNN a reorder of the whole matrix on every call: 1.1x
-(float32) to 1.4x (bf16) on the linears of a decode step, for the linear weights' size again
-in memory. CUDA, float16 and bf16 without bf16 matmuls keep `F.linear`.
-`SHOAL_ONEDNN_LINEAR=0` turns the oneDNN path off (read once, at import).
+Packing (`prepack`, which compiled decode calls on its weights) keeps a copy of each weight in
+the layout its kernel reads: the weights' size again in memory. Unpacked weights go to oneDNN,
+which then reorders the whole matrix on every call, and which builds and keeps a kernel for
+every row count it meets (~0.6 MB each on the AMX Xeon): eager oneDNN calls pad their rows to
+`eager_rows`, compiled decode pads to a few bucket sizes. The panel kernel needs neither.
+Inside torch.compile the call is the opaque op `shoal::cpu_linear` (inductor's own lowering of
+the oneDNN op only takes weights frozen into the graph as constants).
+`SHOAL_ONEDNN_LINEAR=0` turns both off (read once, at import); `SHOAL_NATIVE_KERNELS=0` the
+panel kernel alone.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+
+from kernels import native
 
 ONEDNN = torch.backends.mkldnn.is_available() and \
     os.environ.get("SHOAL_ONEDNN_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -38,43 +40,71 @@ _LINEAR = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else None
 _DTYPES = (torch.float32,) + ((torch.bfloat16,) if ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
 
 
-# oneDNN wants its weights in a blocked layout (for AMX, bf16 pairs interleaved) and, given a
-# plain one, reorders the whole matrix on every call. Compiled decode packs them once:
-# weight.data_ptr() -> (the weight's version when packed, the packed copy). An entry goes when
-# its weight is freed, so a later tensor at the same address never meets it.
+# Packed copies: weight.data_ptr() -> (the weight's version when packed, the copy). An entry goes
+# when its weight is freed, so a later tensor at the same address never meets it. A copy is
+# either oneDNN's blocked layout (2-D; for AMX, bf16 pairs interleaved) or the panel kernel's
+# [ceil(N / 64), K, 64] (3-D).
 _PACKED: dict[int, tuple[int, torch.Tensor]] = {}
+_PANEL_OP = None  # torch.ops.shoal_linear.panel_linear, once a weight is packed for it
+_NO_BIAS = torch.empty(0)
+PANEL = 64
 
 
 def prepack(weights: list[torch.Tensor], rows: int) -> int:
-    """Keep a oneDNN-blocked copy of each CPU weight that compiled decode multiplies (float32,
-    or bfloat16 where the CPU has bf16 matmuls), laid out for `rows` input rows (it serves
-    every row count). Returns the bytes the copies take: the weights' size again."""
+    """Keep a packed copy of each CPU weight that compiled decode multiplies: float32 in panels
+    where the CPU has AVX-512 (and the panel kernel builds), else oneDNN's layout for `rows` input
+    rows (it serves every row count; float32, or bfloat16 where the CPU has bf16 matmuls).
+    Returns the bytes the copies take: the weights' size again."""
+    global _PANEL_OP
     if not ONEDNN:
         return 0
     kept = 0
     for w in {w.data_ptr(): w for w in weights}.values():
         if w.device.type == "cpu" and w.dtype in _DTYPES and w.dim() == 2 and w.data_ptr() not in _PACKED:
-            _PACKED[w.data_ptr()] = (w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
+            op = native.panel_linear_op() if w.dtype == torch.float32 else None
+            if op is not None:
+                _PANEL_OP, packed = op, pack_panels(w.detach())
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+            _PACKED[w.data_ptr()] = (w._version, packed)
             weakref.finalize(w, _PACKED.pop, w.data_ptr(), None)
-            kept += w.numel() * w.element_size()
+            kept += packed.numel() * packed.element_size()
     return kept
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 64), K, 64]: panel p holds output columns 64p.. (zeros past N), each
+    k's 64 weights contiguous, as csrc/panel_linear.cpp reads them."""
+    n, k = w.shape
+    panels = -(-n // PANEL)
+    padded = w.new_zeros(panels * PANEL, k)
+    padded[:n] = w
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor | None:
     version, packed = _PACKED.get(weight.data_ptr(), (None, None))
-    if packed is not None and version == weight._version:  # not changed in place since packed
-        weight = packed
-    return _LINEAR(x, weight, bias, "none", [], "")
+    return packed if packed is not None and version == weight._version else None  # not changed in place
+
+
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = _packed(weight)
+    if packed is not None and packed.dim() == 3:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = flat.new_empty((flat.shape[0], weight.shape[0]))
+        _PANEL_OP(out, flat, packed, _NO_BIAS if bias is None else bias.contiguous())
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return _LINEAR(x, weight if packed is None else packed, bias, "none", [], "")
 
 
 # Registered through torch.library rather than @custom_op: ~20 us less per call (32 calls a
 # compiled decode step).
 _library = torch.library.Library("shoal", "FRAGMENT")
-_library.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_library.impl("onednn_linear", _onednn, "CPU")
+_library.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_library.impl("cpu_linear", _cpu_linear, "CPU")
 
 
-@torch.library.register_fake("shoal::onednn_linear")
+@torch.library.register_fake("shoal::cpu_linear")
 def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -90,20 +120,23 @@ def eager_rows(n: int) -> int:
     return -(-n // step) * step
 
 
-def _eager_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    packed = _packed(weight)
+    if packed is not None and packed.dim() == 3:  # the panel kernel takes any row count as it is
+        return _cpu_linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
     rows = eager_rows(n)
     if rows != n:  # zero rows, which the result drops (F.pad copies even when it pads nothing)
         flat = F.pad(flat, (0, 0, 0, rows - n))
-    return _onednn(flat, weight, bias)[:n].view(*x.shape[:-1], weight.shape[0])
+    return _cpu_linear(flat, weight, bias)[:n].view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """oneDNN on CPU (opaque inside torch.compile, row counts bucketed outside it), F.linear
-    elsewhere (module docstring)."""
+    """The panel kernel or oneDNN on CPU (opaque inside torch.compile), F.linear elsewhere
+    (module docstring)."""
     if ONEDNN and x.dtype in _DTYPES and weight.dtype == x.dtype and x.device.type == "cpu":
         if torch.compiler.is_compiling():
-            return torch.ops.shoal.onednn_linear(x, weight, bias)
-        return _eager_onednn(x, weight, bias)
+            return torch.ops.shoal.cpu_linear(x, weight, bias)
+        return _eager(x, weight, bias)
     return F.linear(x, weight, bias)

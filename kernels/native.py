@@ -55,6 +55,19 @@ def paged_decode_attention_op():
     return torch.ops.shoal.paged_decode_attention.default
 
 
+def panel_linear_op():
+    """`op(out, x, packed, bias)`, or None: float32 linear layers on AVX-512 CPUs over weights
+    packed in panels of 64 columns (see csrc/panel_linear.cpp, kernels/linear.py). None also
+    where the CPU lacks AVX-512."""
+    if not enabled() or not _avx512() or not _load("panel_linear", ["panel_linear.cpp"]):
+        return None
+    return torch.ops.shoal_linear.panel_linear.default
+
+
+def _avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+
+
 def cache_root() -> Path:
     env = os.environ.get("SHOAL_KERNEL_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "shoal" / "kernels"

@@ -24,15 +24,15 @@ def test_onednn_matches_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
     b = torch.randn(200, generator=g) if bias else None
-    close(torch.ops.shoal.onednn_linear(x, w, b), F.linear(x, w, b))
+    close(torch.ops.shoal.cpu_linear(x, w, b), F.linear(x, w, b))
 
 
 def test_batched_and_strided_inputs():
     w, b = torch.randn(40, 64), torch.randn(40)
     x3 = torch.randn(2, 5, 64)
-    close(torch.ops.shoal.onednn_linear(x3, w, b), F.linear(x3, w, b))
+    close(torch.ops.shoal.cpu_linear(x3, w, b), F.linear(x3, w, b))
     xt = torch.randn(64, 7).t()  # not contiguous
-    close(torch.ops.shoal.onednn_linear(xt, w, b), F.linear(xt, w, b))
+    close(torch.ops.shoal.cpu_linear(xt, w, b), F.linear(xt, w, b))
 
 
 def test_eager_row_buckets():
@@ -59,13 +59,13 @@ def test_eager_calls_pad_rows_to_buckets(monkeypatch, shape):
 
 @torch.inference_mode()
 def test_compiled_calls_go_through_onednn_with_dynamic_shapes():
-    """Inside torch.compile the op is opaque (shoal::onednn_linear); one graph, every size."""
+    """Inside torch.compile the op is opaque (shoal::cpu_linear); one graph, every size."""
     w, b = torch.randn(48, 32), torch.randn(48)
     f = lambda x: torch.relu(linear(x, w, b))  # noqa: E731
     compiled = torch.compile(f, dynamic=True, fullgraph=True)
     for rows in (2, 5, 64):
         x = torch.randn(rows, 32)
-        assert torch.equal(compiled(x), torch.relu(torch.ops.shoal.onednn_linear(x, w, b)))
+        assert torch.equal(compiled(x), torch.relu(torch.ops.shoal.cpu_linear(x, w, b)))
         close(compiled(x), f(x))
 
 
@@ -85,19 +85,75 @@ PACKED_DTYPES = [torch.float32] + ([torch.bfloat16] if torch.bfloat16 in linear_
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
 def test_prepacked_weights_serve_the_op_until_the_weight_changes_or_goes(dtype):
-    """Compiled decode packs its weights once (oneDNN's blocked layout). The op then reads the
+    """Compiled decode packs its weights once (panels, or oneDNN's blocked layout). The op then reads the
     packed copy; an in-place change to the weight (a new version) sends it back to the weight
     itself, and the entry goes with the weight."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(200, 96, generator=g).to(dtype), torch.randn(8, 96, generator=g).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     before = F.linear(x, w)
-    assert linear_mod.prepack([w, w], 32) == w.numel() * w.element_size()  # each weight once
-    torch.testing.assert_close(torch.ops.shoal.onednn_linear(x, w, None), before, **tol)
+    kept, packed = linear_mod.prepack([w, w], 32), linear_mod._packed(w)
+    assert kept == packed.numel() * packed.element_size() >= w.numel() * w.element_size()  # each weight once
+    torch.testing.assert_close(torch.ops.shoal.cpu_linear(x, w, None), before, **tol)
     w.data.mul_(2)  # .data: the same memory without a new version, so the packed copy is read
-    torch.testing.assert_close(torch.ops.shoal.onednn_linear(x, w, None), before, **tol)
+    torch.testing.assert_close(torch.ops.shoal.cpu_linear(x, w, None), before, **tol)
     w.mul_(2)  # a new version: the weight itself is read (4x what was packed)
-    torch.testing.assert_close(torch.ops.shoal.onednn_linear(x, w, None), F.linear(x, w), **tol)
+    torch.testing.assert_close(torch.ops.shoal.cpu_linear(x, w, None), F.linear(x, w), **tol)
     key = w.data_ptr()
     del w
     assert key not in linear_mod._PACKED
+
+
+panel = pytest.mark.skipif(linear_mod.native.panel_linear_op() is None,
+                           reason="no AVX-512 (or no C++ compiler): float32 stays on oneDNN")
+
+
+@panel
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 32, 257])
+@pytest.mark.parametrize("n", [64, 200, 8000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_kernel_matches_f_linear(rows, n, bias):
+    """Any row count (blocks of 6 and every remainder), outputs past the last full panel, bias."""
+    g = torch.Generator().manual_seed(rows * n)
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(n, 96, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    out = torch.empty(rows, n)
+    linear_mod.native.panel_linear_op()(out, x, linear_mod.pack_panels(w), b if bias else torch.empty(0))
+    close(out, F.linear(x, w, b))
+
+
+@panel
+def test_panel_results_do_not_depend_on_the_batch():
+    """One chain of sums per output: a row's result is the same bits in any batch."""
+    w = torch.randn(300, 512)
+    packed, op = linear_mod.pack_panels(w), linear_mod.native.panel_linear_op()
+    x = torch.randn(33, 512)
+    outs = []
+    for rows in (1, 6, 7, 33):
+        out = torch.empty(rows, 300)
+        op(out, x[:rows], packed, torch.empty(0))
+        outs.append(out[0])
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@panel
+@torch.no_grad()
+def test_packed_weights_take_the_panel_kernel(monkeypatch):
+    """Once packed (compiled decode packs its weights), eager and compiled calls run the panel
+    kernel, eager ones without padding rows; a weight changed in place is not read stale."""
+    w, b = torch.randn(130, 64), torch.randn(130)
+    assert linear_mod.prepack([w], 32) == linear_mod.pack_panels(w).numel() * 4
+    calls = []
+    op = linear_mod._PANEL_OP
+    monkeypatch.setattr(linear_mod, "_PANEL_OP", lambda out, x, *rest: calls.append(x.shape[0]) or op(out, x, *rest))
+    x = torch.randn(2, 5, 64)
+    close(linear(x, w, b), F.linear(x, w, b))
+    compiled = torch.compile(lambda x: linear(x, w, b), dynamic=True, fullgraph=True)
+    x2 = torch.randn(3, 64)
+    close(compiled(x2), F.linear(x2, w, b))
+    assert calls == [10, 3]
+    calls.clear()
+    w.mul_(2)  # in place: the packed copy is stale, so oneDNN takes the call on w itself
+    close(linear(x, w, b), F.linear(x, w, b))
+    assert calls == []
+    torch._dynamo.reset()
