@@ -3,8 +3,8 @@
     .venv/bin/python tests/bench/bench_cpu.py matmul [--threads 1]
         F.linear in float32 vs bfloat16 at the bench model's shapes (is bf16 fast here?)
     .venv/bin/python tests/bench/bench_cpu.py linear [--threads 2]
-        float32 linear layers through MKL (F.linear) and oneDNN (kernels/linear.py) at one
-        decoder layer's shapes plus the LM head, from 1 to 2048 rows
+        float32 linear layers through MKL (F.linear), oneDNN and the AVX-512 panel kernel
+        (kernels/linear.py) at one decoder layer's shapes plus the LM head, from 1 to 2048 rows
     .venv/bin/python tests/bench/bench_cpu.py threads
         a decode step at batch 32 with 1 thread, 2 spinning and 2 passive OpenMP threads,
         each in its own process (the wait policy is read when OpenMP loads)
@@ -62,27 +62,47 @@ def matmul(args) -> None:
 
 def linear(args) -> None:
     """One llama layer's four projections (the llama.cpp comparison model) and the LM head,
-    each through MKL and oneDNN, interleaved; the fastest of 20 calls each."""
+    through MKL (`F.linear`), oneDNN on its packed weight, and the AVX-512 panel kernel on its
+    packed weight, interleaved. Eight copies of every weight, used in turn, so each call reads
+    its weight from DRAM as in an engine step; the median of 15 passes over the eight."""
+    import statistics
+
     import torch
     import torch.nn.functional as F
-    from kernels.linear import _onednn
+    from kernels import linear as L
+    from kernels import native
     torch.set_num_threads(args.threads)
+    panel = native.panel_linear_op()
     shapes = [(512, 1024), (512, 512), (512, 2304), (1152, 512), (512, 8000)]  # in -> out
-    print(f"threads {args.threads}; load average {load()}")
-    print("| rows | " + " | ".join(f"{i} -> {o}" for i, o in shapes) + " | all: MKL | all: oneDNN | speed-up |")
-    print("| --- " * (len(shapes) + 4) + "|")
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048):
-        cells, mkl_all, onednn_all = [], 0.0, 0.0
+    print(f"threads {args.threads}; panel kernel {'built' if panel else 'unavailable (no AVX-512?)'}; "
+          f"load average {load()}")
+    print("| rows | " + " | ".join(f"{i} -> {o}: oneDNN / panel" for i, o in shapes)
+          + " | all: MKL | all: oneDNN | all: panel | panel vs oneDNN |")
+    print("| --- " * (len(shapes) + 5) + "|")
+    for rows in (1, 2, 8, 32, 64, 256, 2048):
+        cells, total = [], {"mkl": 0.0, "onednn": 0.0, "panel": 0.0}
         for inp, out in shapes:
-            x, w = torch.randn(rows, inp), torch.randn(out, inp)
-            mkl, onednn = float("inf"), float("inf")
-            for _ in range(20):
-                mkl = min(mkl, _timed(lambda: F.linear(x, w)))
-                onednn = min(onednn, _timed(lambda: _onednn(x, w, None)))
-            cells.append(f"{mkl / onednn:.2f}x")
-            mkl_all, onednn_all = mkl_all + mkl, onednn_all + onednn
-        print(f"| {rows} | {' | '.join(cells)} | {mkl_all * 1e3:.2f} ms | {onednn_all * 1e3:.2f} ms "
-              f"| **{mkl_all / onednn_all:.2f}x** |", flush=True)
+            x = torch.randn(rows, inp)
+            ws = [torch.randn(out, inp) * 0.05 for _ in range(8)]
+            runs = {"mkl": lambda: [F.linear(x, w) for w in ws]}
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
+            runs["onednn"] = lambda: [L._LINEAR(x, p, None, "none", [], "") for p in packed]
+            if panel is not None:
+                panels, y = [L.pack_panels(w) for w in ws], torch.empty(rows, out)
+                runs["panel"] = lambda: [panel(y, x, p, L._NO_BIAS) for p in panels]
+            times = {name: [] for name in runs}
+            for _ in range(15):
+                for name, run in runs.items():
+                    times[name].append(_timed(run) / len(ws))
+            t = {name: statistics.median(v) for name, v in times.items()}
+            flops = 2 * rows * inp * out
+            cells.append(f"{flops / t['onednn'] / 1e9:.0f} / {flops / t['panel'] / 1e9:.0f} GFLOP/s"
+                         if "panel" in t else f"{flops / t['onednn'] / 1e9:.0f} GFLOP/s / -")
+            for name in t:
+                total[name] += t[name]
+        ratio = f"**{total['onednn'] / total['panel']:.2f}x**" if total["panel"] else "-"
+        print(f"| {rows} | {' | '.join(cells)} | {total['mkl'] * 1e3:.3f} ms | {total['onednn'] * 1e3:.3f} ms "
+              f"| {total['panel'] * 1e3:.3f} ms | {ratio} |", flush=True)
     print(f"load average at the end {load()}")
 
 
