@@ -1,4 +1,5 @@
-"""kernels/linear.py: CPU linears through oneDNN, row counts bucketed outside torch.compile.
+"""kernels/linear.py: CPU linears through the AVX-512 panel kernel or oneDNN, row counts bucketed
+for oneDNN outside torch.compile.
 
 The engine's compiled decode path against transformers (token for token, float32) is checked
 in tests/test_compiled_decode.py; here, the layer itself.
