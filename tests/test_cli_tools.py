@@ -168,6 +168,24 @@ def test_bench_serve_poisson_chat_dataset(url, tmp_path, capsys):
     assert starts[-1] > starts[0]  # Poisson: spread out, not all at t=0
 
 
+def test_bench_serve_records_failed_requests(url):
+    """A refused request and a dead server are counted as failures with their reason, not raised."""
+    import asyncio
+    import socket
+
+    from app.cli.bench.load import LoadPlan, run_load
+    from app.cli.bench.prompts import BenchPrompt
+
+    prompts = [BenchPrompt(prompt="Hello", max_tokens=2)] * 2
+    results, _ = asyncio.run(run_load(LoadPlan(url=url, model="no-such-model", num_prompts=2), prompts))
+    assert [r.error[:8] for r in results] == ["HTTP 404"] * 2
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    results, _ = asyncio.run(run_load(LoadPlan(url=dead, model="m", num_prompts=1), prompts))
+    assert "ClientConnectorError" in results[0].error
+
+
 def test_bench_helpers():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0 and math.isnan(percentile([], 50))

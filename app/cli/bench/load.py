@@ -1,8 +1,11 @@
 """`shoal bench serve`'s load generator: streaming requests at Poisson arrivals or a fixed
 concurrency, timing every streamed chunk.
 
-Raw httpx rather than the openai client: we want the arrival time of each SSE line, and
-`ignore_eos` (a vLLM extra) so each request produces exactly its output budget.
+Raw aiohttp rather than the openai client: we want the arrival time of each SSE line, and
+`ignore_eos` (a vLLM extra) so each request produces exactly its output budget. aiohttp rather
+than httpx because the client shares the machine with the server it measures: httpx's pool
+costs ~7 ms of CPU per request at 64 concurrent streams on reused connections (encode/httpx
+#3215; `docs/benchmarks.md`, "2026-11-27, night"), aiohttp's well under 1 ms.
 Arrivals follow an absolute schedule (t0 + cumulative exponential gaps): a request that
 waits for a concurrency slot does not push the later arrivals back.
 """
@@ -15,7 +18,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from app.cli.bench.prompts import BenchPrompt
 
@@ -89,18 +92,29 @@ def record_line(result: RequestResult, line: str, now: float, chat: bool) -> Non
             result.chunks.append((now, len(text)))
 
 
-async def send(http: httpx.AsyncClient, plan: LoadPlan, prompt: BenchPrompt,
+async def sse_lines(resp: aiohttp.ClientResponse):
+    """The response's lines as they arrive (aiohttp's own line iterator caps a line at 128 KiB)."""
+    pending = b""
+    async for data in resp.content.iter_any():
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield line.decode().rstrip("\r")
+    if pending:
+        yield pending.decode()
+
+
+async def send(http: aiohttp.ClientSession, plan: LoadPlan, prompt: BenchPrompt,
                t0: float) -> RequestResult:
     result = RequestResult(start=time.perf_counter() - t0)
     path = "/chat/completions" if plan.endpoint == "chat" else "/completions"
     try:
-        async with http.stream("POST", plan.url + path, json=request_body(plan, prompt)) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with http.post(plan.url + path, json=request_body(plan, prompt)) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
             else:
-                async for line in resp.aiter_lines():
+                async for line in sse_lines(resp):
                     record_line(result, line, time.perf_counter() - t0, plan.endpoint == "chat")
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.end = time.perf_counter() - t0
     if result.error is None and result.ttft is None:
@@ -120,10 +134,10 @@ def arrival_offsets(rate: float, rng: random.Random):
 async def run_load(plan: LoadPlan, prompts, on_done=lambda result: None):
     """Send the plan's requests; returns (results of the requests sent, wall seconds)."""
     gate = asyncio.Semaphore(plan.max_concurrency or 1_000_000)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = {"Authorization": f"Bearer {plan.api_key}"}
-    timeout = httpx.Timeout(None, connect=10.0)  # a long generation is not a failure
-    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as http:
+    timeout = aiohttp.ClientTimeout(total=None, connect=10.0)  # a long generation is not a failure
+    connector = aiohttp.TCPConnector(limit=0)  # no cap: the gate sets the concurrency
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as http:
         t0 = time.perf_counter()
         deadline = t0 + plan.duration if plan.duration else math.inf
 
