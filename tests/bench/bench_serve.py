@@ -5,11 +5,13 @@ workload on the in-process engine, in the same run; TTFT and inter-token latency
 
 Both sides run the same EngineConfig on the same checkpoint (tests/bench/common.py) with
 the same torch thread count. The in-process side streams from an AsyncEngine in this
-process; the HTTP side streams /v1/completions (token-id prompts, so both see identical
-prompts) through proxy -> ModelServer replica -> scheduler actor (`--serve-layout split`: proxy
--> ingress -> LLMServer replica -> scheduler actor). Both stay up and
-the two sides alternate for a few rounds, so each HTTP round has an in-process neighbour
-that saw the same machine load; the ratio is the median over rounds. Prints markdown.
+process; the HTTP side streams /v1/completions from an aiohttp client in this process
+(token-id prompts, so both see identical prompts) to a ModelServer replica answering HTTP
+itself (`--ingress proxy`: behind Serve's HTTP proxy; `--serve-layout split`: proxy ->
+ingress -> LLMServer replica), which calls its scheduler actor. Both stay up and the two
+sides alternate for a few rounds after a full-width warm-up round, so each HTTP round has an
+in-process neighbour that saw the same machine load; the ratio is the median over rounds.
+Prints markdown.
 """
 import argparse
 import asyncio
@@ -26,7 +28,7 @@ from actors.placement import openmp_env  # noqa: E402
 
 os.environ.update(openmp_env())  # as `shoal` sets it (actors/placement.py), before torch loads
 
-import httpx  # noqa: E402
+import aiohttp  # noqa: E402
 import torch  # noqa: E402
 
 from common import bench_checkpoint, workload  # noqa: E402
@@ -34,6 +36,7 @@ from common import bench_checkpoint, workload  # noqa: E402
 from actors.async_engine import AsyncEngine  # noqa: E402
 from actors.config import EngineConfig  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
+from app.cli.bench.load import sse_lines  # noqa: E402
 
 
 @dataclass
@@ -95,14 +98,14 @@ def in_process(engine: AsyncEngine, out_len: int):
 
 # --------------------------------------------------------------------------- HTTP
 
-def over_http(http: httpx.AsyncClient, url: str, out_len: int):
+def over_http(http: aiohttp.ClientSession, url: str, out_len: int):
     async def one(prompt, run: Run):
         body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         start, arrivals, tokens = time.perf_counter(), [], 0
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async with http.post(f"{url}/v1/completions", json=body) as response:
             response.raise_for_status()
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
@@ -213,12 +216,14 @@ def descendants(root: int) -> dict:
 
 async def measure(options: dict, url: str, prompts: list, args) -> tuple[dict, dict]:
     engine = AsyncEngine(EngineConfig(**options))
-    limits = httpx.Limits(max_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+    # aiohttp, as `shoal bench serve`: the client shares the 2 cores with the server, and
+    # httpx's pool costs ~7 ms of CPU per request here (docs/benchmarks.md, "2026-11-27, night").
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as http:
         batch = {"in-process": in_process(engine, args.output_len),
                  "HTTP via Ray Serve": over_http(http, url, args.output_len)}
         lone = {"in-process": in_process(engine, 64), "HTTP via Ray Serve": over_http(http, url, 64)}
-        await alternate(batch, prompts[:2], 2, 1)  # warm-up
+        await alternate(batch, prompts, len(prompts), 1)  # warm-up at full width: compiles every bucket
         many = await alternate(batch, prompts, len(prompts), args.rounds)
         one = await alternate(lone, prompts[:args.single], 1, args.rounds)
     engine.shutdown()
