@@ -186,6 +186,23 @@ def test_bench_serve_records_failed_requests(url):
     assert "ClientConnectorError" in results[0].error
 
 
+def test_sse_lines_joins_lines_split_across_reads():
+    import asyncio
+    import types
+
+    from app.cli.bench.load import sse_lines
+
+    async def reads():
+        for data in (b'data: {"a"', b': 1}\r\n\nda', b"ta: [DONE]\n", b"tail"):
+            yield data
+
+    async def lines():
+        response = types.SimpleNamespace(content=types.SimpleNamespace(iter_any=reads))
+        return [line async for line in sse_lines(response)]
+
+    assert asyncio.run(lines()) == ['data: {"a": 1}', "", "data: [DONE]", "tail"]
+
+
 def test_bench_helpers():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 99) == 5.0 and math.isnan(percentile([], 50))
