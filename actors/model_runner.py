@@ -15,7 +15,6 @@ import torch
 from actors import memory_profile
 from actors.compiled_decode import CompiledDecode, eager_by_environment
 from actors.config import EngineConfig
-from actors.process_tuning import keep_freed_memory
 from actors.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason
 from actors.expert_balancer import ExpertBalancer
 from actors.loader import build_model
@@ -23,6 +22,7 @@ from actors.model_spec import ModelSpec
 from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.parallel import layout
 from actors.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
+from actors.process_tuning import keep_freed_memory
 from actors.scheduler import ScheduledSeq, SchedulerOutput, StepRow
 from actors.structured import bitmask_width, fill_bitmasks
 from kernels import flash_attention, native
