@@ -28,7 +28,7 @@ class EngineConfig:
     # Compute
     attn_backend: str = "auto"  # auto (flash where it can run, else native) | native | flash
     # Decode-only steps as CUDA graphs (one per batch-size bucket, padded inputs) or, on CPU,
-    # through torch.compile (one dynamic-shape graph: actors/compiled_decode.py).
+    # through torch.compile (one dynamic-shape graph: actors/worker/compiled_decode.py).
     eager_decode: bool = False  # True: neither (vLLM's --enforce-eager); so does SHOAL_EAGER_DECODE=1
     cuda_graph_sizes: list[int] | None = None  # vLLM's meaning: None, one max size N, or the exact sizes
     max_seq_len_to_capture: int = 8192  # decodes with a longer context run eagerly
@@ -39,7 +39,7 @@ class EngineConfig:
     pp_layer_split: str | None = None  # layers per stage, e.g. "5,3"; None: even
     placement_strategy: str | None = None  # None: STRICT_PACK if it fits one node, else PACK
     shard_cpus: float = 1.0  # CPUs reserved per shard (rank)
-    shard_gpus: float | None = None  # GPUs per rank; None: 1 on CUDA, 0 on CPU (actors/placement.py)
+    shard_gpus: float | None = None  # GPUs per rank; None: 1 on CUDA, 0 on CPU (actors/executor/placement.py)
     # Seconds for shards to start and join, and for one step's collectives; never the idle wait.
     dist_timeout: float = 120.0
     watchdog_timeout: float = 300.0  # seconds one step may take before the engine is declared dead; 0: off
@@ -62,7 +62,6 @@ class EngineConfig:
     def __post_init__(self):
         # Bucket options may come as "0.1,0.5" (CLI, environment): lists from here on, so
         # nothing changes the config after validation.
-        from actors.metrics import check_buckets
         for name in ("metrics_ttft_buckets", "metrics_itl_buckets", "metrics_e2e_buckets"):
             setattr(self, name, check_buckets(name, getattr(self, name)))
         if isinstance(self.lora_modules, str):  # "a=/x,b=/y" from an environment variable
@@ -152,3 +151,18 @@ class EngineConfig:
         if (self.num_redundant_experts or self.eplb_step_interval) and not self.expert_parallel:
             raise ValueError("--num-redundant-experts and --eplb-step-interval need expert parallelism "
                              "(--enable-expert-parallel with --tp-size > 1)")
+
+
+def check_buckets(name: str, value) -> list[float] | None:
+    """A bucket option as a sorted list of positive floats (accepts "0.1,0.5" too)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    flag, shown = "--" + name.replace("_", "-"), ",".join(str(v).strip() for v in items)
+    try:
+        bounds = [float(v) for v in items if str(v).strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be numbers, got {shown!r}") from None
+    if not bounds or bounds[0] <= 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{flag} must be increasing positive numbers, got {shown!r}")
+    return bounds

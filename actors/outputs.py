@@ -39,7 +39,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # sent once, first position None
     num_cached_tokens: int = 0
     prompt: str | None = None
-    metrics: RequestMetrics | None = None  # set on the last output (actors/metrics.py)
+    metrics: RequestMetrics | None = None  # set on the last output (actors/engine/metrics.py)
 
 
 def accumulate(deltas) -> RequestOutput:

@@ -36,7 +36,7 @@ ONEDNN = torch.backends.mkldnn.is_available() and \
 
 
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else None
-# bfloat16 only where oneDNN has bf16 matmuls (elsewhere actors/model_spec.py computes in float32).
+# bfloat16 only where oneDNN has bf16 matmuls (elsewhere actors/worker/model_spec.py computes in float32).
 _DTYPES = (torch.float32,) + ((torch.bfloat16,) if ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
 
 

@@ -97,5 +97,5 @@ def float32_by_default_on_gpu(request, monkeypatch):
     transformers in float32, so outside tests marked `gpu` auto keeps float32 there
     (in this process: Serve tests' scheduler actors resolve it themselves)."""
     if torch.cuda.is_available() and request.node.get_closest_marker("gpu") is None:
-        from actors import model_spec
+        from actors.worker import model_spec
         monkeypatch.setattr(model_spec, "gpu_auto_dtype", lambda hf: torch.float32)

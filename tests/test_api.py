@@ -16,10 +16,11 @@ import time
 import httpx
 import openai
 import pytest
+from oracle import hf_prompt_logprobs
 
 from actors.config import EngineConfig
+from actors.engine.llm import LLM
 from actors.errors import EngineDeadError, QueueFullError
-from actors.llm import LLM
 from actors.outputs import CompletionOutput, RequestOutput
 from actors.sampling_params import SamplingParams
 from app.api.app import attach, build_api
@@ -28,7 +29,6 @@ from app.api.settings import ServerSettings
 from app.api.streams import EngineStreams
 from app.protocol.chat_template import render_chat_prompt
 from app.serving.engine_client import LocalEngineClient
-from oracle import hf_prompt_logprobs
 
 USER = [{"role": "user", "content": "Tell me about the quick brown fox."}]
 KEY = "sekret"

@@ -15,7 +15,7 @@ wherever transformers bf16's own top-1/top-2 margin is wider than that tolerance
 call is a tie at this precision).
 
 Both ways shoal runs bf16 are covered: bf16 matmuls (CPUs with AVX512-BF16/AMX, GPUs) and,
-on a CPU without them, float32 compute on weights rounded to bf16 (actors/model_spec.py).
+on a CPU without them, float32 compute on weights rounded to bf16 (actors/worker/model_spec.py).
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ import functools
 
 import pytest
 import torch
-
-from actors import model_spec
-from actors.llm import LLM
-from actors.sampling_params import SamplingParams
 from test_engine import prompts_of
+
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams
+from actors.worker import model_spec
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,7 +1,7 @@
 """KV block pool: reference counts, prefix hits, LRU eviction of freed cached blocks."""
-from actors.block_manager import BlockManager
+from actors.core.block_manager import BlockManager
+from actors.core.sequence import Sequence
 from actors.sampling_params import SamplingParams
-from actors.sequence import Sequence
 
 
 def seq(tokens, rid="r"):

@@ -1,4 +1,4 @@
-"""Compiled decode on CPU (actors/compiled_decode.py): decode-only steps through torch.compile.
+"""Compiled decode on CPU (actors/worker/compiled_decode.py): decode-only steps through torch.compile.
 
 The suite runs eagerly (conftest sets SHOAL_EAGER_DECODE=1: compiling costs seconds per engine
 start); these tests turn compilation on and hold it to the oracle: greedy tokens equal
@@ -21,10 +21,10 @@ from oracle import assert_equals_eager_and_hf, hf_greedy
 from serving import free_port, loopback_env, stop_process, wait_process_ready
 from test_engine import prompts_of
 
-from actors.llm import LLM
-from actors.metrics import DecodeProgress
-from actors.model_spec import cpu_has_matmul
+from actors.engine.llm import LLM
+from actors.engine.metrics import DecodeProgress
 from actors.sampling_params import SamplingParams
+from actors.worker.model_spec import cpu_has_matmul
 
 OPTIONS = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8)
 REPO = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def test_rows_pad_to_a_few_bucket_sizes(compiled):
     _, llm = compiled
     graphs = llm.engine.runner.graphs
     assert graphs.sizes == [2, 4, 8]
-    from actors.compiled_decode import CompiledDecode
+    from actors.worker.compiled_decode import CompiledDecode
     assert CompiledDecode(torch.nn.Identity(), sizes=[1, 2, 4, 8, 10], block_size=4, spare_block=0).sizes \
         == [2, 4, 8, 10]
 

@@ -1,6 +1,6 @@
 """Incremental detokenization: whole characters only, stop strings never shown in part."""
-from actors.detokenizer import IncrementalDetokenizer
-from actors.loader import load_tokenizer
+from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.worker.loader import load_tokenizer
 
 
 def stream(tokenizer, text, stop=(), include_stop=False):
@@ -68,7 +68,7 @@ def test_a_cut_character_at_the_end_shows_as_decode_shows_it(llama_ckpt):
 
 
 def test_engine_text_equals_decode_when_the_last_token_cuts_a_character(llama_ckpt):
-    from actors.llm import LLM
+    from actors.engine.llm import LLM
     from actors.sampling_params import SamplingParams
 
     tok = load_tokenizer(llama_ckpt)
@@ -83,8 +83,8 @@ def test_engine_text_equals_decode_when_the_last_token_cuts_a_character(llama_ck
 def test_decoder_equals_the_tokenizers_decode(llama_ckpt):
     """The Rust tokenizer's own decode, where the detokenizer uses it, gives what
     `tokenizer.decode` gives: special tokens kept or skipped, cut characters, any ids."""
-    from actors.detokenizer import decoder
-    from actors.loader import resolve_model_path
+    from actors.engine.detokenizer import decoder
+    from actors.worker.loader import resolve_model_path
 
     for tok in (load_tokenizer(llama_ckpt), load_tokenizer(resolve_model_path(None))):
         specials = [i for i in tok.all_special_ids if i is not None]
@@ -98,7 +98,7 @@ def test_decoder_equals_the_tokenizers_decode(llama_ckpt):
 
 
 def test_decoder_keeps_transformers_decode_where_it_cleans_up_spaces(llama_ckpt):
-    from actors.detokenizer import decoder
+    from actors.engine.detokenizer import decoder
 
     tok = load_tokenizer(llama_ckpt)
     tok.clean_up_tokenization_spaces = True

@@ -7,11 +7,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
-
-from actors.llm import LLM  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
 from oracle import hf_greedy, hf_prompt_logprobs  # noqa: E402
 from test_engine import assert_pool_free, prompts_of  # noqa: E402
+
+from actors.engine.llm import LLM  # noqa: E402
+from actors.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

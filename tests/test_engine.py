@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-
-from actors.llm import LLM
-from actors.sampling_params import SamplingParams
 from oracle import hf_greedy, hf_logits, hf_prompt_logprobs
+
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -4,14 +4,14 @@ leaving requests hanging behind a loop that no longer runs."""
 import asyncio
 
 import pytest
-
-from actors.async_engine import AsyncEngine
-from actors.config import EngineConfig
-from actors.errors import EngineDeadError, RequestFailedError
-from actors.llm import LLM
-from actors.sampling_params import SamplingParams
 from oracle import hf_greedy
 from test_engine import GREEDY, assert_pool_free, prompts_of
+
+from actors.config import EngineConfig
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.llm import LLM
+from actors.errors import EngineDeadError, RequestFailedError
+from actors.sampling_params import SamplingParams
 
 
 def test_a_request_whose_post_processing_raises_fails_alone(llama_ckpt):

@@ -1,5 +1,5 @@
 """The Unix socket between a replica and its scheduler actor on the same node
-(actors/engine_link.py), against a real scheduler actor in a real local Ray: outputs equal to
+(actors/host/link.py), against a real scheduler actor in a real local Ray: outputs equal to
 transformers, refusals come back as the engine's errors, an abort frees the request's KV
 blocks, a newer connection takes over, and a dead actor fails what was in flight."""
 import asyncio
@@ -11,14 +11,14 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
-
-from actors.config import EngineConfig  # noqa: E402
-from actors.engine_link import SocketLink  # noqa: E402
-from actors.errors import EngineDeadError  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
-from actors.scheduler_actor import scheduler_actor_class  # noqa: E402
 from oracle import hf_greedy  # noqa: E402
 from test_engine import prompts_of  # noqa: E402
+
+from actors.config import EngineConfig  # noqa: E402
+from actors.errors import EngineDeadError  # noqa: E402
+from actors.host.engine_actor import scheduler_actor_class  # noqa: E402
+from actors.host.link import SocketLink  # noqa: E402
+from actors.sampling_params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

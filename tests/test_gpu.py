@@ -22,12 +22,12 @@ import random
 
 import pytest
 import torch
-
-from actors.llm import LLM
-from actors.sampling_params import SamplingParams
-from kernels import flash_attention
 from oracle import hf_greedy, hf_prompt_logprobs
 from test_bf16 import hf_logprobs
+
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams
+from kernels import flash_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -9,18 +9,24 @@ import random
 
 import pytest
 import torch
+from oracle import assert_equals_eager_and_hf, hf_greedy
 
-from actors import memory_profile as mp
-from actors import model_spec
 from actors.config import EngineConfig
-from actors.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason, pad_decode, padded_size
-from actors.llm import LLM
-from actors.metrics import DecodeProgress
+from actors.core.step import StepRow
+from actors.engine.llm import LLM
+from actors.engine.metrics import DecodeProgress
 from actors.sampling_params import SamplingParams
-from actors.scheduler import StepRow
+from actors.worker import memory_profile as mp
+from actors.worker import model_spec
+from actors.worker.cuda_graphs import (
+    DecodeGraphs,
+    capture_sizes,
+    graphs_off_reason,
+    pad_decode,
+    padded_size,
+)
 from kernels import flash_attention as fa
 from kernels.attention import AttentionMetadata, paged_attention
-from oracle import assert_equals_eager_and_hf, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -153,7 +159,7 @@ def test_graphs_off_reasons():
     assert graphs_off_reason(**{**base, "world_size": 2}).startswith("tp x pp > 1")
     assert graphs_off_reason(**{**base, "lora": True}).startswith("LoRA")
     assert graphs_off_reason(**{**base, "moe": True}).startswith("mixture-of-experts")
-    # On CPU the same rules decide whether decode steps are compiled (actors/compiled_decode.py).
+    # On CPU the same rules decide whether decode steps are compiled (actors/worker/compiled_decode.py).
     assert graphs_off_reason(**{**base, "device_type": "cpu"}) is None
     assert graphs_off_reason(**{**base, "device_type": "cpu", "eager_decode": True}) == "--eager-decode"
     assert graphs_off_reason(**{**base, "device_type": "mps"}) == "mps device"

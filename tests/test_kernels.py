@@ -63,7 +63,7 @@ def sdpa_reference(q, k_cache, v_cache, tables, lens, block_size, scale):
 
 
 def decode_meta(tables, lens, block_size):
-    """Decode-only metadata as actors/model_runner.py fills it."""
+    """Decode-only metadata as actors/worker/model_runner.py fills it."""
     keys = torch.arange(tables.shape[1] * block_size)
     mask = (keys[None, :] < lens[:, None])[:, None, None, :]
     return AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long),
@@ -265,9 +265,10 @@ def test_concurrent_first_builds_share_one_build(tmp_path):
 
 def test_engine_uses_native_kernel(checkpoint_factory, op):
     """Greedy decoding through the engine with the native kernel equals transformers."""
-    from actors.llm import LLM
-    from actors.sampling_params import SamplingParams
     from oracle import hf_greedy
+
+    from actors.engine.llm import LLM
+    from actors.sampling_params import SamplingParams
 
     path = checkpoint_factory("llama")
     calls = []
@@ -289,7 +290,7 @@ def test_engine_uses_native_kernel(checkpoint_factory, op):
 
 def mixed_step(chunks, heads, kv_heads, d, block_size, decode_lens=(40, 7), seed=0):
     """A step of decode rows then prefill chunks ((tokens, first position) each) over one pool,
-    laid out as actors/model_runner.py lays it out; every key the step reads is in the pool."""
+    laid out as actors/worker/model_runner.py lays it out; every key the step reads is in the pool."""
     lens = list(decode_lens) + [start + n for n, start in chunks]
     q_rows, kc, vc, tables, _ = make_case(lens, heads, kv_heads, d, block_size, seed=seed)
     nd = len(decode_lens)

@@ -3,7 +3,7 @@ dtype on the target device (no float32 model is ever materialized first)."""
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actors.loader import build_model, read_config
+from actors.worker.loader import build_model, read_config
 
 
 class Allocations(TorchDispatchMode):

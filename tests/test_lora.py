@@ -8,14 +8,14 @@ import json
 import pytest
 import ray
 import torch
-
-from actors.errors import UnknownAdapterError
-from actors.llm import LLM
-from actors.lora import LoraSlots
-from actors.lora_adapter import LoraRef, scaling
-from actors.sampling_params import SamplingParams
 from oracle import hf_greedy, hf_prompt_logprobs
 from test_engine import assert_pool_free, prompts_of
+
+from actors.core.lora_slots import LoraRef, LoraSlots
+from actors.engine.llm import LLM
+from actors.errors import UnknownAdapterError
+from actors.models.lora_adapter import scaling
+from actors.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=0)
 

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from oracle import hf_greedy, hf_prompt_logprobs
+from test_engine import prompts_of
 
 from actors.config import EngineConfig
 from actors.sampling_params import SamplingParams
@@ -18,8 +20,6 @@ from app.api.embedded import serve_in_thread
 from app.api.settings import ServerSettings
 from app.serving.engine_client import LocalEngineClient
 from app.serving.replica import EngineRequest
-from oracle import hf_greedy, hf_prompt_logprobs
-from test_engine import prompts_of
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -52,7 +52,7 @@ def completion_text(url: str, model: str, ids: list[int]) -> str:
 
 def test_load_use_unload_over_http(server):
     url, base, paths = server
-    from actors.loader import load_tokenizer
+    from actors.worker.loader import load_tokenizer
     tok = load_tokenizer(base)
     models = lambda: {m["id"]: m for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]}  # noqa: E731
     assert set(models()) == {base.name, "a"} and models()["a"]["parent"] == base.name
@@ -91,7 +91,7 @@ def test_load_use_unload_over_http(server):
 
 def test_streaming_and_scoring_on_an_adapter(server):
     url, base, paths = server
-    from actors.loader import load_tokenizer
+    from actors.worker.loader import load_tokenizer
     tok = load_tokenizer(base)
     prompt, cont = "The quick brown", " fox jumps"
     r = post(url, "/loglikelihood", {"model": "a", "prompts": [prompt], "continuations": [cont]})

@@ -19,20 +19,28 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serving import free_port, wait_ready
+from test_api import running
 
 from actors.config import EngineConfig
-from actors.llm import LLM
-from actors.loader import count_tensors, weight_files
-from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, DecodeProgress, Replica, progress_line
-from actors.progress import progress_bar
-from actors.ray_metrics import bucket_values
+from actors.engine.llm import LLM
+from actors.engine.metrics import (
+    COUNTERS,
+    FINISHED,
+    GAUGES,
+    HISTOGRAMS,
+    DecodeProgress,
+    Replica,
+    progress_line,
+)
+from actors.host.ray_metrics import bucket_values
 from actors.sampling_params import SamplingParams
+from actors.worker.loader import count_tensors, weight_files
+from actors.worker.progress import progress_bar
 from app.api.app import attach, build_api
 from app.api.metrics import HTTP_REQUESTS, ShoalCollector, combine
 from app.api.settings import ServerSettings
 from app.serving.engine_client import LocalEngineClient
-from serving import free_port, wait_ready
-from test_api import running
 
 PROMPTS = ["The quick brown fox", "A boat on the river"]
 CHAT = [{"role": "user", "content": "Tell me about the quick brown fox."}]
@@ -214,7 +222,7 @@ def test_engine_counts_finish_reasons_and_aborts(llama_ckpt):
 
 
 def test_weight_loading_shows_progress(llama_ckpt, monkeypatch, capsys):
-    from actors import loader
+    from actors.worker import loader
     monkeypatch.setattr(loader, "progress_bar", functools.partial(progress_bar, delay=0))
     LLM(str(llama_ckpt), num_kv_blocks=16)
     err, tensors = capsys.readouterr().err, count_tensors(weight_files(llama_ckpt))

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import openai
 import pytest
+from test_api import running
 
 from actors.config import EngineConfig
-from actors.loader import BUNDLED_MODEL
+from actors.worker.loader import BUNDLED_MODEL
 from app.api.app import attach, build_api
 from app.api.settings import ServerSettings
 from app.protocol.model_parsers import model_parsers
 from app.serving.engine_client import LocalEngineClient
-from test_api import running
 
 THOUGHT = r"<think>\n[a-z]{3,8} [a-z]{3,8}\n</think>\n\n(yes|no)"
 ASK = [{"role": "user", "content": "Is it raining?"}]

@@ -10,14 +10,15 @@ import torch
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from actors.async_engine import AsyncEngine  # noqa: E402
-from actors.config import EngineConfig  # noqa: E402
-from actors.eplb import balancedness, initial_placement, plan_placement, rank_loads  # noqa: E402
-from actors.llm import LLM  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
-from kernels.moe import grouped_experts, route, spread_over_replicas  # noqa: E402
 from oracle import hf_greedy, hf_prompt_logprobs  # noqa: E402
 from test_engine import assert_pool_free, prompts_of  # noqa: E402
+
+from actors.config import EngineConfig  # noqa: E402
+from actors.engine.async_engine import AsyncEngine  # noqa: E402
+from actors.engine.llm import LLM  # noqa: E402
+from actors.models.eplb import balancedness, initial_placement, plan_placement, rank_loads  # noqa: E402
+from actors.sampling_params import SamplingParams  # noqa: E402
+from kernels.moe import grouped_experts, route, spread_over_replicas  # noqa: E402
 
 MOE_CASES = {
     "mixtral": ("mixtral", {}),
@@ -128,7 +129,7 @@ def test_expert_balancedness_is_a_prometheus_metric(checkpoint_factory):
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from actors.llm import LLM
+    from actors.engine.llm import LLM
     from actors.sampling_params import SamplingParams
     from app.api.metrics import ShoalCollector, combine
     llm = LLM(str(checkpoint_factory("mixtral")), num_kv_blocks=32)

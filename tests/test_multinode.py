@@ -11,13 +11,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import httpx  # noqa: E402
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from actors.llm import LLM  # noqa: E402
-from actors.placement import PlacementError  # noqa: E402
 from oracle import hf_greedy  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
 from serving import free_port, wait_ready  # noqa: E402
 from test_engine import prompts_of  # noqa: E402
+
+from actors.engine.llm import LLM  # noqa: E402
+from actors.executor.placement import PlacementError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,12 +1,12 @@
-"""actors/process_tuning.py: an engine's process keeps its start-up heap out of Python's
+"""actors/worker/process_tuning.py: an engine's process keeps its start-up heap out of Python's
 collector and keeps the memory its steps free (glibc)."""
 import gc
 import platform
 
 import pytest
 
-from actors.llm import LLM
-from actors.process_tuning import keep_freed_memory
+from actors.engine.llm import LLM
+from actors.worker.process_tuning import keep_freed_memory
 
 
 def test_an_engine_freezes_its_start_up_heap(llama_ckpt):

@@ -86,7 +86,7 @@ def results(llama_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(llama_ckpt):
-    from actors.llm import LLM
+    from actors.engine.llm import LLM
     return LLM(str(llama_ckpt), dtype="float32", device="cpu", num_threads=2)
 
 

@@ -95,7 +95,7 @@ def client(base_url):
 
 @pytest.fixture(scope="module")
 def offline(llama_ckpt):
-    from actors.llm import LLM
+    from actors.engine.llm import LLM
     return LLM(str(llama_ckpt), num_kv_blocks=64)
 
 

@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 import torch
 
-from actors.llm import LLM
-from actors.sampling_params import SamplingParams
-from actors.structured import StructuredOutput, bitmask_width
+from actors.core.structured import bitmask_width
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams, StructuredOutput
 from kernels.sampling import SamplingBatch, apply_token_bitmask, sample
 
 SCHEMA = {"type": "object", "properties": {

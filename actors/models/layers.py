@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.parallel import Parallel
+from actors.distributed.parallel import Parallel
 from kernels.linear import linear
 
 

@@ -12,11 +12,15 @@ import re
 import torch
 from torch import nn
 
+from actors.distributed.parallel import Parallel
 from actors.models.args import ModelArgs
 from actors.models.layers import (
-    ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_shard,
 )
-from actors.parallel import Parallel
 from kernels.activation import silu_and_mul
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.norms import RMSNorm

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.lora_adapter import TARGETS, adapter_tensors
 from actors.models.layers import ColumnParallelLinear, RowParallelLinear
+from actors.models.lora_adapter import TARGETS, adapter_tensors
 
 # The Hugging Face projections fused into each adaptable layer, in their order inside it.
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),

@@ -1,7 +1,7 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE.
 
 The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
-Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/eplb.py):
+Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/models/eplb.py):
 under expert parallelism a share of the experts at full width, otherwise every expert at
 1/tp of its width. Either way each rank's output is a partial sum, and one all-reduce over
 the stage's TP group completes it (tokens are replicated across that group).
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from actors.eplb import initial_placement
+from actors.distributed.parallel import Parallel
 from actors.models.args import ModelArgs
+from actors.models.eplb import initial_placement
 from actors.models.llama import LlamaForCausalLM
-from actors.parallel import Parallel
 from kernels.activation import silu_and_mul
 from kernels.moe import grouped_experts, route, spread_over_replicas
 

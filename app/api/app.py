@@ -13,9 +13,16 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from actors.loader import resolve_model_path
+from actors.worker.loader import resolve_model_path
 from app.api import (
-    lora_routes, metrics, openai_routes, ops_routes, responses_routes, scoring_routes, tokenize_routes, web,
+    lora_routes,
+    metrics,
+    openai_routes,
+    ops_routes,
+    responses_routes,
+    scoring_routes,
+    tokenize_routes,
+    web,
 )
 from app.api.errors import install_error_handlers
 from app.api.middleware import REQUEST_ID_HEADER, ApiKeyAuth, BodySizeLimit, RequestTracking

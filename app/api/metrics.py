@@ -1,6 +1,6 @@
 """GET /metrics: Prometheus text for the whole replica pool, HTTP counters included.
 
-Each replica's scheduler hands back a snapshot of its engine metrics (actors/metrics.py:
+Each replica's scheduler hands back a snapshot of its engine metrics (actors/engine/metrics.py:
 counters, gauges, histogram buckets); this module sums them over replicas and renders them
 with a prometheus_client custom collector. Names match the Ray export: `shoal_...` here,
 summed, with a `model` label; `ray_shoal_...` from Ray's per-node exporter, per replica.
@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX
+from actors.engine.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX
 
 log = logging.getLogger("shoal.api")
 

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from actors.placement import openmp_env
+from actors.worker.process_tuning import openmp_env
 from app.cli.bench.cli import add_bench_parser
 from app.cli.chat import add_chat_parser, add_complete_parser
 from app.cli.collect_env import add_collect_env_parser
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # Before torch loads OpenMP: threads that spin only briefly at barriers, since the engine
-    # shares its cores with Ray's processes (actors/placement.py: OPENMP_ENV).
+    # shares its cores with Ray's processes (actors/executor/placement.py: OPENMP_ENV).
     os.environ.update(openmp_env())
     args = build_parser().parse_args(argv)
     return args.handler(args) or 0

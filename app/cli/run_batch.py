@@ -20,7 +20,10 @@ from app.protocol.chat_output import OutputPlan, constrain, plan_output, tools_i
 from app.protocol.chat_template import render_chat_prompt
 from app.protocol.model_parsers import with_model_parsers
 from app.protocol.models import (
-    ChatCompletionRequest, CompletionRequest, error_body, request_error_body,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    request_error_body,
     validation_error_body,
 )
 from app.protocol.responses import chat_response, completion_response
@@ -153,7 +156,7 @@ def run_batch(llm, lines: list[str], opts: BatchOptions, use_tqdm: bool = True) 
 
 def run_batch_file(args, config) -> int:
     """The `shoal run-batch` command: load the engine, run the file, write the results."""
-    from actors.llm import LLM  # torch and the engine load only when there is work
+    from actors.engine.llm import LLM  # torch and the engine load only when there is work
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     lines = Path(args.input_file).read_text(encoding="utf-8").splitlines()

@@ -17,8 +17,7 @@ import time
 
 from app.cli.engine_args import add_engine_args, add_option
 from app.cli.serve_config import is_serve_config
-from app.config import (ConfigError, ShoalConfig, load_config, replica_count, single_model_server,
-                        split_layout)
+from app.config import ConfigError, ShoalConfig, load_config, replica_count, single_model_server, split_layout
 
 log = logging.getLogger("shoal.serve")
 
@@ -151,7 +150,7 @@ def serve_config_command(args: argparse.Namespace, options: dict) -> int:
 
 
 def check_model_path(config: ShoalConfig) -> None:
-    from actors.loader import resolve_model_path
+    from actors.worker.loader import resolve_model_path
     resolve_model_path(config.engine.model_path)
 
 
@@ -163,7 +162,7 @@ def print_config(config: ShoalConfig) -> int:
 
 def dry_run(config: ShoalConfig) -> int:
     """Load the model in this process and generate one token: the checkpoint is servable."""
-    from actors.engine import LLMEngine
+    from actors.engine.llm_engine import LLMEngine
     from actors.sampling_params import SamplingParams
 
     start = time.perf_counter()
@@ -186,7 +185,7 @@ def run_server(config: ShoalConfig) -> int:
     import ray
     from ray import serve
 
-    from actors.placement import PlacementError
+    from actors.executor.placement import PlacementError
     from app.serving.builder import application, check_placement
     from app.serving.direct_http import ListeningSocket
     from app.serving.drain import drain

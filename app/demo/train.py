@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from actors.model_spec import cpu_has_matmul
+from actors.worker.model_spec import cpu_has_matmul
 from app.demo import data
 from app.demo.yielding import tests_running
 from app.protocol.chatml import CHAT_TEMPLATE

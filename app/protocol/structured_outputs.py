@@ -1,4 +1,4 @@
-"""Request fields -> the grammar constraint the engine enforces (actors/structured.py).
+"""Request fields -> the grammar constraint the engine enforces (actors/core/structured.py).
 
 Sources, each refused with a 400 naming the field when malformed:
 - `response_format`: json_object (any JSON object) or json_schema (its `schema`);
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from actors.structured import StructuredOutput
+from actors.sampling_params import StructuredOutput
 from app.protocol.models import ChatCompletionRequest, NamedToolChoice, RequestError, SamplingRequest
 from app.protocol.tool_parsers import ToolFormat
 from app.protocol.tool_parsers.calls import forced_calls_tag

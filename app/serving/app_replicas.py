@@ -42,7 +42,7 @@ class AppReplicas:
                              for replica, r in zip(actors, results)]}
 
     async def metrics(self) -> list[dict]:
-        """Every replica's engine metrics snapshot (actors/metrics.py), for GET /metrics."""
+        """Every replica's engine metrics snapshot (actors/engine/metrics.py), for GET /metrics."""
         actors = await asyncio.to_thread(scheduler_actors, self.app_name)
         results = await asyncio.gather(*(_answer(a.metrics) for a in actors.values()),
                                        return_exceptions=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ray
 from ray import serve
 
-from actors.placement import check_fits, default_strategy
+from actors.executor.placement import check_fits, default_strategy
 from app.config import ConfigError, ShoalConfig, load_config, replica_count, split_layout
 from app.serving.ingress import Ingress
 from app.serving.llm_server import LLMServer
@@ -87,7 +87,8 @@ def prefix_aware_router():
         from ray.serve.llm.request_router import PrefixCacheAffinityRouter
     except ImportError:  # that path imports ray[llm]'s pyarrow; the router itself needs none
         from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-            PrefixCacheAffinityRouter)
+            PrefixCacheAffinityRouter,
+        )
     return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter,
                                request_router_kwargs={"imbalanced_threshold": PREFIX_BUSY_MARGIN})
 

@@ -39,7 +39,7 @@ class EngineClient(Protocol):
     async def stats(self) -> dict: ...
 
     async def metrics(self) -> list[dict]:
-        """One engine metrics snapshot per replica (actors/metrics.py), for GET /metrics."""
+        """One engine metrics snapshot per replica (actors/engine/metrics.py), for GET /metrics."""
 
     async def ready(self) -> bool: ...
 
@@ -48,7 +48,7 @@ class LocalEngineClient:
     """An AsyncEngine in this process."""
 
     def __init__(self, config: EngineConfig):
-        from actors.async_engine import AsyncEngine  # torch: only where the engine runs
+        from actors.engine.async_engine import AsyncEngine  # torch: only where the engine runs
         self.engine = AsyncEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len

@@ -13,7 +13,7 @@ import logging
 
 from ray import serve
 
-from actors.loader import load_tokenizer, resolve_model_path
+from actors.worker.loader import load_tokenizer, resolve_model_path
 from app.api.app import attach, build_api
 from app.api.settings import ServerSettings
 from app.serving.llm_server import ServeEngineClient

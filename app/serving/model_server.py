@@ -20,7 +20,7 @@ from contextlib import aclosing
 from ray import serve
 
 from actors.config import EngineConfig
-from actors.loader import load_tokenizer, resolve_model_path
+from actors.worker.loader import load_tokenizer, resolve_model_path
 from app.api.app import attach, build_api
 from app.api.settings import ServerSettings
 from app.serving.app_replicas import AppReplicas

@@ -3,8 +3,8 @@
 A replica owns a placement group: bundle 0 holds the Serve replica itself (the LLMServer of
 the split layout, or the ModelServer that also hosts the HTTP API), bundle 1 the scheduler
 actor it starts (with rank 0's shard), bundles 2.. the shard actors of ranks 1.. that the
-engine starts (actors/shard_actor.py). `ReplicaEngine` starts that scheduler and streams
-requests from it: over a Unix socket when both share a node (actors/engine_link.py), else
+engine starts (actors/executor/shards.py). `ReplicaEngine` starts that scheduler and streams
+requests from it: over a Unix socket when both share a node (actors/host/link.py), else
 through Ray (`RayLink`).
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.config import EngineConfig
-from actors.engine_link import SocketLink
+from actors.engine.metrics import Replica
 from actors.errors import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
-from actors.metrics import Replica
+from actors.executor.placement import rank_bundle
+from actors.host.engine_actor import scheduler_actor_class
+from actors.host.link import SocketLink
 from actors.outputs import accumulate
-from actors.placement import rank_bundle
 from actors.sampling_params import SamplingParams
-from actors.scheduler_actor import scheduler_actor_class
 from app.serving.schedulers import SCHEDULER_NAMESPACE, scheduler_name_prefix
 
 # The engine's refusals and failures of one request (400, 429, 503, 500 at the HTTP layer).

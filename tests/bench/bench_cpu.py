@@ -69,6 +69,7 @@ def linear(args) -> None:
 
     import torch
     import torch.nn.functional as F
+
     from kernels import linear as L
     from kernels import native
     torch.set_num_threads(args.threads)
@@ -110,6 +111,7 @@ def attention(args) -> None:
     """The decode kernel's K/V read rate, the default path (AVX-512 or AVX2 where the CPU has it) and
     the portable loop in the same run, against torch's sum of a DRAM-sized tensor."""
     import torch
+
     from kernels import native
     torch.set_num_threads(args.threads)
     kernels = {"default": native.paged_decode_attention_op(),
@@ -151,7 +153,8 @@ def decode_step(args) -> None:
     """(child) median decode step at batch 32 after the prefill."""
     import torch
     from common import bench_checkpoint, workload
-    from actors.llm import LLM
+
+    from actors.engine.llm import LLM
     from actors.sampling_params import SamplingParams
     torch.set_num_threads(args.threads)
     llm = LLM(str(bench_checkpoint()), max_num_seqs=32, kv_cache_memory=1.0, num_threads=args.threads)
@@ -191,7 +194,8 @@ def prefill(args) -> None:
     sys.path.insert(0, str(args.root))
     import torch
     from common import bench_checkpoint, workload
-    from actors.llm import LLM
+
+    from actors.engine.llm import LLM
     from actors.sampling_params import SamplingParams
     torch.set_num_threads(args.threads)
     llm = LLM(str(bench_checkpoint()), max_num_seqs=64, kv_cache_memory=1.0, max_num_batched_tokens=2048)

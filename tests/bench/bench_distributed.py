@@ -14,11 +14,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-
 from common import bench_checkpoint, workload  # noqa: E402
 
-from actors.llm import LLM  # noqa: E402
-from actors.pipeline import ping  # noqa: E402
+from actors.distributed.pipeline import ping  # noqa: E402
+from actors.engine.llm import LLM  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -10,15 +10,14 @@ import os
 import statistics
 import time
 
-from actors.placement import openmp_env  # noqa: E402
+from actors.worker.process_tuning import openmp_env  # noqa: E402
 
-os.environ.update(openmp_env())  # as `shoal` sets it (actors/placement.py), before torch loads
+os.environ.update(openmp_env())  # as `shoal` sets it (actors/executor/placement.py), before torch loads
 
 import torch  # noqa: E402
-
 from common import bench_checkpoint, workload  # noqa: E402
 
-from actors.llm import LLM  # noqa: E402
+from actors.engine.llm import LLM  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import make_checkpoint, workload
 
-from actors.llm import LLM
+from actors.engine.llm import LLM
 from actors.sampling_params import SamplingParams
 from kernels import flash_attention
 
@@ -50,7 +49,8 @@ def shoal_tokens_per_s(path, prompts, out_len, **options) -> float:
 
 def vllm_tokens_per_s(path, prompts, out_len) -> float | None:
     try:
-        from vllm import LLM as VLLM, SamplingParams as VParams
+        from vllm import LLM as VLLM
+        from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
     except ImportError:
         return None

@@ -15,12 +15,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from common import bench_checkpoint, workload
 
-from actors.llm import LLM
+from actors.core.step import SchedulerOutput, StepRow
+from actors.engine.llm import LLM
 from actors.sampling_params import SamplingParams
-from actors.scheduler import SchedulerOutput, StepRow
 
 
 def make_adapters(base: Path, count: int, rank: int, root: Path) -> list[Path]:

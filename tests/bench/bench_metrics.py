@@ -3,7 +3,7 @@
     .venv/bin/python tests/bench/bench_metrics.py [--batch 32] [--steps 40] [--ray]
 
 1. The hooks alone: the calls one decode step of `--batch` sequences makes into
-   actors/metrics.py (record_step: the first-step check, one token per sequence), timed
+   actors/engine/metrics.py (record_step: the first-step check, one token per sequence), timed
    in a tight loop on synthetic requests: microseconds per step.
 2. Real decode steps of the bench model at that batch with the hooks on and with no-op
    hooks, two engines in this process stepped in turn (medians): the hooks' share of a step.
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 from common import bench_checkpoint, workload
 
 from actors.config import EngineConfig
-from actors.llm import LLM
-from actors.metrics import EngineMetrics
+from actors.engine.llm import LLM
+from actors.engine.metrics import EngineMetrics
 from actors.sampling_params import SamplingParams
 
 
@@ -86,7 +86,7 @@ def ray_costs(batch: int) -> dict:
 def _ray_costs(batch: int) -> dict:
     from ray.util.metrics import Histogram
 
-    from actors.ray_metrics import RayExporter
+    from actors.host.ray_metrics import RayExporter
     h, tags, n = Histogram("shoal_bench_seconds", "", [0.1, 1.0], ("model", "replica")), \
         {"model": "m", "replica": "r"}, 20000
     start = time.perf_counter()

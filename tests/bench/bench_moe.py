@@ -15,11 +15,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-
-from common import workload  # noqa: E402  (sets sys.path for the test helpers)
 from checkpoints import make_checkpoint  # noqa: E402
+from common import workload  # noqa: E402  (sets sys.path for the test helpers)
 
-from actors.llm import LLM  # noqa: E402
+from actors.engine.llm import LLM  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 MOE_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,

@@ -13,10 +13,9 @@ import statistics
 import time
 
 import torch
-
 from common import BENCH_MODEL, bench_checkpoint, workload
 
-from actors.llm import LLM
+from actors.engine.llm import LLM
 from actors.sampling_params import SamplingParams
 from kernels import native
 from kernels.attention import AttentionMetadata, paged_attention

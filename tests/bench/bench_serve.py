@@ -24,17 +24,16 @@ from dataclasses import dataclass, field
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-from actors.placement import openmp_env  # noqa: E402
+from actors.worker.process_tuning import openmp_env  # noqa: E402
 
-os.environ.update(openmp_env())  # as `shoal` sets it (actors/placement.py), before torch loads
+os.environ.update(openmp_env())  # as `shoal` sets it (actors/executor/placement.py), before torch loads
 
 import aiohttp  # noqa: E402
 import torch  # noqa: E402
-
 from common import bench_checkpoint, workload  # noqa: E402
 
-from actors.async_engine import AsyncEngine  # noqa: E402
 from actors.config import EngineConfig  # noqa: E402
+from actors.engine.async_engine import AsyncEngine  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 from app.cli.bench.load import sse_lines  # noqa: E402
 

@@ -15,13 +15,11 @@ import time
 from pathlib import Path
 
 import torch
-
+from checkpoints import make_checkpoint
 from common import BENCH_MODEL, workload
 
-from actors.llm import LLM
-from actors.sampling_params import SamplingParams
-from actors.structured import StructuredOutput
-from checkpoints import make_checkpoint
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMA = {"type": "object", "required": ["rows"], "properties": {"rows": {
     "type": "array", "minItems": 500, "items": {
@@ -106,11 +104,11 @@ class GrammarClock:
     """Seconds spent in the grammar parts of steps: mask fill, mask apply, matcher advance."""
 
     def __init__(self):
-        import actors.engine
-        import actors.model_runner
+        import actors.engine.llm_engine
+        import actors.worker.model_runner
         import kernels.sampling
         self.seconds = 0.0
-        for module, name in ((actors.model_runner, "fill_bitmasks"), (actors.engine, "accept"),
+        for module, name in ((actors.worker.model_runner, "fill_bitmasks"), (actors.engine.llm_engine, "accept"),
                              (kernels.sampling, "apply_token_bitmask")):
             setattr(module, name, self.timed(getattr(module, name)))
 

@@ -5,7 +5,7 @@ token), entered at each hop of the serving path in turn, in one run:
 
 - in-process: an AsyncEngine in this process (no hop);
 - scheduler actor, called directly: over its Unix socket (`add` and the output stream, as a
-  replica on its node talks to it: actors/engine_link.py), and through Ray (an actor call,
+  replica on its node talks to it: actors/host/link.py), and through Ray (an actor call,
   then a new streaming generator each time, as a replica on another node does);
 - HTTP, direct ingress (`shoal serve`'s default for one replica): a streamed /v1/completions
   answered by the ModelServer replica itself, which streams from its scheduler actor;
@@ -26,18 +26,17 @@ import uuid
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-from actors.placement import openmp_env  # noqa: E402
+from actors.worker.process_tuning import openmp_env  # noqa: E402
 
-os.environ.update(openmp_env())  # as `shoal` sets it (actors/placement.py), before torch loads
+os.environ.update(openmp_env())  # as `shoal` sets it (actors/executor/placement.py), before torch loads
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
-
 from bench_serve import start_serve, stop_serve  # noqa: E402
 from common import bench_checkpoint  # noqa: E402
 
-from actors.async_engine import AsyncEngine  # noqa: E402
 from actors.config import EngineConfig  # noqa: E402
+from actors.engine.async_engine import AsyncEngine  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = list(range(100, 132))
@@ -62,8 +61,8 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
                   n: int) -> list[tuple[str, float]]:
     from ray import serve
 
-    from actors.engine_link import SocketLink
-    from actors.scheduler_actor import scheduler_actor_class
+    from actors.host.engine_actor import scheduler_actor_class
+    from actors.host.link import SocketLink
     from app.serving.replica import EngineRequest
 
     engine = AsyncEngine(EngineConfig(**options))

@@ -126,7 +126,7 @@ def plan_config(plan, args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------- throughput
 
 def bench_throughput_command(args: argparse.Namespace) -> int:
-    from actors.llm import LLM
+    from actors.engine.llm import LLM
     from app.cli.bench.throughput import dataset_prompts, format_result, run_throughput, token_prompts
 
     config = engine_config_or_exit(args)

@@ -1,4 +1,4 @@
-"""`shoal bench throughput`: the in-process engine (actors.llm.LLM), no HTTP, every request
+"""`shoal bench throughput`: the in-process engine (actors.engine.llm.LLM), no HTTP, every request
 submitted at once; what the engine alone can do on this machine.
 
 Synthetic prompts are random token ids of exactly --input-len (special tokens left out), and

@@ -7,7 +7,7 @@ from collections import defaultdict
 from tqdm import tqdm
 
 from actors.config import EngineConfig
-from actors.engine import LLMEngine
+from actors.engine.llm_engine import LLMEngine
 from actors.outputs import RequestOutput, accumulate
 from actors.sampling_params import SamplingParams
 

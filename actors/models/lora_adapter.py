@@ -25,19 +25,6 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
-class LoraRef:
-    """A registered adapter. `id` is unique per registration, so re-registering a name with
-    other weights never reuses the old weights' slot or cached KV blocks."""
-    name: str
-    id: int
-    path: str
-
-    @property
-    def cache_key(self) -> tuple:
-        return ("lora", self.name, self.id)
-
-
-@dataclass(frozen=True)
 class LoraTensor:
     base_name: str  # the base checkpoint's weight it adapts, e.g. model.layers.0.self_attn.q_proj.weight
     proj: str  # q_proj, ..., down_proj

@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from actors.cuda_graphs import pad_decode, padded_size
 from actors.models.layers import ParallelLMHead
+from actors.worker.cuda_graphs import pad_decode, padded_size
 from kernels import linear
 from kernels.attention import AttentionMetadata
 

@@ -3,10 +3,10 @@
 It holds rank 0's shard (its weights and KV cache) in this process, as SGLang's rank-0
 scheduler does, so tp = pp = 1 costs no inter-process hop per step. For larger layouts the
 engine starts ranks 1.. as shard actors in the bundles of `placement` (the replica's
-placement group) and drives them over torch.distributed (actors/shard_actor.py).
+placement group) and drives them over torch.distributed (actors/executor/shards.py).
 
 Requests come in with `add`; their outputs leave through ONE stream per replica, `outputs`
-(a Ray streaming generator) or the Unix socket of actors/engine_link.py that a replica on the
+(a Ray streaming generator) or the Unix socket of actors/host/link.py that a replica on the
 same node uses for both: at most one item per engine step, carrying a merged delta (or the error)
 of every request that has news, as vLLM's engine core and SGLang's scheduler send one message
 per step. A chunk costs ~1 ms of CPU in each process it crosses, whatever it carries, so one
@@ -24,13 +24,13 @@ import time
 import ray
 import torch
 
-from actors.async_engine import AsyncEngine
 from actors.config import EngineConfig
-from actors.engine_link import LinkServer
-from actors.metrics import DecodeProgress, Replica
-from actors.ray_metrics import start_ray_export
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.metrics import DecodeProgress, Replica
+from actors.executor.placement import rank_runtime_env
+from actors.host.link import LinkServer
+from actors.host.ray_metrics import start_ray_export
 from actors.outputs import accumulate
-from actors.placement import rank_runtime_env
 from actors.sampling_params import SamplingParams
 
 log = logging.getLogger("shoal.scheduler")

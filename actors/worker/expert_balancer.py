@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
-from actors.eplb import ExpertLoad, balancedness, plan_placement, rank_loads
-from actors.loader import load_selected
+from actors.models.eplb import ExpertLoad, balancedness, plan_placement, rank_loads
+from actors.worker.loader import load_selected
 
 log = logging.getLogger("shoal.experts")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from actors.sequence import Sequence
+from actors.core.sequence import Sequence
 
 
 class Block:

@@ -2,7 +2,7 @@
 
 Only the loop thread touches engine state. Callers post adds and aborts to an inbox; outputs
 go back to each request's sink (its asyncio queue, or a sink that gathers many requests' for
-one stream: actors/scheduler_actor.py) on the caller's event loop, once per step.
+one stream: actors/host/engine_actor.py) on the caller's event loop, once per step.
 
 The engine is dead, and every request in flight fails with EngineDeadError, when anything
 ends the loop thread, when one step runs longer than --watchdog-timeout, or (multi-rank
@@ -21,11 +21,11 @@ import time
 import torch
 
 from actors.config import EngineConfig
-from actors.engine import LLMEngine
+from actors.engine.llm_engine import LLMEngine
 from actors.errors import EngineDeadError, QueueFullError, ShuttingDownError
 from actors.outputs import RequestOutput, accumulate
-from actors.placement import build_on_own_thread, use_threads
 from actors.sampling_params import SamplingParams
+from actors.worker.process_tuning import build_on_own_thread, use_threads
 
 log = logging.getLogger("shoal.engine")
 
@@ -176,7 +176,7 @@ class AsyncEngine:
         return stats
 
     def metrics(self) -> dict:
-        """Counters, gauges and histogram buckets (actors/metrics.py) for GET /metrics."""
+        """Counters, gauges and histogram buckets (actors/engine/metrics.py) for GET /metrics."""
         return self.engine.metrics.snapshot(self.engine)
 
     def shutdown(self) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from actors.parallel import Parallel
+from actors.distributed.parallel import Parallel
 
 
 @dataclass

@@ -150,7 +150,7 @@ def _measure(runner, pool_blocks: int, run) -> int:
 def profile_forward(runner, tokens: int, seqs: int) -> int:
     """Peak activations of the largest step: a `tokens` chunk at the end of the longest context,
     then float32 logits of `seqs` rows with a softmax and a sort (what sampling allocates)."""
-    from actors.scheduler import SchedulerOutput, StepRow
+    from actors.core.step import SchedulerOutput, StepRow
     pool_blocks = -(-tokens // runner.block_size) + 1
     ids, start, table = profile_step_rows(tokens, runner.max_model_len, runner.block_size, pool_blocks)
     rows = list(range(len(ids) - min(seqs, len(ids)), len(ids)))
@@ -166,7 +166,7 @@ def profile_forward(runner, tokens: int, seqs: int) -> int:
 def profile_decode(runner) -> int:
     """Peak of one eager decode at the largest graph size and the longest captured context: about
     what the graphs' memory pool holds."""
-    from actors.scheduler import SchedulerOutput, StepRow
+    from actors.core.step import SchedulerOutput, StepRow
     c, bs = runner.config, runner.block_size
     size = runner.graph_sizes[-1]
     context = min(c.max_seq_len_to_capture, runner.max_model_len)

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
-from actors.model_spec import ModelSpec
-from actors.parallel import init_distributed
-from actors.placement import (build_on_own_thread, check_fits, default_strategy, rank_bundle,
-                              rank_runtime_env, use_threads)
-from actors.process_tuning import freeze_startup_heap
-from actors.progress import progress_bar
+from actors.distributed.parallel import init_distributed
+from actors.executor.placement import check_fits, default_strategy, rank_bundle, rank_runtime_env
+from actors.worker.model_spec import ModelSpec
+from actors.worker.process_tuning import build_on_own_thread, freeze_startup_heap, use_threads
+from actors.worker.progress import progress_bar
 
 log = logging.getLogger("shoal.shards")
 
@@ -34,7 +33,7 @@ class ShardActor:
     `alive` answers the scheduler's watcher while `run` is in the step loop."""
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, rank: int, num_blocks: int):
-        from actors.model_runner import ModelRunner
+        from actors.worker.model_runner import ModelRunner
         start = time.perf_counter()
         self.threads = max(1, int(config.shard_cpus))
         # Built on a thread that then ends, so `run`'s thread is the one that keeps OpenMP workers.
@@ -43,7 +42,7 @@ class ShardActor:
                      "load_seconds": round(time.perf_counter() - start, 2),
                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                      "parameters": sum(x.numel() for x in self.runner.model.parameters())}
-        freeze_startup_heap()  # as rank 0 does (actors/process_tuning.py)
+        freeze_startup_heap()  # as rank 0 does (actors/worker/process_tuning.py)
 
     def describe(self) -> dict:
         return self.info

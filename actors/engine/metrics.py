@@ -4,7 +4,7 @@ The engine loop records once per step (a few adds and a bisect per histogram); p
 only notes the token's time, and inter-token latencies that share a value (every decode of
 a step has the same one) go into the histogram together. `snapshot()` hands the totals to
 whoever asks: the scheduler actor's `metrics()` (summed over replicas by GET /metrics) and
-actors/ray_metrics.py, which pushes them into Ray's metrics API from its own thread.
+actors/host/ray_metrics.py, which pushes them into Ray's metrics API from its own thread.
 Nothing here imports Ray, so in-process use (LLM, tests) records locally and exports nothing.
 """
 from __future__ import annotations
@@ -224,21 +224,6 @@ def _expert_gauges(engine) -> dict:
     if experts is None:
         return {}
     return {"expert_balancedness": experts["balancedness"], "moe_replicas": 1}
-
-
-def check_buckets(name: str, value) -> list[float] | None:
-    """A bucket option as a sorted list of positive floats (accepts "0.1,0.5" too)."""
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else list(value)
-    flag, shown = "--" + name.replace("_", "-"), ",".join(str(v).strip() for v in items)
-    try:
-        bounds = [float(v) for v in items if str(v).strip()]
-    except ValueError:
-        raise ValueError(f"{flag} must be numbers, got {shown!r}") from None
-    if not bounds or bounds[0] <= 0 or any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"{flag} must be increasing positive numbers, got {shown!r}")
-    return bounds
 
 
 # --------------------------------------------------------------------------- progress line

@@ -25,9 +25,15 @@ import atexit
 import ctypes
 import gc
 import logging
+import os
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 M_TRIM_THRESHOLD = -1  # <malloc.h>
 M_MMAP_THRESHOLD = -3
@@ -58,3 +64,50 @@ def freeze_startup_heap() -> None:
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # once, however many engines this process builds
     atexit.register(gc.unfreeze)
+
+
+# How a rank's OpenMP threads wait at a barrier: spin ~10,000 rounds (about half a millisecond),
+# then sleep. libgomp's default spins 300,000 rounds: when anything else runs on the cores (Ray's
+# proxy and replicas, another job) a spinning thread waits for a descheduled partner, and a
+# 2-thread decode step took 10-20x longer. Sleeping at once (PASSIVE alone) wakes a thread for
+# every one of the ~70 parallel regions of a step: decode steps ~1.4-1.8x slower on an idle
+# machine. (docs/benchmarks.md, "Threads on shared cores".)
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+
+
+def openmp_env() -> dict[str, str]:
+    """OPENMP_ENV, except what the caller's environment sets itself."""
+    return {k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()}
+
+
+def use_threads(n: int) -> None:
+    """Gives the calling thread's matmuls `n` threads. OpenMP keeps its thread count per OS
+    thread, and a new thread starts from OMP_NUM_THREADS (1 in a Ray actor) whatever
+    torch.get_num_threads() says: without this, oneDNN and MKL ran the scheduler actor's
+    engine-loop matmuls on one thread (a batch-32 decode step took 60 ms instead of 50 ms,
+    docs/benchmarks.md)."""
+    import torch
+    torch.set_num_threads(n)
+
+
+def build_on_own_thread(make: Callable[[], T], threads: int) -> T:
+    """make() on a thread of its own, with `threads` torch threads, that ends when it returns.
+
+    OpenMP keeps a pool of worker threads for every thread that ran a parallel region, until
+    that thread ends. With more pooled threads than cores, libgomp hardly spins at barriers
+    (GOMP_SPINCOUNT gives way to its throttled count of ~100 rounds): loading and compiling a
+    model on one thread and stepping it on another made decode steps 40% slower
+    (docs/benchmarks.md, "Threads on shared cores")."""
+    result: Future = Future()
+
+    def build() -> None:
+        use_threads(threads)
+        try:
+            result.set_result(make())
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            result.set_exception(exc)
+
+    thread = threading.Thread(target=build, name="shoal-build")
+    thread.start()
+    thread.join()
+    return result.result()

@@ -1,7 +1,7 @@
 """Runs one engine step on the model: builds the batch tensors, runs the forward, samples.
 
 It owns this rank's weights and KV pool (allocated once at start-up). The step arrives as a
-SchedulerOutput (actors/scheduler.py): plain rows in the order the attention kernels want,
+SchedulerOutput (actors/core/scheduler.py): plain rows in the order the attention kernels want,
 decodes first. Every rank builds its tensors from the same rows; rank 0 also samples.
 """
 from __future__ import annotations
@@ -12,19 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from actors import memory_profile
-from actors.compiled_decode import CompiledDecode, eager_by_environment
 from actors.config import EngineConfig
-from actors.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason
-from actors.expert_balancer import ExpertBalancer
-from actors.loader import build_model
-from actors.model_spec import ModelSpec
+from actors.core.step import ScheduledSeq, SchedulerOutput, StepRow
+from actors.core.structured import bitmask_width, fill_bitmasks
+from actors.distributed.parallel import layout
+from actors.distributed.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
 from actors.models.lora import attach_lora, load_adapter, lora_batch
-from actors.parallel import layout
-from actors.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
-from actors.process_tuning import keep_freed_memory
-from actors.scheduler import ScheduledSeq, SchedulerOutput, StepRow
-from actors.structured import bitmask_width, fill_bitmasks
+from actors.worker import memory_profile
+from actors.worker.compiled_decode import CompiledDecode, eager_by_environment
+from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason
+from actors.worker.expert_balancer import ExpertBalancer
+from actors.worker.loader import build_model
+from actors.worker.model_spec import ModelSpec
+from actors.worker.process_tuning import keep_freed_memory
 from kernels import flash_attention, native
 from kernels.attention import AttentionMetadata
 from kernels.sampling import SamplingBatch, sample, token_logprobs
@@ -69,7 +69,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # what this rank may use is measured against this
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
         else:
-            keep_freed_memory()  # no page faults on every step's activations (actors/process_tuning.py)
+            keep_freed_memory()  # no page faults on every step's activations (actors/worker/process_tuning.py)
         self.args = spec.args
         self.max_model_len = spec.max_model_len
         self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p,

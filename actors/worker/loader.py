@@ -11,11 +11,11 @@ from torch import nn
 
 from actors.models import model_class
 from actors.models.args import ModelArgs
-from actors.progress import progress_bar
+from actors.worker.progress import progress_bar
 
 log = logging.getLogger("shoal.loader")
 
-BUNDLED_MODEL = Path(__file__).resolve().parent / "demo_model"
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
+from actors.core.lora_slots import LoraRef
 from actors.errors import UnknownAdapterError
-from actors.lora_adapter import LoraRef, check_adapter
+from actors.models.lora_adapter import check_adapter
 
 
 class LoraRegistry:
@@ -56,31 +56,3 @@ class LoraRegistry:
     def list(self) -> list[LoraRef]:
         with self._lock:
             return sorted(self._refs.values(), key=lambda r: r.name)
-
-
-class LoraSlots:
-    """The scheduler's view of the adapter slots (engine loop thread only)."""
-
-    def __init__(self, num_slots: int):
-        self.free = list(range(num_slots))
-        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
-        self.loads = 0  # adapters read into a slot since start (metrics)
-
-    def acquire(self, ref: LoraRef, in_use: set[int]) -> tuple[int, bool] | None:
-        """(slot, whether it must be loaded first), or None while every slot is in use."""
-        if ref.id in self.resident:
-            self.resident.move_to_end(ref.id)
-            return self.resident[ref.id], False
-        if self.free:
-            slot = self.free.pop(0)
-        else:
-            victim = next((i for i in self.resident if i not in in_use), None)
-            if victim is None:
-                return None
-            slot = self.resident.pop(victim)
-        self.resident[ref.id] = slot
-        self.loads += 1
-        return slot, True
-
-    def resident_ids(self) -> list[int]:
-        return list(self.resident)

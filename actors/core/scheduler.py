@@ -14,59 +14,12 @@ limit, and admits the samples (n > 1) that waited for their prompt.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from actors.block_manager import BlockManager
 from actors.config import EngineConfig
-from actors.lora import LoraSlots
-from actors.sequence import Sequence, Status
-from actors.structured import accept
-
-
-@dataclass
-class StepRow:
-    """What every rank needs to compute one sequence's tokens this step."""
-    token_ids: list[int]  # the tokens computed this step
-    start: int  # the position of the first (the sequence's computed tokens before the step)
-    block_table: list[int]  # blocks covering positions [0, start + len(token_ids))
-    lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model alone)
-
-
-@dataclass
-class ScheduledSeq:
-    """Rank 0's side of a row: the sequence and what this step does for it."""
-    seq: Sequence
-    num_tokens: int
-    start: int
-    samples: bool  # the step reaches the end of its known tokens, so a token is sampled
-    prompt_logprobs: bool  # its chunk's logits give prompt log-probs
-    logits: slice = field(default_factory=lambda: slice(0, 0))  # its rows among the step's logits
-
-
-@dataclass
-class SchedulerOutput:
-    rows: list[StepRow]  # decodes (one-token rows) first, then prefill chunks: the kernels' order
-    num_decodes: int
-    logit_rows: list[int]  # token rows whose logits are computed, in order
-    seqs: list[ScheduledSeq] = field(default_factory=list)  # rank 0 only (not broadcast)
-    finished: list[Sequence] = field(default_factory=list)  # rank 0: ended without a row (pool full)
-    # (slot, LoraRef): adapters every rank reads into a slot before this step's forward
-    lora_loads: list[tuple] = field(default_factory=list)
-
-    def __getstate__(self) -> dict:  # the other ranks need the rows, not rank 0's sequences
-        return {**self.__dict__, "seqs": [], "finished": []}
-
-    def split(self, parts: int) -> list[SchedulerOutput]:
-        """Up to `parts` contiguous micro-batches (pipeline parallelism), each in kernel order."""
-        size = -(-len(self.rows) // max(1, parts))
-        out, offset = [], 0
-        for i in range(0, len(self.rows), size):
-            rows = self.rows[i:i + size]
-            n = sum(len(r.token_ids) for r in rows)
-            logit_rows = [r - offset for r in self.logit_rows if offset <= r < offset + n]
-            out.append(SchedulerOutput(rows, sum(len(r.token_ids) == 1 for r in rows), logit_rows))
-            offset += n
-        return out
+from actors.core.block_manager import BlockManager
+from actors.core.lora_slots import LoraSlots
+from actors.core.sequence import Sequence, Status
+from actors.core.step import ScheduledSeq, SchedulerOutput, StepRow
+from actors.core.structured import accept
 
 
 class Scheduler:

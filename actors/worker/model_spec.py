@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from actors.config import EngineConfig
-from actors.loader import eos_token_ids, read_config, resolve_dtype, resolve_model_path
+from actors.distributed.parallel import parse_layer_split
 from actors.models.args import ModelArgs
-from actors.parallel import parse_layer_split
+from actors.worker.loader import eos_token_ids, read_config, resolve_dtype, resolve_model_path
 from kernels import flash_attention
 
 log = logging.getLogger("shoal.engine")

@@ -1,6 +1,6 @@
 """Engine metrics into Ray's metrics API (Prometheus export on each node, the Ray dashboard).
 
-The engine loop only touches plain numbers (actors/metrics.py). A thread here wakes every
+The engine loop only touches plain numbers (actors/engine/metrics.py). A thread here wakes every
 `interval` seconds and pushes what grew since the last push: counter increments, gauge
 values, and histogram bucket counts. Ray's record call costs ~2-4 us, so doing it here keeps
 it off the engine step however many tokens a step makes. Ray names them ray_shoal_...
@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from actors.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX
+from actors.engine.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX
 
 log = logging.getLogger("shoal.metrics")
 

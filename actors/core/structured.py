@@ -14,35 +14,10 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 
-KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
+from actors.sampling_params import StructuredOutput
+
 XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """What the output must match. `spec` by kind: json: a JSON schema as JSON text ("" is any
-    JSON object); regex: a pattern; choice: a JSON list of strings; grammar: EBNF (GBNF);
-    structural_tag: xgrammar's structural-tag JSON (tool calls use it)."""
-    kind: str
-    spec: str = ""
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
-        if not isinstance(self.spec, str):
-            raise ValueError("structured output spec must be a string")
-
-    @classmethod
-    def json_schema(cls, schema: dict | str | None = None) -> StructuredOutput:
-        if not isinstance(schema, str) and schema is not None:
-            schema = json.dumps(schema, sort_keys=True)  # one cache entry whatever the key order
-        return cls("json", schema or "")
-
-    @classmethod
-    def choice(cls, choices: list[str]) -> StructuredOutput:
-        return cls("choice", json.dumps(list(choices)))
 
 
 class Grammars:

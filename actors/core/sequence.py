@@ -33,11 +33,11 @@ class Sequence:
     prompt_logprobs_done: bool = False  # its prompt's log-probs are computed (or never wanted)
     children: list[Sequence] = field(default_factory=list)  # samples waiting for this one's prompt
     generator: object | None = None  # torch.Generator for seeded sampling
-    matcher: object | None = None  # grammar matcher of a constrained request (actors/structured.py)
+    matcher: object | None = None  # grammar matcher of a constrained request (actors/core/structured.py)
     # What besides the tokens must match for KV blocks to be shared (the request's cache salt
-    # and LoRA adapter: actors/engine.py::cache_key). () shares with all.
+    # and LoRA adapter: actors/engine/llm_engine.py::cache_key). () shares with all.
     cache_key: tuple = ()
-    lora: object | None = None  # the LoraRef (actors/lora_adapter.py) of its adapter; None: the base model
+    lora: object | None = None  # the LoraRef (actors/models/lora_adapter.py) of its adapter; None: the base model
     lora_slot: int = -1  # the adapter slot it runs in while running (-1: none)
     finish_reason: str | None = None
     stop_reason: int | str | None = None

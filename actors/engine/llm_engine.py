@@ -1,7 +1,7 @@
 """The engine: requests in, delta outputs out.
 
 `step()` = schedule -> execute -> update -> outputs: the scheduler picks the step's rows
-(actors/scheduler.py), the model runner computes and samples them (actors/model_runner.py;
+(actors/core/scheduler.py), the model runner computes and samples them (actors/worker/model_runner.py;
 with shard ranks too), the scheduler advances its sequences with the sampled tokens, and
 the engine turns what changed into delta RequestOutputs (text, stop strings, log-probs).
 """
@@ -15,23 +15,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.block_manager import BlockManager
 from actors.config import EngineConfig
-from actors.detokenizer import IncrementalDetokenizer
+from actors.core.block_manager import BlockManager
+from actors.core.lora_slots import LoraRef
+from actors.core.scheduler import Scheduler
+from actors.core.sequence import Sequence
+from actors.core.step import ScheduledSeq, SchedulerOutput
+from actors.core.structured import Grammars
+from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.lora_registry import LoraRegistry
+from actors.engine.metrics import EngineMetrics
 from actors.errors import RequestFailedError, UnknownAdapterError
-from actors.loader import checkpoint_shapes, load_tokenizer, resolve_model_path
-from actors.lora import LoraRegistry
-from actors.lora_adapter import LoraRef
-from actors.metrics import EngineMetrics
-from actors.model_runner import ModelRunner, RunnerOutput
-from actors.model_spec import resolve_model
+from actors.executor.shards import rank_info, start_shards
 from actors.outputs import CompletionOutput, RequestOutput
-from actors.process_tuning import freeze_startup_heap
 from actors.sampling_params import SamplingParams
-from actors.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from actors.sequence import Sequence
-from actors.shard_actor import rank_info, start_shards
-from actors.structured import Grammars
+from actors.worker.loader import checkpoint_shapes, load_tokenizer, resolve_model_path
+from actors.worker.model_runner import ModelRunner, RunnerOutput
+from actors.worker.model_spec import resolve_model
+from actors.worker.process_tuning import freeze_startup_heap
 
 log = logging.getLogger("shoal.engine")
 
@@ -85,7 +86,7 @@ class LLMEngine:
         self.stats = self.metrics.stats
         self.failures: list[tuple[str, Exception]] = []  # requests whose post-processing raised
         self._finished_on_arrival: list[str] = []  # nothing to compute (max_tokens=0)
-        freeze_startup_heap()  # no 350 ms full collections mid-step (actors/process_tuning.py)
+        freeze_startup_heap()  # no 350 ms full collections mid-step (actors/worker/process_tuning.py)
 
     def _lora_registry(self, config: EngineConfig) -> LoraRegistry | None:
         if not config.enable_lora:
@@ -310,7 +311,7 @@ class LLMEngine:
 
 
 def cache_key(params: SamplingParams, lora: LoraRef | None = None) -> tuple:
-    """What a sequence's prefix-cache blocks are keyed on besides its tokens (actors/block_manager.py):
+    """What a sequence's prefix-cache blocks are keyed on besides its tokens (actors/core/block_manager.py):
     its cache salt and its adapter (the adapter changes the KV of the same tokens)."""
     salt = ("salt", params.cache_salt) if params.cache_salt is not None else ()
     return salt + (lora.cache_key if lora is not None else ())

@@ -46,7 +46,7 @@ def padded_size(batch: int, sizes: list[int]) -> int | None:
 def graphs_off_reason(*, device_type: str, eager_decode: bool, world_size: int, lora: bool,
                       moe: bool) -> str | None:
     """Why this runner decodes eagerly (None: it captures CUDA graphs, or on CPU compiles its
-    decode step: actors/compiled_decode.py)."""
+    decode step: actors/worker/compiled_decode.py)."""
     if device_type not in ("cuda", "cpu"):
         return f"{device_type} device"
     if eager_decode:

@@ -47,7 +47,7 @@ def same_user(writer: asyncio.StreamWriter) -> bool:
 
 class LinkServer:
     """The scheduler actor's end. `actor` has `add(...)`, `abort(request_id)` and `outbox`
-    (actors/scheduler_actor.py); each connection becomes the outbox's reader, as a new
+    (actors/host/engine_actor.py); each connection becomes the outbox's reader, as a new
     `outputs` stream does."""
 
     def __init__(self, actor):

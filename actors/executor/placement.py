@@ -7,15 +7,8 @@ one line naming what the layout needs and what the cluster has.
 """
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
-
 from actors.config import EngineConfig
-
-T = TypeVar("T")
+from actors.worker.process_tuning import openmp_env
 
 
 class PlacementError(RuntimeError):
@@ -41,56 +34,9 @@ def rank_bundle(config: EngineConfig) -> dict:
     return {"CPU": config.shard_cpus, **({"GPU": gpus} if gpus else {})}
 
 
-# How a rank's OpenMP threads wait at a barrier: spin ~10,000 rounds (about half a millisecond),
-# then sleep. libgomp's default spins 300,000 rounds: when anything else runs on the cores (Ray's
-# proxy and replicas, another job) a spinning thread waits for a descheduled partner, and a
-# 2-thread decode step took 10-20x longer. Sleeping at once (PASSIVE alone) wakes a thread for
-# every one of the ~70 parallel regions of a step: decode steps ~1.4-1.8x slower on an idle
-# machine. (docs/benchmarks.md, "Threads on shared cores".)
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
-
-
-def openmp_env() -> dict[str, str]:
-    """OPENMP_ENV, except what the caller's environment sets itself."""
-    return {k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()}
-
-
 def rank_runtime_env() -> dict:
     """The environment of a rank's process: OPENMP_ENV unless the caller's says otherwise."""
     return {"env_vars": openmp_env()}
-
-
-def use_threads(n: int) -> None:
-    """Gives the calling thread's matmuls `n` threads. OpenMP keeps its thread count per OS
-    thread, and a new thread starts from OMP_NUM_THREADS (1 in a Ray actor) whatever
-    torch.get_num_threads() says: without this, oneDNN and MKL ran the scheduler actor's
-    engine-loop matmuls on one thread (a batch-32 decode step took 60 ms instead of 50 ms,
-    docs/benchmarks.md)."""
-    import torch
-    torch.set_num_threads(n)
-
-
-def build_on_own_thread(make: Callable[[], T], threads: int) -> T:
-    """make() on a thread of its own, with `threads` torch threads, that ends when it returns.
-
-    OpenMP keeps a pool of worker threads for every thread that ran a parallel region, until
-    that thread ends. With more pooled threads than cores, libgomp hardly spins at barriers
-    (GOMP_SPINCOUNT gives way to its throttled count of ~100 rounds): loading and compiling a
-    model on one thread and stepping it on another made decode steps 40% slower
-    (docs/benchmarks.md, "Threads on shared cores")."""
-    result: Future = Future()
-
-    def build() -> None:
-        use_threads(threads)
-        try:
-            result.set_result(make())
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            result.set_exception(exc)
-
-    thread = threading.Thread(target=build, name="shoal-build")
-    thread.start()
-    thread.join()
-    return result.result()
 
 
 def default_strategy(bundles: list[dict]) -> str:
