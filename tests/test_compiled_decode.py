@@ -41,15 +41,15 @@ def compiled_llm(path) -> LLM:
 def compiled(request, checkpoint_factory):
     path = checkpoint_factory(request.param)
     llm = compiled_llm(path)
-    assert type(llm.engine.runner.graphs).__name__ == "CompiledDecode", llm.engine.runner.graphs_off
+    assert type(llm.engine.executor.runner.graphs).__name__ == "CompiledDecode", llm.engine.executor.runner.graphs_off
     return path, llm
 
 
 def test_eager_decode_by_option_or_environment(checkpoint_factory, monkeypatch):
     path = checkpoint_factory("llama")
-    assert LLM(str(path), **OPTIONS).engine.runner.graphs_off == "--eager-decode"  # the suite's variable
+    assert LLM(str(path), **OPTIONS).engine.executor.runner.graphs_off == "--eager-decode"  # the suite's variable
     monkeypatch.delenv("SHOAL_EAGER_DECODE")
-    assert LLM(str(path), eager_decode=True, **OPTIONS).engine.runner.graphs_off == "--eager-decode"
+    assert LLM(str(path), eager_decode=True, **OPTIONS).engine.executor.runner.graphs_off == "--eager-decode"
 
 
 def test_compiled_decode_equals_transformers_and_eager(compiled):
@@ -58,9 +58,9 @@ def test_compiled_decode_equals_transformers_and_eager(compiled):
     prompts = prompts_of([3, 9, 30, 1, 5, 14])  # 6 rows; contexts cross blocks of 4 as they grow
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     progress = DecodeProgress(llm.engine)
-    before = llm.engine.runner.graph_replays
+    before = llm.engine.executor.runner.graph_replays
     got, want = llm.generate(prompts, params), eager.generate(prompts, params)
-    assert llm.engine.runner.graph_replays > before and "graph=True" in progress.line()
+    assert llm.engine.executor.runner.graph_replays > before and "graph=True" in progress.line()
     assert_equals_eager_and_hf(path, prompts, got, want, 16)
     assert "graph=False" in progress.line()  # nothing decoded since
 
@@ -75,7 +75,7 @@ def test_compiled_bfloat16_decode_follows_eager_bfloat16(checkpoint_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("SHOAL_EAGER_DECODE", raising=False)
         llm = LLM(str(path), dtype="bfloat16", **OPTIONS)
-    assert type(llm.engine.runner.graphs).__name__ == "CompiledDecode"
+    assert type(llm.engine.executor.runner.graphs).__name__ == "CompiledDecode"
     eager = LLM(str(path), dtype="bfloat16", **OPTIONS)
     prompts = prompts_of([3, 9, 30, 1, 5, 14], seed=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -95,12 +95,12 @@ def test_compiled_bfloat16_decode_follows_eager_bfloat16(checkpoint_factory):
 def test_two_requests_compile_one_runs_eagerly_and_blocks_come_back(compiled):
     path, llm = compiled
     prompts = prompts_of([6, 2], seed=3)  # the 2-token prompt's table pads to 2 blocks at first
-    replays = llm.engine.runner.graph_replays
+    replays = llm.engine.executor.runner.graph_replays
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 6)]
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [hf_greedy(path, p, n) for p, n in zip(prompts, (12, 6))]
     # 5 decode steps with both rows ran compiled; the first request's last 6 alone ran eagerly.
-    assert llm.engine.runner.graph_replays - replays == 5
+    assert llm.engine.executor.runner.graph_replays - replays == 5
     assert llm.engine.blocks.num_free_blocks == OPTIONS["num_kv_blocks"]  # the spare one is outside the pool
 
 
@@ -108,7 +108,7 @@ def test_rows_pad_to_a_few_bucket_sizes(compiled):
     """oneDNN keeps a kernel per row count it meets (kernels/linear.py), so the compiled step
     pads its rows to the capture sizes plus --max-num-seqs (8 here): 2, 4, 8."""
     _, llm = compiled
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.executor.runner.graphs
     assert graphs.sizes == [2, 4, 8]
     from actors.worker.compiled_decode import CompiledDecode
     assert CompiledDecode(torch.nn.Identity(), sizes=[1, 2, 4, 8, 10], block_size=4, spare_block=0).sizes \
@@ -130,7 +130,7 @@ def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, caplog):
             llm = compiled_llm(path)
     finally:
         torch._dynamo.reset()
-    assert llm.engine.runner.graphs is None
+    assert llm.engine.executor.runner.graphs is None
     (warning,) = [r.getMessage() for r in caplog.records
                   if r.levelno >= logging.WARNING and r.name.startswith("shoal")]
     assert warning.startswith("compiled decode off: compiling failed")

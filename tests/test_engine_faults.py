@@ -109,13 +109,13 @@ def test_watchdog_declares_a_stuck_step_dead(llama_ckpt):
     import time
 
     engine = AsyncEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32, watchdog_timeout=0.5))
-    execute = engine.engine.runner.execute
+    execute = engine.engine.executor.runner.execute
 
     def stuck(output):
         time.sleep(4)
         return execute(output)
 
-    engine.engine.runner.execute = stuck
+    engine.engine.executor.runner.execute = stuck
 
     async def one():
         return [out async for out in engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=4), "x")]

@@ -61,14 +61,14 @@ def test_float32_native_matches_transformers(checkpoint_factory, eager):
     path = checkpoint_factory("llama")
     llm = LLM(str(path), device="cuda", dtype="float32", attn_backend="native", eager_decode=eager,
               max_num_batched_tokens=32)
-    assert llm.engine.spec.attn_backend == "native" and llm.engine.runner.device.type == "cuda"
+    assert llm.engine.spec.attn_backend == "native" and llm.engine.executor.runner.device.type == "cuda"
     prompts = prompts_of([3, 17, 40, 1, 90])
     outs = llm.generate(prompts, greedy(24, prompt_logprobs=0))
     for ids, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, ids, 24)
         ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
         assert ours == pytest.approx(hf_prompt_logprobs(path, ids), abs=1e-3)
-    assert (llm.engine.runner.graph_replays > 0) == (not eager)
+    assert (llm.engine.executor.runner.graph_replays > 0) == (not eager)
 
 
 def test_auto_dtype_is_bf16_on_gpu(checkpoint_factory):
@@ -120,9 +120,9 @@ def test_cuda_graphs_equal_eager(checkpoint_factory, backend):
     lengths = [8, 30, 30, 12, 4, 30, 9, 30, 16, 30, 30]
     params = [greedy(n, logprobs=1) for n in lengths]
     got, want = graphed.generate(prompts, params), eager.generate(prompts, params)
-    assert graphed.engine.runner.graph_replays > 0 and eager.engine.runner.graph_replays == 0
+    assert graphed.engine.executor.runner.graph_replays > 0 and eager.engine.executor.runner.graph_replays == 0
     tol = 1e-4 if dtype == "float32" else 2e-2
-    print(f"graphs vs eager ({dtype}): {graphed.engine.runner.graph_replays} replays, max |log-prob diff| "
+    print(f"graphs vs eager ({dtype}): {graphed.engine.executor.runner.graph_replays} replays, max |log-prob diff| "
           f"{max(abs(a - b) for g, w in zip(got, want) for a, b in zip(chosen_logprobs(g), chosen_logprobs(w))):.2e}")
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -142,7 +142,7 @@ def test_gpu_memory_utilization_bounds_the_process(checkpoint_factory):
 
 def test_kv_cache_memory_overrides_the_profile(checkpoint_factory):
     llm = LLM(str(checkpoint_factory("llama")), device="cuda", dtype="float32", kv_cache_memory=0.01)
-    r = llm.engine.runner
+    r = llm.engine.executor.runner
     assert r.num_blocks == int(0.01 * 2**30) // r.block_bytes()
 
 

@@ -49,7 +49,7 @@ def test_cpu_start_logs_no_warning_unless_flash_is_asked_for(checkpoint_factory,
         llm = LLM(str(path), num_kv_blocks=32)
     assert shoal_warnings(caplog) == []
     assert (llm.engine.spec.attn_backend, llm.engine.spec.block_size) == ("native", 16)
-    assert llm.engine.runner.graphs is None and llm.engine.runner.graph_replays == 0
+    assert llm.engine.executor.runner.graphs is None and llm.engine.executor.runner.graph_replays == 0
     assert not [r for r in caplog.records if "CUDA graphs" in r.getMessage()]  # nothing about GPUs
 
 
@@ -66,7 +66,7 @@ def test_flash_asked_for_on_cpu_falls_back_once(checkpoint_factory, caplog):
 def test_graph_options_do_nothing_on_cpu(checkpoint_factory):
     llm = LLM(str(checkpoint_factory("llama")), num_kv_blocks=16, eager_decode=True,
               cuda_graph_sizes=[1, 2], max_seq_len_to_capture=64)
-    assert llm.engine.runner.graphs is None and llm.engine.runner.kv_cache.shape[2] == 16 * 16
+    assert llm.engine.executor.runner.graphs is None and llm.engine.executor.runner.kv_cache.shape[2] == 16 * 16
     assert len(llm.generate(prompts_of([4]), GREEDY)[0].outputs[0].token_ids) == 24
 
 
@@ -200,7 +200,7 @@ def test_gpu_sizing_glue_runs_the_profiling_forwards(checkpoint_factory, monkeyp
     the largest graph size) run through the real model, and the arithmetic uses what they report."""
     llm = LLM(str(checkpoint_factory("llama")), num_kv_blocks=8, max_num_batched_tokens=64, max_num_seqs=8,
               max_seq_len_to_capture=128)
-    r = llm.engine.runner
+    r = llm.engine.executor.runner
     gib = mp.GiB
     peak = {"now": 0}
     for name, fn in {"synchronize": lambda: None, "empty_cache": lambda: None,
@@ -329,7 +329,7 @@ def test_flash_metadata_matches_the_native_path(ops):
 
 def flash_llm(path, ops: str, **options) -> LLM:
     llm = LLM(str(path), **options)
-    llm.engine.runner.flash_ops = FAKE_OPS[ops]  # what model_spec picks on a GPU that has it
+    llm.engine.executor.runner.flash_ops = FAKE_OPS[ops]  # what model_spec picks on a GPU that has it
     return llm
 
 
@@ -356,7 +356,7 @@ def eager_capture(fn, pool):
 
 
 def with_emulated_graphs(llm: LLM, sizes, max_seq_len: int, flash_ops=None) -> DecodeGraphs:
-    r = llm.engine.runner
+    r = llm.engine.executor.runner
     r.bind_kv_cache(r.num_blocks + 1)  # the spare block the padding rows use
     r.graphs = DecodeGraphs(r.model, sizes, block_size=r.block_size, max_seq_len=max_seq_len,
                             spare_block=r.num_blocks, hidden_size=r.args.hidden_size, dtype=r.dtype,

@@ -138,7 +138,7 @@ def test_expert_balancedness_is_a_prometheus_metric(checkpoint_factory):
     registry.register(ShoalCollector(combine([llm.engine.metrics.snapshot(llm.engine)]), {}, "m"))
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     value = families["shoal_expert_balancedness"].samples[0].value
-    assert value == llm.engine.runner.expert_stats()["balancedness"] and 0 < value <= 1
+    assert value == llm.engine.executor.runner.expert_stats()["balancedness"] and 0 < value <= 1
 
 
 def test_expert_options_are_validated_in_one_line():
@@ -161,7 +161,7 @@ def local_ray():
 
 
 def expert_params(llm) -> int:
-    return sum(p.numel() for n, p in llm.engine.runner.model.named_parameters() if ".experts." in n)
+    return sum(p.numel() for n, p in llm.engine.executor.runner.model.named_parameters() if ".experts." in n)
 
 
 @pytest.mark.slow
@@ -174,11 +174,11 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
     try:
         prompts = prompts_of([5, 30, 13, 2])
         assert_matches_hf(path, prompts, llm.generate(prompts, PARAMS))
-        a = llm.engine.runner.args
+        a = llm.engine.executor.runner.args
         total = a.num_layers * a.moe.num_experts * 3 * a.moe.intermediate_size * a.hidden_size
         assert expert_params(llm) * 2 == total
-        rank0 = sum(p.numel() for p in llm.engine.runner.model.parameters())
-        assert [info["parameters"] for info in llm.engine.shards.infos] == [rank0]
+        rank0 = sum(p.numel() for p in llm.engine.executor.runner.model.parameters())
+        assert [info["parameters"] for info in llm.engine.executor.shards.infos] == [rank0]
         assert_pool_free(llm)
     finally:
         llm.shutdown()
@@ -191,7 +191,7 @@ def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_fac
     try:
         prompts = prompts_of([9, 21])
         assert_matches_hf(path, prompts, llm.generate(prompts, PARAMS))
-        a = llm.engine.runner.args
+        a = llm.engine.executor.runner.args
         assert expert_params(llm) * 2 == a.num_layers * a.moe.num_experts * 3 * a.moe.intermediate_size * a.hidden_size
     finally:
         llm.shutdown()
@@ -212,13 +212,13 @@ def test_replanning_a_skewed_load_improves_balance_and_keeps_outputs(local_ray, 
         runs, stats = [], []
         for _ in range(3):
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-            stats.append(llm.engine.runner.expert_stats())
+            stats.append(llm.engine.executor.runner.expert_stats())
         assert [s["rebalances"] for s in stats] == [0, 1, 1]
         assert stats[0]["layers"][0]["tokens"] == stats[2]["layers"][0]["tokens"]  # the same load ...
         assert stats[2]["balancedness"] > stats[0]["balancedness"] + 0.1  # ... spread more evenly
         assert stats[2]["layers"][0]["placement"] != stats[0]["layers"][0]["placement"]
         assert runs[0] == runs[1] == runs[2] == [hf_greedy(path, prompts[0], 8)] * 4
-        a = llm.engine.runner.args  # 8 experts + 2 copies = 10 slots per layer, 5 on each rank
+        a = llm.engine.executor.runner.args  # 8 experts + 2 copies = 10 slots per layer, 5 on each rank
         assert expert_params(llm) == a.num_layers * 5 * 3 * a.moe.intermediate_size * a.hidden_size
         assert_pool_free(llm)
     finally:

@@ -170,7 +170,7 @@ class AsyncEngine:
         if e.loras is not None:  # adapters registered, and the ones in slots now
             stats["lora_adapters"] = [r.name for r in e.list_loras()]
             stats["lora_slots_loads"] = e.scheduler.loras.loads
-        experts = e.runner.expert_stats()  # MoE models: routed tokens per expert, balancedness
+        experts = e.executor.expert_stats()  # MoE models: routed tokens per expert, balancedness
         if experts is not None:
             stats["experts"] = experts
         return stats
@@ -215,9 +215,9 @@ class AsyncEngine:
 
     def _watch(self) -> None:
         """The watchdog on the running step and, for multi-rank layouts, every rank's health."""
-        shards = self.engine.shards
+        executor = self.engine.executor
         while not self._stopped and self.error is None:
-            problem = self._stuck_step() or (shards.check(RANK_ANSWER_TIMEOUT_S) if shards else None)
+            problem = self._stuck_step() or executor.check(RANK_ANSWER_TIMEOUT_S)
             if problem is not None and not self._stopped:
                 log.error("the engine is dead: %s", problem)
                 self._die(EngineDeadError(problem))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import resource
 import time
 from dataclasses import dataclass, field
 
@@ -26,11 +25,11 @@ from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.lora_registry import LoraRegistry
 from actors.engine.metrics import EngineMetrics
 from actors.errors import RequestFailedError, UnknownAdapterError
-from actors.executor.shards import rank_info, start_shards
+from actors.executor.executor import Executor
 from actors.outputs import CompletionOutput, RequestOutput
 from actors.sampling_params import SamplingParams
 from actors.worker.loader import checkpoint_shapes, load_tokenizer, resolve_model_path
-from actors.worker.model_runner import ModelRunner, RunnerOutput
+from actors.worker.model_runner import RunnerOutput
 from actors.worker.model_spec import resolve_model
 from actors.worker.process_tuning import freeze_startup_heap
 
@@ -69,16 +68,9 @@ class LLMEngine:
         self.model_path, self.max_model_len, self.eos_ids = self.spec.path, self.spec.max_model_len, self.spec.eos_ids
         self.loras = self._lora_registry(config)  # before the weights: a bad adapter fails at once
         torch.manual_seed(config.seed)
-        start = time.perf_counter()
-        self.runner = ModelRunner(config, self.spec)
-        log.info("rank 0 loaded in %.2f s, peak RSS %.0f MiB", time.perf_counter() - start,
-                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        self.shards = None
-        if self.runner.p.world_size > 1:
-            self.shards = start_shards(config, self.spec, self.runner, placement)
-        # Where every rank runs (/stats): pid, node, device, GPU ids.
-        self.rank_infos = [rank_info(0, self.runner.device)] + (self.shards.infos if self.shards else [])
-        self.blocks = BlockManager(self.runner.num_blocks, self.spec.block_size, config.enable_prefix_caching)
+        self.executor = Executor(config, self.spec, placement)
+        self.rank_infos = self.executor.rank_infos()
+        self.blocks = BlockManager(self.executor.num_blocks, self.spec.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
@@ -162,7 +154,7 @@ class LLMEngine:
             seq = Sequence(request_id, i, list(prompt_token_ids), len(prompt_token_ids), params, priority,
                            cache_key=cache_key(params, ref), lora=ref)
             if params.seed is not None:
-                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+                seq.generator = torch.Generator(device=self.executor.device).manual_seed(params.seed + i)
             if grammar is not None:
                 seq.matcher = self.grammars.matcher(grammar)
             req.seqs.append(seq)
@@ -198,22 +190,13 @@ class LLMEngine:
         return failures
 
     def shutdown(self) -> None:
-        """Stop the shard actors of a multi-rank layout and leave the process group."""
-        if self.shards is not None:
-            try:
-                self.runner.stop_workers()
-            except Exception as exc:  # a shard already gone: killing them below is all that is left
-                log.warning("could not stop the shard loops cleanly: %s", exc)
-            self.shards.shutdown()
-            self.shards = None
-            import torch.distributed as dist
-            dist.destroy_process_group()
+        self.executor.shutdown()
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
         start = time.monotonic()
-        result = self.runner.execute(output) if output.seqs else RunnerOutput([], [], [])
+        result = self.executor.execute(output)
         self.scheduler.update(output, result.tokens)
         now = time.monotonic()
         self.metrics.record_step(output, result.tokens, self.requests, start, now)

@@ -220,7 +220,7 @@ class EngineStats:
 
 def _expert_gauges(engine) -> dict:
     """Balancedness of MoE models, with a count so GET /metrics can average over replicas."""
-    experts = engine.runner.expert_stats()
+    experts = engine.executor.expert_stats()
     if experts is None:
         return {}
     return {"expert_balancedness": experts["balancedness"], "moe_replicas": 1}
@@ -244,7 +244,7 @@ class DecodeProgress:
         self._replays = self._graph_replays()
 
     def _graph_replays(self) -> int:
-        return getattr(self.engine.runner, "graph_replays", 0)
+        return self.engine.executor.graph_replays
 
     def line(self) -> str:
         """graph=True when decode steps ran as CUDA graphs since the last line."""

@@ -20,6 +20,7 @@ import torch
 
 from actors.config import EngineConfig
 from actors.distributed.parallel import init_distributed
+from actors.distributed.pipeline import worker_loop
 from actors.executor.placement import check_fits, default_strategy, rank_bundle, rank_runtime_env
 from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import build_on_own_thread, freeze_startup_heap, use_threads
@@ -54,8 +55,10 @@ class ShardActor:
         init_distributed(self.runner.p, master_addr, master_port, timeout_s, backend)
 
     def run(self) -> None:
+        """Follow rank 0's steps until it stops."""
         use_threads(self.threads)  # a threaded actor: this call's thread is not __init__'s
-        self.runner.worker_loop()
+        experts = self.runner.experts
+        worker_loop(self.runner.p, self.runner.run_stage, experts.rebalance if experts else None)
 
 
 def rank_info(rank: int, device: torch.device) -> dict:

@@ -16,7 +16,7 @@ from actors.config import EngineConfig
 from actors.core.step import ScheduledSeq, SchedulerOutput, StepRow
 from actors.core.structured import bitmask_width, fill_bitmasks
 from actors.distributed.parallel import layout
-from actors.distributed.pipeline import REBALANCE, STOP, MicroBatch, broadcast_step, run_stage, worker_loop
+from actors.distributed.pipeline import MicroBatch, run_stage
 from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.worker import memory_profile
 from actors.worker.compiled_decode import CompiledDecode, eager_by_environment
@@ -186,11 +186,7 @@ class ModelRunner:
             else:
                 hidden = self.model(*self.prepare(output))
             return self.model.compute_logits(hidden[output.logit_rows]) if output.logit_rows else None
-        rebalance = self.experts is not None and self.experts.due()
-        broadcast_step(self.p, (REBALANCE, output) if rebalance else output)  # every rank switches now
-        if rebalance:
-            self.experts.rebalance()
-        return self.run_stage(output)
+        return self.run_stage(output)  # the executor has broadcast the step to the other ranks
 
     @torch.inference_mode()
     def run_stage(self, output: SchedulerOutput) -> torch.Tensor | None:
@@ -202,16 +198,8 @@ class ModelRunner:
         parts = [x for x in parts if x is not None]
         return torch.cat(parts) if parts else None
 
-    def worker_loop(self) -> None:
-        """Ranks 1..n: follow rank 0's steps until it stops."""
-        worker_loop(self.p, self.run_stage, self.experts.rebalance if self.experts else None)
-
     def expert_stats(self) -> dict | None:
         return self.experts.stats() if self.experts else None
-
-    def stop_workers(self) -> None:
-        if self.p.world_size > 1 and self.p.rank == 0:
-            broadcast_step(self.p, STOP)
 
     def load_adapters(self, output: SchedulerOutput) -> None:
         """Read the adapters the scheduler put into slots this step (every rank does)."""

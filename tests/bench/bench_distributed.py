@@ -29,7 +29,7 @@ def orchestration_ms(path, tp: int, iters: int = 200) -> float:
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()
     payload = engine.scheduler.schedule()  # a decode step's SchedulerOutput: what a step broadcasts
-    runner = engine.runner
+    runner = engine.executor.runner
     times = []
     for _ in range(iters):
         t = time.perf_counter()

@@ -28,7 +28,7 @@ def shoal_throughput(path, prompts, out_len, eager_decode: bool) -> tuple[float,
               eager_decode=eager_decode)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     steps = {"decode": [0, 0.0], "prefill": [0, 0.0]}  # steps, seconds in ModelRunner.execute
-    execute = llm.engine.runner.execute
+    execute = llm.engine.executor.runner.execute
 
     def timed_execute(output):
         t = time.perf_counter()
@@ -38,7 +38,7 @@ def shoal_throughput(path, prompts, out_len, eager_decode: bool) -> tuple[float,
         kind[1] += time.perf_counter() - t
         return result
 
-    llm.engine.runner.execute = timed_execute
+    llm.engine.executor.runner.execute = timed_execute
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     elapsed = time.perf_counter() - start
@@ -78,7 +78,7 @@ def step_overhead(path, batch: int, steps: int = 30):
             or engine.scheduler.waiting:
         engine.step()
     step_times, forward_times = [], []
-    runner = engine.runner
+    runner = engine.executor.runner
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()

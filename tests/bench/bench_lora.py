@@ -65,7 +65,7 @@ def fastest_forwards(llm: LLM, steps: list[SchedulerOutput], n: int) -> list[flo
     for _ in range(n):
         for i, step in enumerate(steps):
             start = time.perf_counter()
-            llm.engine.runner._forward(step)
+            llm.engine.executor.runner._forward(step)
             best[i] = min(best[i], time.perf_counter() - start)
     return best
 

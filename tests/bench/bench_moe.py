@@ -56,7 +56,7 @@ def replanned_balancedness(path) -> tuple[float, float, bool]:
     runs, figures = [], []
     for _ in range(3):
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        figures.append(llm.engine.runner.expert_stats()["balancedness"])
+        figures.append(llm.engine.executor.runner.expert_stats()["balancedness"])
     llm.shutdown()
     return figures[0], figures[2], runs[0] == runs[2]
 

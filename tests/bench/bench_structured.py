@@ -138,7 +138,7 @@ def main():
     interleaved_steps(free, mixed, 5, clock)  # warm-up
     free_times, mixed_times, grammar = interleaved_steps(free, mixed, args.steps, clock)
     f, m = statistics.median(free_times), statistics.median(mixed_times)
-    vocab = mixed.engine.runner.args.vocab_size
+    vocab = mixed.engine.executor.runner.args.vocab_size
     print(f"| measure (vocab {vocab}, {args.threads} threads, {args.steps} steps) | value | target |")
     print("| --- | --- | --- |")
     print(f"| engine step, batch 32, unconstrained (median) | {f * 1e3:.1f} ms | |")

@@ -1,0 +1,84 @@
+"""Where a step runs: rank 0's model runner in this process and, for tp x pp > 1, the shard
+ranks it starts, places, watches and stops (actors/executor/shards.py).
+
+The engine hands the executor each step's SchedulerOutput and gets the sampled tokens back;
+it never sees Ray, placement groups or the process group. With one rank a step is a call on
+the runner. With more, the executor first broadcasts the step to every rank over
+torch.distributed (actors/distributed/pipeline.py: one message per step, no Ray call), then
+rank 0 runs its stage and samples; an expert re-plan (EPLB) rides on the same broadcast, so
+every rank switches placement before the same step.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+
+from actors.config import EngineConfig
+from actors.core.step import SchedulerOutput
+from actors.distributed.pipeline import REBALANCE, STOP, broadcast_step
+from actors.worker.model_runner import ModelRunner, RunnerOutput
+from actors.worker.model_spec import ModelSpec
+
+log = logging.getLogger("shoal.engine")
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, placement: tuple | None = None):
+        """placement: (placement group, first bundle for shard rank 1) when the caller reserved one."""
+        start = time.perf_counter()
+        self.runner = ModelRunner(config, spec)
+        log.info("rank 0 loaded in %.2f s, peak RSS %.0f MiB", time.perf_counter() - start,
+                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        self.shards = None
+        if self.runner.p.world_size > 1:
+            from actors.executor.shards import start_shards  # Ray: only for multi-rank layouts
+            self.shards = start_shards(config, spec, self.runner, placement)
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks per rank (every rank holds the same number)."""
+        return self.runner.num_blocks
+
+    @property
+    def device(self):
+        return self.runner.device
+
+    def rank_infos(self) -> list[dict]:
+        """Where every rank runs (/stats): pid, node, device, GPU ids."""
+        from actors.executor.shards import rank_info
+        return [rank_info(0, self.runner.device)] + (self.shards.infos if self.shards else [])
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        if not output.seqs:
+            return RunnerOutput([], [], [])
+        if self.shards is not None:
+            rebalance = self.runner.experts is not None and self.runner.experts.due()
+            broadcast_step(self.runner.p, (REBALANCE, output) if rebalance else output)
+            if rebalance:  # every rank re-plans at this same step
+                self.runner.experts.rebalance()
+        return self.runner.execute(output)
+
+    def check(self, timeout: float) -> str | None:
+        """None while every rank is healthy (always, for one rank); else what is wrong."""
+        return self.shards.check(timeout) if self.shards is not None else None
+
+    def expert_stats(self) -> dict | None:
+        return self.runner.expert_stats()
+
+    @property
+    def graph_replays(self) -> int:
+        return self.runner.graph_replays
+
+    def shutdown(self) -> None:
+        """Stop the shard ranks' loops and actors, and leave the process group."""
+        if self.shards is None:
+            return
+        try:
+            broadcast_step(self.runner.p, STOP)
+        except Exception as exc:  # a shard already gone: killing them below is all that is left
+            log.warning("could not stop the shard loops cleanly: %s", exc)
+        self.shards.shutdown()
+        self.shards = None
+        import torch.distributed as dist
+        dist.destroy_process_group()
