@@ -1,4 +1,11 @@
-"""What the engine hands back. Streaming outputs are deltas; `accumulate` folds them."""
+"""What the engine hands back: one `RequestOutput` per request per step that changed it.
+
+A streamed request's outputs are deltas (the new tokens and text of each sequence); a `whole`
+request (EngineRequest.whole) gets one cumulative output, when it finishes. The request's
+prompt ids, prompt text and prompt log-probs come once, on its first output that can carry
+them. Deltas that pile up anywhere on the way (the engine's host, the replica, the HTTP
+stream) are folded into one by `Pending`, the one place outputs are merged.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,41 +40,86 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]  # only the sequences that changed (cumulative after accumulate)
+    prompt_token_ids: list[int] | None  # on the request's first output only (merged ones keep it)
+    outputs: list[CompletionOutput]  # only the sequences that changed (cumulative after merging)
     finished: bool = False
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # sent once, first position None
     num_cached_tokens: int = 0
-    prompt: str | None = None
+    prompt: str | None = None  # on the first output, where the request had a text prompt
     metrics: RequestMetrics | None = None  # set on the last output (actors/engine/metrics.py)
 
 
-def accumulate(deltas) -> RequestOutput:
-    """Fold a request's stream of delta outputs into one cumulative output."""
-    final: RequestOutput | None = None
-    by_index: dict[int, CompletionOutput] = {}
-    for delta in deltas:
-        if final is None:
-            final = RequestOutput(delta.request_id, delta.prompt_token_ids, [], prompt=delta.prompt)
-        final.finished = delta.finished
-        final.num_cached_tokens = max(final.num_cached_tokens, delta.num_cached_tokens)
-        if delta.prompt_logprobs is not None:
-            final.prompt_logprobs = delta.prompt_logprobs
-        if delta.metrics is not None:
-            final.metrics = delta.metrics
-        for out in delta.outputs:
-            acc = by_index.setdefault(out.index, CompletionOutput(out.index))
-            merge_into(acc, out)
-    if final is None:
+def merge(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
+    """`delta` folded into `acc` (a request's earlier output, changed in place): the same as
+    if the engine had sent them as one."""
+    acc.finished = delta.finished
+    acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
+    for name in ("prompt_token_ids", "prompt", "prompt_logprobs", "metrics"):
+        if getattr(delta, name) is not None:
+            setattr(acc, name, getattr(delta, name))
+    by_index = {out.index: out for out in acc.outputs}
+    for out in delta.outputs:
+        seq = by_index.get(out.index)
+        if seq is None:
+            seq = by_index[out.index] = CompletionOutput(out.index)
+            acc.outputs.append(seq)
+        seq.text += out.text
+        seq.token_ids.extend(out.token_ids)
+        if out.logprobs is not None:
+            seq.logprobs = (seq.logprobs or []) + out.logprobs
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+    acc.outputs.sort(key=lambda out: out.index)
+    return acc
+
+
+def copy_output(output: RequestOutput) -> RequestOutput:
+    """A copy whose sequences can be merged into without touching the original's."""
+    return merge(RequestOutput(output.request_id, None, []), output)
+
+
+class Pending:
+    """One request's news not taken yet: its outputs merged as they come, and the error that
+    ended it, if one did."""
+
+    __slots__ = ("output", "error", "owned")
+
+    def __init__(self):
+        self.output: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.owned = False  # self.output is our own copy (its sender may still hold the first)
+
+    def add(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        elif self.output is None:
+            self.output, self.owned = item, False
+        else:
+            if not self.owned:
+                self.output, self.owned = copy_output(self.output), True
+            merge(self.output, item)
+
+    @property
+    def empty(self) -> bool:
+        return self.output is None and self.error is None
+
+    @property
+    def ended(self) -> bool:
+        """The request is over: finished, or failed."""
+        return self.error is not None or (self.output is not None and self.output.finished)
+
+    def take(self) -> tuple[RequestOutput | None, BaseException | None]:
+        """(merged output or None, error or None), and start empty again."""
+        taken = self.output, self.error
+        self.output = self.error = None
+        return taken
+
+
+def accumulate(outputs) -> RequestOutput:
+    """A request's outputs folded into one (the whole output of a stream of deltas)."""
+    pending = Pending()
+    for output in outputs:
+        pending.add(output)
+    if pending.output is None:
         raise ValueError("no outputs to accumulate")
-    final.outputs = [by_index[i] for i in sorted(by_index)]
-    return final
-
-
-def merge_into(acc: CompletionOutput, out: CompletionOutput) -> None:
-    acc.text += out.text
-    acc.token_ids.extend(out.token_ids)
-    if out.logprobs is not None:
-        acc.logprobs = (acc.logprobs or []) + out.logprobs
-    if out.finish_reason is not None:
-        acc.finish_reason, acc.stop_reason = out.finish_reason, out.stop_reason
+    return pending.output

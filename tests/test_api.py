@@ -25,10 +25,10 @@ from actors.outputs import CompletionOutput, RequestOutput
 from actors.sampling_params import SamplingParams
 from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 from app.api.streams import EngineStreams
 from app.protocol.chat_template import render_chat_prompt
-from app.serving.engine_client import LocalEngineClient
 
 USER = [{"role": "user", "content": "Tell me about the quick brown fox."}]
 KEY = "sekret"
@@ -71,10 +71,10 @@ class StubClient:
     def __init__(self):
         self.mode, self.is_ready, self.prompts, self.request_ids = "ok", True, [], []
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0, whole=False):
-        self.prompts.append(prompt_token_ids)
-        self.request_ids.append(request_id)
-        return self._outputs(prompt_token_ids, request_id)
+    def generate(self, request):
+        self.prompts.append(request.prompt_token_ids)
+        self.request_ids.append(request.request_id)
+        return self._outputs(request.prompt_token_ids, request.request_id)
 
     async def _outputs(self, ids, request_id):
         errors = {"queue_full": QueueFullError("3 requests are waiting (limit 2)"),

@@ -8,14 +8,14 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from test_api import running, sse_events
+from test_detokenizer import cut_character_ids
 
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 from app.protocol.chat_template import render_chat_prompt
-from app.serving.engine_client import LocalEngineClient
-from test_api import running, sse_events
-from test_detokenizer import cut_character_ids
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -21,12 +21,12 @@ import pytest
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 from app.cli import main
 from app.cli.bench.cli import check_bounded
 from app.cli.bench.report import percentile
 from app.cli.main import build_parser
-from app.serving.engine_client import LocalEngineClient
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,10 +39,10 @@ class RecordingClient:
         self.max_model_len = inner.max_model_len
         self.prompts, self.params = [], []
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0, whole=False):
-        self.prompts.append(self.tokenizer.decode(prompt_token_ids))
-        self.params.append(params)
-        return self.inner.generate(prompt_token_ids, params, request_id, priority)
+    def generate(self, request):
+        self.prompts.append(self.tokenizer.decode(request.prompt_token_ids))
+        self.params.append(request.params)
+        return self.inner.generate(request)
 
     def __getattr__(self, name):  # abort, stats, ready, shutdown
         return getattr(self.inner, name)

@@ -9,6 +9,7 @@ import torch
 from oracle import hf_greedy, hf_logits, hf_prompt_logprobs
 
 from actors.engine.llm import LLM
+from actors.request import EngineRequest
 from actors.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -73,7 +74,7 @@ def test_staggered_arrivals_and_small_chunks(llama_ckpt):
     while pending or llm.engine.has_unfinished():
         if pending and step % 3 == 0:
             i, ids = pending.pop(0)
-            llm.engine.add_request(f"r{i}", ids, GREEDY)
+            llm.engine.add_request(EngineRequest(f"r{i}", ids, GREEDY))
         for out in llm.engine.step():
             deltas.setdefault(out.request_id, []).extend(out.outputs[0].token_ids if out.outputs else [])
             if out.finished:
@@ -308,7 +309,8 @@ def test_priority_policy_runs_urgent_first(llama_ckpt):
     llm = LLM(str(llama_ckpt), num_kv_blocks=64, max_num_seqs=1, scheduling_policy="priority")
     order = []
     for i, prio in enumerate([5, 0, 3]):
-        llm.engine.add_request(f"p{i}", [1, 2, 3 + i], SamplingParams(max_tokens=2, ignore_eos=True), priority=prio)
+        llm.engine.add_request(EngineRequest(f"p{i}", [1, 2, 3 + i], SamplingParams(max_tokens=2, ignore_eos=True),
+                                             priority=prio))
     while llm.engine.has_unfinished():
         order += [o.request_id for o in llm.engine.step() if o.finished]
     assert order == ["p1", "p2", "p0"]

@@ -11,14 +11,15 @@ from actors.config import EngineConfig
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.llm import LLM
 from actors.errors import EngineDeadError, RequestFailedError
+from actors.request import EngineRequest
 from actors.sampling_params import SamplingParams
 
 
 def test_a_request_whose_post_processing_raises_fails_alone(llama_ckpt):
     llm = LLM(str(llama_ckpt), num_kv_blocks=64)
     good, bad = prompts_of([9, 14])
-    llm.engine.add_request("good", good, GREEDY)
-    llm.engine.add_request("bad", bad, GREEDY)
+    llm.engine.add_request(EngineRequest("good", good, GREEDY))
+    llm.engine.add_request(EngineRequest("bad", bad, GREEDY))
     calls = 0
 
     def broken_add(token, check_stop=True):
@@ -51,7 +52,7 @@ def test_an_engine_loop_that_ends_fails_every_request_and_is_not_alive(llama_ckp
     engine.engine.step = crash
 
     async def one(rid):
-        return [out async for out in engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=4), rid)]
+        return [out async for out in engine.generate(EngineRequest(rid, prompts_of([6])[0], SamplingParams(max_tokens=4)))]
 
     try:
         with pytest.raises(EngineDeadError, match="MemoryError|outside any"):
@@ -88,13 +89,13 @@ def test_queue_limit_counts_requests_not_samples(llama_ckpt):
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, n=3)
 
     async def scenario():
-        a = engine.generate(prompts_of([5])[0], long, "a")
+        a = engine.generate(EngineRequest("a", prompts_of([5])[0], long))
         await a.__anext__()  # its three samples are running
-        b = engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=2), "b")
+        b = engine.generate(EngineRequest("b", prompts_of([6])[0], SamplingParams(max_tokens=2)))
         b_first = asyncio.ensure_future(b.__anext__())
         await asyncio.sleep(0.05)
         with pytest.raises(QueueFullError):
-            await engine.generate(prompts_of([7])[0], SamplingParams(max_tokens=2), "c").__anext__()
+            await engine.generate(EngineRequest("c", prompts_of([7])[0], SamplingParams(max_tokens=2))).__anext__()
         await a.aclose()
         await b_first
         await b.aclose()
@@ -118,7 +119,7 @@ def test_watchdog_declares_a_stuck_step_dead(llama_ckpt):
     engine.engine.executor.runner.execute = stuck
 
     async def one():
-        return [out async for out in engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=4), "x")]
+        return [out async for out in engine.generate(EngineRequest("x", prompts_of([6])[0], SamplingParams(max_tokens=4)))]
 
     try:
         start = time.monotonic()
@@ -151,7 +152,7 @@ def test_the_engine_loop_thread_gets_the_callers_matmul_threads(llama_ckpt):
     engine.engine.step = observed_step
 
     async def one():
-        return [out async for out in engine.generate(prompts_of([6])[0], SamplingParams(max_tokens=3), "r")]
+        return [out async for out in engine.generate(EngineRequest("r", prompts_of([6])[0], SamplingParams(max_tokens=3)))]
 
     try:
         assert asyncio.run(one())

@@ -18,6 +18,7 @@ from actors.config import EngineConfig  # noqa: E402
 from actors.errors import EngineDeadError  # noqa: E402
 from actors.host.engine_actor import scheduler_actor_class  # noqa: E402
 from actors.host.link import SocketLink  # noqa: E402
+from actors.request import EngineRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -59,8 +60,7 @@ async def finished(news: dict, request_id: str) -> list:
 
 async def long_request_running(link: SocketLink, news: dict, request_id: str) -> None:
     """Start a 500-token request and wait for its first output."""
-    await link.add(prompts_of([9])[0], SamplingParams(max_tokens=500, ignore_eos=True), request_id,
-                   0, None, False)
+    await link.add(EngineRequest(request_id, prompts_of([9])[0], SamplingParams(max_tokens=500, ignore_eos=True)))
     while not news.get(request_id):
         await asyncio.sleep(0.01)
 
@@ -71,10 +71,10 @@ def test_outputs_equal_transformers_and_refusals_come_back(scheduler, llama_ckpt
     async def go():
         link, news, reader = await connect(scheduler)
         for i, ids in enumerate(prompts):
-            await link.add(ids, GREEDY, f"r{i}", 0, None, i == 1)  # the second: whole
+            await link.add(EngineRequest(f"r{i}", ids, GREEDY, whole=i == 1))  # the second: whole
         outs = [await finished(news, f"r{i}") for i in range(2)]
         with pytest.raises(ValueError, match="max_model_len|too long|context"):
-            await link.add(list(range(5000)), GREEDY, "long", 0, None, False)
+            await link.add(EngineRequest("long", list(range(5000)), GREEDY))
         reader.cancel()
         link.close(EngineDeadError("test over"))
         return outs
@@ -82,7 +82,7 @@ def test_outputs_equal_transformers_and_refusals_come_back(scheduler, llama_ckpt
     streamed, whole = run(go())
     assert [t for d in streamed for t in d.outputs[0].token_ids] == hf_greedy(llama_ckpt, prompts[0], 8)
     assert len(whole) == 1  # a whole request comes once, finished
-    assert whole[0].prompt_token_ids is None  # the replica puts its own prompt back
+    assert whole[0].prompt_token_ids == prompts[1]  # carried, once, on the request's first output
     assert whole[0].outputs[0].token_ids == hf_greedy(llama_ckpt, prompts[1], 8)
 
 
@@ -102,8 +102,8 @@ def test_abort_frees_the_blocks_and_a_newer_link_takes_over(scheduler):
         with pytest.raises(EngineDeadError, match="socket closed"):
             await reader
         with pytest.raises(EngineDeadError):
-            await first.add([1, 2, 3], GREEDY, "late", 0, None, False)
-        await second.add([1, 2, 3], GREEDY, "next", 0, None, False)
+            await first.add(EngineRequest("late", [1, 2, 3], GREEDY))
+        await second.add(EngineRequest("next", [1, 2, 3], GREEDY))
         assert not isinstance((await finished(news2, "next"))[-1], BaseException)
         reader2.cancel()
         second.close(EngineDeadError("test over"))
@@ -119,6 +119,6 @@ def test_a_dead_actor_fails_the_link(scheduler):
         with pytest.raises(EngineDeadError, match="socket closed"):
             await reader
         with pytest.raises(EngineDeadError):
-            await link.add([1, 2, 3], GREEDY, "after", 0, None, False)
+            await link.add(EngineRequest("after", [1, 2, 3], GREEDY))
 
     run(go())

@@ -13,8 +13,8 @@ from schemathesis import GenerationMode
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
-from app.serving.engine_client import LocalEngineClient
 
 EXAMPLES = 25  # per operation and generation mode
 

@@ -18,13 +18,7 @@ from actors.engine.metrics import DecodeProgress
 from actors.sampling_params import SamplingParams
 from actors.worker import memory_profile as mp
 from actors.worker import model_spec
-from actors.worker.cuda_graphs import (
-    DecodeGraphs,
-    capture_sizes,
-    graphs_off_reason,
-    pad_decode,
-    padded_size,
-)
+from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason, pad_decode, padded_size
 from kernels import flash_attention as fa
 from kernels.attention import AttentionMetadata, paged_attention
 

@@ -11,8 +11,8 @@ import pytest
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
-from app.serving.engine_client import LocalEngineClient
 
 LIMITS = dict(max_request_bytes=4000, max_n=2, max_prompts=2, max_messages=3, max_input_chars=600,
               max_logit_bias=2, max_top_logprobs=3, max_tokens_cap=20, max_stop=2, max_stop_chars=8,

@@ -14,12 +14,13 @@ from oracle import hf_greedy, hf_prompt_logprobs
 from test_engine import prompts_of
 
 from actors.config import EngineConfig
+from actors.request import EngineRequest
 from actors.sampling_params import SamplingParams
 from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
-from app.serving.engine_client import LocalEngineClient
-from app.serving.replica import EngineRequest
+from app.serving.replica import RoutedRequest
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -118,12 +119,12 @@ def test_bad_adapter_is_400_and_metrics_name_adapters(server, tmp_path):
 
 def test_prefix_routing_key_starts_with_the_adapter_and_salt():
     params = SamplingParams()
-    plain = EngineRequest([1, 2, 3], params, "r1")
-    on_a = EngineRequest([1, 2, 3], params, "r2", lora="a")
-    on_b = EngineRequest([1, 2, 3], params, "r3", lora="b")
+    plain = RoutedRequest(EngineRequest("r1", [1, 2, 3], params))
+    on_a = RoutedRequest(EngineRequest("r2", [1, 2, 3], params, lora="a"))
+    on_b = RoutedRequest(EngineRequest("r3", [1, 2, 3], params, lora="b"))
     assert on_a.prompt.startswith("a\x00") and on_a.prompt.endswith(plain.prompt)
     assert not on_b.prompt.startswith(on_a.prompt[:2]) and not plain.prompt.startswith("a")
-    salted = EngineRequest([1, 2, 3], SamplingParams(cache_salt="s"), "r4", lora="a")
-    other_salt = EngineRequest([1, 2, 3], SamplingParams(cache_salt="t"), "r5", lora="a")
+    salted = RoutedRequest(EngineRequest("r4", [1, 2, 3], SamplingParams(cache_salt="s"), lora="a"))
+    other_salt = RoutedRequest(EngineRequest("r5", [1, 2, 3], SamplingParams(cache_salt="t"), lora="a"))
     assert salted.prompt.startswith("a\x00s\x01") and salted.prompt.endswith(plain.prompt)
     assert salted.prompt != other_salt.prompt != on_a.prompt  # salted KV lives apart: so does routing

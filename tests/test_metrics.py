@@ -25,22 +25,17 @@ from test_api import running
 from actors.config import EngineConfig
 from actors.engine.llm import LLM
 from actors.engine.metrics import (
-    COUNTERS,
-    FINISHED,
-    GAUGES,
-    HISTOGRAMS,
-    DecodeProgress,
-    Replica,
-    progress_line,
+    COUNTERS, FINISHED, GAUGES, HISTOGRAMS, DecodeProgress, Replica, progress_line,
 )
 from actors.host.ray_metrics import bucket_values
+from actors.request import EngineRequest
 from actors.sampling_params import SamplingParams
 from actors.worker.loader import count_tensors, weight_files
 from actors.worker.progress import progress_bar
 from app.api.app import attach, build_api
+from app.api.engine_client import LocalEngineClient
 from app.api.metrics import HTTP_REQUESTS, ShoalCollector, combine
 from app.api.settings import ServerSettings
-from app.serving.engine_client import LocalEngineClient
 
 PROMPTS = ["The quick brown fox", "A boat on the river"]
 CHAT = [{"role": "user", "content": "Tell me about the quick brown fox."}]
@@ -207,8 +202,8 @@ def test_decode_progress_line(llama_ckpt):
 def test_engine_counts_finish_reasons_and_aborts(llama_ckpt):
     llm = LLM(str(llama_ckpt), num_kv_blocks=64)
     engine = llm.engine
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True, n=2))
+    engine.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.add_request(EngineRequest("b", [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True, n=2)))
     engine.step()
     engine.abort_request("a")
     last = None

@@ -17,9 +17,9 @@ from test_api import running
 from actors.config import EngineConfig
 from actors.worker.loader import BUNDLED_MODEL
 from app.api.app import attach, build_api
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 from app.protocol.model_parsers import model_parsers
-from app.serving.engine_client import LocalEngineClient
 
 THOUGHT = r"<think>\n[a-z]{3,8} [a-z]{3,8}\n</think>\n\n(yes|no)"
 ASK = [{"role": "user", "content": "Is it raining?"}]

@@ -17,6 +17,7 @@ from actors.config import EngineConfig  # noqa: E402
 from actors.engine.async_engine import AsyncEngine  # noqa: E402
 from actors.engine.llm import LLM  # noqa: E402
 from actors.models.eplb import balancedness, initial_placement, plan_placement, rank_loads  # noqa: E402
+from actors.request import EngineRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 from kernels.moe import grouped_experts, route, spread_over_replicas  # noqa: E402
 
@@ -113,7 +114,7 @@ def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
     engine = AsyncEngine(EngineConfig(model_path=str(checkpoint_factory("qwen3_moe")), num_kv_blocks=32,
                                       eplb_window_size=4))
     try:
-        engine.engine.add_request("r", [7] * 9, SamplingParams(max_tokens=3, ignore_eos=True))
+        engine.engine.add_request(EngineRequest("r", [7] * 9, SamplingParams(max_tokens=3, ignore_eos=True)))
         while engine.engine.has_unfinished():
             engine.engine.step()
         experts = engine.stats()["experts"]

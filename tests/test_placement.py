@@ -5,13 +5,7 @@ import pytest
 import torch
 
 from actors.config import EngineConfig
-from actors.executor.placement import (
-    PlacementError,
-    check_fits,
-    gpus_per_rank,
-    rank_bundle,
-    rank_runtime_env,
-)
+from actors.executor.placement import PlacementError, check_fits, gpus_per_rank, rank_bundle, rank_runtime_env
 from actors.worker.process_tuning import build_on_own_thread
 from app.config import load_config, replica_count
 

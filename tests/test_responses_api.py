@@ -13,12 +13,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from test_api import running
 
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
-from app.serving.engine_client import LocalEngineClient
-from test_api import running
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["celsius", "fahrenheit"]}},

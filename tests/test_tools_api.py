@@ -16,14 +16,14 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_api import running
 
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 from app.protocol.chat_template import render_chat_text
 from app.protocol.models import ChatMessage, Tool
-from app.serving.engine_client import LocalEngineClient
-from test_api import running
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 6},

@@ -15,13 +15,13 @@ import time
 import httpx
 import openai
 import pytest
+from browser import chromium_page, find_chromium
 
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
 from app.api.embedded import serve_in_thread
+from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
-from app.serving.engine_client import LocalEngineClient
-from browser import chromium_page, find_chromium
 
 KEY = "sekret"
 CHROMIUM = find_chromium()
@@ -36,24 +36,24 @@ class ScriptedClient:
         self.max_model_len = inner.max_model_len
         self.mode, self.prompts, self.closed = "real", [], []
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0, whole=False):
-        self.prompts.append(self.tokenizer.decode(prompt_token_ids))
+    def generate(self, request):
+        self.prompts.append(self.tokenizer.decode(request.prompt_token_ids))
         if self.mode == "slow":
-            params = dataclasses.replace(params, ignore_eos=True,
-                                         max_tokens=self.max_model_len - len(prompt_token_ids))
-            return self.slow(prompt_token_ids, params, request_id)
-        return self.inner.generate(prompt_token_ids, params, request_id, priority)
+            params = dataclasses.replace(request.params, ignore_eos=True,
+                                         max_tokens=self.max_model_len - len(request.prompt_token_ids))
+            return self.slow(dataclasses.replace(request, params=params))
+        return self.inner.generate(request)
 
-    async def slow(self, ids, params, request_id):
+    async def slow(self, request):
         finished = False
         try:
-            async for out in self.inner.generate(ids, params, request_id):
+            async for out in self.inner.generate(request):
                 finished = out.finished
                 yield out
                 await asyncio.sleep(0.05)
         finally:  # closed before the end: the server stopped reading, as it does on Stop
             if not finished:
-                self.closed.append(request_id)
+                self.closed.append(request.request_id)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

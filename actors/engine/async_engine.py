@@ -23,8 +23,7 @@ import torch
 from actors.config import EngineConfig
 from actors.engine.llm_engine import LLMEngine
 from actors.errors import EngineDeadError, QueueFullError, ShuttingDownError
-from actors.outputs import RequestOutput, accumulate
-from actors.sampling_params import SamplingParams
+from actors.request import EngineRequest
 from actors.worker.process_tuning import build_on_own_thread, use_threads
 
 log = logging.getLogger("shoal.engine")
@@ -41,7 +40,6 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._folding: dict[str, list[RequestOutput]] = {}  # `whole` requests: deltas not handed over yet
         self._wake = threading.Event()
         self._stopped = False
         self.draining = False  # set by drain(): no new requests, the ones in flight go on
@@ -60,10 +58,6 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     # ---- caller side (any thread with an event loop) --------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                      lora: str | None = None) -> None:
-        self.engine.check_request(prompt_token_ids, params, lora)
-
     # ---- LoRA adapters: the registry is thread-safe; checking files runs off the event loop
     @property
     def lora_enabled(self) -> bool:
@@ -78,12 +72,10 @@ class AsyncEngine:
     def list_loras(self) -> list[dict]:
         return [{"name": r.name, "path": r.path} for r in self.engine.list_loras()]
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, prompt: str | None = None, lora: str | None = None):
-        """Yield delta RequestOutputs until the request finishes. Closing the generator aborts it.
-        `lora`: a registered adapter's name (None: the base model)."""
+    async def generate(self, request: EngineRequest):
+        """Yield the request's outputs until it finishes. Closing the generator aborts it."""
         stream = RequestQueue()
-        await self.submit(prompt_token_ids, params, request_id, stream, priority, prompt, lora)
+        await self.submit(request, stream)
         finished = False
         try:
             while not finished:
@@ -93,41 +85,36 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self.release(request_id, aborted=not finished)
+            self.release(request.request_id, aborted=not finished)
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                     sink, priority: int = 0, prompt: str | None = None, lora: str | None = None,
-                     whole: bool = False) -> None:
-        """Start a request whose delta outputs (and a final error, if it fails) go to
+    async def submit(self, request: EngineRequest, sink) -> None:
+        """Start a request whose outputs (and a final error, if it fails) go to
         `sink.deliver(request_id, item)` on the caller's event loop: every request with news in
         a step in one call there. Raises the engine's refusal. The caller `release`s the
-        request once it has its finished output or error, or to abort it.
-        whole: the caller wants only the finished output. The engine thread folds the deltas
-        itself and hands over one, so the caller's loop is not woken every step (on 2 cores
-        that wake-up takes a core from the step's OpenMP threads)."""
+        request once it has its finished output or error, or to abort it. A `whole` request
+        gets one output, finished: the engine thread keeps the rest, so the caller's loop is
+        not woken every step (on 2 cores that wake-up takes a core from the step's OpenMP
+        threads)."""
         if not self.alive:
             raise EngineDeadError(f"the engine failed: {self.error or 'its loop ended'}")
         if self.draining:
             raise ShuttingDownError("the server is shutting down; retry on another replica")
-        self.check_request(prompt_token_ids, params, lora)
+        self.engine.check(request)
         limit = self.engine.config.max_queued_requests
         if limit is not None and self.num_waiting() >= limit:
             raise QueueFullError(f"{self.num_waiting()} requests are waiting (limit {limit})")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         grammar = None
-        if params.structured is not None:  # compiling can take seconds: not on the loop thread
-            grammar = await asyncio.to_thread(self.engine.grammars.compile, params.structured)
-        self._streams[request_id] = (asyncio.get_running_loop(), sink)
-        if whole:
-            self._folding[request_id] = []
-        self._post(("add", request_id, prompt_token_ids, params, priority, prompt, grammar, lora))
+        if request.params.structured is not None:  # compiling can take seconds: not on the loop thread
+            grammar = await asyncio.to_thread(self.engine.grammars.compile, request.params.structured)
+        self._streams[request.request_id] = (asyncio.get_running_loop(), sink)
+        self._post(("add", request, grammar))
 
     def release(self, request_id: str, aborted: bool) -> None:
         """Nothing more goes to the request's sink; `aborted`: it had not finished, so the
         engine drops it and frees its KV blocks."""
         self._streams.pop(request_id, None)
-        self._folding.pop(request_id, None)
         if aborted:
             self._post(("abort", request_id))
 
@@ -248,13 +235,13 @@ class AsyncEngine:
             if message[0] == "abort":
                 self.engine.abort_request(message[1])
                 continue
-            _, rid, ids, params, priority, prompt, grammar, lora = message
-            if rid not in self._streams:
+            _, request, grammar = message
+            if request.request_id not in self._streams:
                 continue  # the caller went away before the engine saw the request
-            try:  # (an adapter unloaded since check_request is refused here)
-                self.engine.add_request(rid, ids, params, priority, prompt, grammar, lora)
+            try:  # (an adapter unloaded since `check` is refused here)
+                self.engine.add_request(request, grammar)
             except ValueError as exc:
-                self._send(rid, exc)
+                self._send(request.request_id, exc)
 
     def _send(self, request_id: str, item) -> None:
         self._send_all([(request_id, item)])
@@ -268,14 +255,6 @@ class AsyncEngine:
             if target is None:
                 self.engine.abort_request(request_id)  # nobody is listening any more
                 continue
-            held = self._folding.get(request_id)
-            if held is not None:
-                if isinstance(item, RequestOutput) and not item.finished:
-                    held.append(item)
-                    continue
-                self._folding.pop(request_id, None)
-                if held and isinstance(item, RequestOutput):
-                    item = accumulate([*held, item])
             loop, sink = target
             batches.setdefault(loop, []).append((sink, request_id, item))
         for loop, batch in batches.items():

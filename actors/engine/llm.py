@@ -1,14 +1,15 @@
 """In-process use: `LLM(model_path).generate(prompts, SamplingParams(...))`. No HTTP, no Ray."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections import defaultdict
 
 from tqdm import tqdm
 
 from actors.config import EngineConfig
 from actors.engine.llm_engine import LLMEngine
-from actors.outputs import RequestOutput, accumulate
+from actors.outputs import RequestOutput
+from actors.request import EngineRequest, prompt_ids, resolve_max_tokens
 from actors.sampling_params import SamplingParams
 
 
@@ -26,9 +27,7 @@ class LLM:
         self.engine.shutdown()
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
+        return prompt_ids(self.tokenizer, prompt)
 
     def add_lora(self, name: str, path: str) -> None:
         """Register a PEFT adapter (needs enable_lora=True or lora_modules)."""
@@ -37,23 +36,29 @@ class LLM:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, lora: str | None = None) -> None:
         """Queue a request (on adapter `lora`, None: the base model); raises ValueError for
-        one the engine can never serve."""
-        text = prompt if isinstance(prompt, str) else None
-        self.engine.add_request(request_id, self.encode(prompt), params, priority, prompt=text, lora=lora)
+        one the engine can never serve. max_tokens None: all the context leaves."""
+        ids = self.encode(prompt)
+        max_tokens = resolve_max_tokens(params.max_tokens, len(ids), self.max_model_len)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        request = EngineRequest(request_id, ids, params, priority, lora,
+                                prompt=prompt if isinstance(prompt, str) else None, whole=True)
+        self.engine.check(request)
+        self.engine.add_request(request)
         self._pending.append(request_id)
 
     def run(self, use_tqdm: bool = False) -> dict[str, RequestOutput]:
-        """Step until every queued request has finished; cumulative outputs by request id."""
-        deltas = defaultdict(list)
+        """Step until every queued request has finished; their outputs by request id."""
+        done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(self._pending), desc="requests", disable=not use_tqdm)
         while self.engine.has_unfinished():
-            for out in self.engine.step():
-                deltas[out.request_id].append(out)
-                bar.update(out.finished)
+            for out in self.engine.step():  # whole requests: each output is a finished one
+                done[out.request_id] = out
+                bar.update(1)
             for _, exc in self.engine.take_failures():
                 raise exc
         bar.close()
-        done = {rid: accumulate(deltas[rid]) for rid in self._pending}
+        done = {rid: done[rid] for rid in self._pending}
         self._pending = []
         return done
 

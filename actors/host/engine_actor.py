@@ -30,25 +30,27 @@ from actors.engine.metrics import DecodeProgress, Replica
 from actors.executor.placement import rank_runtime_env
 from actors.host.link import LinkServer
 from actors.host.ray_metrics import start_ray_export
-from actors.outputs import accumulate
-from actors.sampling_params import SamplingParams
+from actors.logs import setup_logging
+from actors.outputs import Pending
+from actors.request import EngineRequest
 
 log = logging.getLogger("shoal.scheduler")
 
 class Outbox:
-    """Every request's outputs, gathered on the actor's event loop for the `outputs` stream
-    (the AsyncEngine's sink). A `whole` request (not streamed to its client) arrives, and
-    leaves, once: finished (AsyncEngine.submit folds its deltas)."""
+    """Every request's news, gathered on the actor's event loop for the replica's one stream
+    (the AsyncEngine's sink): what piles up between two reads leaves merged, one item per
+    request."""
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
-        self.pending: dict[str, list] = {}  # request id -> deltas (and a final error) not sent
+        self.pending: dict[str, Pending] = {}  # request id -> news not sent yet
         self.ready = asyncio.Event()
         self.reader = 0  # the stream allowed to take (a newer one replaces an older one)
 
     def deliver(self, request_id: str, item) -> None:
-        self.pending.setdefault(request_id, []).append(item)
-        if _ended(item):
+        pending = self.pending.setdefault(request_id, Pending())
+        pending.add(item)
+        if pending.ended:
             self.engine.release(request_id, aborted=isinstance(item, BaseException))
         self.ready.set()
 
@@ -62,28 +64,17 @@ class Outbox:
         return self.reader
 
     async def take(self, reader: int) -> list[tuple] | None:
-        """[(request id, merged delta or None, error or None)] for every request with news,
-        once there is some; None when a newer stream took over. The deltas leave without
-        their prompt ids (the replica puts its own back)."""
+        """[(request id, merged output or None, error or None)] for every request with news,
+        once there is some; None when a newer stream took over."""
         while True:
             await self.ready.wait()
             if reader != self.reader:
                 return None
             self.ready.clear()
-            batch = []
-            for request_id, items in list(self.pending.items()):
-                del self.pending[request_id]
-                error = items.pop() if isinstance(items[-1], BaseException) else None
-                delta = (items[0] if len(items) == 1 else accumulate(items)) if items else None
-                if delta is not None:  # the replica has the prompt: not pickled every step
-                    delta.prompt_token_ids = None
-                batch.append((request_id, delta, error))
+            batch = [(request_id, *pending.take()) for request_id, pending in self.pending.items()]
+            self.pending.clear()
             if batch:
                 return batch
-
-
-def _ended(item) -> bool:
-    return isinstance(item, BaseException) or item.finished
 
 
 def torch_threads(config: EngineConfig) -> int:
@@ -102,8 +93,7 @@ class SchedulerActor:
                  replica: Replica | None = None):
         """placement: (placement group, bundle of shard rank 1), or None for the engine's own.
         replica: the Serve replica's id, rank and model name (metric labels, progress line)."""
-        logging.basicConfig(level=log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging(log_level)
         threads = torch_threads(config)
         torch.set_num_threads(threads)
         self.engine = AsyncEngine(config, placement)
@@ -120,12 +110,9 @@ class SchedulerActor:
             threading.Thread(target=self._log_progress, args=(progress_interval_s,),
                              name="shoal-progress", daemon=True).start()
 
-    async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                  priority: int = 0, lora: str | None = None, whole: bool = False) -> None:
-        """Start a request (its outputs leave through `outputs`); raises the engine's refusal.
-        whole: the caller wants only the finished output (a non-streamed HTTP request)."""
-        await self.engine.submit(prompt_token_ids, params, request_id, self.outbox, priority,
-                                 lora=lora, whole=whole)
+    async def add(self, request: EngineRequest) -> None:
+        """Start a request (its outputs leave through `outputs`); raises the engine's refusal."""
+        await self.engine.submit(request, self.outbox)
 
     async def outputs(self):
         """The replica's one stream of every request's news (see Outbox.take); opening a new

@@ -24,6 +24,7 @@ import struct
 import sys
 
 from actors.errors import EngineDeadError
+from actors.request import EngineRequest
 
 HEADER = struct.Struct("!I")
 PEERCRED = struct.Struct("3i")  # pid, uid, gid
@@ -75,8 +76,8 @@ class LinkServer:
             while True:
                 message = await read_message(reader)
                 if message[0] == "add":
-                    request_id = message[3]
-                    self.adding[request_id] = task = asyncio.create_task(self._add(writer, message))
+                    request_id = message[1].request_id
+                    self.adding[request_id] = task = asyncio.create_task(self._add(writer, message[1]))
                     task.add_done_callback(lambda _, rid=request_id: self.adding.pop(rid, None))
                 else:  # ("abort", request id); an add still compiling its grammar is cancelled
                     task = self.adding.get(message[1])
@@ -89,17 +90,16 @@ class LinkServer:
             sender.cancel()
             writer.close()
 
-    async def _add(self, writer: asyncio.StreamWriter, message: tuple) -> None:
-        _, prompt_token_ids, params, request_id, priority, lora, whole = message
+    async def _add(self, writer: asyncio.StreamWriter, request: EngineRequest) -> None:
         try:
-            await self.actor.add(prompt_token_ids, params, request_id, priority, lora, whole)
+            await self.actor.add(request)
             error = None
         except asyncio.CancelledError:
             return
         except Exception as exc:  # noqa: BLE001 - the refusal goes back to the caller
             error = exc
         with contextlib.suppress(ConnectionError):
-            write_message(writer, ("added", request_id, error))
+            write_message(writer, ("added", request.request_id, error))
 
     @staticmethod
     async def _send(outbox, reader: int, writer: asyncio.StreamWriter) -> None:
@@ -133,15 +133,15 @@ class SocketLink:
             raise
         return cls(*await asyncio.open_unix_connection(sock=sock))
 
-    async def add(self, prompt_token_ids, params, request_id, priority, lora, whole) -> None:
+    async def add(self, request: EngineRequest) -> None:
         if self.broken is not None:
             raise self.broken
-        answer = self.answers[request_id] = asyncio.get_running_loop().create_future()
+        answer = self.answers[request.request_id] = asyncio.get_running_loop().create_future()
         try:
-            write_message(self.writer, ("add", prompt_token_ids, params, request_id, priority, lora, whole))
+            write_message(self.writer, ("add", request))
             error = await answer
         finally:
-            self.answers.pop(request_id, None)
+            self.answers.pop(request.request_id, None)
         if error is not None:
             raise error
 

@@ -15,11 +15,7 @@ from torch import nn
 from actors.distributed.parallel import Parallel
 from actors.models.args import ModelArgs
 from actors.models.layers import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_shard,
+    ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard,
 )
 from kernels.activation import silu_and_mul
 from kernels.attention import AttentionMetadata, paged_attention, write_kv

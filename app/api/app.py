@@ -1,9 +1,11 @@
 """The HTTP API as one FastAPI app, independent of how it is hosted.
 
-`build_api(settings)` makes the app; the host (uvicorn in tests and `shoal chat`, the Ray
-Serve ingress in production) then calls `attach(app, client, tokenizer, settings)` to give
-it an engine. Until the engine answers ready every route but the probes answers 503
-(app/api/readiness.py).
+Every host builds it the same way, `ApiHost`: the app at once (until an engine answers ready
+every route but the probes answers 503, app/api/readiness.py), then `attach` with the host's
+EngineClient (app/api/engine_client.py). The hosts differ only in where they listen: a Serve
+replica of the merged layout (app/serving/model_server.py, also on `shoal serve`'s own socket),
+the split layout's ingress (app/serving/ingress.py), or uvicorn in a thread for commands that
+bring their own model and for tests (app/api/embedded.py).
 """
 from __future__ import annotations
 
@@ -13,17 +15,12 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from actors.worker.loader import resolve_model_path
+from actors.logs import setup_logging
+from actors.worker.loader import load_tokenizer, resolve_model_path
 from app.api import (
-    lora_routes,
-    metrics,
-    openai_routes,
-    ops_routes,
-    responses_routes,
-    scoring_routes,
-    tokenize_routes,
-    web,
+    lora_routes, metrics, openai_routes, ops_routes, responses_routes, scoring_routes, tokenize_routes, web,
 )
+from app.api.engine_client import EngineClient
 from app.api.errors import install_error_handlers
 from app.api.middleware import REQUEST_ID_HEADER, ApiKeyAuth, BodySizeLimit, RequestTracking
 from app.api.readiness import ReadinessGate
@@ -63,8 +60,25 @@ def model_dir(model_path: str | None) -> Path | None:
         return None
 
 
-def attach(app: FastAPI, client, tokenizer, settings: ServerSettings) -> FastAPI:
-    """Give the app its engine client (an EngineClient), tokenizer and settings."""
+class ApiHost:
+    """The API app of one host, before and after it has an engine."""
+
+    def __init__(self, settings: ServerSettings, log_level: str = "INFO"):
+        setup_logging(log_level)
+        self.settings = settings
+        self.api = build_api(settings)
+
+    def attach(self, client: EngineClient) -> FastAPI:
+        """Serve with `client`; its tokenizer, or the checkpoint's (the same files)."""
+        tokenizer = getattr(client, "tokenizer", None) or load_tokenizer(resolve_model_path(self.settings.model_path))
+        return attach(self.api, client, tokenizer, self.settings)
+
+    def __serve_build_asgi_app__(self):  # Ray Serve's hook for `@serve.ingress()` hosts
+        return self.api
+
+
+def attach(app: FastAPI, client: EngineClient, tokenizer, settings: ServerSettings) -> FastAPI:
+    """Give the app its engine client, tokenizer and settings."""
     if settings.max_model_len is None:
         settings = dataclasses.replace(settings, max_model_len=client.max_model_len)
     settings = with_model_parsers(settings, model_dir(settings.model_path))

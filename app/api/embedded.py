@@ -2,7 +2,7 @@
 the demo-model evaluation) and for tests.
 
 The HTTP API runs on uvicorn in a thread, on a free 127.0.0.1 port (over a LocalEngineClient,
-app/serving/engine_client.py, in those commands): they then talk to it with the same OpenAI
+app/api/engine_client.py, in those commands): they then talk to it with the same OpenAI
 client they use for a remote server, so there is one code path for both, and nothing listens
 beyond loopback.
 """

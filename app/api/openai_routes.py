@@ -13,26 +13,27 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from actors.sampling_params import SamplingParams
-from app.api.errors import bad_request, unknown_model
 from app.api import limits
+from app.api.errors import bad_request, unknown_model
 from app.api.request_context import Served
-from app.protocol import chat_output
-from app.protocol.chat_output import OutputPlan, plan_output, tools_in_use
+from app.protocol.chat_output import OutputPlan, constraint, plan_output, tools_in_use
 from app.protocol.chat_template import render_chat_prompt
 from app.protocol.models import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-    ModelCard, ModelList, random_id,
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelCard,
+    ModelList, random_id,
 )
 from app.protocol.responses import ChatStream, CompletionStream, chat_response, completion_response
 
 router = APIRouter(tags=["OpenAI"])
 
 
-def sampling_params(served: Served, body, prompt_len: int) -> SamplingParams:
+def sampling_params(served: Served, body, prompt_len: int, plan: OutputPlan | None = None) -> SamplingParams:
+    """The request's SamplingParams, built and checked once (its grammar and output plan
+    included); a 400 naming the field, and for length the numbers, when they can't be."""
     try:
-        return body.to_sampling_params(served.settings.default_max_tokens,
-                                       served.max_model_len, prompt_len)
-    except ValueError as exc:  # RequestError: names the field and, for length, the numbers
+        return body.to_sampling_params(served.settings.default_max_tokens, served.max_model_len,
+                                       prompt_len, **constraint(body, plan))
+    except ValueError as exc:  # RequestError
         raise bad_request(exc) from None
 
 
@@ -46,21 +47,13 @@ def chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[str, list[
         raise bad_request(exc, param="messages") from None
 
 
-def constrain(params: SamplingParams, body, plan: OutputPlan | None = None) -> None:
-    try:
-        chat_output.constrain(params, body, plan)
-    except ValueError as exc:
-        raise bad_request(exc) from None
-
-
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     limits.check(body, request.app.state.settings)
     served = await Served.ready(request, body.model)
     text, ids = chat_prompt(served, body)
     plan = plan_output(served.settings, served.tokenizer, body, text)
-    params = sampling_params(served, body, len(ids))
-    constrain(params, body, plan)
+    params = sampling_params(served, body, len(ids), plan)
     response_id = random_id("chatcmpl-")
     if body.stream:
         stream = ChatStream(body, served.tokenizer, served.model_name, response_id, plan=plan,
@@ -80,8 +73,6 @@ async def create_completion(body: CompletionRequest, request: Request):
     served = await Served.ready(request, body.model)
     prompts = [served.encode(p) for p in body.prompts()]
     params = [sampling_params(served, body, len(ids)) for ids in prompts]
-    for p in params:
-        constrain(p, body)
     response_id = random_id("cmpl-")
     if body.stream:
         stream = CompletionStream(body, served.tokenizer, served.model_name, response_id,

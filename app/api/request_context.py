@@ -15,7 +15,9 @@ from typing import Callable
 
 from fastapi import Request
 
+from actors.request import EngineRequest, prompt_ids
 from actors.sampling_params import SamplingParams
+from app.api.engine_client import EngineClient
 from app.api.errors import ApiError, engine_error, internal_error, not_ready, unknown_model
 from app.api.middleware import new_request_id
 from app.api.readiness import is_ready
@@ -33,7 +35,7 @@ LOG_TEXT_CHARS = 500  # log_requests=2 cuts prompts and outputs to this many cha
 @dataclass
 class Served:
     request: Request
-    client: object  # an EngineClient (app/serving/engine_client.py)
+    client: EngineClient
     tokenizer: object
     settings: ServerSettings
     request_id: str
@@ -83,10 +85,8 @@ class Served:
             raise not_ready()
 
     def encode(self, prompt: str | list[int]) -> list[int]:
-        """Prompt token ids, as the offline LLM.encode makes them (special tokens added)."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
+        """Prompt token ids, as the offline LLM makes them (special tokens added)."""
+        return prompt_ids(self.tokenizer, prompt)
 
     # ---- running engine requests -------------------------------------------------------
     def open_streams(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -98,11 +98,8 @@ class Served:
             # engine ids unique when clients reuse an X-Request-Id.
             engine_id = f"{self.request_id}-{index}-{secrets.token_hex(3)}"
             self.log_engine_request(engine_id, ids, p)
-            # Only adapter requests pass `lora`: clients without adapters keep their signature.
-            extra = {"lora": self.lora} if self.lora else {}
-            if whole:
-                extra["whole"] = True
-            generators.append(self.client.generate(ids, p, engine_id, priority, **extra))
+            request = EngineRequest(engine_id, ids, p, priority, self.lora, whole=whole)
+            generators.append(self.client.generate(request))
         return EngineStreams(generators)
 
     async def complete(self, prompts: list[list[int]], params: list[SamplingParams],

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from app.api import limits
 from app.api.errors import bad_request
-from app.api.openai_routes import chat_prompt, constrain, sampling_params
+from app.api.openai_routes import chat_prompt, sampling_params
 from app.api.request_context import Served
 from app.protocol.chat_output import plan_output
 from app.protocol.models import RequestError
@@ -32,8 +32,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     limits.check(chat, request.app.state.settings)  # the limits name the chat request's fields
     text, ids = chat_prompt(served, chat)
     plan = plan_output(served.settings, served.tokenizer, chat, text)
-    params = sampling_params(served, chat, len(ids))
-    constrain(params, chat, plan)
+    params = sampling_params(served, chat, len(ids), plan)
     shell = ResponseShell(body, served.model_name)
     if body.stream:
         stream = ResponsesStream(shell, plan, served.tokenizer)

@@ -9,9 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from actors.request import ContextLengthError, resolve_max_tokens
 from actors.sampling_params import SamplingParams
-from app.api.errors import ApiError, bad_request
 from app.api import limits
+from app.api.errors import ApiError, bad_request
 from app.api.request_context import Served
 from app.protocol.models import RequestError, context_length_error
 from app.protocol.responses import usage
@@ -53,12 +54,11 @@ class LoglikelihoodRequest(BaseModel):
 
 
 def generate_params(served: Served, body: GenerateRequest, prompt_len: int) -> SamplingParams:
-    budget = served.max_model_len - prompt_len
-    max_tokens = body.max_tokens
-    if max_tokens is None:
-        max_tokens = min(served.settings.default_max_tokens, budget)
-    if max_tokens > budget or (body.max_tokens is None and budget <= 0):
-        raise bad_request(context_length_error(served.max_model_len, prompt_len, max_tokens))
+    try:
+        max_tokens = resolve_max_tokens(body.max_tokens, prompt_len, served.max_model_len,
+                                        served.settings.default_max_tokens)
+    except ContextLengthError as exc:
+        raise bad_request(context_length_error(exc)) from None
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
                               top_p=body.top_p, seed=body.seed, stop=body.stop or [])

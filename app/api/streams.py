@@ -11,13 +11,12 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import defaultdict
 from typing import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from actors.outputs import RequestOutput, accumulate
+from actors.outputs import Pending, RequestOutput
 
 log = logging.getLogger("shoal.api")
 
@@ -76,20 +75,20 @@ class EngineStreams:
 
 
 def merge(ready: list[tuple[int, RequestOutput]]) -> Batch:
-    """Fold the deltas of each prompt's request into one delta (fewer, larger chunks)."""
-    by_prompt: dict[int, list[RequestOutput]] = defaultdict(list)
+    """Fold the outputs of each prompt's request into one (fewer, larger chunks)."""
+    by_prompt: dict[int, Pending] = {}
     for index, output in ready:
-        by_prompt[index].append(output)
-    return {index: accumulate(outputs) for index, outputs in sorted(by_prompt.items())}
+        by_prompt.setdefault(index, Pending()).add(output)
+    return {index: by_prompt[index].output for index in sorted(by_prompt)}
 
 
 async def collect(streams: EngineStreams) -> Batch:
-    """Run to the end: one cumulative output per prompt index."""
-    deltas: dict[int, list[RequestOutput]] = defaultdict(list)
+    """Run to the end: one whole output per prompt index."""
+    outputs: dict[int, Pending] = {}
     while (batch := await streams.next_batch()) is not None:
         for index, output in batch.items():
-            deltas[index].append(output)
-    return {index: accumulate(outputs) for index, outputs in deltas.items()}
+            outputs.setdefault(index, Pending()).add(output)
+    return {index: pending.output for index, pending in outputs.items()}
 
 
 # --------------------------------------------------------------------------- disconnects

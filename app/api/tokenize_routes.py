@@ -8,13 +8,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from app.api.errors import ApiError, bad_request
 from app.api import limits
+from app.api.errors import ApiError, bad_request
 from app.api.request_context import Served
 from app.protocol.chat_template import render_chat_text
-from app.protocol.models import (
-    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
-)
+from app.protocol.models import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 router = APIRouter(tags=["Tokenizer"])
 

@@ -11,8 +11,7 @@ import argparse
 import contextlib
 import sys
 
-from app.cli.client import (DEFAULT_URL, add_client_args, api_key, fail, model_name,
-                            openai_client)
+from app.cli.client import DEFAULT_URL, add_client_args, api_key, fail, model_name, openai_client
 from app.cli.engine_args import add_engine_args, engine_config_or_exit
 
 BANNER = "shoal chat: 'clear' starts a new conversation, 'quit' or 'exit' ends it"
@@ -83,15 +82,15 @@ def chat_server(args: argparse.Namespace):
 @contextlib.contextmanager
 def embedded_api(config):
     """Load the model of `config` (an EngineConfig), serve the API on loopback; yield the URL."""
-    from app.api.app import attach, build_api
+    from app.api.app import ApiHost
     from app.api.embedded import serve_in_thread
+    from app.api.engine_client import LocalEngineClient
     from app.api.settings import ServerSettings
-    from app.serving.engine_client import LocalEngineClient
 
     settings = ServerSettings(model_path=config.model_path)
     client = LocalEngineClient(config)
     try:
-        app = attach(build_api(settings), client, client.tokenizer, settings)
+        app = ApiHost(settings).attach(client)
         with serve_in_thread(app) as url:
             yield url
     finally:

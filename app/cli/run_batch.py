@@ -16,15 +16,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from app.protocol.chat_output import OutputPlan, constrain, plan_output, tools_in_use
+from actors.logs import setup_logging
+from app.protocol.chat_output import OutputPlan, constraint, plan_output, tools_in_use
 from app.protocol.chat_template import render_chat_prompt
 from app.protocol.model_parsers import with_model_parsers
 from app.protocol.models import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_body,
-    request_error_body,
-    validation_error_body,
+    ChatCompletionRequest, CompletionRequest, error_body, request_error_body, validation_error_body,
 )
 from app.protocol.responses import chat_response, completion_response
 
@@ -108,10 +105,9 @@ def submit(llm, item: BatchItem, opts: BatchOptions) -> None:
     """Queue every prompt of a valid line; any refusal turns the whole line into a 400."""
     try:
         prompts = prompt_ids(llm, item, opts)
+        fields = constraint(item.request, item.plan)  # structured outputs, forced tool calls
         params = [item.request.to_sampling_params(opts.default_max_tokens, llm.max_model_len,
-                                                  len(ids)) for ids in prompts]
-        for p in params:  # structured outputs, forced tool calls
-            constrain(p, item.request, item.plan)
+                                                  len(ids), **fields) for ids in prompts]
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine_id = f"batch-{item.line_no}-{i}"
             llm.add_request(engine_id, ids, p, priority=item.request.priority)
@@ -158,7 +154,7 @@ def run_batch_file(args, config) -> int:
     """The `shoal run-batch` command: load the engine, run the file, write the results."""
     from actors.engine.llm import LLM  # torch and the engine load only when there is work
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging()
     lines = Path(args.input_file).read_text(encoding="utf-8").splitlines()
     options = {k: v for k, v in vars(config).items() if k != "model_path"}
     llm = LLM(config.model_path, **options)

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from actors.logs import setup_logging
 from app.cli.engine_args import add_engine_args, add_option
 from app.cli.serve_config import is_serve_config
 from app.config import ConfigError, ShoalConfig, load_config, replica_count, single_model_server, split_layout
@@ -130,8 +131,7 @@ def serve_command(args: argparse.Namespace) -> int:
         sys.exit(f"shoal serve: error: {exc}")
     if args.print_config:
         return print_config(config)
-    logging.basicConfig(level=config.deploy.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.deploy.log_level)
     if args.dry_run:
         return dry_run(config)
     return run_server(config)
@@ -145,7 +145,7 @@ def serve_config_command(args: argparse.Namespace, options: dict) -> int:
         given = "--" + (extra[0].replace("_", "-") if extra else "print-config" if args.print_config else "dry-run")
         sys.exit(f"shoal serve: error: {options['config']} is a Ray Serve config: set options under its "
                  f"applications' args: (only --address goes with it; got {given})")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     return run_serve_config(options["config"], options.get("address"))
 
 

@@ -147,15 +147,15 @@ def shoal_serve(model_path: str | None, timeout: float, log_path: str):
 def inproc_server(model_path: str | None):
     """The same HTTP API in this process: uvicorn in a thread over a LocalEngineClient."""
     from actors.config import EngineConfig
-    from app.api.app import attach, build_api
+    from app.api.app import ApiHost
     from app.api.embedded import serve_in_thread
+    from app.api.engine_client import LocalEngineClient
     from app.api.settings import ServerSettings
-    from app.serving.engine_client import LocalEngineClient
 
     client = LocalEngineClient(EngineConfig(model_path=model_path))
     settings = ServerSettings(model_path=model_path, tool_call_parser="hermes",
                               reasoning_parser="qwen3")
-    app = attach(build_api(settings), client, client.tokenizer, settings)
+    app = ApiHost(settings).attach(client)
     try:
         with serve_in_thread(app) as url:
             yield url

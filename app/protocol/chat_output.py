@@ -88,14 +88,14 @@ def plan_output(settings, tokenizer, body: ChatCompletionRequest,
     return plan
 
 
-def constrain(params, body, plan: OutputPlan | None = None) -> None:
-    """Add the request's grammar (structured outputs; forced tool calls for chat, which has a
-    `plan`) and keep markup tokens in the text the parsers read. RequestError when the
-    request's constraints are invalid."""
+def constraint(body, plan: OutputPlan | None = None) -> dict:
+    """The SamplingParams fields a request's output plan sets: its grammar (structured outputs;
+    forced tool calls for chat, which has a `plan`) and keeping markup tokens in the text the
+    parsers read. RequestError when the request's constraints are invalid."""
     if plan is None:
-        params.structured = request_constraint(body)
-    else:
-        check_tool_choice(body)
-        params.structured = chat_constraint(body, plan.tool_format)
-    if plan is not None and plan.active:
-        params.skip_special_tokens = False  # markup such as <tool_call> may be special tokens
+        return {"structured": request_constraint(body)}
+    check_tool_choice(body)
+    fields = {"structured": chat_constraint(body, plan.tool_format)}
+    if plan.active:
+        fields["skip_special_tokens"] = False  # markup such as <tool_call> may be special tokens
+    return fields

@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
 )
 
+from actors.request import ContextLengthError, resolve_max_tokens
 from actors.sampling_params import SamplingParams
 
 
@@ -160,29 +161,22 @@ class SamplingRequest(OpenAIModel):
 
     def build_params(self, max_tokens: int | None, default_max_tokens: int | None,
                      max_model_len: int, prompt_len: int, **extra) -> SamplingParams:
-        """SamplingParams with the token budget resolved against the context length."""
-        budget = max_model_len - prompt_len
-        defaulted = max_tokens is None
-        if defaulted:
-            max_tokens = budget if default_max_tokens is None else min(default_max_tokens, budget)
-        if prompt_len + max_tokens > max_model_len or (defaulted and budget <= 0):
-            raise context_length_error(max_model_len, prompt_len, max(max_tokens, 0),
-                                       self.prompt_field)
+        """SamplingParams with the token budget resolved against the context length: the
+        request's one context-length check (actors/request.py)."""
+        try:
+            max_tokens = resolve_max_tokens(max_tokens, prompt_len, max_model_len, default_max_tokens)
+        except ContextLengthError as exc:
+            raise context_length_error(exc, self.prompt_field) from None
         try:
             return SamplingParams(max_tokens=max_tokens, **{**self.sampling_kwargs(), **extra})
         except ValueError as exc:  # SamplingParams puts the field name first
             raise RequestError(str(exc), param=str(exc).split()[0]) from exc
 
 
-def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int,
-                         prompt_field: str = "prompt") -> RequestError:
-    return RequestError(
-        f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-        f"{max_tokens} in the completion). Please reduce the length of the prompt or completion.",
-        param="max_tokens" if prompt_len < max_model_len else prompt_field,
-        code="context_length_exceeded",
-    )
+def context_length_error(exc: ContextLengthError, prompt_field: str = "prompt") -> RequestError:
+    """OpenAI's error for it: the field to shorten is max_tokens unless the prompt alone is too long."""
+    return RequestError(str(exc), param="max_tokens" if exc.prompt_len < exc.max_model_len else prompt_field,
+                        code="context_length_exceeded")
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -208,11 +202,12 @@ class ChatCompletionRequest(SamplingRequest):
         return top_logprobs
 
     def to_sampling_params(self, default_max_tokens: int | None, max_model_len: int,
-                           prompt_len: int) -> SamplingParams:
+                           prompt_len: int, **extra) -> SamplingParams:
+        """extra: fields the output plan sets (actors/protocol/chat_output.py: constraint)."""
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.build_params(max_tokens, default_max_tokens, max_model_len, prompt_len,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, **extra)
 
 
 class CompletionRequest(SamplingRequest):
@@ -252,9 +247,9 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
     def to_sampling_params(self, default_max_tokens: int | None, max_model_len: int,
-                           prompt_len: int) -> SamplingParams:
+                           prompt_len: int, **extra) -> SamplingParams:
         # echo with logprobs also scores the prompt tokens, which needs prompt logprobs.
-        extra: dict[str, Any] = {"logprobs": self.logprobs}
+        extra["logprobs"] = self.logprobs
         if self.echo and self.logprobs is not None:
             extra["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
         return self.build_params(self.max_tokens, default_max_tokens, max_model_len,

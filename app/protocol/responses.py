@@ -15,8 +15,8 @@ from app.protocol.chat_output import OutputPlan
 from app.protocol.models import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse,
     ChatStreamChoice, ChoiceLogprobs, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, CompletionStreamResponse, DeltaMessage, FunctionCall, ResponseMessage,
-    TokenLogprob, ToolCall, TopLogprob, UsageInfo, now, random_id,
+    CompletionResponse, CompletionStreamResponse, DeltaMessage, FunctionCall, ResponseMessage, TokenLogprob,
+    ToolCall, TopLogprob, UsageInfo, now, random_id,
 )
 
 # --------------------------------------------------------------------------- token text
@@ -206,7 +206,8 @@ class StreamCounter:
     completion_tokens: int = 0
 
     def add(self, delta: RequestOutput) -> None:
-        self.prompt_tokens.setdefault(delta.request_id, len(delta.prompt_token_ids))
+        if delta.prompt_token_ids is not None:  # a request's first output carries them
+            self.prompt_tokens.setdefault(delta.request_id, len(delta.prompt_token_ids))
         self.completion_tokens += sum(len(o.token_ids) for o in delta.outputs)
 
     def usage(self, known_prompt_tokens: int = 0) -> UsageInfo:
@@ -330,20 +331,23 @@ class CompletionStream:
     counter: StreamCounter = field(default_factory=StreamCounter)
     offsets: dict[int, int] = field(default_factory=dict)  # choice index -> text offset so far
     prompt_tokens: int = 0  # for continuous usage
+    firsts: dict[int, RequestOutput] = field(default_factory=dict)  # prompt index -> its first output
 
     def chunks(self, delta: RequestOutput, prompt_index: int = 0) -> list[dict]:
         self.counter.add(delta)
+        first = self.firsts.setdefault(prompt_index, delta)  # the one with the prompt's ids and log-probs
         prompt = self.request.prompts()[prompt_index]
-        choices = [self.choice(delta, out, prompt, prompt_index * self.request.n + out.index)
+        choices = [self.choice(first, out, prompt, prompt_index * self.request.n + out.index)
                    for out in delta.outputs]
         return [self.chunk([c]) for c in choices if c is not None]
 
-    def choice(self, delta: RequestOutput, out, prompt, index: int) -> CompletionChoice | None:
-        first = index not in self.offsets
-        echoing = self.request.echo and first
-        text = (prompt_text(self.tokenizer, prompt, delta) if echoing else "") + out.text
-        token_ids = (list(delta.prompt_token_ids) if echoing else []) + list(out.token_ids)
-        positions = (echo_logprobs(delta) if echoing else []) + list(out.logprobs or [])
+    def choice(self, first: RequestOutput, out, prompt, index: int) -> CompletionChoice | None:
+        """`out`: a sequence's news; `first`: its request's first output (a choice first seen
+        later, one of n samples, echoes the prompt from there)."""
+        echoing = self.request.echo and index not in self.offsets
+        text = (prompt_text(self.tokenizer, prompt, first) if echoing else "") + out.text
+        token_ids = (list(first.prompt_token_ids) if echoing else []) + list(out.token_ids)
+        positions = (echo_logprobs(first) if echoing else []) + list(out.logprobs or [])
         if not text and out.finish_reason is None and not token_ids:
             return None
         logprobs = None

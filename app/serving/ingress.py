@@ -13,8 +13,7 @@ import logging
 
 from ray import serve
 
-from actors.worker.loader import load_tokenizer, resolve_model_path
-from app.api.app import attach, build_api
+from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.llm_server import ServeEngineClient
 
@@ -23,21 +22,13 @@ log = logging.getLogger("shoal.ingress")
 
 @serve.deployment(name="Ingress")
 @serve.ingress()
-class Ingress:
+class Ingress(ApiHost):
     async def __init__(self, llm_server, settings: ServerSettings, log_level: str = "INFO"):
-        logging.basicConfig(level=log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.api = build_api(settings)
-        tokenizer = load_tokenizer(resolve_model_path(settings.model_path))
-        app_name = serve.get_replica_context().app_name
+        super().__init__(settings, log_level)
         # Attach once the pool answers: until then the API says 503 and /healthz still works.
-        self._attaching = asyncio.create_task(
-            self._attach(llm_server, tokenizer, settings, app_name))
+        self._attaching = asyncio.create_task(self._attach(llm_server, serve.get_replica_context().app_name))
 
-    def __serve_build_asgi_app__(self):
-        return self.api
-
-    async def _attach(self, llm_server, tokenizer, settings, app_name: str) -> None:
+    async def _attach(self, llm_server, app_name: str) -> None:
         while True:
             try:
                 client = await ServeEngineClient.create(llm_server, app_name)
@@ -45,5 +36,5 @@ class Ingress:
             except Exception:  # the pool is not up yet, or a replica restarted: retry
                 log.warning("waiting for the LLMServer pool", exc_info=True)
                 await asyncio.sleep(1.0)
-        attach(self.api, client, tokenizer, settings)
+        self.attach(client)
         log.info("ingress attached to the LLMServer pool (max_model_len %d)", client.max_model_len)

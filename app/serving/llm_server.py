@@ -21,8 +21,9 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from actors.config import EngineConfig
 from actors.errors import EngineDeadError
+from actors.request import EngineRequest
 from app.serving.app_replicas import AppReplicas
-from app.serving.replica import REFUSALS, EngineRequest, ReplicaEngine, ReplicaLifecycle, unwrap
+from app.serving.replica import REFUSALS, ReplicaEngine, ReplicaLifecycle, RoutedRequest, unwrap
 
 log = logging.getLogger("shoal.server")
 
@@ -39,12 +40,12 @@ class LLMServer(ReplicaLifecycle):
         self.max_model_len = await self.scheduler.get_max_model_len.remote()  # waits for the model
         log.info("replica %s ready", self.engine.replica)
 
-    async def generate(self, request: EngineRequest):
-        """Lists of delta RequestOutputs, relayed as the scheduler paced them."""
+    async def generate(self, routed: RoutedRequest):
+        """The request's outputs, relayed as the replica paced them."""
         try:
-            async with aclosing(self.engine.stream(request)) as stream:  # closed: aborted
-                async for outputs in stream:
-                    yield outputs
+            async with aclosing(self.engine.stream(routed.request)) as stream:  # closed: aborted
+                async for output in stream:
+                    yield output
         except REFUSALS as error:
             yield error  # a refusal travels as data: no traceback in the log per refused request
 
@@ -77,15 +78,13 @@ class ServeEngineClient(AppReplicas):
         return cls(handle, await handle.get_max_model_len.remote(), app_name,
                    await handle.lora_enabled.remote())
 
-    async def generate(self, prompt_token_ids, params, request_id, priority=0, lora=None, whole=False):
-        response = self._streaming.generate.remote(
-            EngineRequest(prompt_token_ids, params, request_id, priority, lora, whole))
+    async def generate(self, request: EngineRequest):
+        response = self._streaming.generate.remote(RoutedRequest(request))
         try:
-            async for outputs in response:
-                if isinstance(outputs, BaseException):
-                    raise outputs
-                for out in outputs:
-                    yield out
+            async for output in response:
+                if isinstance(output, BaseException):
+                    raise output
+                yield output
         except (RayTaskError, RayActorError) as exc:
             error = unwrap(exc)
             if isinstance(error, RayActorError):  # the replica process itself went away

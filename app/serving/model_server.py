@@ -20,12 +20,12 @@ from contextlib import aclosing
 from ray import serve
 
 from actors.config import EngineConfig
-from actors.worker.loader import load_tokenizer, resolve_model_path
-from app.api.app import attach, build_api
+from actors.request import EngineRequest
+from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.app_replicas import AppReplicas
 from app.serving.direct_http import DirectHTTP
-from app.serving.replica import EngineRequest, ReplicaEngine, ReplicaLifecycle
+from app.serving.replica import ReplicaEngine, ReplicaLifecycle
 
 log = logging.getLogger("shoal.server")
 
@@ -34,30 +34,24 @@ HTTP_COUNTS_PUSH_S = 1.0
 
 @serve.deployment(name="ModelServer")
 @serve.ingress()
-class ModelServer(ReplicaLifecycle):
+class ModelServer(ApiHost, ReplicaLifecycle):
     async def __init__(self, engine_config: EngineConfig, settings: ServerSettings,
                        log_level: str = "INFO", progress_interval_s: float = 0.0,
                        stream_chunks_per_s: float = 0.0,
                        listener: str | None = None):
-        logging.basicConfig(level=log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.api = build_api(settings)
+        super().__init__(settings, log_level)
         self.engine = ReplicaEngine(engine_config, log_level, progress_interval_s,
                                     stream_chunks_per_s, settings.served_model_name)
-        tokenizer = load_tokenizer(resolve_model_path(settings.model_path))
         # Wait for the model: until then Serve routes no request here (a replica added by the
         # autoscaler takes traffic only once it can serve it).
         client = await ReplicaEngineClient.create(self.engine, serve.get_replica_context().app_name)
-        attach(self.api, client, tokenizer, settings)
+        self.attach(client)
         self._pushing = asyncio.create_task(self._push_http_counts())
         self.http = None
         if listener is not None:
             self.http = DirectHTTP(self.api, listener)
             await self.http.start()
         log.info("replica %s ready (max_model_len %d)", self.engine.replica, client.max_model_len)
-
-    def __serve_build_asgi_app__(self):
-        return self.api
 
     async def __del__(self):
         if getattr(self, "http", None) is not None:  # None too when __init__ failed early
@@ -95,12 +89,10 @@ class ReplicaEngineClient(AppReplicas):
         return cls(engine, await scheduler.get_max_model_len.remote(), app_name,
                    await scheduler.lora_enabled.remote())
 
-    async def generate(self, prompt_token_ids, params, request_id, priority=0, lora=None, whole=False):
-        request = EngineRequest(prompt_token_ids, params, request_id, priority, lora, whole)
+    async def generate(self, request: EngineRequest):
         async with aclosing(self.engine.stream(request)) as stream:  # closed early: aborted
-            async for outputs in stream:
-                for out in outputs:
-                    yield out
+            async for output in stream:
+                yield output
 
     async def ready(self) -> bool:
         try:

@@ -24,8 +24,8 @@ from actors.errors import EngineDeadError, QueueFullError, RequestFailedError, S
 from actors.executor.placement import rank_bundle
 from actors.host.engine_actor import scheduler_actor_class
 from actors.host.link import SocketLink
-from actors.outputs import accumulate
-from actors.sampling_params import SamplingParams
+from actors.outputs import Pending
+from actors.request import EngineRequest
 from app.serving.schedulers import SCHEDULER_NAMESPACE, scheduler_name_prefix
 
 # The engine's refusals and failures of one request (400, 429, 503, 500 at the HTTP layer).
@@ -37,26 +37,22 @@ log = logging.getLogger("shoal.server")
 
 
 @dataclass
-class EngineRequest:
-    """One generate call to a replica."""
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str
-    priority: int = 0
-    lora: str | None = None  # a LoRA adapter's name; None: the base model
-    whole: bool = False  # only the finished output is wanted (not streamed to the client)
+class RoutedRequest:
+    """An EngineRequest as the split layout's handle call carries it to the LLMServer pool."""
+    request: EngineRequest
 
     @property
     def prompt(self) -> str:
-        """What prefix-aware routing matches on: one character per token id (past the control
-        characters), so a shared token prefix is a shared string prefix. What else the KV
-        depends on comes first, each ended by a control character no token maps to: the
-        adapter's name, then the cache salt. Requests sharing an adapter (and salt) share a
-        prefix, so they go where that adapter is loaded and its KV cached, and never match a
-        prefix cached for another adapter, salt or the base model."""
-        tokens = "".join(chr(0x20 + t) for t in self.prompt_token_ids)
-        adapter = "" if self.lora is None else f"{self.lora}\x00"
-        salt = "" if self.params.cache_salt is None else f"{self.params.cache_salt}\x01"
+        """What prefix-aware routing matches on (Ray Serve LLM's router reads `prompt`): one
+        character per token id (past the control characters), so a shared token prefix is a
+        shared string prefix. What else the KV depends on comes first, each ended by a control
+        character no token maps to: the adapter's name, then the cache salt. Requests sharing
+        an adapter (and salt) share a prefix, so they go where that adapter is loaded and its
+        KV cached, and never match a prefix cached for another adapter, salt or the base model."""
+        r = self.request
+        tokens = "".join(chr(0x20 + t) for t in r.prompt_token_ids)
+        adapter = "" if r.lora is None else f"{r.lora}\x00"
+        salt = "" if r.params.cache_salt is None else f"{r.params.cache_salt}\x01"
         return adapter + salt + tokens
 
 
@@ -89,29 +85,27 @@ class ReplicaEngine:
         self.linking = asyncio.Lock()
 
     async def stream(self, request: EngineRequest):
-        """Lists of delta RequestOutputs: the first at once, later ones gathered so this
-        replica sends about `stream_chunks_per_s` chunks per second in all (every token at
-        once when that is 0), the last as soon as it exists. Raises the engine's refusal of the
-        request, or EngineDeadError when the scheduler died. Closing the iterator before the
-        end (a client gone) aborts the request and frees its KV blocks."""
+        """The request's outputs: the first at once, later ones gathered so this replica sends
+        about `stream_chunks_per_s` chunks per second in all (every output at once when that
+        is 0), the last as soon as it exists. Raises the engine's refusal of the request, or
+        EngineDeadError when the scheduler died. Closing the iterator before the end (a client
+        gone) aborts the request and frees its KV blocks."""
         inbox = self.inboxes[request.request_id] = Inbox()
         finished = False
         link = None
         try:
             link = await self._link()
             try:
-                await link.add(request.prompt_token_ids, request.params, request.request_id,
-                               request.priority, request.lora, request.whole)
+                await link.add(request)
             except Exception:
                 finished = True  # refused: nothing to abort
                 raise
             hold = 0.0
             while not finished:
-                delta, error = await inbox.take(hold)
-                if delta is not None:
-                    delta.prompt_token_ids = request.prompt_token_ids  # not sent back (Outbox)
-                    finished = delta.finished
-                    yield [delta]
+                output, error = await inbox.take(hold)
+                if output is not None:
+                    finished = output.finished
+                    yield output
                 if error is not None:
                     finished = True  # the engine has dropped it
                     raise error
@@ -151,10 +145,10 @@ class ReplicaEngine:
         request in flight failed) when the scheduler dies; the next request starts another."""
         try:
             async for batch in link.batches():
-                for request_id, delta, error in batch:
+                for request_id, output, error in batch:
                     inbox = self.inboxes.get(request_id)
                     if inbox is not None:
-                        inbox.put(delta, error)
+                        inbox.put(output, error)
         except Exception as exc:  # noqa: BLE001 - every request learns why
             error = refusal(exc) or EngineDeadError(f"the engine's output stream failed: {unwrap(exc)}")
             for inbox in list(self.inboxes.values()):
@@ -180,9 +174,9 @@ class RayLink:
     def __init__(self, scheduler):
         self.scheduler = scheduler
 
-    async def add(self, *args) -> None:
+    async def add(self, request: EngineRequest) -> None:
         try:
-            await self.scheduler.add.remote(*args)
+            await self.scheduler.add.remote(request)
         except (RayTaskError, RayActorError) as exc:
             raise refusal(exc) or unwrap(exc) from None
 
@@ -212,37 +206,29 @@ class ReplicaLifecycle:
 class Inbox:
     """One request's news from the scheduler, waiting for its stream to take it."""
 
-    __slots__ = ("deltas", "error", "wake", "holding")
+    __slots__ = ("news", "wake", "holding")
 
     def __init__(self):
-        self.deltas: list = []
-        self.error: BaseException | None = None
+        self.news = Pending()
         self.wake: asyncio.Future | None = None
         self.holding = False  # gathering: only the request's end wakes the taker early
 
-    @property
-    def ended(self) -> bool:
-        return self.error is not None or bool(self.deltas and self.deltas[-1].finished)
-
-    def put(self, delta, error) -> None:
-        if delta is not None:
-            self.deltas.append(delta)
-        if error is not None:
-            self.error = error
-        if self.wake is not None and not self.wake.done() and (self.ended or not self.holding):
+    def put(self, output, error) -> None:
+        for item in (output, error):
+            if item is not None:
+                self.news.add(item)
+        if self.wake is not None and not self.wake.done() and (self.news.ended or not self.holding):
             self.wake.set_result(None)
 
     async def take(self, hold: float) -> tuple:
-        """(merged delta or None, error or None): after `hold` seconds (sooner if the request
+        """(merged output or None, error or None): after `hold` seconds (sooner if the request
         ends), whatever has come, waiting for at least one item."""
         loop = asyncio.get_running_loop()
-        if hold > 0 and not self.ended:
+        if hold > 0 and not self.news.ended:
             await self._wait(loop, holding=True, timeout=hold)
-        while not self.deltas and self.error is None:
+        while self.news.empty:
             await self._wait(loop, holding=False)
-        deltas, self.deltas = self.deltas, []
-        delta = (deltas[0] if len(deltas) == 1 else accumulate(deltas)) if deltas else None
-        return delta, self.error
+        return self.news.take()
 
     async def _wait(self, loop, holding: bool, timeout: float | None = None) -> None:
         self.wake, self.holding = loop.create_future(), holding

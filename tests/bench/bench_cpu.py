@@ -155,12 +155,14 @@ def decode_step(args) -> None:
     from common import bench_checkpoint, workload
 
     from actors.engine.llm import LLM
+    from actors.request import EngineRequest
     from actors.sampling_params import SamplingParams
     torch.set_num_threads(args.threads)
     llm = LLM(str(bench_checkpoint()), max_num_seqs=32, kv_cache_memory=1.0, num_threads=args.threads)
     engine = llm.engine
     for i, ids in enumerate(workload(32, 32, 128, seed=1)):
-        engine.add_request(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=600, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+        engine.add_request(EngineRequest(f"o{i}", ids, params))
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                           for s in engine.scheduler.running):
         engine.step()
@@ -196,13 +198,15 @@ def prefill(args) -> None:
     from common import bench_checkpoint, workload
 
     from actors.engine.llm import LLM
+    from actors.request import EngineRequest
     from actors.sampling_params import SamplingParams
     torch.set_num_threads(args.threads)
     llm = LLM(str(bench_checkpoint()), max_num_seqs=64, kv_cache_memory=1.0, max_num_batched_tokens=2048)
     engine, seconds = llm.engine, []
     for rep in range(3):
         for i, ids in enumerate(workload(64, 32, 256, seed=3 + rep)):
-            engine.add_request(f"o{rep}-{i}", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+            engine.add_request(EngineRequest(f"o{rep}-{i}", ids, params))
         start = time.process_time()
         while engine.has_unfinished():
             engine.step()

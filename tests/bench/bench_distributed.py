@@ -18,6 +18,7 @@ from common import bench_checkpoint, workload  # noqa: E402
 
 from actors.distributed.pipeline import ping  # noqa: E402
 from actors.engine.llm import LLM  # noqa: E402
+from actors.request import EngineRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def orchestration_ms(path, tp: int, iters: int = 200) -> float:
     llm = LLM(str(path), tp_size=tp, kv_cache_memory=0.5, shard_cpus=0.5)
     engine = llm.engine
     for i, ids in enumerate(workload(32, 64, 128, seed=2)):
-        engine.add_request(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        engine.add_request(EngineRequest(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)))
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()
     payload = engine.scheduler.schedule()  # a decode step's SchedulerOutput: what a step broadcasts

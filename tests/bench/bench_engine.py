@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from common import bench_checkpoint, workload  # noqa: E402
 
 from actors.engine.llm import LLM  # noqa: E402
+from actors.request import EngineRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def step_overhead(path, batch: int, steps: int = 30):
     llm = LLM(str(path), max_num_seqs=batch, kv_cache_memory=2.0, eager_decode=True)
     engine = llm.engine
     for i, ids in enumerate(workload(batch, 96, 160, seed=1)):
-        engine.add_request(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=600, ignore_eos=True))
+        engine.add_request(EngineRequest(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()

@@ -16,6 +16,7 @@ import torch
 from common import BENCH_MODEL, bench_checkpoint, workload
 
 from actors.engine.llm import LLM
+from actors.request import EngineRequest
 from actors.sampling_params import SamplingParams
 from kernels import native
 from kernels.attention import AttentionMetadata, paged_attention
@@ -65,7 +66,8 @@ def engine_decode_step(path, batch=64, ctx=300, steps=20):
     llm = LLM(str(path), max_num_seqs=batch, max_num_batched_tokens=4096, kv_cache_memory=2.0)
     engine = llm.engine
     for i, ids in enumerate(workload(batch, ctx - 8, ctx + 8, seed=3)):
-        engine.add_request(f"b{i}", ids, SamplingParams(temperature=0, max_tokens=4 * steps + 8, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=4 * steps + 8, ignore_eos=True)
+        engine.add_request(EngineRequest(f"b{i}", ids, params))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()

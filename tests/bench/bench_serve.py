@@ -34,6 +34,7 @@ from common import bench_checkpoint, workload  # noqa: E402
 
 from actors.config import EngineConfig  # noqa: E402
 from actors.engine.async_engine import AsyncEngine  # noqa: E402
+from actors.request import EngineRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 from app.cli.bench.load import sse_lines  # noqa: E402
 
@@ -88,7 +89,7 @@ def in_process(engine: AsyncEngine, out_len: int):
 
     async def one(prompt, run: Run):
         start, arrivals, tokens = time.perf_counter(), [], 0
-        async for out in engine.generate(prompt, params, f"b{next(counter)}"):
+        async for out in engine.generate(EngineRequest(f"b{next(counter)}", prompt, params)):
             arrivals.append(time.perf_counter())
             tokens += len(out.outputs[0].token_ids)
         run.record(start, arrivals, tokens)

@@ -19,6 +19,7 @@ from checkpoints import make_checkpoint
 from common import BENCH_MODEL, workload
 
 from actors.engine.llm import LLM
+from actors.request import EngineRequest
 from actors.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMA = {"type": "object", "required": ["rows"], "properties": {"rows": {
@@ -73,7 +74,7 @@ def running_batch(llm: LLM, constrained: int, size: int = 32) -> list[str]:
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=400, ignore_eos=True,
                                 structured=so if i < constrained else None)
         rid = f"r{constrained}-{i}-{time.monotonic_ns()}"
-        engine.add_request(rid, prompt, params)
+        engine.add_request(EngineRequest(rid, prompt, params))
         ids.append(rid)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                           for s in engine.scheduler.running):

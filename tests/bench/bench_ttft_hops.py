@@ -37,6 +37,7 @@ from common import bench_checkpoint  # noqa: E402
 
 from actors.config import EngineConfig  # noqa: E402
 from actors.engine.async_engine import AsyncEngine  # noqa: E402
+from actors.request import EngineRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = list(range(100, 132))
@@ -63,7 +64,7 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
 
     from actors.host.engine_actor import scheduler_actor_class
     from actors.host.link import SocketLink
-    from app.serving.replica import EngineRequest
+    from app.serving.replica import RoutedRequest
 
     engine = AsyncEngine(EngineConfig(**options))
     params = SamplingParams(max_tokens=1, temperature=0)
@@ -87,7 +88,7 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
     async def first_ref():
         request_id = uuid.uuid4().hex
         outputs = scheduler.outputs.options(num_returns="streaming").remote()
-        await scheduler.add.remote(PROMPT, params, request_id)
+        await scheduler.add.remote(EngineRequest(request_id, PROMPT, params))
         async for ref in outputs:
             if any(item[0] == request_id for item in await ref):
                 yield request_id
@@ -96,7 +97,7 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
     async def first_on_link():
         request_id = uuid.uuid4().hex
         firsts[request_id] = asyncio.get_running_loop().create_future()
-        await link.add(PROMPT, params, request_id, 0, None, False)
+        await link.add(EngineRequest(request_id, PROMPT, params))
         await firsts[request_id]
         del firsts[request_id]
 
@@ -110,13 +111,13 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
         return first
 
     cases = [
-        ("in-process engine", timed(lambda: engine.generate(PROMPT, params, uuid.uuid4().hex))),
+        ("in-process engine", timed(lambda: engine.generate(EngineRequest(uuid.uuid4().hex, PROMPT, params)))),
         ("scheduler actor over its Unix socket (add, its output stream)", timed(first_on_link)),
         ("scheduler actor through Ray (add + a new output stream)", timed(first_ref)),
         ("direct ingress: HTTP stream (ModelServer, actor)", timed(first_sse(direct_url))),
         ("merged: HTTP stream (proxy, ModelServer, actor)", timed(first_sse(url))),
         ("split: LLMServer via Serve handle", timed(lambda: handle.options(stream=True).generate.remote(
-            EngineRequest(PROMPT, params, uuid.uuid4().hex)))),
+            RoutedRequest(EngineRequest(uuid.uuid4().hex, PROMPT, params))))),
         ("split: HTTP stream (proxy, Ingress, handle, LLMServer, actor)", timed(first_sse(split_url))),
         ("no-op: actor method", timed(lambda: scheduler.ready.remote())),
         ("no-op: Serve handle method", timed(lambda: handle.ready.remote())),

@@ -1,8 +1,9 @@
-"""What the HTTP layer needs from an engine, and the in-process implementation of it.
+"""What the HTTP API needs from an engine (`EngineClient`), and the in-process one.
 
-The ingress talks to an `EngineClient`: in production the Ray Serve replica pool (see
-app/serving/llm_server.py), in `shoal chat --model-path` and in tests of the HTTP layer an
-in-process AsyncEngine. Both stream delta `RequestOutput`s.
+Every host of the API implements it: the merged layout's replica (its own engine actor,
+app/serving/model_server.py), the split layout's ingress (the LLMServer pool through a Serve
+handle, app/serving/llm_server.py), and `LocalEngineClient` (an AsyncEngine in this process:
+`shoal chat --model-path`, the demo-model evaluation, tests of the HTTP layer).
 """
 from __future__ import annotations
 
@@ -10,22 +11,19 @@ from typing import AsyncIterator, Protocol
 
 from actors.config import EngineConfig
 from actors.outputs import RequestOutput
-from actors.sampling_params import SamplingParams
+from actors.request import EngineRequest
 
 
 class EngineClient(Protocol):
     max_model_len: int
+    lora_enabled: bool  # False: the base model only
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0, lora: str | None = None, whole: bool = False) -> AsyncIterator[RequestOutput]:
-        """Delta outputs until finished. Raises ValueError for a request that can't be served
-        (UnknownAdapterError for an adapter `lora` the engine lacks). whole: the caller needs
-        only the finished output, so deltas may arrive merged. Closing the iterator (or
-        cancelling the task awaiting it) aborts the request and frees its KV blocks: there is
-        no separate abort call (app/api/streams.py)."""
-
-    # LoRA adapters (optional: a client without `lora_enabled` serves the base model only)
-    lora_enabled: bool
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until finished (deltas, or one finished output for a `whole`
+        request). Raises ValueError for a request that can't be served (UnknownAdapterError
+        for an adapter it lacks). Closing the iterator (or cancelling the task awaiting it)
+        aborts the request and frees its KV blocks: there is no separate abort call
+        (app/api/streams.py)."""
 
     async def load_lora(self, name: str, path: str) -> None:
         """Register an adapter on every replica; ValueError if it can't be served."""
@@ -54,8 +52,8 @@ class LocalEngineClient:
         self.max_model_len = self.engine.max_model_len
         self.lora_enabled = self.engine.lora_enabled
 
-    def generate(self, prompt_token_ids, params, request_id, priority=0, lora=None, whole=False):
-        return self.engine.generate(prompt_token_ids, params, request_id, priority, lora=lora)  # no hops to save
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request)
 
     async def load_lora(self, name: str, path: str) -> None:
         await self.engine.load_lora(name, path)
