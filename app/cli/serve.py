@@ -163,13 +163,16 @@ def print_config(config: ShoalConfig) -> int:
 def dry_run(config: ShoalConfig) -> int:
     """Load the model in this process and generate one token: the checkpoint is servable."""
     from actors.engine.llm_engine import LLMEngine
+    from actors.request import EngineRequest
     from actors.sampling_params import SamplingParams
 
     start = time.perf_counter()
     engine = LLMEngine(config.engine)
     loaded = time.perf_counter() - start
-    engine.add_request("dry-run", engine.tokenizer.encode("Hello") or [0],
-                       SamplingParams(temperature=0, max_tokens=1))
+    request = EngineRequest("dry-run", engine.tokenizer.encode("Hello") or [0],
+                            SamplingParams(temperature=0, max_tokens=1))
+    engine.check(request)
+    engine.add_request(request)
     while engine.has_unfinished():
         engine.step()
     engine.shutdown()  # shard actors of a tp x pp layout
