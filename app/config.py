@@ -20,6 +20,7 @@ import yaml
 
 from actors.config import EngineConfig
 from app.api.settings import ServerSettings
+from kernels.env import truthy
 
 ENV_PREFIX = "SHOAL_"
 
@@ -217,12 +218,10 @@ def _base_type(kind) -> type:
 def _bool(value) -> bool:
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(value)
+    parsed = truthy(str(value))
+    if parsed is None:
+        raise ValueError(value)
+    return parsed
 
 
 # --------------------------------------------------------------------------- build + check

@@ -103,17 +103,20 @@ class FlashMetadata:
     max_seqlen_k: int
 
 
-def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                   num_decodes: int, block_size: int, device, ops: FlashOps | None = None,
-                   width: int | None = None, max_seqlen_k: int | None = None,
-                   pad_block: int = 0) -> FlashMetadata:
-    """Plain lists -> FlashMetadata. width / max_seqlen_k: fixed sizes (CUDA graphs), else the
-    step's own. context_lens count this step's tokens."""
+def build_metadata(query_lens: list[int], context_lens: list[int],
+                   block_tables: list[list[int]] | torch.Tensor, num_decodes: int, block_size: int,
+                   device, ops: FlashOps | None = None, width: int | None = None,
+                   max_seqlen_k: int | None = None, pad_block: int = 0) -> FlashMetadata:
+    """Per-row lists (or a [rows, width] table) -> FlashMetadata. width / max_seqlen_k: fixed
+    sizes (CUDA graphs), else the step's own. context_lens count this step's tokens."""
     width = width or max(-(-k // block_size) for k in context_lens)
-    table = torch.full((len(block_tables), width), pad_block, dtype=torch.int32)
-    for r, t in enumerate(block_tables):
-        t = t[:width]
-        table[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    if isinstance(block_tables, torch.Tensor):
+        table = block_tables[:, :width].to(torch.int32)
+    else:
+        table = torch.full((len(block_tables), width), pad_block, dtype=torch.int32)
+        for r, t in enumerate(block_tables):
+            t = t[:width]
+            table[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
     q = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     k = torch.tensor(context_lens, dtype=torch.int32)
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), k.cumsum(0, dtype=torch.int32)])

@@ -23,16 +23,15 @@ panel kernel alone.
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.env import flag
 
-ONEDNN = torch.backends.mkldnn.is_available() and \
-    os.environ.get("SHOAL_ONEDNN_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
+ONEDNN = torch.backends.mkldnn.is_available() and flag("SHOAL_ONEDNN_LINEAR", True)
 
 
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else None
@@ -48,6 +47,11 @@ _PACKED: dict[int, tuple[int, torch.Tensor]] = {}
 _PANEL_OP = None  # torch.ops.shoal_linear.panel_linear, once a weight is packed for it
 _NO_BIAS = torch.empty(0)
 PANEL = 64
+
+
+def supported(dtype: torch.dtype) -> bool:
+    """oneDNN (and, for float32, the panel kernel) can run this dtype's CPU linears."""
+    return dtype in _DTYPES
 
 
 def prepack(weights: list[torch.Tensor], rows: int) -> int:

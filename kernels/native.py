@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.env import flag
+
 log = logging.getLogger("shoal.kernels")
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -43,7 +45,7 @@ last_build_seconds: float | None = None  # how long the last load took (build or
 
 
 def enabled() -> bool:
-    return os.environ.get("SHOAL_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return flag("SHOAL_NATIVE_KERNELS", True)
 
 
 def paged_decode_attention_op():

@@ -111,7 +111,7 @@ def test_rows_pad_to_a_few_bucket_sizes(compiled):
     graphs = llm.engine.executor.runner.graphs
     assert graphs.sizes == [2, 4, 8]
     from actors.worker.compiled_decode import CompiledDecode
-    assert CompiledDecode(torch.nn.Identity(), sizes=[1, 2, 4, 8, 10], block_size=4, spare_block=0).sizes \
+    assert CompiledDecode(torch.nn.Identity(), sizes=[1, 2, 4, 8, 10], block_size=4).sizes \
         == [2, 4, 8, 10]
 
 

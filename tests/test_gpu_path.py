@@ -12,13 +12,15 @@ import torch
 from oracle import assert_equals_eager_and_hf, hf_greedy
 
 from actors.config import EngineConfig
-from actors.core.step import StepRow
+from actors.core.step import SchedulerOutput, StepRow
 from actors.engine.llm import LLM
 from actors.engine.metrics import DecodeProgress
 from actors.sampling_params import SamplingParams
+from actors.worker import kernel_choice, model_spec
 from actors.worker import memory_profile as mp
-from actors.worker import model_spec
-from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason, pad_decode, padded_size
+from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from actors.worker.input_batch import InputBatch
+from actors.worker.kernel_choice import graphs_off_reason
 from kernels import flash_attention as fa
 from kernels.attention import AttentionMetadata, paged_attention
 
@@ -66,8 +68,8 @@ def test_graph_options_do_nothing_on_cpu(checkpoint_factory):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """model_spec believes it runs on an Ampere GPU with flash-attn installed."""
-    monkeypatch.setattr(model_spec, "device_type", lambda config: "cuda")
+    """The kernel choice believes it runs on an Ampere GPU with flash-attn installed."""
+    monkeypatch.setattr(kernel_choice, "device_type", lambda config: "cuda")
     monkeypatch.setattr(fa, "installed", lambda: "flash_attn")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
@@ -75,7 +77,7 @@ def fake_gpu(monkeypatch):
 
 
 def resolve(**options):
-    return model_spec.attn_backend(EngineConfig(**options), torch.bfloat16, 64)
+    return kernel_choice.attention_backend(EngineConfig(**options), torch.bfloat16, 64)
 
 
 def test_backend_choice_on_a_gpu(fake_gpu, caplog):
@@ -138,12 +140,14 @@ def test_graph_buckets_follow_vllm():
 
 
 def test_pad_decode_pads_onto_the_spare_block():
-    rows = [StepRow([7], 5, [3, 9]), StepRow([8], 0, [4])]
-    p = pad_decode(rows, 4, block_size=4, width=3, spare_block=11)
-    assert p.input_ids == [7, 8, 0, 0] and p.positions == [5, 0, 0, 0]
-    assert p.slots == [9 * 4 + 1, 4 * 4, 44, 44]
-    assert p.context_lens == [6, 1, 1, 1]
-    assert p.block_tables == [[3, 9, 11], [4, 11, 11], [11, 11, 11], [11, 11, 11]]
+    batch = InputBatch(max_rows=4, max_blocks=3, block_size=4, pad_block=11)
+    step = SchedulerOutput([StepRow(20, [7], 5), StepRow(21, [8], 0)], 2, [0, 1], [(20, 0, [3, 9]), (21, 0, [4])])
+    batch.update(step)
+    p = batch.padded_decode(step, 4, width=3)
+    assert p.input_ids.tolist() == [7, 8, 0, 0] and p.positions.tolist() == [5, 0, 0, 0]
+    assert p.slots.tolist() == [9 * 4 + 1, 4 * 4, 44, 44]
+    assert p.context_lens.tolist() == [6, 1, 1, 1]
+    assert p.block_tables.tolist() == [[3, 9, 11], [4, 11, 11], [11, 11, 11], [11, 11, 11]]
 
 
 def test_graphs_off_reasons():
@@ -352,10 +356,10 @@ def eager_capture(fn, pool):
 def with_emulated_graphs(llm: LLM, sizes, max_seq_len: int, flash_ops=None) -> DecodeGraphs:
     r = llm.engine.executor.runner
     r.bind_kv_cache(r.num_blocks + 1)  # the spare block the padding rows use
+    r.batch = InputBatch(r.config.max_num_seqs, r.batch.tables.shape[1], r.block_size, pad_block=r.num_blocks)
     r.graphs = DecodeGraphs(r.model, sizes, block_size=r.block_size, max_seq_len=max_seq_len,
-                            spare_block=r.num_blocks, hidden_size=r.args.hidden_size, dtype=r.dtype,
-                            device=r.device, flash_ops=flash_ops)
-    r.graphs.capture(eager_capture)
+                            hidden_size=r.args.hidden_size, dtype=r.dtype, device=r.device, flash_ops=flash_ops)
+    r.graphs.capture(r.batch, eager_capture)
     return r.graphs
 
 

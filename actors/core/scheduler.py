@@ -35,6 +35,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.freed: list[int] = []  # seq ids whose rows the ranks drop at the next step
         self.hit_tokens = 0  # prefix-cache statistics, in tokens
         self.query_tokens = 0
 
@@ -57,6 +58,8 @@ class Scheduler:
         output = _output(scheduled)
         output.finished = self._outgrown
         output.lora_loads = self._lora_loads
+        if output.rows:  # a step without rows reaches no rank: the freed rows wait for the next
+            output.freed, self.freed = self.freed, []
         return output
 
     def _outgrows_pool(self, seq: Sequence) -> bool:
@@ -156,7 +159,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free_sequence(seq)
+        self._free_blocks(seq)
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
         self.waiting.insert(0, seq)
@@ -169,13 +172,19 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free_sequence(seq)
+        self._free_blocks(seq)
         seq.status = Status.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         for child in seq.children:
             if not child.finished:
                 self.finish(child, reason)
         seq.children = []
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.blocks.free_sequence(seq)
+        if seq.num_sent_blocks:  # the ranks drop its row
+            self.freed.append(seq.seq_id)
+            seq.num_sent_blocks = 0
 
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
@@ -188,12 +197,16 @@ def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
 
 
 def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
-    """The step in kernel order (decodes first), with each row's share of the logits."""
+    """The step in kernel order (decodes first), with each row's share of the logits and the
+    blocks the ranks do not have yet."""
     scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: keeps the schedule's order within
-    rows, logit_rows, offset = [], [], 0
+    rows, logit_rows, tables, offset = [], [], [], 0
     for s in scheduled:
         seq, end = s.seq, s.start + s.num_tokens
-        rows.append(StepRow(seq.token_ids[s.start:end], s.start, list(seq.block_table), seq.lora_slot))
+        rows.append(StepRow(seq.seq_id, seq.token_ids[s.start:end], s.start, seq.lora_slot))
+        if len(seq.block_table) > seq.num_sent_blocks:
+            tables.append((seq.seq_id, seq.num_sent_blocks, seq.block_table[seq.num_sent_blocks:]))
+            seq.num_sent_blocks = len(seq.block_table)
         first = len(logit_rows)
         if s.prompt_logprobs:
             logit_rows.extend(range(offset, offset + s.num_tokens))
@@ -201,4 +214,4 @@ def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
             logit_rows.append(offset + s.num_tokens - 1)
         s.logits = slice(first, len(logit_rows))
         offset += s.num_tokens
-    return SchedulerOutput(rows, sum(s.num_tokens == 1 for s in scheduled), logit_rows, scheduled)
+    return SchedulerOutput(rows, sum(s.num_tokens == 1 for s in scheduled), logit_rows, tables, seqs=scheduled)

@@ -8,6 +8,7 @@ from enum import Enum
 from actors.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
+_seq_ids = itertools.count()
 
 
 class Status(Enum):
@@ -25,11 +26,13 @@ class Sequence:
     params: SamplingParams
     priority: int = 0
     arrival: int = field(default_factory=lambda: next(_arrivals))
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))  # its row key on every rank
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_sent_blocks: int = 0  # leading blocks the ranks' input batches have (0: no row there)
     prompt_logprobs_done: bool = False  # its prompt's log-probs are computed (or never wanted)
     children: list[Sequence] = field(default_factory=list)  # samples waiting for this one's prompt
     generator: object | None = None  # torch.Generator for seeded sampling

@@ -2,8 +2,11 @@
 
 `SchedulerOutput` is built by the scheduler on rank 0 (actors/core/scheduler.py), run by the
 executor on every rank (actors/executor/), and read by each rank's model runner
-(actors/worker/model_runner.py). Pickling drops rank 0's own part (the sequences), so what
-crosses to the other ranks is only what they compute with.
+(actors/worker/model_runner.py). Block tables travel as changes: every rank keeps the live
+sequences' tables itself (actors/worker/input_batch.py), so a step carries only the blocks a
+sequence gained, a sequence's whole table when it starts or resumes, and the sequences that
+left. Pickling drops rank 0's own part (the sequences), so what crosses to the other ranks is
+only what they compute with.
 """
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ from actors.core.sequence import Sequence
 @dataclass
 class StepRow:
     """What every rank needs to compute one sequence's tokens this step."""
+    seq_id: int  # the sequence's row in every rank's input batch
     token_ids: list[int]  # the tokens computed this step
     start: int  # the position of the first (the sequence's computed tokens before the step)
-    block_table: list[int]  # blocks covering positions [0, start + len(token_ids))
     lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model alone)
 
 
@@ -37,6 +40,10 @@ class SchedulerOutput:
     rows: list[StepRow]  # decodes (one-token rows) first, then prefill chunks: the kernels' order
     num_decodes: int
     logit_rows: list[int]  # token rows whose logits are computed, in order
+    # (seq id, first index, block ids): blocks from that index on (0: the whole table), applied
+    # by every rank before the step, after `freed` (sequences gone since the last step)
+    block_tables: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
     seqs: list[ScheduledSeq] = field(default_factory=list)  # rank 0 only (not broadcast)
     finished: list[Sequence] = field(default_factory=list)  # rank 0: ended without a row (pool full)
     # (slot, LoraRef): adapters every rank reads into a slot before this step's forward
@@ -46,7 +53,8 @@ class SchedulerOutput:
         return {**self.__dict__, "seqs": [], "finished": []}
 
     def split(self, parts: int) -> list[SchedulerOutput]:
-        """Up to `parts` contiguous micro-batches (pipeline parallelism), each in kernel order."""
+        """Up to `parts` contiguous micro-batches (pipeline parallelism), each in kernel order
+        (the block-table changes stay with the whole step)."""
         size = -(-len(self.rows) // max(1, parts))
         out, offset = [], 0
         for i in range(0, len(self.rows), size):
@@ -56,3 +64,11 @@ class SchedulerOutput:
             out.append(SchedulerOutput(rows, sum(len(r.token_ids) == 1 for r in rows), logit_rows))
             offset += n
         return out
+
+
+@dataclass
+class RunnerOutput:
+    """What a step gives back (rank 0), per scheduled sequence in the SchedulerOutput's order."""
+    tokens: list[int | None]  # the sampled token (None: a chunk in the middle of its prompt)
+    logprobs: list[dict | None]  # {chosen: lp, alternatives...} when the request asked
+    prompt_logprobs: list[list | None]  # per prompt position its chunk predicts

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 
 from actors.core.scheduler import Scheduler
 from actors.core.sequence import Sequence
-from actors.core.step import ScheduledSeq, SchedulerOutput
+from actors.core.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.metrics import EngineMetrics
 from actors.errors import RequestFailedError
 from actors.outputs import CompletionOutput, Pending, RequestOutput
 from actors.request import EngineRequest
-from actors.worker.model_runner import RunnerOutput
 
 log = logging.getLogger("shoal.engine")
 

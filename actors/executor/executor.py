@@ -15,9 +15,9 @@ import resource
 import time
 
 from actors.config import EngineConfig
-from actors.core.step import SchedulerOutput
+from actors.core.step import RunnerOutput, SchedulerOutput
 from actors.distributed.pipeline import REBALANCE, STOP, broadcast_step
-from actors.worker.model_runner import ModelRunner, RunnerOutput
+from actors.worker.model_runner import ModelRunner
 from actors.worker.model_spec import ModelSpec
 
 log = logging.getLogger("shoal.engine")

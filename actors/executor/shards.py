@@ -58,7 +58,7 @@ class ShardActor:
         """Follow rank 0's steps until it stops."""
         use_threads(self.threads)  # a threaded actor: this call's thread is not __init__'s
         experts = self.runner.experts
-        worker_loop(self.runner.p, self.runner.run_stage, experts.rebalance if experts else None)
+        worker_loop(self.runner.p, self.runner.forward, experts.rebalance if experts else None)
 
 
 def rank_info(rank: int, device: torch.device) -> dict:

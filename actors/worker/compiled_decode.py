@@ -9,16 +9,16 @@ its matrix-vector path, faster than any compiled 2-row step (14 vs 19 ms a step 
 model, docs/benchmarks.md).
 
 torch.compile specialises sizes 0 and 1, so block tables are padded to at least 2 blocks
-(with the spare block of the KV pool the block manager never hands out, as CUDA graphs pad),
-and the graph is compiled at start-up on 2 padding rows that write to and read from that block:
-every step then runs on the one graph.
+(with the spare block of the KV pool the block manager never hands out, as CUDA graphs pad:
+actors/worker/input_batch.py), and the graph is compiled at start-up on 2 padding rows that
+write to and read from that block: every step then runs on the one graph.
 
-The graph ends with the LM head. Its linear layers run through kernels/linear.py on weights
-packed once here: float32 on an AVX-512 CPU through shoal's panel kernel, else through oneDNN,
-which builds and keeps a kernel (~0.6 MB) for every row count it meets. So the rows are padded
-to the next of a few bucket sizes (CUDA graphs' capture sizes: 2, 4, 8, then multiples of 8 up
-to --max-num-seqs): the kernels kept stay few and the memory bounded, for at most 7 padding
-rows of work.
+The graph ends with the LM head. Its linear layers run through kernels/linear.py on the
+weights the runner packed at start (actors/worker/kernel_choice.py): float32 on an AVX-512 CPU
+through shoal's panel kernel, else through oneDNN, which builds and keeps a kernel (~0.6 MB)
+for every row count it meets. So the rows are padded to the next of a few bucket sizes (CUDA
+graphs' capture sizes: 2, 4, 8, then multiples of 8 up to --max-num-seqs): the kernels kept
+stay few and the memory bounded, for at most 7 padding rows of work.
 
 Compiling takes ~20-40 s on 2 cores (less with inductor's cache warm in
 /tmp/torchinductor_$USER), once per engine start, at start-up; `--eager-decode` (or
@@ -28,14 +28,13 @@ compiler, say), the engine logs why and decodes eagerly.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
-from actors.models.layers import ParallelLMHead
-from actors.worker.cuda_graphs import pad_decode, padded_size
-from kernels import linear
+from actors.core.step import SchedulerOutput
+from actors.worker.cuda_graphs import padded_size
+from actors.worker.input_batch import InputBatch, PaddedDecode
 from kernels.attention import AttentionMetadata
 
 log = logging.getLogger("shoal.runner")
@@ -43,16 +42,10 @@ log = logging.getLogger("shoal.runner")
 MIN_ROWS = MIN_BLOCKS = 2  # below these torch.compile would specialise a second graph
 
 
-def eager_by_environment() -> bool:
-    """SHOAL_EAGER_DECODE=1 decodes eagerly whatever the engine's options say (read at engine
-    start; `shoal serve` also takes it as --eager-decode). The test suite sets it."""
-    return os.environ.get("SHOAL_EAGER_DECODE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 class CompiledDecode:
     """The compiled model of one runner; `run` takes decode-only steps."""
 
-    def __init__(self, model, *, sizes: list[int], block_size: int, spare_block: int):
+    def __init__(self, model, *, sizes: list[int], block_size: int):
         import torch._inductor.config as inductor_config
         import torch.fx.experimental._config as shape_config
 
@@ -63,35 +56,29 @@ class CompiledDecode:
         self.fn = torch.compile(lambda ids, positions, meta: model.compute_logits(model(ids, positions, meta)),
                                 dynamic=True, fullgraph=True)
         self.sizes = sorted({max(MIN_ROWS, s) for s in sizes})
-        self.packed_bytes = linear.prepack(
-            [m.weight for m in model.modules() if isinstance(m, (torch.nn.Linear, ParallelLMHead))], self.sizes[-1])
-        self.block_size, self.spare_block = block_size, spare_block
+        self.block_size = block_size
         self.replays = 0  # decode steps that ran compiled (the progress line's graph=True)
 
     def can_run(self, output) -> bool:
         return (MIN_ROWS <= len(output.rows) <= self.sizes[-1]
                 and output.num_decodes == len(output.rows))
 
-    def run(self, output) -> torch.Tensor:
+    def run(self, output, batch: InputBatch) -> torch.Tensor:
         """Logits of the step's rows (the LM head is part of the graph)."""
         rows = output.rows
         width = max(MIN_BLOCKS, -(-max(r.start + 1 for r in rows) // self.block_size))
-        logits = self.fn(*self._inputs(rows, padded_size(len(rows), self.sizes), width))
+        logits = self.fn(*self._inputs(batch.padded_decode(output, padded_size(len(rows), self.sizes), width)))
         self.replays += 1
         return logits[:len(rows)]
 
-    def _inputs(self, rows, size: int, width: int):
-        p = pad_decode(rows, size, self.block_size, width, self.spare_block)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(p.slots), num_decode_tokens=p.size,
-                                 block_size=self.block_size,
-                                 decode_block_tables=torch.tensor(p.block_tables),
-                                 decode_context_lens=torch.tensor(p.context_lens, dtype=torch.int32))
-        return torch.tensor(p.input_ids), torch.tensor(p.positions), meta
+    def _inputs(self, p: PaddedDecode):
+        meta = AttentionMetadata(slot_mapping=p.slots, num_decode_tokens=p.size, block_size=self.block_size,
+                                 decode_block_tables=p.block_tables, decode_context_lens=p.context_lens)
+        return p.input_ids, p.positions, meta
 
     @torch.inference_mode()
-    def compile(self) -> None:
+    def compile(self, batch: InputBatch) -> None:
         """Compile now, on padding rows only (what the first decode step would otherwise pay)."""
         start = time.perf_counter()
-        self.fn(*self._inputs([], MIN_ROWS, MIN_BLOCKS))
-        log.info("compiled decode ready in %.1f s (packed weights: %.0f MiB)",
-                 time.perf_counter() - start, self.packed_bytes / 2**20)
+        self.fn(*self._inputs(batch.padded_decode(SchedulerOutput([], 0, []), MIN_ROWS, MIN_BLOCKS)))
+        log.info("compiled decode ready in %.1f s", time.perf_counter() - start)

@@ -16,10 +16,11 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
+from actors.core.step import SchedulerOutput
+from actors.worker.input_batch import InputBatch, PaddedDecode
 from kernels.attention import AttentionMetadata
 from kernels.flash_attention import FlashMetadata
 
@@ -43,53 +44,13 @@ def padded_size(batch: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def graphs_off_reason(*, device_type: str, eager_decode: bool, world_size: int, lora: bool,
-                      moe: bool) -> str | None:
-    """Why this runner decodes eagerly (None: it captures CUDA graphs, or on CPU compiles its
-    decode step: actors/worker/compiled_decode.py)."""
-    if device_type not in ("cuda", "cpu"):
-        return f"{device_type} device"
-    if eager_decode:
-        return "--eager-decode"
-    if world_size > 1:
-        return "tp x pp > 1 (not supported yet)"
-    if lora:
-        return "LoRA adapters (per-step adapter slots)"
-    if moe:
-        return "mixture-of-experts layers (data-dependent routing)"
-    return None
-
-
-@dataclass
-class PaddedDecode:
-    """One decode step's inputs laid out for bucket `size`: row r < batch is the step's row r,
-    the rest are padding rows on the spare block."""
-    size: int
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-
-
-def pad_decode(rows, size: int, block_size: int, width: int, spare_block: int) -> PaddedDecode:
-    """The rows (StepRows of one token each) padded to `size` rows, tables to `width` blocks."""
-    pad = size - len(rows)
-    ids = [r.token_ids[0] for r in rows] + [0] * pad
-    pos = [r.start for r in rows] + [0] * pad
-    slots = [r.block_table[r.start // block_size] * block_size + r.start % block_size for r in rows]
-    slots += [spare_block * block_size] * pad
-    tables = [(r.block_table + [spare_block] * width)[:width] for r in rows] + [[spare_block] * width] * pad
-    return PaddedDecode(size, ids, pos, slots, [r.start + 1 for r in rows] + [1] * pad, tables)
-
-
 class DecodeGraphs:
     """The captured graphs of one runner and their static buffers."""
 
     def __init__(self, model, sizes: list[int], *, block_size: int, max_seq_len: int,
-                 spare_block: int, hidden_size: int, dtype, device, flash_ops=None):
+                 hidden_size: int, dtype, device, flash_ops=None):
         self.model, self.sizes, self.block_size = model, sizes, block_size
-        self.max_seq_len, self.spare_block, self.flash_ops = max_seq_len, spare_block, flash_ops
+        self.max_seq_len, self.flash_ops = max_seq_len, flash_ops
         self.width = -(-max_seq_len // block_size)
         n = sizes[-1]
         z = lambda *shape, dt=torch.long: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
@@ -107,21 +68,21 @@ class DecodeGraphs:
         rows = output.rows
         return (bool(rows) and output.num_decodes == len(rows) and len(rows) <= self.sizes[-1] and max(r.start + 1 for r in rows) <= self.max_seq_len)
 
-    def run(self, output) -> torch.Tensor:
+    def run(self, output, batch: InputBatch) -> torch.Tensor:
         """Hidden states of the step's rows (a view into the static output)."""
         size = padded_size(len(output.rows), self.sizes)
-        self._fill(pad_decode(output.rows, size, self.block_size, self.width, self.spare_block))
+        self._fill(batch.padded_decode(output, size, self.width))
         self.graphs[size].replay()
         self.replays += 1
         return self.hidden[:len(output.rows)]
 
     def _fill(self, p: PaddedDecode) -> None:
         n = p.size
-        self.input_ids[:n].copy_(torch.tensor(p.input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(p.positions), non_blocking=True)
-        self.slots[:n].copy_(torch.tensor(p.slots), non_blocking=True)
-        self.context_lens[:n].copy_(torch.tensor(p.context_lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:n].copy_(torch.tensor(p.block_tables), non_blocking=True)
+        self.input_ids[:n].copy_(p.input_ids, non_blocking=True)
+        self.positions[:n].copy_(p.positions, non_blocking=True)
+        self.slots[:n].copy_(p.slots, non_blocking=True)
+        self.context_lens[:n].copy_(p.context_lens, non_blocking=True)
+        self.block_tables[:n].copy_(p.block_tables, non_blocking=True)
 
     # ---- capture --------------------------------------------------------------------
     def forward(self, n: int) -> None:
@@ -140,11 +101,11 @@ class DecodeGraphs:
             meta.decode_mask = (self.keys[None, :] < ctx[:, None])[:, None, None, :]
         return meta
 
-    def capture(self, capture_fn=None) -> None:
-        """Capture every bucket, largest first (the smaller ones reuse its pool)."""
+    def capture(self, batch: InputBatch, capture_fn=None) -> None:
+        """Capture every bucket, largest first (the smaller ones reuse its pool), on padding rows."""
         capture_fn = capture_fn or capture_cuda_graph
         start, pool = time.perf_counter(), None
-        self._fill(pad_decode([], self.sizes[-1], self.block_size, self.width, self.spare_block))
+        self._fill(batch.padded_decode(SchedulerOutput([], 0, []), self.sizes[-1], self.width))
         with torch.inference_mode():
             for n in reversed(self.sizes):
                 self.graphs[n], pool = capture_fn(lambda n=n: self.forward(n), pool)

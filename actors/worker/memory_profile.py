@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from actors.core.step import SchedulerOutput, StepRow
+
 log = logging.getLogger("shoal.runner")
 GiB = 2**30
 
@@ -150,14 +152,13 @@ def _measure(runner, pool_blocks: int, run) -> int:
 def profile_forward(runner, tokens: int, seqs: int) -> int:
     """Peak activations of the largest step: a `tokens` chunk at the end of the longest context,
     then float32 logits of `seqs` rows with a softmax and a sort (what sampling allocates)."""
-    from actors.core.step import SchedulerOutput, StepRow
     pool_blocks = -(-tokens // runner.block_size) + 1
     ids, start, table = profile_step_rows(tokens, runner.max_model_len, runner.block_size, pool_blocks)
     rows = list(range(len(ids) - min(seqs, len(ids)), len(ids)))
-    step = SchedulerOutput([StepRow(ids, start, table)], int(len(ids) == 1), rows)
+    step = SchedulerOutput([StepRow(0, ids, start)], int(len(ids) == 1), rows, [(0, 0, table)])
 
     def run():
-        hidden = runner.model(*runner.prepare(step))
+        hidden = runner.model(*_inputs(runner, step, 1, len(table)))
         logits = runner.model.compute_logits(hidden[rows])
         logits.softmax(-1).sort(-1, descending=True)
     return _measure(runner, pool_blocks, run)
@@ -166,11 +167,19 @@ def profile_forward(runner, tokens: int, seqs: int) -> int:
 def profile_decode(runner) -> int:
     """Peak of one eager decode at the largest graph size and the longest captured context: about
     what the graphs' memory pool holds."""
-    from actors.core.step import SchedulerOutput, StepRow
     c, bs = runner.config, runner.block_size
     size = runner.graph_sizes[-1]
     context = min(c.max_seq_len_to_capture, runner.max_model_len)
     pool_blocks = size + 1
     table = [i % pool_blocks for i in range(-(-context // bs))]
-    step = SchedulerOutput([StepRow([0], context - 1, table)] * size, size, list(range(size)))
-    return _measure(runner, pool_blocks, lambda: runner.model(*runner.prepare(step)))
+    step = SchedulerOutput([StepRow(i, [0], context - 1) for i in range(size)], size, list(range(size)),
+                           [(i, 0, table) for i in range(size)])
+    return _measure(runner, pool_blocks, lambda: runner.model(*_inputs(runner, step, size, len(table))))
+
+
+def _inputs(runner, step, rows: int, width: int):
+    """The model's inputs for a made-up step, from an input batch of its own."""
+    from actors.worker.input_batch import InputBatch
+    batch = InputBatch(rows, width, runner.block_size)
+    batch.update(step)
+    return batch.prepare(step, runner.device, runner.flash_ops)

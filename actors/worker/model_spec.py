@@ -10,6 +10,7 @@ import torch
 from actors.config import EngineConfig
 from actors.distributed.parallel import parse_layer_split
 from actors.models.args import ModelArgs
+from actors.worker.kernel_choice import attention_backend, device_type
 from actors.worker.loader import eos_token_ids, read_config, resolve_dtype, resolve_model_path
 from kernels import flash_attention
 
@@ -45,7 +46,7 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     cuda = device_type(config) == "cuda"
     dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
     dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")
-    backend, library = attn_backend(config, dtype, args.head_dim)
+    backend, library = attention_backend(config, dtype, args.head_dim)
     if cuda:
         log.info("attention backend %s%s, dtype %s", backend, f" ({library})" if library else "",
                  str(dtype).removeprefix("torch."))
@@ -56,13 +57,6 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
         layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
         attn_backend=backend, flash_library=library,
         block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16))
-
-
-def device_type(config: EngineConfig) -> str:
-    """Where the engine runs: --device, or cuda when auto finds a GPU."""
-    if config.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return config.device
 
 
 def gpu_auto_dtype(hf: dict) -> torch.dtype:
@@ -93,27 +87,3 @@ def cpu_has_matmul(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(mkldnn._is_mkldnn_bf16_supported())
     return bool(mkldnn._is_mkldnn_fp16_supported())
-
-
-def attn_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> tuple[str, str | None]:
-    """(backend, flash library). auto picks flash where it runs and says nothing otherwise; an
-    explicit flash that can't run falls back to native with one warning naming why."""
-    if config.attn_backend == "native":
-        return "native", None
-    why = flash_unavailable(config, dtype, head_dim)
-    if why is None:
-        library = flash_attention.installed()
-        if not config.block_size or config.block_size % flash_attention.block_multiple(library) == 0:
-            return "flash", library
-        why = (f"{library} needs a block size that is a multiple of "
-               f"{flash_attention.block_multiple(library)}, not --block-size {config.block_size}")
-    if config.attn_backend == "flash":
-        log.warning("--attn-backend flash can't run here (%s); using native", why)
-    return "native", None
-
-
-def flash_unavailable(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> str | None:
-    if device_type(config) != "cuda":
-        return "it needs a CUDA device"
-    return flash_attention.unavailable_reason("cuda", dtype, head_dim, flash_attention.installed(),
-                                              torch.cuda.get_device_capability(0))

@@ -87,6 +87,7 @@ def step_overhead(path, batch: int, steps: int = 30):
         # The next step's batch, timed as a bare forward. Scheduling running sequences twice is
         # harmless: their blocks are already there and nothing was computed.
         output = engine.scheduler.schedule()
+        runner.batch.update(output)
         ids, pos, meta = runner.prepare(output)
         t = time.perf_counter()
         hidden = runner.model(ids, pos, meta)

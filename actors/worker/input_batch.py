@@ -1,0 +1,123 @@
+"""The live sequences' block tables, kept across steps, and each step's input tensors.
+
+Every rank keeps one row per live sequence in a CPU tensor of block ids (as vLLM's InputBatch
+keeps its persistent batch). The scheduler sends only what changed since the last step: the
+blocks a sequence gained, its whole table when it starts or resumes, and the sequences that
+left (SchedulerOutput.block_tables / .freed). A step's tensors (input ids, positions, the slot
+each new token's K/V goes to, the decode rows' block tables and context lengths, the prefill
+chunks') are then a few gathers from those rows, not a Python loop over every token and every
+row's whole table.
+
+Unused entries hold `pad_block`: the spare block of a pool that CUDA graphs or compiled
+decode pad onto (else block 0). Attention never reads them (the context lengths mask them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.core.step import SchedulerOutput
+from kernels import flash_attention
+from kernels.attention import AttentionMetadata
+
+
+@dataclass
+class PaddedDecode:
+    """A decode step's inputs for a graph of `size` rows: row r < batch is the step's row r, the
+    rest are padding rows that write to and read from the pad block."""
+    size: int
+    input_ids: torch.Tensor  # [size]
+    positions: torch.Tensor  # [size]
+    slots: torch.Tensor  # [size]
+    context_lens: torch.Tensor  # [size] int32
+    block_tables: torch.Tensor  # [size, width]
+
+
+class InputBatch:
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pad_block: int = 0):
+        self.block_size, self.pad_block = block_size, pad_block
+        self.tables = torch.full((max_rows, max_blocks), pad_block, dtype=torch.long)
+        self.lengths = [0] * max_rows  # blocks in each row
+        self.rows: dict[int, int] = {}  # seq id -> row
+        self.free = list(range(max_rows - 1, -1, -1))
+
+    def update(self, output: SchedulerOutput) -> None:
+        """The step's changes: rows of sequences that left are reused, then tables grow."""
+        for seq_id in output.freed:
+            row = self.rows.pop(seq_id, None)
+            if row is not None:
+                self.tables[row, :self.lengths[row]] = self.pad_block
+                self.lengths[row] = 0
+                self.free.append(row)
+        for seq_id, first, blocks in output.block_tables:
+            row = self.rows.get(seq_id)
+            if row is None:
+                row = self.rows[seq_id] = self.free.pop()
+            end = first + len(blocks)
+            self.tables[row, first:end] = torch.tensor(blocks)
+            self.lengths[row] = end
+
+    def reset(self) -> None:
+        """Forget every row (after start-up's synthetic steps)."""
+        self.update(SchedulerOutput([], 0, [], freed=list(self.rows)))
+
+    def prepare(self, output: SchedulerOutput, device: torch.device, flash_ops=None):
+        """(input ids, positions, attention metadata) of the step's rows, on `device`."""
+        rows, bs = output.rows, self.block_size
+        lens = [len(r.token_ids) for r in rows]
+        table_rows = torch.tensor([self.rows[r.seq_id] for r in rows])
+        starts = torch.tensor([r.start for r in rows])
+        ids = torch.tensor([t for r in rows for t in r.token_ids])
+        if output.num_decodes == len(rows):  # one token a row: no expansion to tokens
+            positions, token_rows = starts, table_rows
+        else:
+            counts = torch.tensor(lens)
+            row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
+            first = counts.cumsum(0) - counts  # each row's first token
+            positions = starts[row_of] + torch.arange(len(ids)) - first[row_of]
+            token_rows = table_rows[row_of]
+        slots = self.tables[token_rows, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(slot_mapping=slots.to(device), num_decode_tokens=output.num_decodes,
+                                 block_size=bs)
+        ends = starts + torch.tensor(lens)
+        if flash_ops is not None:
+            width = -(-int(ends.max()) // bs)
+            meta.flash = flash_attention.build_metadata(lens, ends.tolist(), self.tables[table_rows, :width],
+                                                        output.num_decodes, bs, device, flash_ops)
+        else:
+            self._split_metadata(meta, output, table_rows, starts, ends, device)
+        return ids.to(device), positions.to(device), meta
+
+    def _split_metadata(self, meta: AttentionMetadata, output: SchedulerOutput, table_rows, starts, ends,
+                        device: torch.device) -> None:
+        """Decode rows: block tables and context lengths; prefill chunks: (first token row,
+        tokens, first position) and block tables."""
+        nd, bs = output.num_decodes, self.block_size
+        if nd:
+            ctx = ends[:nd].to(torch.int32)
+            meta.decode_block_tables = self.tables[table_rows[:nd], :-(-int(ctx.max()) // bs)].to(device)
+            meta.decode_context_lens = ctx.to(device)
+        if nd < len(output.rows):
+            prefills = output.rows[nd:]
+            offset, chunks = nd, []
+            for r in prefills:
+                chunks.append((offset, len(r.token_ids), r.start))
+                offset += len(r.token_ids)
+            meta.prefill_chunks = chunks
+            width = -(-int(ends[nd:].max()) // bs)
+            meta.prefill_block_tables = self.tables[table_rows[nd:], :width].to(device)
+
+    def padded_decode(self, output: SchedulerOutput, size: int, width: int) -> PaddedDecode:
+        """The step's rows (one-token decodes) padded to `size` rows, tables to `width` blocks."""
+        rows, bs, n = output.rows, self.block_size, len(output.rows)
+        pad = size - n
+        tables = torch.full((size, width), self.pad_block, dtype=torch.long)
+        positions = torch.zeros(size, dtype=torch.long)
+        slots = torch.full((size,), self.pad_block * bs, dtype=torch.long)
+        if n:
+            tables[:n] = self.tables[torch.tensor([self.rows[r.seq_id] for r in rows]), :width]
+            positions[:n] = torch.tensor([r.start for r in rows])
+            slots[:n] = tables[torch.arange(n), positions[:n] // bs] * bs + positions[:n] % bs
+        ids = torch.tensor([r.token_ids[0] for r in rows] + [0] * pad)
+        return PaddedDecode(size, ids, positions, slots, (positions + 1).to(torch.int32), tables)

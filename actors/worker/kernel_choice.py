@@ -1,0 +1,126 @@
+"""Which kernels a rank runs: decided once at start for this device and model, logged in one
+line, and the only place that knows the rules.
+
+- attention: flash (flash-attn / vllm-flash-attn, CUDA, where installed and applicable), else
+  shoal's C++ paged kernel on CPU (kernels/csrc/paged_attention.cpp: AVX-512, AVX2 or a
+  portable loop, whichever the CPU has), else plain torch (SDPA over gathered blocks);
+- linear: on CPU float32 through shoal's panel kernel on AVX-512 CPUs
+  (kernels/csrc/panel_linear.cpp), else oneDNN's inner product (float32, or bf16 where the CPU
+  has bf16 matmuls), both on weights packed once here, whatever the decode mode or layout;
+  torch (cuBLAS) on CUDA;
+- decode: CUDA graphs on a GPU, torch.compile on CPU (actors/worker/compiled_decode.py), or
+  eager, with the reason.
+
+The kernels themselves (kernels/) still check, per call, that a tensor is one they can take
+(a device, a dtype, a stride), and `SHOAL_NATIVE_KERNELS=0` / `SHOAL_ONEDNN_LINEAR=0` switch
+the native kernels off in kernels/ itself.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from actors.config import EngineConfig
+from kernels import flash_attention, linear, native
+from kernels.env import flag
+
+log = logging.getLogger("shoal.runner")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    attention: str  # flash_attn | vllm_flash_attn | cpp-avx512 | cpp-avx2 | cpp-portable | torch
+    linear: str  # panel | onednn | torch
+    decode: str  # cuda-graphs | compiled | eager
+    decode_off: str | None = None  # why decode is eager
+
+    @property
+    def packs_weights(self) -> bool:
+        """The linear layers read weights packed once at start (the weights' size again)."""
+        return self.linear in ("panel", "onednn")
+
+    def describe(self) -> str:
+        why = f" ({self.decode_off})" if self.decode_off else ""
+        return f"kernels: attention {self.attention}, linear {self.linear}, decode {self.decode}{why}"
+
+
+def choose(config: EngineConfig, spec, device: torch.device, world_size: int, lora: bool) -> KernelChoice:
+    """This rank's kernels (`spec`: the ModelSpec, whose attention backend rank 0 resolved)."""
+    off = graphs_off_reason(device_type=device.type, eager_decode=config.eager_decode or eager_by_environment(),
+                            world_size=world_size, lora=lora, moe=spec.args.moe is not None)
+    decode = "eager" if off else ("cuda-graphs" if device.type == "cuda" else "compiled")
+    return KernelChoice(attention_kernel(spec, device), linear_kernel(spec.dtype, device), decode, off)
+
+
+def attention_kernel(spec, device: torch.device) -> str:
+    if spec.attn_backend == "flash":
+        return spec.flash_library
+    if device.type == "cpu" and native.paged_decode_attention_op() is not None:  # builds it now
+        return "cpp-" + {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "portable")
+    return "torch"
+
+
+def linear_kernel(dtype: torch.dtype, device: torch.device) -> str:
+    if device.type != "cpu" or not linear.supported(dtype):
+        return "torch"
+    if dtype == torch.float32 and native.panel_linear_op() is not None:
+        return "panel"
+    return "onednn"
+
+
+def eager_by_environment() -> bool:
+    """SHOAL_EAGER_DECODE=1 decodes eagerly whatever the engine's options say (read at engine
+    start; `shoal serve` also takes it as --eager-decode). The test suite sets it."""
+    return flag("SHOAL_EAGER_DECODE", False)
+
+
+def graphs_off_reason(*, device_type: str, eager_decode: bool, world_size: int, lora: bool,
+                      moe: bool) -> str | None:
+    """Why this runner decodes eagerly (None: CUDA graphs on a GPU, torch.compile on CPU)."""
+    if device_type not in ("cuda", "cpu"):
+        return f"{device_type} device"
+    if eager_decode:
+        return "--eager-decode"
+    if world_size > 1:
+        return "tp x pp > 1 (not supported yet)"
+    if lora:
+        return "LoRA adapters (per-step adapter slots)"
+    if moe:
+        return "mixture-of-experts layers (data-dependent routing)"
+    return None
+
+
+# --------------------------------------------------------------------------- resolved by rank 0
+
+def device_type(config: EngineConfig) -> str:
+    """Where the engine runs: --device, or cuda when auto finds a GPU."""
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return config.device
+
+
+def attention_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> tuple[str, str | None]:
+    """(backend, flash library), for the ModelSpec every rank shares (the flash library sets
+    the block size). auto picks flash where it runs and says nothing otherwise; an explicit
+    flash that can't run falls back to native with one warning naming why."""
+    if config.attn_backend == "native":
+        return "native", None
+    why = flash_unavailable(config, dtype, head_dim)
+    if why is None:
+        library = flash_attention.installed()
+        if not config.block_size or config.block_size % flash_attention.block_multiple(library) == 0:
+            return "flash", library
+        why = (f"{library} needs a block size that is a multiple of "
+               f"{flash_attention.block_multiple(library)}, not --block-size {config.block_size}")
+    if config.attn_backend == "flash":
+        log.warning("--attn-backend flash can't run here (%s); using native", why)
+    return "native", None
+
+
+def flash_unavailable(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> str | None:
+    if device_type(config) != "cuda":
+        return "it needs a CUDA device"
+    return flash_attention.unavailable_reason("cuda", dtype, head_dim, flash_attention.installed(),
+                                              torch.cuda.get_device_capability(0))

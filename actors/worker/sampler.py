@@ -1,0 +1,143 @@
+"""Rank 0's sampling: every sampling row of a step in one batched pass, and log-probs.
+
+Each scheduled sequence reads its logits through the slice the scheduler gave it
+(ScheduledSeq.logits). The per-row settings (temperature, top-p/k, min-p, penalties, logit
+bias and min_tokens bans, grammar bitmasks, seeded generators) become one SamplingBatch
+(kernels/sampling.py); the chosen tokens are read off the device once per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from actors.core.step import RunnerOutput, ScheduledSeq
+from actors.core.structured import bitmask_width, fill_bitmasks
+from kernels.sampling import SamplingBatch, sample, token_logprobs
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, max_rows: int, eos_ids: frozenset[int], device: torch.device):
+        self.eos_ids, self.device = eos_ids, device
+        # Grammar masks of one step's constrained rows, filled in place (nothing grows per step).
+        self.bitmask = torch.zeros(max_rows, bitmask_width(vocab_size), dtype=torch.int32)
+
+    def __call__(self, seqs: list[ScheduledSeq], logits: torch.Tensor | None) -> RunnerOutput:
+        """Each scheduled sequence's token (and log-probs where asked) from its logits."""
+        n = len(seqs)
+        out = RunnerOutput([None] * n, [None] * n, [None] * n)
+        for i, s in enumerate(seqs):
+            if s.prompt_logprobs:
+                out.prompt_logprobs[i] = self._prompt_logprobs(s, logits[s.logits])
+        sampling = [i for i, s in enumerate(seqs) if s.samples]
+        if not sampling:
+            return out
+        samples = [seqs[i].seq for i in sampling]
+        last = take_rows(logits, [seqs[i].logits.stop - 1 for i in sampling])
+        chosen = sample(last, self._sampling_batch(samples, last.shape[-1]))
+        if any(sq.params.logprobs is not None for sq in samples):
+            k = max((sq.params.logprobs or 0) for sq in samples)
+            lp, top = _logprob_lists(*token_logprobs(last, chosen, k))
+        tokens = chosen.tolist()  # one device read, not one per row (a sync each on a GPU)
+        for row, (i, sq) in enumerate(zip(sampling, samples)):
+            out.tokens[i] = tokens[row]
+            if sq.params.logprobs is not None:
+                out.logprobs[i] = _lp_dict(tokens[row], lp[row], top[row], sq.params.logprobs)
+        return out
+
+    def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list:
+        """Log-probs of the prompt tokens this chunk predicts (position p predicts token p+1)."""
+        seq, k = s.seq, s.seq.params.prompt_logprobs
+        targets = [seq.token_ids[p + 1] for p in range(s.start, s.start + s.num_tokens)
+                   if p + 1 < seq.num_prompt_tokens]
+        if not targets:
+            return []
+        rows = logits[:len(targets)]
+        lp, top = _logprob_lists(*token_logprobs(rows, torch.tensor(targets, device=rows.device), k))
+        return [_lp_dict(t, lp[r], top[r], k) for r, t in enumerate(targets)]
+
+    def _sampling_batch(self, seqs, vocab: int) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        dev = self.device
+        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
+        b = SamplingBatch(temperature=f([p.temperature for p in params]),
+                          all_greedy=all(p.temperature == 0 for p in params))
+        b.generators = [s.generator for s in seqs] if any(s.generator for s in seqs) else None
+        if any(p.top_p < 1 for p in params):
+            b.top_p = f([p.top_p for p in params])
+        if any(p.top_k > 0 for p in params):
+            # (a top_k past the vocabulary keeps every token, and must not overflow int64)
+            b.top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
+        if any(p.min_p > 0 for p in params):
+            b.min_p = f([p.min_p for p in params])
+        self._penalties(b, seqs, vocab)
+        b.bias = self._bias(seqs, vocab)
+        self._grammar_masks(b, seqs)
+        return b
+
+    def _grammar_masks(self, b: SamplingBatch, seqs) -> None:
+        """Allowed-token bitmasks for the rows under a grammar; other rows stay free."""
+        rows = [row for row, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return
+        masks = self.bitmask[:len(seqs)]  # row r for batch row r; free rows are never read
+        fill_bitmasks([seqs[row].matcher for row in rows], masks, rows)
+        b.allowed, b.allowed_rows = masks, rows
+
+    def _penalties(self, b: SamplingBatch, seqs, vocab: int) -> None:
+        params = [s.params for s in seqs]
+        dev = self.device
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            counts = torch.zeros(len(seqs), vocab, device=dev)
+            for row, s in enumerate(seqs):
+                out = s.output_token_ids
+                if out:
+                    counts[row].index_add_(0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))
+            b.output_counts = counts
+            b.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
+            b.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+            for row, s in enumerate(seqs):
+                seen[row, torch.tensor(s.token_ids, device=dev)] = True
+            b.seen = seen
+            b.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
+
+    def _bias(self, seqs, vocab: int) -> torch.Tensor | None:
+        """Logit bias and min_tokens bans, as one additive [B, V] tensor."""
+        rows = [(row, s) for row, s in enumerate(seqs)
+                if s.params.logit_bias or s.num_output_tokens < s.params.min_tokens]
+        if not rows:
+            return None
+        bias = torch.zeros(len(seqs), vocab, device=self.device)
+        for row, s in rows:
+            p = s.params
+            for tok, value in (p.logit_bias or {}).items():
+                if 0 <= int(tok) < vocab:
+                    bias[row, int(tok)] += float(value)
+            # A grammar decides alone when its output ends (banning its only allowed token,
+            # the stop token, would leave nothing to sample).
+            if s.num_output_tokens < p.min_tokens and s.matcher is None:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+                bias[row, [t for t in banned if 0 <= t < vocab]] = float("-inf")
+        return bias
+
+
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] for increasing row indices: x itself when they are all of its rows (a decode
+    step's logits, ~1 MB copied twice a step otherwise)."""
+    return x if len(rows) == len(x) else x[rows]
+
+
+def _logprob_lists(chosen_lp: torch.Tensor, top_ids: torch.Tensor | None, top_lp: torch.Tensor | None):
+    """token_logprobs' tensors as Python lists, read off the device once: [B] floats and, per
+    row, the top-k (id, log-prob) pairs."""
+    lp = chosen_lp.tolist()
+    if top_ids is None:
+        return lp, [()] * len(lp)
+    return lp, [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_lp.tolist())]
+
+
+def _lp_dict(chosen: int, chosen_lp: float, top: list[tuple[int, float]], k: int) -> dict:
+    d = {chosen: chosen_lp}
+    for token, value in top[:k]:
+        d.setdefault(token, value)
+    return d

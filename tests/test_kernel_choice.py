@@ -1,0 +1,55 @@
+"""One module picks a rank's kernels at start (actors/worker/kernel_choice.py) and says so in
+one line; the linear path it picks holds whatever the decode mode, adapters or MoE."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from actors.engine.llm import LLM
+from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from actors.sampling_params import SamplingParams
+from actors.worker.kernel_choice import KernelChoice, linear_kernel
+from kernels import linear, native
+
+
+def kernel_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "kernels: " in r.getMessage()]
+
+
+def test_one_line_names_every_choice(checkpoint_factory, caplog):
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        llm = LLM(str(checkpoint_factory("llama")), num_kv_blocks=16, eager_decode=True)
+    choice = llm.engine.executor.runner.kernels
+    assert kernel_lines(caplog) == [f"rank 0 {choice.describe()}"]
+    isa = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "portable")
+    assert choice.attention == (f"cpp-{isa}" if native.paged_decode_attention_op() else "torch")
+    assert choice.linear == linear_kernel(torch.float32, torch.device("cpu"))
+    assert (choice.decode, choice.decode_off) == ("eager", "--eager-decode")
+    assert choice.describe().endswith("decode eager (--eager-decode)")
+
+
+def test_the_rules_for_linear_and_decode():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert linear_kernel(torch.float32, cuda) == "torch"  # cuBLAS
+    want = "torch" if not linear.supported(torch.float32) else \
+        "panel" if native.panel_linear_op() is not None else "onednn"
+    assert linear_kernel(torch.float32, cpu) == want
+    assert linear_kernel(torch.float16, cpu) == ("onednn" if linear.supported(torch.float16) else "torch")
+    assert KernelChoice("torch", "onednn", "compiled").packs_weights
+    assert not KernelChoice("torch", "torch", "cuda-graphs").packs_weights
+
+
+def test_eager_decode_and_lora_keep_the_packed_linear_path(checkpoint_factory, adapters):
+    """The panel kernel / oneDNN's packed weights used to come only with compiled decode: an
+    eager engine, an engine with adapters (eager by rule) ran every linear unpacked."""
+    base, paths = adapters("llama")
+    for options in ({"eager_decode": True}, {"lora_modules": [f"a={paths['a']}"]}):
+        llm = LLM(str(base), num_kv_blocks=16, **options)
+        runner = llm.engine.executor.runner
+        assert runner.kernels.decode == "eager"
+        weights = [m.weight for m in runner.model.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+        assert all((linear._packed(w) is not None) == runner.kernels.packs_weights for w in weights)
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
