@@ -1,7 +1,10 @@
 """The package layout keeps its dependency rules (read from the source with `ast`, nothing is
-imported): app -> actors -> kernels; inside app, protocol <- api <- config <- serving <- cli,
-no import cycle between modules (function-level imports included), and the demo-model
-training code (app.demo, not installed) imported by nothing else."""
+imported): app -> actors -> kernels; inside app, protocol <- api <- config <- serving <- cli;
+inside actors, folders by role that import only downwards (host -> engine -> executor ->
+worker -> models -> distributed, core beside them, the shared types at the bottom), with Ray
+in executor and host alone; no import cycle between modules (function-level imports
+included), and the demo-model training code (app.demo, not installed) imported by nothing
+else."""
 from __future__ import annotations
 
 import ast
@@ -19,6 +22,22 @@ ALLOWED = {
 }
 
 
+# What each part of actors/ may import from the others. "actors" is the top-level modules that
+# every part shares: the config, the request and output types, errors, logging.
+ACTORS_ALLOWED = {
+    "actors": set(),
+    "actors.core": {"actors"},
+    "actors.distributed": {"actors"},
+    "actors.models": {"actors", "actors.distributed"},
+    "actors.worker": {"actors", "actors.core", "actors.distributed", "actors.models"},
+    "actors.executor": {"actors", "actors.core", "actors.distributed", "actors.worker"},
+    "actors.engine": {"actors", "actors.core", "actors.executor", "actors.worker", "actors.models"},
+    "actors.host": {"actors", "actors.core", "actors.engine", "actors.executor"},
+}
+SHARED = {"config", "errors", "logs", "outputs", "request", "sampling_params"}
+RAY_PARTS = {"actors.executor", "actors.host"}
+
+
 def module_name(path: Path) -> str:
     name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
     return name.removesuffix(".__init__")
@@ -34,8 +53,8 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-def app_graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in (ROOT / "app").rglob("*.py")}
+def app_graph(root: str = "app") -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in (ROOT / root).rglob("*.py")}
 
     def owner(name: str) -> str | None:  # app.cli.main.build_parser -> app.cli.main
         while name and name not in modules:
@@ -47,6 +66,12 @@ def app_graph() -> dict[str, set[str]]:
 
 def part(module: str) -> str:
     return ".".join(module.split(".")[:2])
+
+
+def actors_part(module: str) -> str:
+    """actors.core.scheduler -> actors.core; the shared top-level modules -> actors."""
+    parts = module.split(".")
+    return "actors" if len(parts) <= 2 and (len(parts) == 1 or parts[1] in SHARED) else ".".join(parts[:2])
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -96,3 +121,27 @@ def test_actors_and_kernels_never_import_app():
         for path in (ROOT / layer).rglob("*.py"):
             bad = {n for n in imports(path) if n.split(".")[0] in below}
             assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_actors_is_folders_by_role():
+    found = {p.name for p in (ROOT / "actors").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert found == {name.split(".")[1] for name in ACTORS_ALLOWED if "." in name}
+    modules = {p.stem for p in (ROOT / "actors").glob("*.py")} - {"__init__"}
+    assert modules == SHARED
+
+
+def test_no_import_cycle_in_actors():
+    assert cycles(app_graph("actors")) == []
+
+
+def test_actors_parts_import_only_downwards():
+    wrong = [f"{m} imports {d}" for m, deps in app_graph("actors").items() for d in deps
+             if actors_part(d) != actors_part(m) and actors_part(d) not in ACTORS_ALLOWED[actors_part(m)]]
+    assert wrong == []
+
+
+def test_only_the_executor_and_the_host_import_ray():
+    for path in (ROOT / "actors").rglob("*.py"):
+        if actors_part(module_name(path)) in RAY_PARTS:
+            continue
+        assert not {n for n in imports(path) if n.split(".")[0] == "ray"}, f"{path.relative_to(ROOT)} imports Ray"

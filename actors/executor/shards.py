@@ -24,7 +24,7 @@ from actors.distributed.pipeline import worker_loop
 from actors.executor.placement import check_fits, default_strategy, rank_bundle, rank_runtime_env
 from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import build_on_own_thread, freeze_startup_heap, use_threads
-from actors.worker.progress import progress_bar
+from actors.worker.progress import draw_bars_with, progress_bar
 
 log = logging.getLogger("shoal.shards")
 
@@ -35,6 +35,7 @@ class ShardActor:
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, rank: int, num_blocks: int):
         from actors.worker.model_runner import ModelRunner
+        use_ray_progress_bars()
         start = time.perf_counter()
         self.threads = max(1, int(config.shard_cpus))
         # Built on a thread that then ends, so `run`'s thread is the one that keeps OpenMP workers.
@@ -59,6 +60,12 @@ class ShardActor:
         use_threads(self.threads)  # a threaded actor: this call's thread is not __init__'s
         experts = self.runner.experts
         worker_loop(self.runner.p, self.runner.forward, experts.rebalance if experts else None)
+
+
+def use_ray_progress_bars() -> None:
+    """This process is a Ray actor: its progress bars are drawn by the driver."""
+    from ray.experimental.tqdm_ray import tqdm as ray_tqdm
+    draw_bars_with(ray_tqdm)
 
 
 def rank_info(rank: int, device: torch.device) -> dict:

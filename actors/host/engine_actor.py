@@ -28,6 +28,7 @@ from actors.config import EngineConfig
 from actors.engine.async_engine import AsyncEngine
 from actors.engine.metrics import DecodeProgress, Replica
 from actors.executor.placement import rank_runtime_env
+from actors.executor.shards import use_ray_progress_bars
 from actors.host.link import LinkServer
 from actors.host.ray_metrics import start_ray_export
 from actors.logs import setup_logging
@@ -94,6 +95,7 @@ class SchedulerActor:
         """placement: (placement group, bundle of shard rank 1), or None for the engine's own.
         replica: the Serve replica's id, rank and model name (metric labels, progress line)."""
         setup_logging(log_level)
+        use_ray_progress_bars()
         threads = torch_threads(config)
         torch.set_num_threads(threads)
         self.engine = AsyncEngine(config, placement)
