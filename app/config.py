@@ -251,9 +251,10 @@ def shards_per_replica(config: ShoalConfig) -> int:
 
 
 def _check_layout(config: ShoalConfig) -> None:
+    """How the replicas are laid out (the engine's own layout was checked by EngineConfig.validate)."""
     e, d = config.engine, config.deploy
-    if e.tp_size < 1 or e.pp_size < 1 or (d.world_size is not None and d.world_size < 1):
-        raise ConfigError("--tp-size, --pp-size and --world-size must be positive")
+    if d.world_size is not None and d.world_size < 1:
+        raise ConfigError("--world-size must be positive")
     if d.routing not in ("load", "prefix-aware"):
         raise ConfigError(f"--routing must be load or prefix-aware, got {d.routing!r}")
     if d.serve_layout not in (None, "merged", "split"):
@@ -288,8 +289,8 @@ def _check_replicas(config: ShoalConfig) -> None:
 
 def _check_resources(config: ShoalConfig) -> None:
     d = config.deploy
-    if d.replica_cpus <= 0 or config.engine.shard_cpus <= 0 or d.ingress_cpus <= 0:
-        raise ConfigError("--replica-cpus, --shard-cpus and --ingress-cpus must be positive")
+    if d.replica_cpus <= 0 or d.ingress_cpus <= 0:
+        raise ConfigError("--replica-cpus and --ingress-cpus must be positive")
     if not 0 < d.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {d.port}")
     if d.ingress_replicas < 1:

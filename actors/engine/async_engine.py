@@ -58,19 +58,9 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     # ---- caller side (any thread with an event loop) --------------------------------------
-    # ---- LoRA adapters: the registry is thread-safe; checking files runs off the event loop
     @property
     def lora_enabled(self) -> bool:
         return self.engine.loras is not None
-
-    async def load_lora(self, name: str, path: str) -> None:
-        await asyncio.to_thread(self.engine.add_lora, name, path)
-
-    def unload_lora(self, name: str) -> None:
-        self.engine.remove_lora(name)
-
-    def list_loras(self) -> list[dict]:
-        return [{"name": r.name, "path": r.path} for r in self.engine.list_loras()]
 
     async def generate(self, request: EngineRequest):
         """Yield the request's outputs until it finishes. Closing the generator aborts it."""

@@ -26,6 +26,7 @@ import torch
 
 from actors.config import EngineConfig
 from actors.engine.async_engine import AsyncEngine
+from actors.engine.lora_calls import AdapterCalls
 from actors.engine.metrics import DecodeProgress, Replica
 from actors.executor.placement import rank_runtime_env
 from actors.executor.shards import use_ray_progress_bars
@@ -86,7 +87,7 @@ def torch_threads(config: EngineConfig) -> int:
     return max(1, int(round(cpus)))
 
 
-class SchedulerActor:
+class SchedulerActor(AdapterCalls):
     """Hosts the AsyncEngine. Made a Ray actor by `scheduler_actor_class()`."""
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO",
@@ -134,15 +135,6 @@ class SchedulerActor:
 
     def lora_enabled(self) -> bool:
         return self.engine.lora_enabled
-
-    async def load_lora(self, name: str, path: str) -> None:
-        await self.engine.load_lora(name, path)
-
-    def unload_lora(self, name: str) -> None:
-        self.engine.unload_lora(name)
-
-    def list_loras(self) -> list[dict]:
-        return self.engine.list_loras()
 
     def stats(self) -> dict:
         return {**self.engine.stats(), "pid": os.getpid()}

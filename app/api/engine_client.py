@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Protocol
 
 from actors.config import EngineConfig
+from actors.engine.lora_calls import AdapterCalls
 from actors.outputs import RequestOutput
 from actors.request import EngineRequest
 
@@ -42,7 +43,7 @@ class EngineClient(Protocol):
     async def ready(self) -> bool: ...
 
 
-class LocalEngineClient:
+class LocalEngineClient(AdapterCalls):
     """An AsyncEngine in this process."""
 
     def __init__(self, config: EngineConfig):
@@ -54,15 +55,6 @@ class LocalEngineClient:
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(request)
-
-    async def load_lora(self, name: str, path: str) -> None:
-        await self.engine.load_lora(name, path)
-
-    async def unload_lora(self, name: str) -> None:
-        self.engine.unload_lora(name)
-
-    async def list_loras(self) -> list[dict]:
-        return self.engine.list_loras()
 
     async def stats(self) -> dict:
         return {"replicas": [self.engine.stats()]}
