@@ -10,11 +10,11 @@ import json
 import re
 
 import pytest
-
-from actors.llm import LLM
-from actors.loader import BUNDLED_MODEL
-from actors.sampling_params import SamplingParams
 from oracle import hf_greedy, hf_model
+
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams
+from actors.worker.loader import BUNDLED_MODEL
 
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "model.safetensors").exists(),
                                 reason="the bundled demo model is not built (make demo-model)")

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from bench.soak import soak
 from oracle import hf_greedy
 from serving import (
     alive, check_sigterm_drain, descendants, free_port, kill_mid_stream, loopback_env, stream_errors,
     wait_answered, wait_process_ready,
 )
-
-from bench.soak import soak
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +77,7 @@ def test_the_replica_answers_http_without_serves_proxy(server):
 def test_the_engine_runs_at_the_servers_priority(server):
     """Not at Ray's default nice 15 for workers (app/cli/serve.py: ray_settings_for_serving)."""
     _, proc, _ = server
-    (scheduler,) = [pid for pid, name in processes(proc.pid).items() if "SchedulerActor" in name]
+    (scheduler,) = [pid for pid, name in processes(proc.pid).items() if "EngineActor" in name]
     nice = lambda pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])  # noqa: E731
     assert nice(scheduler) == nice(proc.pid)
 
@@ -106,7 +105,7 @@ def test_a_killed_replica_s_requests_wait_for_the_next_one(server, llama_ckpt):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 8)
     assert not alive(victim)
-    schedulers = [n for n in processes(proc.pid).values() if "SchedulerActor" in n]
+    schedulers = [n for n in processes(proc.pid).values() if "EngineActor" in n]
     assert len(schedulers) == 1, schedulers  # the dead replica's engine went with it
     print(f"killed replica: first answer {answered:.1f} s after the kill")
 
@@ -116,7 +115,7 @@ def test_a_killed_engine_ends_its_stream_at_once_then_a_new_replica_answers(serv
     stream ends with an engine_dead error event at once; Serve's health check then replaces
     the replica, and the port answers again without an operator."""
     url, proc, log = server
-    (victim,) = [pid for pid, name in processes(proc.pid).items() if "SchedulerActor" in name]
+    (victim,) = [pid for pid, name in processes(proc.pid).items() if "EngineActor" in name]
     rest, killed, detected = kill_mid_stream(url, victim, list(range(5, 15)))
     errors = stream_errors(rest)
     assert errors and errors[0]["code"] == "engine_dead", rest[-3:]

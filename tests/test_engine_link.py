@@ -16,7 +16,7 @@ from test_engine import prompts_of  # noqa: E402
 
 from actors.config import EngineConfig  # noqa: E402
 from actors.errors import EngineDeadError  # noqa: E402
-from actors.host.engine_actor import scheduler_actor_class  # noqa: E402
+from actors.host.engine_actor import engine_actor_class  # noqa: E402
 from actors.host.link import SocketLink  # noqa: E402
 from actors.request import EngineRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def scheduler(llama_ckpt):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    actor = scheduler_actor_class({"CPU": 1}).remote(
+    actor = engine_actor_class({"CPU": 1}).remote(
         EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32, num_threads=1))
     yield actor
     ray.shutdown()

@@ -1,4 +1,4 @@
-"""The scheduler actor: one model instance's engine loop in its own Ray process.
+"""The engine actor: one model instance's engine loop in its own Ray process.
 
 It holds rank 0's shard (its weights and KV cache) in this process, as SGLang's rank-0
 scheduler does, so tp = pp = 1 costs no inter-process hop per step. For larger layouts the
@@ -87,8 +87,8 @@ def torch_threads(config: EngineConfig) -> int:
     return max(1, int(round(cpus)))
 
 
-class SchedulerActor(AdapterCalls):
-    """Hosts the AsyncEngine. Made a Ray actor by `scheduler_actor_class()`."""
+class EngineActor(AdapterCalls):
+    """Hosts the AsyncEngine. Made a Ray actor by `engine_actor_class()`."""
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO",
                  progress_interval_s: float = 0.0, placement: tuple | None = None,
@@ -173,8 +173,8 @@ class SchedulerActor(AdapterCalls):
             log.info(progress.line())
 
 
-def scheduler_actor_class(bundle: dict):
+def engine_actor_class(bundle: dict):
     """The Ray actor class, claiming rank 0's bundle (its CPUs and its GPU, if any). Async (an
     event loop per actor), so many requests stream at once."""
     return ray.remote(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                      max_concurrency=10_000, runtime_env=rank_runtime_env())(SchedulerActor)
+                      max_concurrency=10_000, runtime_env=rank_runtime_env())(EngineActor)

@@ -22,7 +22,7 @@ from actors.config import EngineConfig
 from actors.engine.metrics import Replica
 from actors.errors import EngineDeadError, QueueFullError, RequestFailedError, ShuttingDownError
 from actors.executor.placement import rank_bundle
-from actors.host.engine_actor import scheduler_actor_class
+from actors.host.engine_actor import engine_actor_class
 from actors.host.link import SocketLink
 from actors.outputs import Pending
 from actors.request import EngineRequest
@@ -72,7 +72,7 @@ class ReplicaEngine:
         self.replica = ctx.replica_id.unique_id
         pg = ray.util.get_current_placement_group()  # None only outside Serve's placement
         strategy = PlacementGroupSchedulingStrategy(pg, SCHEDULER_BUNDLE) if pg else None
-        actor = scheduler_actor_class(rank_bundle(engine_config)).options(
+        actor = engine_actor_class(rank_bundle(engine_config)).options(
             name=scheduler_name_prefix(ctx.app_name) + self.replica,
             namespace=SCHEDULER_NAMESPACE, scheduling_strategy=strategy)
         placement = (pg, FIRST_SHARD_BUNDLE) if pg else None

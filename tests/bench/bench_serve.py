@@ -173,7 +173,7 @@ async def alternate(sides: dict, prompts: list, concurrency: int, rounds: int) -
 
 
 # What each of our Ray processes does (by process title); raylet and GCS by program name.
-PROCESS_KINDS = {"ray::SchedulerActor": "scheduler actor (engine)",
+PROCESS_KINDS = {"ray::EngineActor": "engine actor",
                  "ray::ServeReplica:bench:ModelServer": "ModelServer replica",
                  "ray::ServeReplica:bench:LLMServer": "LLMServer replica",
                  "ray::ServeReplica:bench:Ingress": "ingress replica", "ray::ProxyActor": "HTTP proxy",

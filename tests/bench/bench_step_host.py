@@ -7,7 +7,6 @@ Works on this layout and on the pre-2026-11-27 one (actors.llm), so a run can ti
     (cd OLD_CHECKOUT && python /path/to/bench_step_host.py)
 """
 import argparse
-import os
 import statistics
 import sys
 import time

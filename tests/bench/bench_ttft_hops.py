@@ -62,7 +62,7 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
                   n: int) -> list[tuple[str, float]]:
     from ray import serve
 
-    from actors.host.engine_actor import scheduler_actor_class
+    from actors.host.engine_actor import engine_actor_class
     from actors.host.link import SocketLink
     from app.serving.replica import RoutedRequest
 
@@ -70,7 +70,7 @@ async def measure(options: dict, url: str, split_url: str, direct_url: str,
     params = SamplingParams(max_tokens=1, temperature=0)
     # Two scheduler actors of the benchmark's own, one per way in: a new output stream takes
     # the actor's outputs from the last (a replica's would lose its own).
-    scheduler, linked = (scheduler_actor_class({"CPU": 0}).remote(EngineConfig(**options))
+    scheduler, linked = (engine_actor_class({"CPU": 0}).remote(EngineConfig(**options))
                          for _ in range(2))
     _, address = await linked.link_address.remote()
     link = await SocketLink.open(address)
