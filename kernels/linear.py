@@ -70,10 +70,16 @@ def prepack(weights: list[torch.Tensor], rows: int) -> int:
                 _PANEL_OP, packed = op, pack_panels(w.detach())
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-            _PACKED[w.data_ptr()] = (w._version, packed)
+            _PACKED[w.data_ptr()] = (_version(w), packed)
             weakref.finalize(w, _PACKED.pop, w.data_ptr(), None)
             kept += packed.numel() * packed.element_size()
     return kept
+
+
+def _version(w: torch.Tensor) -> int:
+    """The weight's in-place change count; an inference tensor (made under inference_mode)
+    keeps none, and nothing changes a model's weights in place there."""
+    return -1 if w.is_inference() else w._version
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
@@ -88,7 +94,7 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 def _packed(weight: torch.Tensor) -> torch.Tensor | None:
     version, packed = _PACKED.get(weight.data_ptr(), (None, None))
-    return packed if packed is not None and version == weight._version else None  # not changed in place
+    return packed if packed is not None and version == _version(weight) else None  # not changed in place
 
 
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

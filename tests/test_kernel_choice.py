@@ -53,3 +53,15 @@ def test_eager_decode_and_lora_keep_the_packed_linear_path(checkpoint_factory, a
         assert all((linear._packed(w) is not None) == runner.kernels.packs_weights for w in weights)
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_an_engine_built_under_inference_mode_packs_its_weights(checkpoint_factory):
+    """Weights made under torch.inference_mode() keep no version counter; packing them must not
+    need one (a benchmark built its engine there)."""
+    with torch.inference_mode():
+        llm = LLM(str(checkpoint_factory("llama")), num_kv_blocks=16, eager_decode=True)
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    runner = llm.engine.executor.runner
+    if runner.kernels.packs_weights:
+        assert linear._packed(runner.model.model.layers[0].mlp.down_proj.weight) is not None
