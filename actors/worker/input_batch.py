@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from actors.core.step import SchedulerOutput
@@ -32,6 +33,12 @@ class PaddedDecode:
     slots: torch.Tensor  # [size]
     context_lens: torch.Tensor  # [size] int32
     block_tables: torch.Tensor  # [size, width]
+
+
+def ints(values: list[int]) -> torch.Tensor:
+    """A list of ints as an int64 tensor, through numpy: torch.tensor() converts element by
+    element (~40 us for 128 ints on the 2-core Zen 3, against ~9)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 class InputBatch:
@@ -55,7 +62,7 @@ class InputBatch:
             if row is None:
                 row = self.rows[seq_id] = self.free.pop()
             end = first + len(blocks)
-            self.tables[row, first:end] = torch.tensor(blocks)
+            self.tables[row, first:end] = ints(blocks)
             self.lengths[row] = end
 
     def reset(self) -> None:
@@ -66,13 +73,13 @@ class InputBatch:
         """(input ids, positions, attention metadata) of the step's rows, on `device`."""
         rows, bs = output.rows, self.block_size
         lens = [len(r.token_ids) for r in rows]
-        table_rows = torch.tensor([self.rows[r.seq_id] for r in rows])
-        starts = torch.tensor([r.start for r in rows])
-        ids = torch.tensor([t for r in rows for t in r.token_ids])
+        table_rows = ints([self.rows[r.seq_id] for r in rows])
+        starts = ints([r.start for r in rows])
+        ids = ints([t for r in rows for t in r.token_ids])
         if output.num_decodes == len(rows):  # one token a row: no expansion to tokens
             positions, token_rows = starts, table_rows
         else:
-            counts = torch.tensor(lens)
+            counts = ints(lens)
             row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
             first = counts.cumsum(0) - counts  # each row's first token
             positions = starts[row_of] + torch.arange(len(ids)) - first[row_of]
@@ -80,7 +87,7 @@ class InputBatch:
         slots = self.tables[token_rows, positions // bs] * bs + positions % bs
         meta = AttentionMetadata(slot_mapping=slots.to(device), num_decode_tokens=output.num_decodes,
                                  block_size=bs)
-        ends = starts + torch.tensor(lens)
+        ends = starts + ints(lens)
         if flash_ops is not None:
             width = -(-int(ends.max()) // bs)
             meta.flash = flash_attention.build_metadata(lens, ends.tolist(), self.tables[table_rows, :width],
@@ -116,8 +123,8 @@ class InputBatch:
         positions = torch.zeros(size, dtype=torch.long)
         slots = torch.full((size,), self.pad_block * bs, dtype=torch.long)
         if n:
-            tables[:n] = self.tables[torch.tensor([self.rows[r.seq_id] for r in rows]), :width]
-            positions[:n] = torch.tensor([r.start for r in rows])
+            tables[:n] = self.tables[ints([self.rows[r.seq_id] for r in rows]), :width]
+            positions[:n] = ints([r.start for r in rows])
             slots[:n] = tables[torch.arange(n), positions[:n] // bs] * bs + positions[:n] % bs
-        ids = torch.tensor([r.token_ids[0] for r in rows] + [0] * pad)
+        ids = ints([r.token_ids[0] for r in rows] + [0] * pad)
         return PaddedDecode(size, ids, positions, slots, (positions + 1).to(torch.int32), tables)
