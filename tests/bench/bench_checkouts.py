@@ -13,14 +13,14 @@ in its Ray workers too.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from bench_llama_cpp import ROOT, checkpoint, drive, free_port, stop, wait_ready, workload
+from bench_llama_cpp import (
+    ROOT, add_workload_args, alternate, checkpoint, free_port, ratio_table, stop, wait_ready, workload,
+)
 
 
 def start(checkout: Path, hf: Path, args, name: str) -> tuple[subprocess.Popen, str]:
@@ -39,16 +39,7 @@ def start(checkout: Path, hf: Path, args, name: str) -> tuple[subprocess.Popen, 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--before", type=Path, required=True, help="the other checkout (a worktree)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--min-prompt", type=int, default=32)
-    ap.add_argument("--max-prompt", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--stream", action="store_true")
-    ap.add_argument("--shoal-args", default="", help="more `shoal serve` options for both")
-    ap.add_argument("--root", type=Path, default=Path("/tmp/shoal-bench"))
+    add_workload_args(ap)
     args = ap.parse_args()
     args.logs = args.root / "logs"
     args.logs.mkdir(parents=True, exist_ok=True)
@@ -60,24 +51,12 @@ def main() -> None:
         for name, checkout in (("before", args.before.resolve()), ("after", ROOT)):
             servers[name] = start(checkout, hf, args, name)
             wait_ready(servers[name][1], servers[name][0], timeout=600)
-        for _, url in servers.values():  # warm-up at full width
-            asyncio.run(drive(url, prompts[:args.concurrency], args))
-        runs = {name: [] for name in servers}
-        for i in range(args.rounds):
-            for name, (_, url) in servers.items():
-                run = asyncio.run(drive(url, prompts, args))
-                runs[name].append(run)
-                print(f"round {i + 1} {name}: {run['rate']:.0f} tok/s, TTFT p50 {run['ttft_p50'] * 1e3:.0f} ms, "
-                      f"load average {run['load']}", flush=True)
+        runs = alternate(servers, prompts, args)
     finally:
         for proc, _ in servers.values():
             stop(proc)
-    ratios = [a["rate"] / b["rate"] for a, b in zip(runs["after"], runs["before"])]
-    print("\n| round | before tok/s | after tok/s | after / before |")
-    print("| --- | --- | --- | --- |")
-    for i, (b, a, r) in enumerate(zip(runs["before"], runs["after"], ratios)):
-        print(f"| {i + 1} | {b['rate']:.0f} | {a['rate']:.0f} | {r:.3f} |")
-    print(f"\nmedian after / before: {statistics.median(ratios):.3f}")
+    print()
+    print(f"\nmedian after / before: {ratio_table(runs, 'before', 'after'):.3f}")
 
 
 if __name__ == "__main__":

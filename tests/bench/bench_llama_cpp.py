@@ -181,10 +181,8 @@ async def drive(url: str, prompts: list, args) -> dict:
     return {"rate": tokens / wall, "wall": wall, "ttft_p50": ttft[len(ttft) // 2], "load": load}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--llama-server", required=True, help="the llama-server binary")
-    ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp's source (convert_hf_to_gguf.py)")
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The requests, the rounds and the shoal options (shared with bench_checkouts.py)."""
     ap.add_argument("--dtype", choices=sorted(GGUF_TYPES), default="float32")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -193,9 +191,16 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--stream", action="store_true", help="stream both sides (SSE) instead of one body")
-    ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t / -tb")
     ap.add_argument("--shoal-args", default="", help="more `shoal serve` options, e.g. '--num-threads 2'")
     ap.add_argument("--root", type=Path, default=Path("/tmp/shoal-bench"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-server", required=True, help="the llama-server binary")
+    ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp's source (convert_hf_to_gguf.py)")
+    ap.add_argument("--llama-threads", type=int, default=2, help="llama-server -t / -tb")
+    add_workload_args(ap)
     args = ap.parse_args()
     args.logs = args.root / "logs"
     args.logs.mkdir(parents=True, exist_ok=True)
@@ -208,32 +213,45 @@ def main() -> None:
         servers["shoal serve"] = start_shoal(hf, args)
         for proc, url in servers.values():
             wait_ready(url, proc)
-        for proc, url in servers.values():  # warm-up at full width: llama-server's first batch of
-            asyncio.run(drive(url, prompts[:args.concurrency], args))  # 32 was ~30% slower than later ones
-        runs = {name: [] for name in servers}
-        for i in range(args.rounds):
-            for name, (_, url) in servers.items():
-                run = asyncio.run(drive(url, prompts, args))
-                runs[name].append(run)
-                print(f"round {i + 1} {name}: {run['rate']:.0f} tok/s, TTFT p50 {run['ttft_p50'] * 1e3:.0f} ms, "
-                      f"load average {run['load']}", flush=True)
+        runs = alternate(servers, prompts, args)
     finally:
         for proc, _ in servers.values():
             stop(proc)
     report(args, runs)
 
 
+def alternate(servers: dict, prompts: list, args) -> dict[str, list[dict]]:
+    """A warm-up round at full width on each server (llama-server's first batch of 32 was ~30%
+    slower than later ones), then `args.rounds` rounds, the servers taking turns."""
+    for _, url in servers.values():
+        asyncio.run(drive(url, prompts[:args.concurrency], args))
+    runs = {name: [] for name in servers}
+    for i in range(args.rounds):
+        for name, (_, url) in servers.items():
+            run = asyncio.run(drive(url, prompts, args))
+            runs[name].append(run)
+            print(f"round {i + 1} {name}: {run['rate']:.0f} tok/s, TTFT p50 {run['ttft_p50'] * 1e3:.0f} ms, "
+                  f"load average {run['load']}", flush=True)
+    return runs
+
+
 def report(args, runs: dict) -> None:
-    ratios = [s["rate"] / l["rate"] for s, l in zip(runs["shoal serve"], runs["llama-server"])]
     print(f"\n{args.requests} requests at concurrency {args.concurrency}, prompts of {args.min_prompt}-"
           f"{args.max_prompt} tokens, {args.output_len} output tokens (ignore_eos), {args.dtype}, "
           f"{'streamed' if args.stream else 'one body per request'}, {args.rounds} alternating rounds; "
           f"llama-server -t {args.llama_threads}; shoal serve {args.shoal_args or '(defaults)'}\n")
-    print("| round | llama-server tok/s | shoal serve tok/s | shoal / llama-server | load average (1/5/15 min) |")
+    median = ratio_table(runs, "llama-server", "shoal serve")
+    print(f"\nmedian shoal / llama-server: {median:.2f}x (target >= 1.3x)")
+
+
+def ratio_table(runs: dict, baseline: str, measured: str) -> float:
+    """The rounds as a markdown table, `measured` against `baseline`; the median ratio."""
+    ratios = [m["rate"] / b["rate"] for m, b in zip(runs[measured], runs[baseline])]
+    print(f"| round | {baseline} tok/s | {measured} tok/s | {measured} / {baseline} | load average (1/5/15 min) |")
     print("| --- | --- | --- | --- | --- |")
-    for i, (l, s, r) in enumerate(zip(runs["llama-server"], runs["shoal serve"], ratios)):
-        print(f"| {i + 1} | {l['rate']:.0f} | {s['rate']:.0f} | {r:.2f}x | {l['load']} / {s['load']} |")
-    print(f"\nmedian shoal / llama-server: {statistics.median(ratios):.2f}x (target >= 1.3x)")
+    for i, (b, m, r) in enumerate(zip(runs[baseline], runs[measured], ratios)):
+        print(f"| {i + 1} | {b['rate']:.0f} | {m['rate']:.0f} | {r:.3f} | {b['load']} / {m['load']} |")
+    return statistics.median(ratios)
 
 
 if __name__ == "__main__":
