@@ -26,7 +26,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_queued_requests: int | None = 256  # requests waiting to start; over it, new ones get 429. None: no limit
     # Compute
-    attn_backend: str = "auto"  # auto (flash where it can run, else native) | native | flash
+    attn_backend: str = "auto"  # auto (CUDA: flash where it can run, else triton; CPU: native) | native | flash | triton
     # Decode-only steps as CUDA graphs (one per batch-size bucket, padded inputs) or, on CPU,
     # through torch.compile (one dynamic-shape graph: actors/worker/compiled_decode.py).
     eager_decode: bool = False  # True: neither (vLLM's --enforce-eager); so does SHOAL_EAGER_DECODE=1
@@ -105,8 +105,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attn_backend not in ("auto", "native", "flash"):
-            raise ValueError(f"--attn-backend must be auto, native or flash, got {self.attn_backend!r}")
+        if self.attn_backend not in ("auto", "native", "flash", "triton"):
+            raise ValueError(f"--attn-backend must be auto, native, flash or triton, got {self.attn_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -16,7 +16,8 @@ short chunks that continue their sequence (SHORT_CHUNK below), a kernel row per 
 `SHOAL_NATIVE_KERNELS=0` forces the torch path.
 
 With the flash backend (CUDA) the runner sets `meta.flash` and the step goes to
-kernels/flash_attention.py instead, on the same pool.
+kernels/flash_attention.py instead, on the same pool; with the triton backend `meta.triton`,
+and the step goes to kernels/triton_attention.py (one launch for the whole step).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import flash_attention, native
+from kernels import flash_attention, native, triton_attention
 
 
 @dataclass
@@ -39,6 +40,7 @@ class AttentionMetadata:
     prefill_chunks: list[tuple[int, int, int]] | None = None  # (first token row, tokens, first position)
     prefill_block_tables: torch.Tensor | None = None  # [Bp, nb]
     flash: flash_attention.FlashMetadata | None = None  # set: the flash backend runs the step
+    triton: triton_attention.TritonMetadata | None = None  # set: the triton backend runs the step
     # Built by the step's first layer: the short continuation chunks as decode-kernel rows
     short_chunks: "ShortChunks | None" = None
 
@@ -73,6 +75,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ([T, kv_heads, d], this step's) spare the gather for chunks that start their sequence."""
     if meta.flash is not None:
         return flash_attention.paged_attention(q, k_cache, v_cache, meta.flash, scale)
+    if meta.triton is not None:
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale)
     out = q.new_empty(q.shape)
     nd = meta.num_decode_tokens
     if nd:

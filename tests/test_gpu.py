@@ -1,6 +1,7 @@
 """The engine on CUDA: parity with transformers, flash attention, CUDA graphs, memory sizing,
 tensor and expert parallelism over NCCL. Runs only where CUDA is (flash tests also need
-vllm-flash-attn or flash-attn; tensor parallelism two GPUs). Last run: one NVIDIA H200,
+vllm-flash-attn or flash-attn; tensor parallelism two GPUs). The triton backend
+(kernels/triton_attention.py) runs where Triton is, which is every CUDA build of torch. Last run: one NVIDIA H200,
 2026-11-27, without the flash libraries (docs/gpu.md has what ran and what was measured).
 
 Tolerances:
@@ -56,12 +57,13 @@ def chosen_logprobs(out) -> list[float]:
     return [d[t] for t, d in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
 
 
+@pytest.mark.parametrize("backend", ["native", "triton"])
 @pytest.mark.parametrize("eager", [False, True])
-def test_float32_native_matches_transformers(checkpoint_factory, eager):
+def test_float32_native_matches_transformers(checkpoint_factory, eager, backend):
     path = checkpoint_factory("llama")
-    llm = LLM(str(path), device="cuda", dtype="float32", attn_backend="native", eager_decode=eager,
+    llm = LLM(str(path), device="cuda", dtype="float32", attn_backend=backend, eager_decode=eager,
               max_num_batched_tokens=32)
-    assert llm.engine.spec.attn_backend == "native" and llm.engine.executor.runner.device.type == "cuda"
+    assert llm.engine.spec.attn_backend == backend and llm.engine.executor.runner.device.type == "cuda"
     prompts = prompts_of([3, 17, 40, 1, 90])
     outs = llm.generate(prompts, greedy(24, prompt_logprobs=0))
     for ids, out in zip(prompts, outs):
@@ -74,10 +76,10 @@ def test_float32_native_matches_transformers(checkpoint_factory, eager):
 def test_auto_dtype_is_bf16_on_gpu(checkpoint_factory):
     llm = LLM(str(checkpoint_factory("llama")), device="cuda", num_kv_blocks=64)
     assert llm.engine.spec.dtype == torch.bfloat16
-    assert llm.engine.spec.attn_backend == ("flash" if flash_attention.installed() else "native")
+    assert llm.engine.spec.attn_backend == ("flash" if flash_attention.installed() else "triton")
 
 
-@pytest.mark.parametrize("backend", ["native", pytest.param("flash", marks=needs_flash)])
+@pytest.mark.parametrize("backend", ["native", "triton", pytest.param("flash", marks=needs_flash)])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bf16_matches_transformers_bf16(checkpoint_factory, arch, backend):
     """tests/test_bf16.py's yardstick, on CUDA and over prefill, chunked prefill and decode."""
@@ -108,10 +110,10 @@ def test_bf16_matches_transformers_bf16(checkpoint_factory, arch, backend):
     assert checked > 0.2 * positions  # not vacuous: random 600-token prompts give many close calls
     assert agreed == checked
 
-@pytest.mark.parametrize("backend", ["native", pytest.param("flash", marks=needs_flash)])
+@pytest.mark.parametrize("backend", ["native", "triton", pytest.param("flash", marks=needs_flash)])
 def test_cuda_graphs_equal_eager(checkpoint_factory, backend):
     path = checkpoint_factory("llama")
-    dtype = "float32" if backend == "native" else "bfloat16"
+    dtype = "bfloat16" if backend == "flash" else "float32"
     options = dict(device="cuda", dtype=dtype, attn_backend=backend, max_num_seqs=16,
                    cuda_graph_sizes=[1, 2, 4, 8], max_seq_len_to_capture=64)
     graphed, eager = LLM(str(path), **options), LLM(str(path), eager_decode=True, **options)

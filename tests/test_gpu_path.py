@@ -85,7 +85,7 @@ def test_backend_choice_on_a_gpu(fake_gpu, caplog):
     assert resolve(attn_backend="native") == ("native", None)
     assert resolve(block_size=512) == ("flash", "flash_attn")
     assert shoal_warnings(caplog) == []
-    assert resolve(block_size=16) == ("native", None)  # auto: quietly native
+    assert resolve(block_size=16) == ("triton", None)  # auto: quietly the Triton kernel
     assert shoal_warnings(caplog) == []
     assert resolve(attn_backend="flash", block_size=16) == ("native", None)
     assert shoal_warnings(caplog) == ["--attn-backend flash can't run here (flash_attn needs a block "

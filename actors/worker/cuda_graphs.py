@@ -23,6 +23,7 @@ from actors.core.step import SchedulerOutput
 from actors.worker.input_batch import InputBatch, PaddedDecode
 from kernels.attention import AttentionMetadata
 from kernels.flash_attention import FlashMetadata
+from kernels.triton_attention import TritonMetadata
 
 log = logging.getLogger("shoal.runner")
 
@@ -48,15 +49,15 @@ class DecodeGraphs:
     """The captured graphs of one runner and their static buffers."""
 
     def __init__(self, model, sizes: list[int], *, block_size: int, max_seq_len: int,
-                 hidden_size: int, dtype, device, flash_ops=None):
+                 hidden_size: int, dtype, device, flash_ops=None, triton: bool = False):
         self.model, self.sizes, self.block_size = model, sizes, block_size
-        self.max_seq_len, self.flash_ops = max_seq_len, flash_ops
+        self.max_seq_len, self.flash_ops, self.triton = max_seq_len, flash_ops, triton
         self.width = -(-max_seq_len // block_size)
         n = sizes[-1]
         z = lambda *shape, dt=torch.long: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         self.input_ids, self.positions, self.slots = z(n), z(n), z(n)
         self.context_lens = z(n, dt=torch.int32)
-        self.block_tables = z(n, self.width, dt=torch.int32 if flash_ops else torch.long)
+        self.block_tables = z(n, self.width, dt=torch.int32 if flash_ops or triton else torch.long)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.keys = torch.arange(self.width * block_size, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
@@ -96,6 +97,8 @@ class DecodeGraphs:
             cu_k = torch.cat([self.cu_seqlens[:1], ctx.cumsum(0, dtype=torch.int32)])  # in the graph
             meta.flash = FlashMetadata(self.flash_ops, self.block_size, n, self.cu_seqlens[:n + 1], ctx,
                                        cu_k, tables, 1, self.max_seq_len)
+        elif self.triton:
+            meta.triton = TritonMetadata(self.cu_seqlens[:n + 1], ctx, tables, self.block_size)
         else:
             meta.decode_block_tables, meta.decode_context_lens = tables, ctx
             meta.decode_mask = (self.keys[None, :] < ctx[:, None])[:, None, None, :]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from actors.core.step import SchedulerOutput
-from kernels import flash_attention
+from kernels import flash_attention, triton_attention
 from kernels.attention import AttentionMetadata
 
 
@@ -69,8 +69,9 @@ class InputBatch:
         """Forget every row (after start-up's synthetic steps)."""
         self.update(SchedulerOutput([], 0, [], freed=list(self.rows)))
 
-    def prepare(self, output: SchedulerOutput, device: torch.device, flash_ops=None):
-        """(input ids, positions, attention metadata) of the step's rows, on `device`."""
+    def prepare(self, output: SchedulerOutput, device: torch.device, flash_ops=None, triton: bool = False):
+        """(input ids, positions, attention metadata) of the step's rows, on `device`, for the
+        flash backend (`flash_ops`), the triton one, or the native / torch kernels."""
         rows, bs = output.rows, self.block_size
         lens = [len(r.token_ids) for r in rows]
         table_rows = ints([self.rows[r.seq_id] for r in rows])
@@ -88,10 +89,13 @@ class InputBatch:
         meta = AttentionMetadata(slot_mapping=slots.to(device), num_decode_tokens=output.num_decodes,
                                  block_size=bs)
         ends = starts + ints(lens)
-        if flash_ops is not None:
-            width = -(-int(ends.max()) // bs)
-            meta.flash = flash_attention.build_metadata(lens, ends.tolist(), self.tables[table_rows, :width],
-                                                        output.num_decodes, bs, device, flash_ops)
+        if flash_ops is not None or triton:
+            tables = self.tables[table_rows, :-(-int(ends.max()) // bs)]
+            if triton:
+                meta.triton = triton_attention.build_metadata(lens, ends, tables, bs, device)
+            else:
+                meta.flash = flash_attention.build_metadata(lens, ends.tolist(), tables, output.num_decodes,
+                                                            bs, device, flash_ops)
         else:
             self._split_metadata(meta, output, table_rows, starts, ends, device)
         return ids.to(device), positions.to(device), meta

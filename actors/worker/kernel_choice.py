@@ -2,8 +2,10 @@
 line, and the only place that knows the rules.
 
 - attention: flash (flash-attn / vllm-flash-attn, CUDA, where installed and applicable), else
-  shoal's C++ paged kernel on CPU (kernels/csrc/paged_attention.cpp: AVX-512, AVX2 or a
-  portable loop, whichever the CPU has), else plain torch (SDPA over gathered blocks);
+  on CUDA shoal's Triton kernel (kernels/triton_attention.py: one launch per layer over the
+  paged pool); on CPU shoal's C++ paged kernel (kernels/csrc/paged_attention.cpp: AVX-512,
+  AVX2 or a portable loop, whichever the CPU has), else plain torch (SDPA over gathered
+  blocks);
 - linear: on CPU float32 through shoal's panel kernel on AVX-512 CPUs
   (kernels/csrc/panel_linear.cpp), else oneDNN's inner product (float32, or bf16 where the CPU
   has bf16 matmuls), both on weights packed once here, whatever the decode mode or layout;
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
-from kernels import flash_attention, linear, native
+from kernels import flash_attention, linear, native, triton_attention
 from kernels.env import flag
 
 log = logging.getLogger("shoal.runner")
@@ -50,6 +52,8 @@ def choose(config: EngineConfig, spec, device: torch.device, world_size: int, lo
     """This rank's kernels (`spec`: the ModelSpec, whose attention backend rank 0 resolved)."""
     off = graphs_off_reason(device_type=device.type, eager_decode=config.eager_decode or eager_by_environment(),
                             world_size=world_size, lora=lora, moe=spec.args.moe is not None)
+    if off is None and device.type == "cpu" and spec.attn_backend == "triton":
+        off = "Triton interpreted on CPU"  # torch.compile can't trace the interpreter
     decode = "eager" if off else ("cuda-graphs" if device.type == "cuda" else "compiled")
     return KernelChoice(attention_kernel(spec, device), linear_kernel(spec.dtype, device), decode, off)
 
@@ -57,6 +61,8 @@ def choose(config: EngineConfig, spec, device: torch.device, world_size: int, lo
 def attention_kernel(spec, device: torch.device) -> str:
     if spec.attn_backend == "flash":
         return spec.flash_library
+    if spec.attn_backend == "triton":
+        return "triton" + ("-interpreted" if device.type == "cpu" else "")
     if device.type == "cpu" and native.paged_decode_attention_op() is not None:  # builds it now
         return "cpp-" + {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "portable")
     return "torch"
@@ -103,20 +109,41 @@ def device_type(config: EngineConfig) -> str:
 
 def attention_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> tuple[str, str | None]:
     """(backend, flash library), for the ModelSpec every rank shares (the flash library sets
-    the block size). auto picks flash where it runs and says nothing otherwise; an explicit
-    flash that can't run falls back to native with one warning naming why."""
-    if config.attn_backend == "native":
+    the block size). auto picks flash where it runs, else triton on CUDA, else native, and
+    says nothing; an explicit flash or triton that can't run falls back with one warning
+    naming why."""
+    asked = config.attn_backend
+    if asked == "native":
         return "native", None
-    why = flash_unavailable(config, dtype, head_dim)
+    if asked in ("auto", "flash"):
+        why = flash_unavailable(config, dtype, head_dim)
+        if why is None:
+            library = flash_attention.installed()
+            if not config.block_size or config.block_size % flash_attention.block_multiple(library) == 0:
+                return "flash", library
+            why = (f"{library} needs a block size that is a multiple of "
+                   f"{flash_attention.block_multiple(library)}, not --block-size {config.block_size}")
+        if asked == "flash":
+            log.warning("--attn-backend flash can't run here (%s); using native", why)
+            return "native", None
+        if device_type(config) != "cuda":  # on CPU auto means the C++ kernels
+            return "native", None
+    why = triton_unavailable(config)
     if why is None:
-        library = flash_attention.installed()
-        if not config.block_size or config.block_size % flash_attention.block_multiple(library) == 0:
-            return "flash", library
-        why = (f"{library} needs a block size that is a multiple of "
-               f"{flash_attention.block_multiple(library)}, not --block-size {config.block_size}")
-    if config.attn_backend == "flash":
-        log.warning("--attn-backend flash can't run here (%s); using native", why)
+        return "triton", None
+    if asked == "triton":
+        log.warning("--attn-backend triton can't run here (%s); using native", why)
     return "native", None
+
+
+def triton_unavailable(config: EngineConfig) -> str | None:
+    """Why the Triton kernel can't run (one phrase), or None: it needs Triton, and a CUDA
+    device or, for tests on CPU, Triton's interpreter (TRITON_INTERPRET=1)."""
+    if not triton_attention.available():
+        return "Triton is not installed"
+    if device_type(config) != "cuda" and not triton_attention.interpreted():
+        return "it needs a CUDA device (or TRITON_INTERPRET=1 on CPU)"
+    return None
 
 
 def flash_unavailable(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> str | None:

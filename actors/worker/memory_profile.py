@@ -182,4 +182,4 @@ def _inputs(runner, step, rows: int, width: int):
     from actors.worker.input_batch import InputBatch
     batch = InputBatch(rows, width, runner.block_size)
     batch.update(step)
-    return batch.prepare(step, runner.device, runner.flash_ops)
+    return batch.prepare(step, runner.device, runner.flash_ops, runner.triton)

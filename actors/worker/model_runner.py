@@ -82,6 +82,7 @@ class ModelRunner:
                            config.max_num_seqs)
         self.block_size = spec.block_size
         self.flash_ops = flash_attention.load(spec.flash_library) if spec.attn_backend == "flash" else None
+        self.triton = spec.attn_backend == "triton"
         self.graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         self.graphs: DecodeGraphs | CompiledDecode | None = None  # decode-only steps
         self.num_blocks = num_blocks or self._num_kv_blocks(spec.max_model_len)
@@ -143,7 +144,7 @@ class ModelRunner:
             self.model, self.graph_sizes, block_size=self.block_size,
             max_seq_len=min(self.config.max_seq_len_to_capture, self.max_model_len),
             hidden_size=self.args.hidden_size, dtype=self.dtype, device=self.device,
-            flash_ops=self.flash_ops)
+            flash_ops=self.flash_ops, triton=self.triton)
         before = torch.cuda.mem_get_info()[0]
         self.graphs.capture(self.batch)
         log.info("CUDA graphs took %.0f MiB", (before - torch.cuda.mem_get_info()[0]) / 2**20)
@@ -203,7 +204,7 @@ class ModelRunner:
 
     def prepare(self, output: SchedulerOutput):
         """input ids, positions and attention metadata of the step's rows."""
-        return self.batch.prepare(output, self.device, self.flash_ops)
+        return self.batch.prepare(output, self.device, self.flash_ops, self.triton)
 
     def expert_stats(self) -> dict | None:
         return self.experts.stats() if self.experts else None

@@ -76,7 +76,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--scheduling-policy", choices=["fcfs", "priority"])
     add("--max-queued-requests", type=int, metavar="N",
         help="requests that may wait to start, per replica; more get 429 (default 256)")
-    add("--attn-backend", choices=["auto", "native", "flash"],
+    add("--attn-backend", choices=["auto", "native", "flash", "triton"],
         help="attention kernels: flash (vllm-flash-attn or flash-attn on an Ampere+ GPU, 16-bit "
              "dtypes; where it can't run, native with one warning), native (torch; the C++ decode "
              "kernel on CPU), or auto (default: flash where it runs, else native, silently)")

@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_checkpoint, workload  # noqa: E402
-
 import torch  # noqa: E402
+from common import bench_checkpoint, workload  # noqa: E402
 
 try:
     from actors.engine.llm import LLM

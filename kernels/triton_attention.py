@@ -1,0 +1,149 @@
+"""Paged attention in Triton: one launch per layer for a whole mixed step (decodes, prefill
+chunks, chunks that continue a prefix-cache hit), reading K/V in place from the paged pool.
+
+Each program takes one KV head and up to BLOCK_Q query tokens of one sequence, with that KV
+head's query heads packed beside them (BLOCK_M = BLOCK_Q x heads-per-KV-head rows), so a GQA
+group reads each key once. It walks the sequence's keys TILE at a time with an online
+softmax; each key's slot comes from the block table, so any block size works, and nothing is
+gathered or padded. The mask is causal: a query token at position p (its sequence's context
+before the step, plus its index in the chunk) sees keys 0..p.
+
+Which sequence a program serves is found in the kernel (a binary search over the step's
+query offsets, as vLLM's unified attention does), so a step needs no per-program table from
+the host: the metadata is the query offsets, each row's key count and the block tables.
+
+Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors (numpy): that is how the suite
+checks it on machines without a GPU. The kernel is built on first use, so the variable is
+read then, not at import.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TILE = 32  # keys per inner iteration (a power of two, >= 16 for tl.dot)
+
+
+@dataclass
+class TritonMetadata:
+    query_start: torch.Tensor  # [B + 1] int32: each row's first query token in the step
+    seq_lens: torch.Tensor  # [B] int32: each row's keys, this step's included
+    block_tables: torch.Tensor  # [B, width]: each row's blocks
+    block_size: int
+
+
+def build_metadata(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   block_size: int, device) -> TritonMetadata:
+    """Each row's new tokens, keys (this step's included) and block table, on `device`."""
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+    return TritonMetadata(starts.to(device), seq_lens.to(device, torch.int32),
+                          block_tables.to(device, torch.int32), block_size)
+
+
+_kernels: dict[bool, object] = {}  # TRITON_INTERPRET on / off -> the kernel
+
+
+def interpreted() -> bool:
+    """Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1)."""
+    from kernels.env import flag
+    return flag("TRITON_INTERPRET", False)
+
+
+def available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
+def _build():
+    """The jitted kernel (TRITON_INTERPRET is read here: the kernel is built on first use)."""
+    mode = interpreted()
+    if mode not in _kernels:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, scale, num_seqs,
+                      q_stride_t, q_stride_h, kv_stride_s, kv_stride_h, o_stride_t, o_stride_h, table_stride,
+                      QPKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                      TILE: tl.constexpr, PRECISION: tl.constexpr):
+            q_block = tl.program_id(0)
+            kv_head = tl.program_id(1)
+            # The sequence whose query blocks hold q_block: sequence s's start at q_start[s] // BLOCK_Q + s.
+            lo = 0
+            hi = num_seqs
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if tl.load(q_start_ptr + mid) // BLOCK_Q + mid <= q_block:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            seq = lo - 1
+            q_start = tl.load(q_start_ptr + seq)
+            q_len = tl.load(q_start_ptr + seq + 1) - q_start
+            local = q_block - (q_start // BLOCK_Q + seq)
+            if local * BLOCK_Q < q_len:
+                offs_m = tl.arange(0, BLOCK_M)
+                offs_d = tl.arange(0, HEAD_PAD)
+                q_pos = local * BLOCK_Q + offs_m // QPKV  # the row's token, within the chunk
+                head = kv_head * QPKV + offs_m % QPKV
+                row_ok = (q_pos < q_len) & (offs_m < BLOCK_Q * QPKV)
+                d_ok = offs_d < HEAD_DIM
+                q_rows = (q_start + q_pos).to(tl.int64)
+                q = tl.load(q_ptr + q_rows[:, None] * q_stride_t + head[:, None] * q_stride_h + offs_d[None, :],
+                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                seq_len = tl.load(seq_lens_ptr + seq)
+                context = seq_len - q_len
+                sees = context + q_pos  # the last key each row sees
+                keys = context + tl.minimum((local + 1) * BLOCK_Q, q_len)  # keys this block needs
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+                for first in range(0, keys, TILE):
+                    offs_t = first + tl.arange(0, TILE)
+                    t_ok = offs_t < keys
+                    block = tl.load(tables_ptr + seq * table_stride + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
+                    slot = block.to(tl.int64) * BLOCK_SIZE + offs_t % BLOCK_SIZE
+                    k = tl.load(k_ptr + slot[None, :] * kv_stride_s + kv_head * kv_stride_h + offs_d[:, None],
+                                mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+                    v = tl.load(v_ptr + slot[:, None] * kv_stride_s + kv_head * kv_stride_h + offs_d[None, :],
+                                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+                    s = tl.dot(q, k, input_precision=PRECISION) * scale
+                    s = tl.where((offs_t[None, :] <= sees[:, None]) & t_ok[None, :], s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+                    p = tl.exp(s - m_safe[:, None])
+                    alpha = tl.exp(m_i - m_safe)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                    m_i = m_new
+                acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                tl.store(out_ptr + q_rows[:, None] * o_stride_t + head[:, None] * o_stride_h + offs_d[None, :],
+                         acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+        _kernels[mode] = attention
+    return _kernels[mode]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: TritonMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, d] -> [T, heads, d]; this step's K/V already written to the pool
+    ([num_slots, kv_heads, d] per layer)."""
+    tokens, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    qpkv = heads // kv_heads
+    block_m = 16 if qpkv <= 16 else 1 << (qpkv - 1).bit_length()
+    block_q = block_m // qpkv
+    out = torch.empty_like(q)
+    num_seqs = meta.seq_lens.shape[0]
+    grid = (tokens // block_q + num_seqs, kv_heads)
+    _build()[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, scale, num_seqs,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0),
+        QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE,
+        PRECISION="ieee" if q.dtype == torch.float32 else None)  # float32: no TF32 rounding
+    return out

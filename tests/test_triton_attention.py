@@ -1,0 +1,143 @@
+"""The Triton paged-attention kernel (kernels/triton_attention.py), run on CPU by Triton's
+interpreter (TRITON_INTERPRET=1): against the torch path on mixed steps of every shape the
+engine makes (block sizes that are not its tile's, MHA / GQA / MQA and a group of 7, head
+sizes that are not powers of two, ragged contexts, chunks that continue a cached prefix, a
+context ending exactly on a block boundary), and end to end in the engine against
+transformers, eager and through the CUDA-graph path (emulated)."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from oracle import assert_equals_eager_and_hf, hf_greedy
+from test_gpu_path import eager_capture
+
+from actors.config import EngineConfig
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams
+from actors.worker import kernel_choice
+from actors.worker.cuda_graphs import DecodeGraphs
+from actors.worker.input_batch import InputBatch
+from kernels import triton_attention as ta
+from kernels.attention import AttentionMetadata, paged_attention
+
+pytestmark = pytest.mark.skipif(not ta.available(), reason="Triton is not installed")
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def torch_reference(q, k_cache, v_cache, rows, tables, block_size, scale, monkeypatch):
+    """The same step through the torch path (decodes first, then chunks)."""
+    nd = sum(n == 1 for n, _ in rows)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(q), dtype=torch.long), num_decode_tokens=nd,
+                             block_size=block_size)
+    meta.decode_block_tables = tables[:nd]
+    meta.decode_context_lens = torch.tensor([s + n for n, s in rows[:nd]], dtype=torch.int32)
+    chunks, offset = [], nd
+    for n, start in rows[nd:]:
+        chunks.append((offset, n, start))
+        offset += n
+    meta.prefill_chunks, meta.prefill_block_tables = chunks or None, tables[nd:]
+    with monkeypatch.context() as m:
+        m.setenv("SHOAL_NATIVE_KERNELS", "0")
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+# (new tokens, context before the step): decodes first (one short, one long), then chunks
+# that start their sequence and chunks that continue one (a prefix-cache hit, chunked prefill)
+STEPS = {
+    "mixed": [(1, 9), (1, 129), (1, 0), (5, 0), (3, 11), (9, 40)],
+    "block-boundary": [(1, 15), (1, 31), (16, 0), (4, 12)],  # contexts ending on 16 and 32 keys
+}
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (4, 1), (14, 2)], ids=["mha", "gqa4", "mqa", "gqa7"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_kernel_matches_the_torch_path(interpreted, monkeypatch, heads, kv_heads, block_size, step):
+    rows = STEPS[step]
+    d = {1: 16, 4: 80, 16: 64}[block_size]  # 80: a head size the kernel pads to 128
+    rng = random.Random(block_size * heads)
+    torch.manual_seed(block_size + heads)
+    blocks = sum(-(-(s + n) // block_size) for n, s in rows) + 3
+    k_cache = torch.randn(blocks * block_size, kv_heads, d)
+    v_cache = torch.randn(blocks * block_size, kv_heads, d)
+    free = list(range(blocks))
+    rng.shuffle(free)
+    tables_list = [[free.pop() for _ in range(-(-(s + n) // block_size))] for n, s in rows]
+    tables = torch.zeros(len(rows), max(map(len, tables_list)), dtype=torch.long)
+    for i, t in enumerate(tables_list):
+        tables[i, :len(t)] = torch.tensor(t)
+    q = torch.randn(sum(n for n, _ in rows), heads, d)
+    scale = d ** -0.5
+    meta = ta.build_metadata([n for n, _ in rows], torch.tensor([s + n for n, s in rows]), tables,
+                             block_size, "cpu")
+    got = ta.paged_attention(q, k_cache, v_cache, meta, scale)
+    want = torch_reference(q, k_cache, v_cache, rows, tables, block_size, scale, monkeypatch)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+
+
+def test_a_step_through_the_attention_entry_point(interpreted):
+    """kernels.attention.paged_attention hands a step with triton metadata to the kernel."""
+    q, k, v = torch.randn(3, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    meta = ta.build_metadata([1, 2], torch.tensor([5, 2]), torch.tensor([[0, 1], [1, 0]]), 4, "cpu")
+    out = paged_attention(q, k, v, AttentionMetadata(torch.zeros(3, dtype=torch.long), 1, 4, triton=meta), 0.25)
+    torch.testing.assert_close(out, ta.paged_attention(q, k, v, meta, 0.25))
+
+
+def test_engine_with_triton_attention_matches_transformers(interpreted, checkpoint_factory, caplog, monkeypatch):
+    """Chunked prefill, decodes and a prefix-cache hit through the metadata the runner builds.
+    (Without the suite's SHOAL_EAGER_DECODE: the interpreter itself keeps decode eager.)"""
+    monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)
+    path = checkpoint_factory("qwen3")
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        llm = LLM(str(path), attn_backend="triton", block_size=4, num_kv_blocks=96, max_num_batched_tokens=16)
+    assert llm.engine.spec.attn_backend == "triton"
+    assert "attention triton-interpreted" in caplog.text and "decode eager (Triton interpreted on CPU)" in caplog.text
+    shared = [random.Random(3).randrange(500) for _ in range(12)]
+    prompts = [[7, 1, 2], list(range(40, 60)), shared + [1, 2], shared + [5]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 16)
+    assert llm.engine.scheduler.hit_tokens > 0
+
+
+def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_factory):
+    """The CUDA-graph path's static buffers feed the kernel (graphs emulated on CPU)."""
+    path = checkpoint_factory("llama")
+    options = dict(attn_backend="triton", block_size=4, num_kv_blocks=128, max_num_seqs=8)
+    prompts = [[3, 1, 4], list(range(9)), list(range(100, 130))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    eager, graphed = LLM(str(path), **options), LLM(str(path), **options)
+    r = graphed.engine.executor.runner
+    r.bind_kv_cache(r.num_blocks + 1)  # the spare block the padding rows use
+    r.batch = InputBatch(r.config.max_num_seqs, r.batch.tables.shape[1], r.block_size, pad_block=r.num_blocks)
+    r.graphs = DecodeGraphs(r.model, [1, 2, 4, 8], block_size=r.block_size, max_seq_len=40,
+                            hidden_size=r.args.hidden_size, dtype=r.dtype, device=r.device, triton=True)
+    r.graphs.capture(r.batch, eager_capture)
+    want, got = eager.generate(prompts, params), graphed.generate(prompts, params)
+    assert r.graphs.replays > 0
+    assert_equals_eager_and_hf(path, prompts, got, want, 12)
+
+
+def test_backend_choice(monkeypatch, caplog):
+    def resolve(**options):
+        return kernel_choice.attention_backend(EngineConfig(**options), torch.bfloat16, 64)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve() == ("native", None)  # on CPU auto is the C++ kernels, interpreter or not
+    assert resolve(attn_backend="triton") == ("triton", None)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with caplog.at_level(logging.WARNING):
+        assert resolve(attn_backend="triton") == ("native", None)
+    assert "--attn-backend triton can't run here (it needs a CUDA device" in caplog.text
+    monkeypatch.setattr(kernel_choice, "device_type", lambda config: "cuda")  # a GPU without flash
+    monkeypatch.setattr(kernel_choice.flash_attention, "installed", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert resolve() == ("triton", None)
+    assert resolve(attn_backend="native") == ("native", None)
