@@ -13,8 +13,9 @@ query offsets, as vLLM's unified attention does), so a step needs no per-program
 the host: the metadata is the query offsets, each row's key count and the block tables.
 
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors (numpy): that is how the suite
-checks it on machines without a GPU. The kernel is built on first use, so the variable is
-read then, not at import.
+checks it on machines without a GPU. Triton fixes interpreted or compiled at its own import
+(its standard library is jitted then), so the variable must be set before the process imports
+Triton: the suite's conftest sets it first thing on machines without CUDA.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def build_metadata(query_lens: list[int], seq_lens: torch.Tensor, block_tables: 
                           block_tables.to(device, torch.int32), block_size)
 
 
-_kernels: dict[bool, object] = {}  # TRITON_INTERPRET on / off -> the kernel
+_kernel = None  # built on first use
 
 
 def interpreted() -> bool:
@@ -57,11 +58,16 @@ def available() -> bool:
 
 
 def _build():
-    """The jitted kernel (TRITON_INTERPRET is read here: the kernel is built on first use)."""
-    mode = interpreted()
-    if mode not in _kernels:
+    """The jitted kernel, built on first use."""
+    global _kernel
+    if _kernel is None:
         import triton
         import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if interpreted() != isinstance(tl.standard.zeros, InterpretedFunction):
+            raise RuntimeError("TRITON_INTERPRET was changed after Triton was imported; Triton reads it at "
+                               "import, so set it before the process starts")
 
         @triton.jit
         def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, scale, num_seqs,
@@ -123,8 +129,8 @@ def _build():
                 tl.store(out_ptr + q_rows[:, None] * o_stride_t + head[:, None] * o_stride_h + offs_d[None, :],
                          acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
-        _kernels[mode] = attention
-    return _kernels[mode]
+        _kernel = attention
+    return _kernel
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

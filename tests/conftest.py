@@ -21,6 +21,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(2)  # the machine has 2 cores; be explicit rather than rely on defaults
+# Without CUDA, Triton kernels run through Triton's interpreter (tests/test_triton_attention.py).
+# Triton reads the variable once, at its import, which must come after this line.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Let tests in sub-folders `import checkpoints` / `import oracle`.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
