@@ -18,6 +18,10 @@ short chunks that continue their sequence (SHORT_CHUNK below), a kernel row per 
 With the flash backend (CUDA) the runner sets `meta.flash` and the step goes to
 kernels/flash_attention.py instead, on the same pool; with the triton backend `meta.triton`,
 and the step goes to kernels/triton_attention.py (one launch for the whole step).
+
+Every backend takes a layer's sliding window (a query at position p sees keys p - window < j
+<= p: Mistral, Gemma's local layers) and its score soft-capping (softcap * tanh(s / softcap):
+Gemma 2), since both differ from layer to layer.
 """
 from __future__ import annotations
 
@@ -70,30 +74,33 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+                    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q: [T, heads, d] -> [T, heads, d]. K/V of this step must already be written; k/v
     ([T, kv_heads, d], this step's) spare the gather for chunks that start their sequence."""
     if meta.flash is not None:
-        return flash_attention.paged_attention(q, k_cache, v_cache, meta.flash, scale)
+        return flash_attention.paged_attention(q, k_cache, v_cache, meta.flash, scale, window, softcap)
     if meta.triton is not None:
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale)
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale, window, softcap)
     out = q.new_empty(q.shape)
     nd = meta.num_decode_tokens
+    native_extra = (window or 0, softcap or 0.0)
     if nd:
         op = _native_decode_op(q, k_cache, meta)
         if op is not None:
             op(out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables,
-               meta.decode_context_lens, meta.block_size, scale)
+               meta.decode_context_lens, meta.block_size, scale, *native_extra)
         else:
             out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_block_tables,
-                               meta.block_size, _decode_mask(meta), scale).squeeze(1)
+                               meta.block_size, _decode_mask(meta, window), scale, softcap).squeeze(1)
     chunks = meta.prefill_chunks or []
     todo = range(len(chunks))
     op = _native_decode_op(q, k_cache, meta, prefill=True) if chunks else None
     if op is not None:
         if meta.short_chunks is None:
             meta.short_chunks = _short_chunks(meta)
-        _attend_short_chunks(op, q, out, k_cache, v_cache, meta.short_chunks, meta.block_size, scale)
+        _attend_short_chunks(op, q, out, k_cache, v_cache, meta.short_chunks, meta.block_size, scale,
+                             native_extra)
         todo = meta.short_chunks.rest
     for i in todo:
         row, n, start = chunks[i]
@@ -104,7 +111,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             table = meta.prefill_block_tables[i:i + 1, :nb]
             ki = gather_blocks(k_cache, table, meta.block_size)[0, :start + n]
             vi = gather_blocks(v_cache, table, meta.block_size)[0, :start + n]
-        out[row:row + n] = _causal(q[row:row + n], ki, vi, start, scale)
+        out[row:row + n] = _causal(q[row:row + n], ki, vi, start, scale, window, softcap)
     return out
 
 
@@ -125,37 +132,56 @@ def _short_chunks(meta: AttentionMetadata) -> ShortChunks:
                        torch.tensor(lens, dtype=torch.int32, device=tables.device), rest)
 
 
-def _attend_short_chunks(op, q, out, k_cache, v_cache, short: ShortChunks, block_size: int, scale: float) -> None:
+def _attend_short_chunks(op, q, out, k_cache, v_cache, short: ShortChunks, block_size: int, scale: float,
+                         extra: tuple) -> None:
     """The short chunks' tokens through the decode kernel, into their rows of out."""
     if not short.context_lens.numel():
         return
     if isinstance(short.rows, slice):  # the kernel writes straight into out's rows
         op(out[short.rows], q[short.rows], k_cache, v_cache, short.block_tables, short.context_lens,
-           block_size, scale)
+           block_size, scale, *extra)
         return
     o = q.new_empty((short.context_lens.numel(), *q.shape[1:]))
-    op(o, q[short.rows], k_cache, v_cache, short.block_tables, short.context_lens, block_size, scale)
+    op(o, q[short.rows], k_cache, v_cache, short.block_tables, short.context_lens, block_size, scale, *extra)
     out.index_copy_(0, short.rows, o)
 
 
-def _decode_mask(meta: AttentionMetadata) -> torch.Tensor:
-    if meta.decode_mask is not None:
-        return meta.decode_mask
-    keys = torch.arange(meta.decode_block_tables.shape[1] * meta.block_size, device=meta.decode_context_lens.device)
-    return (keys[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+    lens = meta.decode_context_lens
+    keys = torch.arange(meta.decode_block_tables.shape[1] * meta.block_size, device=lens.device)
+    mask = meta.decode_mask if meta.decode_mask is not None else (keys[None, :] < lens[:, None])[:, None, None, :]
+    if window:  # a row's query sits at position len - 1
+        mask = mask & (keys[None, :] >= lens[:, None] - window)[:, None, None, :]
+    return mask
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One chunk: q [n, h, d] at positions start.. over keys k/v [start + n, kvh, d] -> [n, h, d]."""
     n = q.shape[0]
     q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, h, L, d]
-    gqa = k.shape[1] != q.shape[1]  # SDPA maps query head i to kv head i // group, copying nothing
-    if start == 0:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:  # query i sees keys 0 .. start + i
+    if start == 0 and not window and not softcap:
+        # SDPA maps query head i to kv head i // group, copying nothing
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    else:  # query i sees keys start + i - window < j <= start + i
         mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if window:
+            mask = mask.triu(start - window + 1)
+        o = _sdpa(q, k, v, mask, scale, softcap)
     return o[0].transpose(0, 1)
+
+
+def _sdpa(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA over [.., heads, L, d] (k/v may have fewer heads, a GQA group each); by hand when the
+    scores are soft-capped, which SDPA can't do."""
+    gqa = k.shape[-3] != q.shape[-3]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    s = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1).to(v.dtype) @ v
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -178,7 +204,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
     return blocks.index_select(0, block_tables.reshape(-1)).view(b, nb * block_size, kvh, d)
 
 
-def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale):
+def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale, softcap=None):
     """q: [B, 1, h, d] decode rows; block_tables: [B, nb]; mask [B, 1, 1, Lk] -> [B, 1, h, d].
 
     Grouped-query heads are folded into the query axis ([B, kvh, group, d]: query head i reads
@@ -188,5 +214,5 @@ def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale):
     k = gather_blocks(k_cache, block_tables, block_size).transpose(1, 2)  # [B, kvh, Lk, d]
     v = gather_blocks(v_cache, block_tables, block_size).transpose(1, 2)
     q = q.reshape(b, k.shape[1], h // k.shape[1], d)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    o = _sdpa(q, k, v, mask, scale, softcap)
     return o.reshape(b, 1, h, d)

@@ -125,32 +125,39 @@ def build_metadata(query_lens: list[int], context_lens: list[int],
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: FlashMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, d] -> [T, heads, d]; this step's K/V already written to the pool."""
+                    meta: FlashMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q: [T, heads, d] -> [T, heads, d]; this step's K/V already written to the pool. A query
+    sees at most its last `window` keys; `softcap` caps scores to softcap * tanh(s / softcap)."""
     k4, v4 = _paged(k_cache, meta.block_size), _paged(v_cache, meta.block_size)
     ops = meta.ops
+    extra = {}  # only when used: flash-attn releases before 2.6 have no softcap
+    if window:
+        extra["window_size"] = (window - 1, 0)  # keys left of the query's own, and none right
+    if softcap:
+        extra["softcap"] = softcap
     out = torch.empty_like(q)
     if ops.library != "flash_attn":  # vllm-flash-attn: the whole step in one call
         if ops.takes_out:
-            _varlen(ops, q, k4, v4, meta, scale, out=out)
+            _varlen(ops, q, k4, v4, meta, scale, out=out, **extra)
             return out
-        return _varlen(ops, q, k4, v4, meta, scale)
+        return _varlen(ops, q, k4, v4, meta, scale, **extra)
     nd = meta.num_decodes
     if nd:
         out[:nd] = ops.with_kvcache(q[:nd].unsqueeze(1), k4, v4, cache_seqlens=meta.seqused_k[:nd],
                                     block_table=meta.block_tables[:nd], softmax_scale=scale,
-                                    causal=True).squeeze(1)
+                                    causal=True, **extra).squeeze(1)
     if meta.block_tables.shape[0] > nd:
         start = int(meta.cu_seqlens_q[nd])  # = nd: one query per decode
         chunk = _chunks(meta, nd)
-        out[start:] = _varlen(ops, q[start:], k4, v4, chunk, scale)
+        out[start:] = _varlen(ops, q[start:], k4, v4, chunk, scale, **extra)
     return out
 
 
-def _varlen(ops: FlashOps, q, k4, v4, meta: FlashMetadata, scale: float, out=None):
+def _varlen(ops: FlashOps, q, k4, v4, meta: FlashMetadata, scale: float, out=None, **extra):
     kwargs = dict(q=q, k=k4, v=v4, cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_seqlen_q,
                   max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
-                  block_table=meta.block_tables)
+                  block_table=meta.block_tables, **extra)
     if ops.seqused_k:
         kwargs["seqused_k"] = meta.seqused_k
     else:

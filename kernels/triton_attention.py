@@ -6,7 +6,9 @@ head's query heads packed beside them (BLOCK_M = BLOCK_Q x heads-per-KV-head row
 group reads each key once. It walks the sequence's keys TILE at a time with an online
 softmax; each key's slot comes from the block table, so any block size works, and nothing is
 gathered or padded. The mask is causal: a query token at position p (its sequence's context
-before the step, plus its index in the chunk) sees keys 0..p.
+before the step, plus its index in the chunk) sees keys 0..p, or only p - WINDOW < j <= p for a
+layer with a sliding window (whose earlier tiles are skipped); SOFTCAP > 0 caps scores to
+SOFTCAP * tanh(s / SOFTCAP) (Gemma 2).
 
 Which sequence a program serves is found in the kernel (a binary search over the step's
 query offsets, as vLLM's unified attention does), so a step needs no per-program table from
@@ -74,7 +76,8 @@ def _build():
                       q_stride_t, q_stride_h, kv_stride_s, kv_stride_h, o_stride_t, o_stride_h, table_stride,
                       QPKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                       HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                      TILE: tl.constexpr, PRECISION: tl.constexpr):
+                      TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+                      SOFTCAP: tl.constexpr):
             q_block = tl.program_id(0)
             kv_head = tl.program_id(1)
             # The sequence whose query blocks hold q_block: sequence s's start at q_start[s] // BLOCK_Q + s.
@@ -107,7 +110,10 @@ def _build():
                 m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
                 l_i = tl.zeros([BLOCK_M], tl.float32)
                 acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-                for first in range(0, keys, TILE):
+                lo_key = 0
+                if WINDOW > 0:  # the block's first row sees nothing before this tile
+                    lo_key = tl.maximum(context + local * BLOCK_Q - WINDOW + 1, 0) // TILE * TILE
+                for first in range(lo_key, keys, TILE):
                     offs_t = first + tl.arange(0, TILE)
                     t_ok = offs_t < keys
                     block = tl.load(tables_ptr + seq * table_stride + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
@@ -117,7 +123,12 @@ def _build():
                     v = tl.load(v_ptr + slot[:, None] * kv_stride_s + kv_head * kv_stride_h + offs_d[None, :],
                                 mask=t_ok[:, None] & d_ok[None, :], other=0.0)
                     s = tl.dot(q, k, input_precision=PRECISION) * scale
-                    s = tl.where((offs_t[None, :] <= sees[:, None]) & t_ok[None, :], s, float("-inf"))
+                    if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends
+                        s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
+                    seen = (offs_t[None, :] <= sees[:, None]) & t_ok[None, :]
+                    if WINDOW > 0:
+                        seen = seen & (offs_t[None, :] > sees[:, None] - WINDOW)
+                    s = tl.where(seen, s, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(s, 1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
                     p = tl.exp(s - m_safe[:, None])
@@ -134,7 +145,8 @@ def _build():
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: TritonMetadata, scale: float) -> torch.Tensor:
+                    meta: TritonMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q: [T, heads, d] -> [T, heads, d]; this step's K/V already written to the pool
     ([num_slots, kv_heads, d] per layer)."""
     tokens, heads, d = q.shape
@@ -151,5 +163,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         meta.block_tables.stride(0),
         QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE,
-        PRECISION="ieee" if q.dtype == torch.float32 else None)  # float32: no TF32 rounding
+        PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
+        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0))
     return out

@@ -323,3 +323,48 @@ def test_short_prefill_chunks_through_the_decode_kernel(op, monkeypatch, chunks,
     assert meta.short_chunks.rest == long_chunks
     meta.short_chunks = None
     torch.testing.assert_close(native_out, torch_path(q, kc, vc, meta, 0.125, monkeypatch), rtol=0, atol=1e-5)
+
+
+def dense_reference(q, k_cache, v_cache, meta, scale, window=None, softcap=None):
+    """Token by token in float64, straight from the definitions: a query at position p sees
+    keys max(0, p - window + 1) .. p; scores soft-capped to softcap * tanh(s / softcap)."""
+    rows = [(i, tables_row, n - 1) for i, (tables_row, n) in
+            enumerate(zip(meta.decode_block_tables, meta.decode_context_lens.tolist()))]
+    for j, (row, n, start) in enumerate(meta.prefill_chunks or []):
+        rows += [(row + i, meta.prefill_block_tables[j], start + i) for i in range(n)]
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[1]
+    for row, table, pos in rows:
+        t = torch.arange(max(0, pos - window + 1) if window else 0, pos + 1)
+        slots = table[t // meta.block_size] * meta.block_size + t % meta.block_size
+        k = k_cache[slots].double().repeat_interleave(group, 1)  # [keys, heads, d]
+        v = v_cache[slots].double().repeat_interleave(group, 1)
+        s = torch.einsum("hd,khd->hk", q[row].double(), k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        out[row] = torch.einsum("hk,khd->hd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (20, None), (None, 3.0), (7, 2.5)])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)], ids=["mha", "gqa4"])
+def test_sliding_window_and_softcap_on_every_cpu_path(op, monkeypatch, window, softcap, heads, kv_heads):
+    """Mistral's / Gemma's windows and Gemma 2's score soft-capping: the native kernel (its
+    vector path and its portable loop) and the torch path equal the definition, over decode rows
+    and chunks longer and shorter than the window, starting their sequence or continuing it."""
+    chunks = [(20, 0), (5, 37), (17, 50), (3, 0), (16, 100), (2, 290)]
+    q, kc, vc, meta = mixed_step(chunks, heads, kv_heads, 64, 16, decode_lens=(40, 7, 3))
+    want = dense_reference(q, kc, vc, meta, 0.125, window, softcap)
+    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.125, window=window, softcap=softcap), want,
+                               rtol=0, atol=2e-5)
+    meta.short_chunks = None
+    with monkeypatch.context() as m:
+        m.setenv("SHOAL_NATIVE_KERNELS", "0")
+        got = paged_attention(q, kc, vc, meta, 0.125, window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    nd = meta.num_decode_tokens
+    portable = torch.ops.shoal.paged_decode_attention_portable.default
+    out = torch.empty_like(q[:nd])
+    portable(out, q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, 16, 0.125,
+             window or 0, softcap or 0.0)
+    torch.testing.assert_close(out, want[:nd], rtol=0, atol=2e-5)

@@ -84,6 +84,22 @@ def test_kernel_matches_the_torch_path(interpreted, monkeypatch, heads, kv_heads
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("window,softcap", [(5, None), (40, None), (None, 3.0), (7, 2.5)])
+def test_sliding_window_and_softcap(interpreted, window, softcap):
+    """Windows shorter than a tile and longer (tiles before the window skipped) and Gemma 2's
+    soft-capping, over the dense definition (tests/test_kernels.py), decodes and chunks."""
+    from test_kernels import dense_reference, mixed_step
+
+    chunks = [(20, 0), (5, 37), (17, 50), (3, 0), (16, 100)]
+    q, kc, vc, meta = mixed_step(chunks, 8, 2, 64, 16, decode_lens=(40, 7, 90))
+    lens = meta.decode_context_lens.tolist() + [start + n for n, start in chunks]
+    tables = torch.cat([meta.decode_block_tables, meta.prefill_block_tables])
+    tmeta = ta.build_metadata([1] * meta.num_decode_tokens + [n for n, _ in chunks], torch.tensor(lens), tables,
+                              16, "cpu")
+    got = ta.paged_attention(q, kc, vc, tmeta, 0.125, window, softcap)
+    torch.testing.assert_close(got, dense_reference(q, kc, vc, meta, 0.125, window, softcap), rtol=0, atol=2e-5)
+
+
 def test_a_step_through_the_attention_entry_point(interpreted):
     """kernels.attention.paged_attention hands a step with triton metadata to the kernel."""
     q, k, v = torch.randn(3, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)

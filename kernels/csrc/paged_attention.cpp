@@ -4,6 +4,9 @@
 //   out[b, h] = softmax(scale * q[b, h] . K[b, :n_b]) @ V[b, :n_b],   h in the kv head's group
 //   K[b, t] = k_cache[block_tables[b, t / block_size] * block_size + t % block_size, h / group]
 //
+// Optionally (Gemma, Mistral, ...): scores soft-capped to cap * tanh(s / cap), and a sliding
+// window, where a row sees only its last `window` keys.
+//
 // float32 / bfloat16 / float16 caches; all arithmetic is float32. No -ffast-math: the result
 // stays within ~1e-6 of torch's scaled_dot_product_attention.
 //
@@ -58,6 +61,8 @@ struct Args {
   int64_t q_s0, q_s1, o_s0, o_s1, kv_s0, kv_s1, table_s0;  // strides, in elements
   int64_t heads, kv_heads, d, block_size;
   float scale;
+  int64_t window;  // > 0: each row sees only its last `window` keys
+  float softcap;   // > 0: scores become softcap * tanh(score / softcap)
 };
 
 // A K/V row as float32: fp32 rows are used in place, 16-bit rows are widened into `buf`.
@@ -151,6 +156,21 @@ SHOAL_INLINE void prefetch_block(const Args<T>& a, const T* base, int64_t block,
     for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(p + i);
 }
 
+// Soft-capping and the sliding window, applied to pass 1's scores (all implementations). Keys
+// before the window get -inf, so the softmax gives them no weight; they are still scored,
+// which costs time only for rows longer than their window.
+template <typename T>
+SHOAL_INLINE void shape_scores(const Args<T>& a, float* s, int64_t nh, int64_t n) {
+  const int64_t hidden = a.window > 0 ? std::max<int64_t>(0, n - a.window) : 0;
+  if (a.softcap <= 0.0f && hidden == 0) return;
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sh = s + h * n;
+    std::fill(sh, sh + hidden, -std::numeric_limits<float>::infinity());
+    if (a.softcap > 0.0f)
+      for (int64_t t = hidden; t < n; ++t) sh[t] = a.softcap * std::tanh(sh[t] / a.softcap);
+  }
+}
+
 // One task: batch row b, kv heads [kh0, kh1) and the query heads they serve. Going through
 // the tokens once for all those heads reads each token's K (then V) as one contiguous run
 // (~1.4x faster than one kv head per task), and each K/V row serves its whole GQA group.
@@ -174,6 +194,8 @@ SHOAL_INLINE void attend(const Args<T>& a, int64_t b, int64_t kh0, int64_t kh1, 
       for (int64_t g = 0; g < group; ++g, ++h) s[h * n + t] = dot(qf + h * d, k, d) * a.scale;
     }
   });
+
+  shape_scores(a, s, nh, n);
 
   // Softmax per query head, numerically stable: exp(x - max) <= 1.
   for (int64_t h = 0; h < nh; ++h) {
@@ -297,6 +319,8 @@ __attribute__((target("avx512f,fma,f16c"))) void avx512_task(const Args<T>& a, i
       }
     }
   }
+
+  shape_scores(a, s, nh, n);
 
   // Softmax per query head, 16 scores at a time (masked at the end).
   for (int64_t h = 0; h < nh; ++h) {
@@ -444,6 +468,8 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_task(const Args<T>& a, int64_
     }
   }
 
+  shape_scores(a, s, nh, n);
+
   // Softmax per query head, 8 scores at a time, the last n % 8 one by one.
   for (int64_t h = 0; h < nh; ++h) {
     float* sh = s + h * n;
@@ -549,12 +575,12 @@ using torch::headeronly::ScalarType;
 template <typename T>
 void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
             const Tensor& tables, const Tensor& lens, int64_t block_size, double scale,
-            int64_t max_len, bool portable) {
+            int64_t window, double softcap, int64_t max_len, bool portable) {
   Args<T> a{q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
             out.mutable_data_ptr<T>(), tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int32_t>(),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             tables.stride(0), q.size(1), k_cache.size(1), q.size(2), block_size,
-            static_cast<float>(scale)};
+            static_cast<float>(scale), window, static_cast<float>(softcap)};
   // Parallel over (batch row, kv heads): whole rows when there are enough rows to keep every
   // thread busy, else each row's kv heads are split into `splits` ranges (down to one each).
   const int64_t batch = q.size(0);
@@ -579,7 +605,7 @@ void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v
 
 static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                     const Tensor& block_tables, const Tensor& context_lens, int64_t block_size,
-                    double scale, bool portable) {
+                    double scale, int64_t window, double softcap, bool portable) {
   // Shapes, dtypes, layouts and block ids are checked here, before any thread starts, so the
   // task loop can trust raw pointers.
   STD_TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
@@ -624,13 +650,13 @@ static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, 
 
   switch (q.scalar_type()) {
     case ScalarType::Float:
-      return launch<float>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len,
+      return launch<float>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
                               portable);
     case ScalarType::BFloat16:
-      return launch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len,
+      return launch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
                               portable);
     case ScalarType::Half:
-      return launch<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, max_len,
+      return launch<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
                               portable);
     default:
       STD_TORCH_CHECK(false, "paged_decode_attention: unsupported dtype");
@@ -639,22 +665,25 @@ static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, 
 
 void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                             Tensor block_tables, Tensor context_lens, int64_t block_size,
-                            double scale) {
-  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, false);
+                            double scale, int64_t window, double softcap) {
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, false);
 }
 
 // The portable loop even where AVX-512 or AVX2 is there: for tests and benchmarks.
 void paged_decode_attention_portable(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                                      Tensor block_tables, Tensor context_lens, int64_t block_size,
-                                     double scale) {
-  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, true);
+                                     double scale, int64_t window, double softcap) {
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap,
+                 true);
 }
 
 STABLE_TORCH_LIBRARY(shoal, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor context_lens, int block_size, float scale) -> ()");
+        "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window=0, "
+        "float softcap=0.) -> ()");
   m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor context_lens, int block_size, float scale) -> ()");
+        "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window=0, "
+        "float softcap=0.) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(shoal, CPU, m) {
