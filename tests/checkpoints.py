@@ -13,7 +13,8 @@ import torch
 
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+         "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -146,12 +147,36 @@ def _rope_parameters(cfg: dict) -> dict:
     return rope
 
 
+# Each family's twists, set so they change the output of a tiny model: windows shorter than the
+# test prompts, soft-caps the scores reach, multipliers far from 1, partial rotary.
+FAMILY_DEFAULTS = {
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
+                   final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1000000.0}}),
+    # longrope: positions stay below original_max_position_embeddings in the tests (see kernels/rotary.py)
+    "phi3": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+                                  "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+                                  "original_max_position_embeddings": 256}),
+    "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=2.0),
+    "glm4": dict(head_dim=16),
+}
+
+
 def _config(arch: str, vocab_size: int, overrides: dict):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig)
 
-    cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), "vocab_size": vocab_size, **overrides}
-    cfg["rope_parameters"] = _rope_parameters(cfg)
+    cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), "vocab_size": vocab_size,
+           **overrides}
+    if arch != "gemma3":  # Gemma 3's rope_parameters are by layer type
+        cfg["rope_parameters"] = _rope_parameters(cfg)
     cfg.setdefault("tie_word_embeddings", False)
     cfg.setdefault("rms_norm_eps", 1e-6)
     common = dict(bos_token_id=None, dtype="float32")
@@ -174,6 +199,10 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     if arch == "qwen3_moe":
         cfg.setdefault("head_dim", 32)
         return Qwen3MoeConfig(**common, **cfg)
+    families = {"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config,
+                "granite": GraniteConfig, "glm4": Glm4Config}
+    if arch in families:
+        return families[arch](**common, **cfg)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

@@ -224,8 +224,9 @@ def test_gpu_sizing_glue_runs_the_profiling_forwards(checkpoint_factory, monkeyp
 
 # --------------------------------------------------------------------------- flash, emulated
 
-def _reference(q, k4, v4, table, keys: int, scale: float, causal=True):
-    """Attention of q [n, h, d] over the first `keys` keys a block table names (bottom-right causal)."""
+def _reference(q, k4, v4, table, keys: int, scale: float, window_size=(-1, 0), softcap=0.0):
+    """Attention of q [n, h, d] over the first `keys` keys a block table names (bottom-right
+    causal; flash's window_size[0] keys left of each query's own, -1: all; its softcap)."""
     bs = k4.shape[1]
     idx = torch.arange(keys)
     blocks = table.long()[idx // bs]
@@ -233,14 +234,19 @@ def _reference(q, k4, v4, table, keys: int, scale: float, causal=True):
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     n = q.shape[0]
-    visible = torch.arange(keys)[None, :] <= (torch.arange(n)[:, None] + keys - n)
+    pos = torch.arange(n)[:, None] + keys - n
+    visible = torch.arange(keys)[None, :] <= pos
+    if window_size[0] >= 0:
+        visible &= torch.arange(keys)[None, :] >= pos - window_size[0]
     s = s.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.float()).to(q.dtype)
 
 
 def fake_varlen(*, q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                block_table, seqused_k=None, cu_seqlens_k=None, out=None):
+                block_table, seqused_k=None, cu_seqlens_k=None, out=None, **window_and_softcap):
     """flash_attn_varlen_func with a paged cache, as both libraries document it."""
     assert causal and block_table.dtype == torch.int32 and (seqused_k is None) != (cu_seqlens_k is None)
     out = torch.empty_like(q) if out is None else out
@@ -248,15 +254,16 @@ def fake_varlen(*, q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_sc
         lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         keys = int(seqused_k[b]) if seqused_k is not None else int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
         assert hi - lo <= max_seqlen_q and keys <= max_seqlen_k
-        out[lo:hi] = _reference(q[lo:hi], k, v, block_table[b], keys, softmax_scale)
+        out[lo:hi] = _reference(q[lo:hi], k, v, block_table[b], keys, softmax_scale, **window_and_softcap)
     return out
 
 
-def fake_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal):
+def fake_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal,
+                      **window_and_softcap):
     """flash-attn's flash_attn_with_kvcache with a paged cache: q [B, n, h, d]."""
     assert causal and k_cache.dim() == 4
     return torch.stack([_reference(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]),
-                                   softmax_scale) for b in range(q.shape[0])])
+                                   softmax_scale, **window_and_softcap) for b in range(q.shape[0])])
 
 
 def test_load_reads_each_librarys_signature(monkeypatch):
@@ -331,10 +338,12 @@ def flash_llm(path, ops: str, **options) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("ops", ["vllm-flash-attn", "flash-attn"])
-def test_engine_with_emulated_flash_matches_transformers(checkpoint_factory, ops):
-    """Chunked prefill, decodes and prefix-cache hits through the flash metadata the runner builds."""
-    path = checkpoint_factory("qwen3")
+@pytest.mark.parametrize("ops,arch", [("vllm-flash-attn", "qwen3"), ("flash-attn", "qwen3"),
+                                      ("vllm-flash-attn", "gemma2"), ("flash-attn", "gemma2")])
+def test_engine_with_emulated_flash_matches_transformers(checkpoint_factory, ops, arch):
+    """Chunked prefill, decodes and prefix-cache hits through the flash metadata the runner
+    builds; Gemma 2: its window and soft-cap passed as flash's window_size and softcap."""
+    path = checkpoint_factory(arch)
     llm = flash_llm(path, ops, block_size=4, num_kv_blocks=96, max_num_batched_tokens=16)
     shared = prompts_of([12], seed=3)[0]
     prompts = prompts_of([3, 20]) + [shared + [1, 2], shared + [5]]

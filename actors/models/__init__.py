@@ -1,16 +1,9 @@
 """Model definitions. Each architecture name maps to the class that implements it."""
+from actors.models.args import DENSE_ARCHS, MOE_ARCHS
 from actors.models.llama import LlamaForCausalLM
 from actors.models.moe import MoeForCausalLM
 
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "MixtralForCausalLM": MoeForCausalLM,
-    "Qwen2MoeForCausalLM": MoeForCausalLM,
-    "Qwen3MoeForCausalLM": MoeForCausalLM,
-}
+MODEL_REGISTRY = {**{arch: LlamaForCausalLM for arch in DENSE_ARCHS}, **{arch: MoeForCausalLM for arch in MOE_ARCHS}}
 
 
 def model_class(architecture: str):

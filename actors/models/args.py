@@ -33,8 +33,26 @@ class MoeArgs:
                    tuple(cfg.get("mlp_only_layers") or ()))
 
 
+DENSE_ARCHS = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM", "Glm4ForCausalLM",
+)
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One rotary embedding: base, Hugging Face rope_scaling dict (None: plain), rotated dims."""
+    theta: float
+    scaling: dict | None
+    dim: int  # < head_dim: partial rotary (Phi-4-mini, GLM-4): the rest passes through
+    interleaved: bool = False  # GLM-4 rotates pairs (0, 1), (2, 3), ... instead of halves
+
+
 @dataclass
 class ModelArgs:
+    """A decoder's shape and each family's twists on the Llama block (defaults: Llama's)."""
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -44,24 +62,36 @@ class ModelArgs:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+    rope: Rope
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2, or Llama's attention_bias
+    qkv_bias: bool  # Qwen2, GLM-4, or Llama's attention_bias
     o_bias: bool  # Llama's attention_bias
-    qk_norm: bool  # Qwen3
+    qk_norm: str | None  # "head": per head (Qwen3, Gemma 3); "all": over all heads (OLMo 2)
     mlp_bias: bool
     moe: MoeArgs | None = None  # None: a dense model
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: sees everything)
+    local_rope: Rope | None = None  # Gemma 3: the sliding layers' own rotary base
+    attn_scale: float | None = None  # query scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> softcap * tanh(scores / softcap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + weight)
+    embed_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
+    residual_scale: float = 1.0  # Granite: each block's output is scaled before it is added
+    logits_divisor: float = 1.0  # Granite: logits / logits_scaling
+    activation: str = "silu"  # of the gated MLP: silu | gelu_tanh (Gemma's GeGLU)
+    norms: str = "pre"  # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelArgs":
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        gemma = arch in GEMMA
+        granite = arch == "GraniteForCausalLM"
+        rope, local_rope = ropes(arch, cfg, head_dim)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -70,15 +100,82 @@ class ModelArgs:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+            rope=rope,
+            local_rope=local_rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # Gemma ties by default
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
-            o_bias=attention_bias and not qwen2,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            o_bias=attention_bias and not qwen2 and arch != "Glm4ForCausalLM",
+            qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+                     else "all" if arch == "Olmo2ForCausalLM" else None),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             moe=MoeArgs.from_hf(arch, cfg),
+            layer_windows=layer_windows(arch, cfg),
+            attn_scale=(cfg["query_pre_attn_scalar"] ** -0.5 if gemma
+                        else cfg.get("attention_multiplier", 1.0) if granite else None),
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=(cfg["hidden_size"] ** 0.5 if gemma
+                         else cfg.get("embedding_multiplier", 1.0) if granite else 1.0),
+            residual_scale=cfg.get("residual_multiplier", 1.0) if granite else 1.0,
+            logits_divisor=cfg.get("logits_scaling", 1.0) if granite else 1.0,
+            activation=gated_activation(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            norms="sandwich" if gemma or arch == "Glm4ForCausalLM" else "post" if arch == "Olmo2ForCausalLM"
+            else "pre",
         )
+
+
+def gated_activation(name: str) -> str:
+    if name == "silu":
+        return "silu"
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return "gelu_tanh"
+    raise ValueError(f"unsupported MLP activation {name!r}; supported: silu, gelu_pytorch_tanh")
+
+
+def layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers reads the config: its `layer_types` where the
+    config has them (transformers 5 writes them), else each family's rule for older configs."""
+    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if arch in QWEN_WINDOWS and not cfg.get("use_sliding_window"):
+        window = None  # Qwen configs carry a window they don't use unless use_sliding_window is set
+    if not window:
+        return (None,) * n
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if arch == "Gemma2ForCausalLM":  # even layers slide
+        return tuple(window if (i + 1) % 2 else None for i in range(n))
+    if arch == "Gemma3ForCausalLM":  # five local layers, then a global one
+        pattern = cfg.get("sliding_window_pattern", 6)
+        return tuple(window if (i + 1) % pattern else None for i in range(n))
+    if arch in QWEN_WINDOWS:  # the layers from max_window_layers on
+        return tuple(window if i >= cfg.get("max_window_layers", n) else None for i in range(n))
+    return (window,) * n  # Mistral, Mixtral, Phi-3: every layer
+
+
+def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
+    """(the rotary embedding, Gemma 3's local one or None), from transformers 5's rope_parameters
+    (flat, or by layer type) or 4's rope_theta / rope_scaling / rope_local_base_freq."""
+    params = cfg.get("rope_parameters") or {}
+    by_type = "full_attention" in params
+    glob = dict(params["full_attention"] if by_type else params or cfg.get("rope_scaling") or {})
+    factor = glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
+    dim = int(head_dim * factor)
+    default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10_000.0
+    theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta)
+    if glob.get("rope_type") == "longrope" and "original_max_position_embeddings" not in glob:
+        glob["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]  # Phi-3
+    if glob.get("rope_type") == "longrope":
+        glob["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
+    kind = glob.get("rope_type", glob.get("type", "default"))
+    rope = Rope(theta, glob if kind != "default" else None, dim, interleaved=arch == "Glm4ForCausalLM")
+    if arch != "Gemma3ForCausalLM":
+        return rope, None
+    local = dict(params.get("sliding_attention") or {}) if by_type else {}
+    local_theta = float(local.pop("rope_theta", None) or cfg.get("rope_local_base_freq") or 10_000.0)
+    kind = local.get("rope_type", local.get("type", "default"))
+    return rope, Rope(local_theta, local if kind != "default" else None, dim)

@@ -1,4 +1,12 @@
-"""Llama-family decoder: Llama (GQA, rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The dense decoder: Llama and the families built on its block.
+
+Llama (GQA, rope scaling), Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (per-head q/k
+norm), Gemma 2 / 3 (norms before and after each sublayer, (1 + w) RMSNorm, GeGLU, scaled
+embeddings, score and logit soft-capping, alternating sliding and global layers, Gemma 3's
+local rotary base), Phi-3 (fused qkv / gate_up in the checkpoint, longrope, partial rotary),
+OLMo 2 (q/k norm over all heads, norms after each sublayer only), Granite (its four
+multipliers) and GLM-4 (interleaved partial rotary, norms after each sublayer too). What
+differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
 its share of the heads and of the MLP; under pipeline parallelism each stage holds a slice of
@@ -17,10 +25,21 @@ from actors.models.args import ModelArgs
 from actors.models.layers import (
     ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard,
 )
-from kernels.activation import silu_and_mul
+from kernels.activation import gated_activation
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.norms import RMSNorm
-from kernels.rotary import apply_rotary, cos_sin_cache, inv_frequencies
+from kernels.rotary import apply_rotary, cos_sin_cache
+
+# Checkpoint norm names -> ours, by where the family puts its norms (ModelArgs.norms). Ours:
+# input_layernorm before attention, post_attn_norm after it, pre_mlp_norm / post_mlp_norm.
+NORM_NAMES = {
+    "pre": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_norm"},
+    "sandwich": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attn_norm",
+                 "pre_feedforward_layernorm": "pre_mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+    "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+}
+GLM4_NORM_NAMES = {"input_layernorm": "input_layernorm", "post_self_attn_layernorm": "post_attn_norm",
+                   "post_attention_layernorm": "pre_mlp_norm", "post_mlp_layernorm": "post_mlp_norm"}
 
 
 def local_heads(a: ModelArgs, p: Parallel) -> tuple[int, int, int]:
@@ -39,27 +58,58 @@ def local_heads(a: ModelArgs, p: Parallel) -> tuple[int, int, int]:
     return a.num_heads // t, 1, p.tp_rank * a.num_kv_heads // t
 
 
+class AllHeadsNorm(nn.Module):
+    """OLMo 2's q/k norm: one RMSNorm over all heads' channels together. Under tensor parallelism
+    each rank holds some heads, so the sum of squares is all-reduced (KV heads replicated over
+    `copies` ranks are counted once)."""
+
+    def __init__(self, local: int, total: int, eps: float, p: Parallel, copies: int = 1):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local))
+        self.total, self.eps, self.p, self.copies = total, eps, p, copies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if self.p.tp_size > 1:
+            squares = self.p.all_reduce(squares) / self.copies
+        return (self.weight.float() * (xf * torch.rsqrt(squares / self.total + self.eps))).to(x.dtype)
+
+
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs, p: Parallel):
+    def __init__(self, a: ModelArgs, p: Parallel, layer: int):
         super().__init__()
         self.h, self.kvh, _ = local_heads(a, p)
         self.d = a.head_dim
         self.qkv_proj = ColumnParallelLinear(a.hidden_size, (self.h + 2 * self.kvh) * self.d, a.qkv_bias)
         self.o_proj = RowParallelLinear(self.h * self.d, a.hidden_size, a.o_bias, p)
-        self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
-        self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
-        self.scale = self.d ** -0.5
+        self.q_norm = self.k_norm = None
+        if a.qk_norm == "head":
+            self.q_norm = RMSNorm(self.d, a.rms_norm_eps, a.norm_offset)
+            self.k_norm = RMSNorm(self.d, a.rms_norm_eps, a.norm_offset)
+        elif a.qk_norm == "all":
+            copies = max(1, p.tp_size // a.num_kv_heads)
+            self.q_norm = AllHeadsNorm(self.h * self.d, a.num_heads * self.d, a.rms_norm_eps, p)
+            self.k_norm = AllHeadsNorm(self.kvh * self.d, a.num_kv_heads * self.d, a.rms_norm_eps, p, copies)
+        self.per_head_norm = a.qk_norm == "head"
+        self.scale = a.attn_scale if a.attn_scale is not None else self.d ** -0.5
+        self.window = a.layer_windows[layer] if a.layer_windows else None
+        self.softcap = a.attn_softcap
+        self.local_rope = a.local_rope is not None and self.window is not None  # Gemma 3's local layers
+        self.interleaved = a.rope.interleaved
         self.k_cache = self.v_cache = None  # views into the engine's KV pool, set at start-up
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        if self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos, sin, self.interleaved)
         write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.window, self.softcap)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
@@ -69,22 +119,35 @@ class MLP(nn.Module):
         width = a.intermediate_size // p.tp_size
         self.gate_up_proj = ColumnParallelLinear(a.hidden_size, 2 * width, a.mlp_bias)
         self.down_proj = RowParallelLinear(width, a.hidden_size, a.mlp_bias, p)
+        self.act = gated_activation(a.activation)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, p: Parallel, mlp: nn.Module):
+    def __init__(self, a: ModelArgs, p: Parallel, mlp: nn.Module, layer: int):
         super().__init__()
-        self.self_attn = Attention(a, p)
+        self.self_attn = Attention(a, p, layer)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        norm = lambda: RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)  # noqa: E731
+        self.input_layernorm = norm() if a.norms != "post" else None
+        self.pre_mlp_norm = norm() if a.norms != "post" else None
+        self.post_attn_norm = norm() if a.norms != "pre" else None
+        self.post_mlp_norm = norm() if a.norms != "pre" else None
+        self.residual_scale = a.residual_scale
 
     def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._scaled(self.post_attn_norm, self.self_attn(_norm(self.input_layernorm, x), cos, sin, meta))
+        return x + self._scaled(self.post_mlp_norm, self.mlp(_norm(self.pre_mlp_norm, x)))
+
+    def _scaled(self, norm, y):
+        y = _norm(norm, y)
+        return y if self.residual_scale == 1.0 else y * self.residual_scale  # Granite
+
+
+def _norm(norm, x):
+    return x if norm is None else norm(x)
 
 
 class LlamaModel(nn.Module):
@@ -92,9 +155,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         if p.first_stage:
             self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, p)
-        self.layers = nn.ModuleList(DecoderLayer(a, p, make_mlp(i)) for i in p.layers(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, p, make_mlp(i), i) for i in p.layers(a.num_layers))
         if p.last_stage:
-            self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+            self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -105,10 +168,9 @@ class LlamaForCausalLM(nn.Module):
         self.first_layer = self.p.layers(args.num_layers).start
         if self.p.last_stage:
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, self.p)
-        cos, sin = cos_sin_cache(inv_frequencies(args.head_dim, args.rope_theta, args.rope_scaling),
-                                 max_positions)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, (cos, sin) in rope_tables(args, max_positions).items():
+            self.register_buffer(f"{name}_cos", cos, persistent=False)
+            self.register_buffer(f"{name}_sin", sin, persistent=False)
 
     def make_mlp(self, layer: int) -> nn.Module:
         """The feed-forward block of (global) layer `layer`; MoE models put their experts here."""
@@ -122,17 +184,27 @@ class LlamaForCausalLM(nn.Module):
         """Token ids (first stage) or hidden states (later stages) -> this stage's output."""
         if self.p.first_stage:
             x = self.model.embed_tokens(x)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            if self.args.embed_scale != 1.0:  # Gemma: sqrt(hidden) rounded to the dtype, as transformers does
+                x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        rope = (self.rope_cos[positions], self.rope_sin[positions])
+        local = (self.rope_local_cos[positions], self.rope_local_sin[positions]) if self.args.local_rope else rope
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, *(local if layer.self_attn.local_rope else rope), meta)
         return self.model.norm(x) if self.p.last_stage else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        a = self.args
+        if a.logits_divisor != 1.0:  # Granite
+            logits = logits / a.logits_divisor
+        if a.final_softcap:  # Gemma 2
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits
 
     # ---- weight loading -----------------------------------------------------------------
     def weight_rule(self, name: str):
-        """(param name, row offset in the param, dim to slice, start, size) or None to skip.
+        """(param name, row offset in the param, dim to slice, start, size), a list of them (a
+        tensor the checkpoint fuses, split here) or None to skip.
 
         dim/start/size pick this rank's slice of the checkpoint tensor (dim None: all of it).
         """
@@ -152,6 +224,8 @@ class LlamaForCausalLM(nn.Module):
                 return ("lm_head.weight", 0, 0, vocab_start, rows)
             return ("model.embed_tokens.weight", 0, 0, vocab_start, rows) if p.first_stage else None
         if name == "lm_head.weight":
+            if a.tie_word_embeddings:  # some tied checkpoints store a copy; the embedding is the one
+                return None
             return ("lm_head.weight", 0, 0, vocab_start, rows) if p.last_stage else None
         if name.startswith("model.norm."):
             return (name, 0, None, 0, 0) if p.last_stage else None
@@ -163,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         d, width = a.head_dim, a.intermediate_size // p.tp_size
         kind = rest.rsplit(".", 1)[-1]  # weight | bias
         row_parallel = 1 if kind == "weight" else None  # their biases stay whole
+        q_rows, kv_rows = a.num_heads * d, a.num_kv_heads * d
         rules = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, 0, p.tp_rank * h * d, h * d),
             "self_attn.k_proj": ("self_attn.qkv_proj", h * d, 0, kv0 * d, kvh * d),
@@ -171,9 +246,33 @@ class LlamaForCausalLM(nn.Module):
             "mlp.gate_proj": ("mlp.gate_up_proj", 0, 0, p.tp_rank * width, width),
             "mlp.up_proj": ("mlp.gate_up_proj", width, 0, p.tp_rank * width, width),
             "mlp.down_proj": ("mlp.down_proj", 0, row_parallel, p.tp_rank * width, width),
+            # fused in the checkpoint (Phi-3, GLM-4's MLP): each part's slice of its rows
+            "self_attn.qkv_proj": [("self_attn.qkv_proj", 0, 0, p.tp_rank * h * d, h * d),
+                                   ("self_attn.qkv_proj", h * d, 0, q_rows + kv0 * d, kvh * d),
+                                   ("self_attn.qkv_proj", (h + kvh) * d, 0, q_rows + kv_rows + kv0 * d, kvh * d)],
+            "mlp.gate_up_proj": [("mlp.gate_up_proj", 0, 0, p.tp_rank * width, width),
+                                 ("mlp.gate_up_proj", width, 0, a.intermediate_size + p.tp_rank * width, width)],
         }
+        if a.qk_norm == "all":  # OLMo 2: this rank's heads' channels
+            rules["self_attn.q_norm"] = ("self_attn.q_norm", 0, 0, p.tp_rank * h * d, h * d)
+            rules["self_attn.k_norm"] = ("self_attn.k_norm", 0, 0, kv0 * d, kvh * d)
         module = rest.rsplit(".", 1)[0]
         if module in rules:
-            target, offset, dim, start, size = rules[module]
+            rule = rules[module]
+            if isinstance(rule, list):
+                return [(f"{prefix}{target}.{kind}", *r) for target, *r in rule]
+            target, offset, dim, start, size = rule
             return (f"{prefix}{target}.{kind}", offset, dim, start, size)
+        norms = GLM4_NORM_NAMES if a.architecture == "Glm4ForCausalLM" else NORM_NAMES[a.norms]
+        if module in norms:
+            return (f"{prefix}{norms[module]}.{kind}", 0, None, 0, 0)
         return (prefix + rest, 0, None, 0, 0)
+
+
+def rope_tables(a: ModelArgs, max_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{"rope": (cos, sin)}, and "rope_local" for Gemma 3's sliding layers: [positions, rotary dim]."""
+    tables = {"rope": cos_sin_cache(a.rope.dim, a.rope.theta, a.rope.scaling, max_positions, a.rope.interleaved)}
+    if a.local_rope:
+        r = a.local_rope
+        tables["rope_local"] = cos_sin_cache(r.dim, r.theta, r.scaling, max_positions, r.interleaved)
+    return tables

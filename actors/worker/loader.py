@@ -11,6 +11,7 @@ from torch import nn
 
 from actors.models import model_class
 from actors.models.args import ModelArgs
+from actors.models.llama import rope_tables
 from actors.worker.progress import progress_bar
 
 log = logging.getLogger("shoal.loader")
@@ -86,16 +87,12 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own tensor: tie again
     # Rotary tables are not weights: compute them for real after leaving the meta device.
-    cos, sin = _rope_tables(args, max_positions)
-    model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
+    for name, (cos, sin) in rope_tables(args, max_positions).items():
+        setattr(model, f"{name}_cos", cos.to(device, dtype))
+        setattr(model, f"{name}_sin", sin.to(device, dtype))
     model.weight_dtype = weight_dtype  # experts re-read later (load_selected) are rounded alike
     load_weights(model, path, weight_dtype)
     return model.eval()
-
-
-def _rope_tables(args: ModelArgs, max_positions: int):
-    from kernels.rotary import cos_sin_cache, inv_frequencies
-    return cos_sin_cache(inv_frequencies(args.head_dim, args.rope_theta, args.rope_scaling), max_positions)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -130,8 +127,7 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    rule = model.weight_rule(name)
-                    if rule is not None:
+                    for rule in _rules(model.weight_rule(name)):
                         loaded.add(_load_slice(params, rule, f.get_slice(name), name, weight_dtype))
                     bar.update(1)
     finally:
@@ -158,11 +154,16 @@ def load_selected(model: nn.Module, path: Path, rule) -> int:
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                target = rule(name)
-                if target is not None:
+                targets = _rules(rule(name))
+                for target in targets:
                     _load_slice(params, target, f.get_slice(name), name, getattr(model, "weight_dtype", None))
-                    read += 1
+                read += bool(targets)
     return read
+
+
+def _rules(rule) -> list:
+    """A weight_rule's answer as a list: none, one, or one per part of a fused tensor."""
+    return [] if rule is None else rule if isinstance(rule, list) else [rule]
 
 
 def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch.dtype | None = None) -> str:
