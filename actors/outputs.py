@@ -47,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = None  # on the first output, where the request had a text prompt
     metrics: RequestMetrics | None = None  # set on the last output (actors/engine/metrics.py)
+    embedding: list[float] | None = None  # an embedding request's vector, on its last output
 
 
 def merge(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
@@ -54,7 +55,7 @@ def merge(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
     if the engine had sent them as one."""
     acc.finished = delta.finished
     acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
-    for name in ("prompt_token_ids", "prompt", "prompt_logprobs", "metrics"):
+    for name in ("prompt_token_ids", "prompt", "prompt_logprobs", "metrics", "embedding"):
         if getattr(delta, name) is not None:
             setattr(acc, name, getattr(delta, name))
     by_index = {out.index: out for out in acc.outputs}

@@ -1,4 +1,4 @@
-"""One generation request, as every hop carries it: the API (or `LLM` offline) builds it, the
+"""One generation (or embedding) request, as every hop carries it: the API (or `LLM` offline) builds it, the
 replica and the engine's host pass it on, the engine runs it. Its outputs come back as delta
 `RequestOutput`s (actors/outputs.py).
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.pooling_params import PoolingParams
 from actors.sampling_params import SamplingParams
 
 
@@ -22,6 +23,9 @@ class EngineRequest:
     lora: str | None = None  # a registered LoRA adapter's name; None: the base model
     prompt: str | None = None  # the prompt's text where the caller had one (given back on outputs)
     whole: bool = False  # only the finished output is wanted: the engine sends it once, cumulative
+    # An embedding request: its prompt is pooled into RequestOutput.embedding and nothing is
+    # generated (its params: SamplingParams(max_tokens=0)).
+    pooling: PoolingParams | None = None
 
 
 class ContextLengthError(ValueError):

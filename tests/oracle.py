@@ -39,6 +39,13 @@ def hf_logits(path, ids: list[int], adapter=None) -> torch.Tensor:
     return out.logits[0].float()
 
 
+@torch.inference_mode()
+def hf_hidden_states(path, ids: list[int]) -> torch.Tensor:
+    """Float32 final hidden states [len(ids), hidden], after the final norm: what embeddings pool."""
+    out = hf_model(path)(input_ids=torch.tensor([ids], dtype=torch.long), output_hidden_states=True)
+    return out.hidden_states[-1][0].float()
+
+
 def hf_prompt_logprobs(path, prompt_ids: list[int], adapter=None) -> list[float]:
     """log P(prompt_ids[i] | prompt_ids[:i]) for i >= 1 (len(prompt_ids) - 1 values)."""
     logprobs = torch.log_softmax(hf_logits(path, prompt_ids, adapter)[:-1], dim=-1)

@@ -7,10 +7,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray  # noqa: E402
-from oracle import hf_greedy, hf_prompt_logprobs  # noqa: E402
+from oracle import hf_greedy, hf_hidden_states, hf_prompt_logprobs  # noqa: E402
 from test_engine import assert_pool_free, prompts_of  # noqa: E402
 
 from actors.engine.llm import LLM  # noqa: E402
+from actors.pooling_params import PoolingParams  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -32,6 +33,9 @@ def check_layout(path, prompts, **layout):
             assert out.outputs[0].token_ids == hf_greedy(path, ids, 12)
             ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
             assert ours == pytest.approx(hf_prompt_logprobs(path, ids), abs=1e-4)
+        # Embeddings: pooled on the last stage, after the final norm, and sent back to rank 0.
+        for ids, out in zip(prompts, llm.embed(prompts, PoolingParams(method="mean", normalize=False))):
+            assert out.embedding == pytest.approx(hf_hidden_states(path, ids).mean(0).tolist(), abs=1e-5)
         assert_pool_free(llm)
     finally:
         llm.shutdown()

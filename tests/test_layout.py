@@ -34,7 +34,7 @@ ACTORS_ALLOWED = {
     "actors.engine": {"actors", "actors.core", "actors.executor", "actors.worker", "actors.models"},
     "actors.host": {"actors", "actors.core", "actors.engine", "actors.executor"},
 }
-SHARED = {"config", "errors", "logs", "outputs", "request", "sampling_params"}
+SHARED = {"config", "errors", "logs", "outputs", "pooling_params", "request", "sampling_params"}
 RAY_PARTS = {"actors.executor", "actors.host"}
 
 

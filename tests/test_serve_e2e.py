@@ -144,6 +144,17 @@ def test_greedy_http_equals_offline_engine(layout, request, offline):
     assert chat.choices[0].message.content == offline.generate(ids, params)[0].outputs[0].text
 
 
+@pytest.mark.parametrize("layout", ["merged", "split"])
+def test_embeddings_http_equal_offline_engine(layout, request, offline):
+    url = request.getfixturevalue("base_url" if layout == "merged" else "split_url")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    inputs = [PROMPT, "jumps over the lazy dog"]
+    got = client.embeddings.create(model="", input=inputs)
+    assert [d.index for d in got.data] == [0, 1]
+    for d, want in zip(got.data, offline.embed(inputs)):
+        assert max(abs(a - b) for a, b in zip(d.embedding, want.embedding, strict=True)) < 1e-5
+
+
 @pytest.mark.slow
 def test_64_concurrent_streams_complete(base_url):
     aclient = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)

@@ -53,7 +53,7 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq (full blocks, never its last token)."""
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        if not self.enable_prefix_caching or seq.needs_every_prompt_token:
             return []
         hits, parent = [], root_hash(seq)
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):

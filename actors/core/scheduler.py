@@ -134,6 +134,9 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += s.num_tokens
             self.blocks.cache_full_blocks(seq)
+            if seq.pooling is not None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self.finish(seq, "stop")  # its embedding is complete (its blocks stay cached)
+                continue
             if s.prompt_logprobs and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 for sample in [seq] + seq.children:  # the samples share the prompt's log-probs
                     sample.prompt_logprobs_done = True
@@ -192,15 +195,15 @@ class Scheduler:
 
 def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
     start = seq.num_computed_tokens
-    return ScheduledSeq(seq, n, start, samples=start + n == seq.num_tokens,
+    return ScheduledSeq(seq, n, start, samples=start + n == seq.num_tokens and seq.pooling is None,
                         prompt_logprobs=seq.needs_prompt_logprobs)
 
 
 def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
-    """The step in kernel order (decodes first), with each row's share of the logits and the
-    blocks the ranks do not have yet."""
+    """The step in kernel order (decodes first), with each row's share of the logits, the
+    hidden states pooled for embedding requests, and the blocks the ranks do not have yet."""
     scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: keeps the schedule's order within
-    rows, logit_rows, tables, offset = [], [], [], 0
+    rows, logit_rows, pool_spans, tables, offset = [], [], [], [], 0
     for s in scheduled:
         seq, end = s.seq, s.start + s.num_tokens
         rows.append(StepRow(seq.seq_id, seq.token_ids[s.start:end], s.start, seq.lora_slot))
@@ -213,5 +216,10 @@ def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
         elif s.samples:
             logit_rows.append(offset + s.num_tokens - 1)
         s.logits = slice(first, len(logit_rows))
+        span = seq.pooling.rows(s.start, s.num_tokens, seq.num_prompt_tokens) if seq.pooling else None
+        if span is not None:
+            s.pool_span = len(pool_spans)
+            pool_spans.append((offset + span[0], offset + span[1]))
         offset += s.num_tokens
-    return SchedulerOutput(rows, sum(s.num_tokens == 1 for s in scheduled), logit_rows, tables, seqs=scheduled)
+    return SchedulerOutput(rows, sum(s.num_tokens == 1 for s in scheduled), logit_rows, tables,
+                           seqs=scheduled, pool_spans=pool_spans)

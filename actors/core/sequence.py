@@ -5,6 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
+from actors.pooling_params import PoolingParams
 from actors.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
@@ -42,6 +43,7 @@ class Sequence:
     cache_key: tuple = ()
     lora: object | None = None  # the LoraRef (actors/models/lora_adapter.py) of its adapter; None: the base model
     lora_slot: int = -1  # the adapter slot it runs in while running (-1: none)
+    pooling: PoolingParams | None = None  # resolved: its prompt is pooled instead of generating
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -60,6 +62,13 @@ class Sequence:
     @property
     def needs_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and not self.prompt_logprobs_done
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """Every prompt position's output is still wanted (prompt log-probs, mean pooling), so
+        none may come from the prefix cache."""
+        pools_all = self.pooling is not None and self.pooling.needs_every_prompt_token
+        return self.needs_prompt_logprobs or pools_all
 
     @property
     def finished(self) -> bool:

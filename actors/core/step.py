@@ -33,6 +33,7 @@ class ScheduledSeq:
     samples: bool  # the step reaches the end of its known tokens, so a token is sampled
     prompt_logprobs: bool  # its chunk's logits give prompt log-probs
     logits: slice = field(default_factory=lambda: slice(0, 0))  # its rows among the step's logits
+    pool_span: int = -1  # its entry in the step's pool_spans (-1: none)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class SchedulerOutput:
     finished: list[Sequence] = field(default_factory=list)  # rank 0: ended without a row (pool full)
     # (slot, LoraRef): adapters every rank reads into a slot before this step's forward
     lora_loads: list[tuple] = field(default_factory=list)
+    # (first, end) token rows whose final hidden states are summed, one float32 vector each
+    # (embedding requests: actors/pooling_params.py)
+    pool_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def __getstate__(self) -> dict:  # the other ranks need the rows, not rank 0's sequences
         return {**self.__dict__, "seqs": [], "finished": []}
@@ -61,7 +65,9 @@ class SchedulerOutput:
             rows = self.rows[i:i + size]
             n = sum(len(r.token_ids) for r in rows)
             logit_rows = [r - offset for r in self.logit_rows if offset <= r < offset + n]
-            out.append(SchedulerOutput(rows, sum(len(r.token_ids) == 1 for r in rows), logit_rows))
+            spans = [(a - offset, b - offset) for a, b in self.pool_spans if offset <= a < offset + n]
+            out.append(SchedulerOutput(rows, sum(len(r.token_ids) == 1 for r in rows), logit_rows,
+                                       pool_spans=spans))
             offset += n
         return out
 
@@ -72,3 +78,7 @@ class RunnerOutput:
     tokens: list[int | None]  # the sampled token (None: a chunk in the middle of its prompt)
     logprobs: list[dict | None]  # {chosen: lp, alternatives...} when the request asked
     prompt_logprobs: list[list | None]  # per prompt position its chunk predicts
+    pooled: list[list[float] | None] = field(default_factory=list)  # its pool span's sum, or None
+
+    def __post_init__(self):
+        self.pooled = self.pooled or [None] * len(self.tokens)

@@ -2,12 +2,13 @@
 
 A step's batch is cut into micro-batches; stage s works on micro-batch i+1 while stage s+1
 works on micro-batch i, so stages overlap. Hidden states go to the same tp rank of the next
-stage; the last stage's tp rank 0 sends the logits back to rank 0, which samples.
+stage; the last stage's tp rank 0 sends the logits back to rank 0, which samples, and the
+pooled hidden states of embedding requests (whole there, after the final norm).
 The per-step message is one broadcast over torch.distributed, not a Ray call per rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ class MicroBatch:
     meta: object  # kernels.attention.AttentionMetadata
     logit_rows: list[int]
     lora: object = None  # actors.models.lora.LoraBatch: its rows' adapters (None: none)
+    pool_spans: list[tuple[int, int]] = field(default_factory=list)  # SchedulerOutput.pool_spans
 
 
 STOP = "stop"
@@ -36,11 +38,31 @@ def broadcast_step(p: Parallel, message) -> object:
     return box[0]
 
 
+Heads = tuple[torch.Tensor | None, torch.Tensor | None]  # (logits, pooled sums) of a batch
+
+
+def last_stage_outputs(model, hidden: torch.Tensor, logit_rows: list[int],
+                       pool_spans: list[tuple[int, int]]) -> Heads:
+    """What the last stage makes of its final hidden states: the logits of `logit_rows`, and
+    for each pool span the float32 sum of its rows' hidden states (None where none is asked)."""
+    logits = model.compute_logits(hidden[logit_rows]) if logit_rows else None
+    return logits, span_sums(hidden, pool_spans) if pool_spans else None
+
+
+def span_sums(hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """[len(spans), hidden] float32: each (first, end) span's rows summed, in one index_add."""
+    rows = torch.cat([torch.arange(first, end) for first, end in spans])
+    lengths = torch.tensor([end - first for first, end in spans])
+    span_of_row = torch.repeat_interleave(torch.arange(len(spans)), lengths)
+    sums = torch.zeros(len(spans), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+    return sums.index_add_(0, span_of_row.to(hidden.device), hidden[rows.to(hidden.device)].float())
+
+
 @torch.inference_mode()
 def run_stage(model, p: Parallel, micro: list[MicroBatch], hidden_size: int, vocab: int,
-              dtype: torch.dtype) -> list[torch.Tensor | None]:
-    """This rank's share of the step. Rank 0 gets the logits of every micro-batch back."""
-    sends, logits = [], []
+              dtype: torch.dtype) -> list[Heads]:
+    """This rank's share of the step. Rank 0 gets every micro-batch's logits and pooled sums back."""
+    sends, heads = [], []
     for mb in micro:
         x = mb.input_ids
         if not p.first_stage:
@@ -52,22 +74,28 @@ def run_stage(model, p: Parallel, micro: list[MicroBatch], hidden_size: int, voc
         if not p.last_stage:
             sends.append((dist.isend(h, dst=p.peer(p.pp_rank + 1)), h))
             continue
-        out = model.compute_logits(h[mb.logit_rows]) if mb.logit_rows else None
+        out = last_stage_outputs(model, h, mb.logit_rows, mb.pool_spans)
         if p.rank == 0:
-            logits.append(out)
-        elif p.tp_rank == 0 and out is not None:
-            sends.append((dist.isend(out, dst=0), out))
+            heads.append(out)
+        elif p.tp_rank == 0:
+            sends += [(dist.isend(t, dst=0), t) for t in out if t is not None]
     if p.rank == 0 and not p.last_stage:
         last = (p.pp_size - 1) * p.tp_size
-        for mb in micro:
-            out = None
-            if mb.logit_rows:
-                out = torch.empty(len(mb.logit_rows), vocab, dtype=torch.float32, device=p.device)
-                dist.recv(out, src=last)
-            logits.append(out)
+        for mb in micro:  # in the order the last stage sent them
+            logits = _recv(len(mb.logit_rows), vocab, last, p.device)
+            heads.append((logits, _recv(len(mb.pool_spans), hidden_size, last, p.device)))
     for work, _ in sends:
         work.wait()
-    return logits
+    return heads
+
+
+def _recv(rows: int, width: int, src: int, device) -> torch.Tensor | None:
+    """A float32 [rows, width] tensor from rank `src`; None (nothing sent) for no rows."""
+    if not rows:
+        return None
+    out = torch.empty(rows, width, dtype=torch.float32, device=device)
+    dist.recv(out, src=src)
+    return out
 
 
 def worker_loop(p: Parallel, run_step, on_rebalance=None) -> None:

@@ -20,12 +20,14 @@ from actors.core.scheduler import Scheduler
 from actors.core.sequence import Sequence
 from actors.core.structured import Grammars
 from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.embedding import PooledPrompt
 from actors.engine.lora_registry import LoraRegistry
 from actors.engine.metrics import EngineMetrics
 from actors.engine.output_processor import OutputProcessor, Request
 from actors.errors import UnknownAdapterError
 from actors.executor.executor import Executor
 from actors.outputs import Pending, RequestOutput
+from actors.pooling_params import PoolingParams
 from actors.request import EngineRequest, resolve_max_tokens
 from actors.sampling_params import SamplingParams
 from actors.worker.loader import checkpoint_shapes, load_tokenizer, resolve_model_path
@@ -76,6 +78,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if max_tokens is None:
             raise ValueError("max_tokens is not set (the API and LLM.add_request resolve it)")
+        if request.pooling is not None:
+            self._check_pooling(request)
         resolve_max_tokens(max_tokens, len(ids), self.max_model_len)
         vocab = self.spec.args.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
@@ -86,6 +90,14 @@ class LLMEngine:
         if need > self.blocks.num_blocks:
             raise ValueError(f"the prompt needs {need} KV blocks but the pool has {self.blocks.num_blocks}")
 
+    def _check_pooling(self, request: EngineRequest) -> None:
+        if request.params.max_tokens != 0 or request.params.n != 1:
+            raise ValueError("an embedding request generates nothing: its params must be "
+                             "SamplingParams(max_tokens=0)")
+        dimensions, hidden = request.pooling.dimensions, self.spec.args.hidden_size
+        if dimensions is not None and not 1 <= dimensions <= hidden:
+            raise ValueError(f"dimensions must be between 1 and the model's {hidden}, got {dimensions}")
+
     def add_request(self, request: EngineRequest, grammar=None) -> None:
         """Start a request that `check` passed. `grammar`: its params.structured already
         compiled (AsyncEngine compiles off the loop thread)."""
@@ -95,9 +107,12 @@ class LLMEngine:
         ref = self.lora_ref(request.lora)  # (an adapter unloaded since `check` is refused here)
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
-        req = Request(request, [], [], whole=Pending() if request.whole else None)
+        # An embedding request's pooling: the model's where the request leaves it open.
+        pooling = request.pooling.resolved(self.spec.pooling) if request.pooling is not None else None
+        req = Request(request, [], [], whole=Pending() if request.whole else None,
+                      pooled=PooledPrompt(pooling, len(request.prompt_token_ids)) if pooling else None)
         for i in range(params.n):
-            req.seqs.append(self._sequence(request, i, ref, grammar))
+            req.seqs.append(self._sequence(request, i, ref, grammar, pooling))
             req.detoks.append(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
                                                      params.skip_special_tokens,
                                                      params.include_stop_str_in_output))
@@ -105,16 +120,17 @@ class LLMEngine:
         self.metrics.request_added(request.lora)
         first = req.seqs[0]
         first.children = req.seqs[1:]  # the other samples wait for its prompt, then share its blocks
-        if params.max_tokens == 0 and params.prompt_logprobs is None:
+        if params.max_tokens == 0 and params.prompt_logprobs is None and pooling is None:
             self.scheduler.finish(first, "length")
             self.processor.finished_on_arrival.append(rid)
         else:
             self.scheduler.add(first)
 
-    def _sequence(self, request: EngineRequest, index: int, ref: LoraRef | None, grammar) -> Sequence:
+    def _sequence(self, request: EngineRequest, index: int, ref: LoraRef | None, grammar,
+                  pooling: PoolingParams | None) -> Sequence:
         params, ids = request.params, request.prompt_token_ids
         seq = Sequence(request.request_id, index, list(ids), len(ids), params, request.priority,
-                       cache_key=cache_key(params, ref), lora=ref)
+                       cache_key=cache_key(params, ref), lora=ref, pooling=pooling)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.executor.device).manual_seed(params.seed + index)
         if grammar is not None:

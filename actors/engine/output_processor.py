@@ -16,6 +16,7 @@ from actors.core.scheduler import Scheduler
 from actors.core.sequence import Sequence
 from actors.core.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.embedding import PooledPrompt
 from actors.engine.metrics import EngineMetrics
 from actors.errors import RequestFailedError
 from actors.outputs import CompletionOutput, Pending, RequestOutput
@@ -39,6 +40,7 @@ class Request:
     scheduled_time: float | None = None  # its first step (metrics: queue time)
     first_token_time: float | None = None
     token_times: dict[int, float] = field(default_factory=dict)  # seq index -> its last token's time
+    pooled: PooledPrompt | None = None  # an embedding request's vector so far
 
     @property
     def request_id(self) -> str:
@@ -63,12 +65,13 @@ class OutputProcessor:
     def outputs(self, output: SchedulerOutput, tokens: RunnerOutput, now: float) -> list[RequestOutput]:
         """One output per request that changed; a finished request's last one carries its metrics."""
         deltas: dict[str, RequestOutput] = {}
-        for s, token, lps, prompt_lps in zip(output.seqs, tokens.tokens, tokens.logprobs, tokens.prompt_logprobs):
+        for s, token, lps, prompt_lps, pooled in zip(output.seqs, tokens.tokens, tokens.logprobs,
+                                                     tokens.prompt_logprobs, tokens.pooled):
             req = self.requests.get(s.seq.request_id)
             if req is None:  # aborted, or failed earlier in this step
                 continue
             try:
-                self._process(req, s, token, lps, prompt_lps, deltas)
+                self._process(req, s, token, lps, prompt_lps, pooled, deltas)
             except Exception as exc:  # a bug in one request's handling fails that request alone
                 self._fail(req, exc, deltas)
         for seq in output.finished:  # outgrew the KV pool: ends with what it has
@@ -96,10 +99,12 @@ class OutputProcessor:
         req.whole.add(delta)
         return req.whole.output if delta.finished else None
 
-    def _process(self, req: Request, s: ScheduledSeq, token, lps, prompt_lps, deltas: dict) -> None:
+    def _process(self, req: Request, s: ScheduledSeq, token, lps, prompt_lps, pooled, deltas: dict) -> None:
         seq = s.seq
         if prompt_lps is not None:
             self._add_prompt_logprobs(req, s, prompt_lps)
+        if pooled is not None:
+            req.pooled.add(s.start, pooled)
         if token is not None and seq.params.max_tokens != 0:  # the scheduler appended it
             out = _sequence(self._delta(req, deltas), seq.index)
             out.token_ids.append(token)
@@ -107,7 +112,10 @@ class OutputProcessor:
                 out.logprobs = (out.logprobs or []) + [lps]
             out.text += self._detokenize(req, seq, token)
         if seq.finished:
-            self._report_finish(req, seq, _sequence(self._delta(req, deltas), seq.index))
+            delta = self._delta(req, deltas)
+            if req.pooled is not None:  # the scheduler finished it with its prompt computed
+                delta.embedding = req.pooled.embedding()
+            self._report_finish(req, seq, _sequence(delta, seq.index))
 
     def _detokenize(self, req: Request, seq: Sequence, token: int) -> str:
         """New text, holding back what may still become a stop string (which finishes seq)."""

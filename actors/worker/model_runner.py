@@ -19,7 +19,7 @@ import torch
 from actors.config import EngineConfig
 from actors.core.step import RunnerOutput, SchedulerOutput
 from actors.distributed.parallel import layout
-from actors.distributed.pipeline import MicroBatch, run_stage
+from actors.distributed.pipeline import Heads, MicroBatch, last_stage_outputs, run_stage
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.worker import memory_profile
@@ -174,33 +174,39 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """Rank 0: the step on every rank (the executor has broadcast it), then sampling."""
-        return self.sampler(output.seqs, self.forward(output))
+        logits, pooled = self.forward(output)
+        result = self.sampler(output.seqs, logits)
+        if pooled is not None:
+            sums = pooled.tolist()  # one device read for the step's embedding requests
+            result.pooled = [sums[s.pool_span] if s.pool_span >= 0 else None for s in output.seqs]
+        return result
 
     @torch.inference_mode()
-    def forward(self, output: SchedulerOutput) -> torch.Tensor | None:
-        """This rank's part of the step; rank 0 gets the logits of output.logit_rows, in order.
-        The shard ranks run this for every step rank 0 broadcasts."""
+    def forward(self, output: SchedulerOutput) -> Heads:
+        """This rank's part of the step; rank 0 gets the logits of output.logit_rows and the
+        sums of output.pool_spans, in order. The shard ranks run this for every step rank 0
+        broadcasts."""
         self.batch.update(output)
         self.load_adapters(output)
         if self.p.world_size > 1:
             return self._pipeline(output)
         if self.lora_layers:
             self.model.lora_state.batch = self.lora_batch(output)
-        if self.graphs is not None and self.graphs.can_run(output):
+        # (a step that pools needs the hidden states, which a compiled graph does not return)
+        if self.graphs is not None and not output.pool_spans and self.graphs.can_run(output):
             if isinstance(self.graphs, CompiledDecode):  # its graph ends with the LM head
-                return take_rows(self.graphs.run(output, self.batch), output.logit_rows)
+                return take_rows(self.graphs.run(output, self.batch), output.logit_rows), None
             hidden = self.graphs.run(output, self.batch)
         else:
             hidden = self.model(*self.prepare(output))
-        return self.model.compute_logits(hidden[output.logit_rows]) if output.logit_rows else None
+        return last_stage_outputs(self.model, hidden, output.logit_rows, output.pool_spans)
 
-    def _pipeline(self, output: SchedulerOutput) -> torch.Tensor | None:
+    def _pipeline(self, output: SchedulerOutput) -> Heads:
         """A multi-rank step: micro-batches through this rank's pipeline stage."""
-        micro = [MicroBatch(*self.prepare(part), part.logit_rows, self.lora_batch(part))
+        micro = [MicroBatch(*self.prepare(part), part.logit_rows, self.lora_batch(part), part.pool_spans)
                  for part in output.split(self.p.pp_size)]
-        parts = run_stage(self.model, self.p, micro, self.args.hidden_size, self.args.vocab_size, self.dtype)
-        parts = [x for x in parts if x is not None]
-        return torch.cat(parts) if parts else None
+        heads = run_stage(self.model, self.p, micro, self.args.hidden_size, self.args.vocab_size, self.dtype)
+        return _joined([logits for logits, _ in heads]), _joined([pooled for _, pooled in heads])
 
     def prepare(self, output: SchedulerOutput):
         """input ids, positions and attention metadata of the step's rows."""
@@ -221,6 +227,12 @@ class ModelRunner:
             return None  # a base-model step skips the per-token grouping
         slots = [r.lora_slot for r in output.rows for _ in r.token_ids]
         return lora_batch(slots, self.config.max_loras, self.dtype, self.device)
+
+
+def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The micro-batches' rows in one tensor (None: none had any)."""
+    parts = [x for x in parts if x is not None]
+    return torch.cat(parts) if parts else None
 
 
 def _available_memory(device: torch.device) -> int:

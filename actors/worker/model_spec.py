@@ -10,8 +10,11 @@ import torch
 from actors.config import EngineConfig
 from actors.distributed.parallel import parse_layer_split
 from actors.models.args import ModelArgs
+from actors.pooling_params import PoolingParams
 from actors.worker.kernel_choice import attention_backend, device_type
 from actors.worker.loader import eos_token_ids, read_config, resolve_dtype, resolve_model_path
+from actors.worker.pooling_config import DEFAULT as DEFAULT_POOLING
+from actors.worker.pooling_config import read_pooling
 from kernels import flash_attention
 
 log = logging.getLogger("shoal.engine")
@@ -32,6 +35,7 @@ class ModelSpec:
     # The weights' precision when it is narrower than `dtype`: bfloat16/float16 asked for on a
     # CPU without matmul units for it computes in float32 on weights rounded to it (below).
     weight_dtype: torch.dtype | None = None
+    pooling: PoolingParams = DEFAULT_POOLING  # embedding requests' defaults (actors/worker/pooling_config.py)
 
 
 def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
@@ -56,7 +60,8 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
         eos_ids=frozenset(eos_token_ids(path, hf, tokenizer)),
         layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
         attn_backend=backend, flash_library=library,
-        block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16))
+        block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16),
+        pooling=read_pooling(path))
 
 
 def gpu_auto_dtype(hf: dict) -> torch.dtype:

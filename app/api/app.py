@@ -18,7 +18,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from actors.logs import setup_logging
 from actors.worker.loader import load_tokenizer, resolve_model_path
 from app.api import (
-    lora_routes, metrics, openai_routes, ops_routes, responses_routes, scoring_routes, tokenize_routes, web,
+    embedding_routes, lora_routes, metrics, openai_routes, ops_routes, responses_routes, scoring_routes,
+    tokenize_routes, web,
 )
 from app.api.engine_client import EngineClient
 from app.api.errors import install_error_handlers
@@ -36,8 +37,8 @@ def build_api(settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.http_metrics = metrics.HttpMetrics()  # counted by RequestTracking
     install_error_handlers(app)
-    for module in (openai_routes, responses_routes, lora_routes, scoring_routes, tokenize_routes,
-                   ops_routes, metrics, web):  # web: GET /
+    for module in (openai_routes, embedding_routes, responses_routes, lora_routes, scoring_routes,
+                   tokenize_routes, ops_routes, metrics, web):  # web: GET /
         app.include_router(module.router)
     # Added innermost first: CORS (outermost) answers preflights before auth, and puts its
     # headers on 401s too; RequestTracking wraps auth so refusals carry the id and get logged.

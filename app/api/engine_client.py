@@ -21,10 +21,11 @@ class EngineClient(Protocol):
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs until finished (deltas, or one finished output for a `whole`
-        request). Raises ValueError for a request that can't be served (UnknownAdapterError
-        for an adapter it lacks). Closing the iterator (or cancelling the task awaiting it)
-        aborts the request and frees its KV blocks: there is no separate abort call
-        (app/api/streams.py)."""
+        request). An embedding request (`request.pooling` set) takes the same path, its last
+        output carrying the `embedding`, so every host serves /v1/embeddings as it is. Raises
+        ValueError for a request that can't be served (UnknownAdapterError for an adapter it
+        lacks). Closing the iterator (or cancelling the task awaiting it) aborts the request
+        and frees its KV blocks: there is no separate abort call (app/api/streams.py)."""
 
     async def load_lora(self, name: str, path: str) -> None:
         """Register an adapter on every replica; ValueError if it can't be served."""

@@ -13,7 +13,7 @@ def check(body, settings) -> None:
     s = settings
     _at_most("best_of", getattr(body, "best_of", None) or 0, s.max_n, "samples (best_of)")
     _at_most("n", getattr(body, "n", 1), s.max_n, "samples (n)")
-    for field in ("prompt", "prompts"):
+    for field in ("prompt", "prompts", "input"):  # input: /v1/embeddings
         prompts = getattr(body, field, None)
         if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int):
             _at_most(field, len(prompts), s.max_prompts, "prompts")

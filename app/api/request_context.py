@@ -15,6 +15,7 @@ from typing import Callable
 
 from fastapi import Request
 
+from actors.pooling_params import PoolingParams
 from actors.request import EngineRequest, prompt_ids
 from actors.sampling_params import SamplingParams
 from app.api.engine_client import EngineClient
@@ -90,22 +91,24 @@ class Served:
 
     # ---- running engine requests -------------------------------------------------------
     def open_streams(self, prompts: list[list[int]], params: list[SamplingParams],
-                     priority: int = 0, whole: bool = False) -> EngineStreams:
-        """whole: only finished outputs are needed (the engine sends each request's once)."""
+                     priority: int = 0, whole: bool = False,
+                     pooling: PoolingParams | None = None) -> EngineStreams:
+        """whole: only finished outputs are needed (the engine sends each request's once).
+        pooling: embedding requests (params: SamplingParams(max_tokens=0))."""
         generators = []
         for index, (ids, p) in enumerate(zip(prompts, params)):
             # The request id prefixes the engine id (grep finds both); the random tail keeps
             # engine ids unique when clients reuse an X-Request-Id.
             engine_id = f"{self.request_id}-{index}-{secrets.token_hex(3)}"
             self.log_engine_request(engine_id, ids, p)
-            request = EngineRequest(engine_id, ids, p, priority, self.lora, whole=whole)
+            request = EngineRequest(engine_id, ids, p, priority, self.lora, whole=whole, pooling=pooling)
             generators.append(self.client.generate(request))
         return EngineStreams(generators)
 
     async def complete(self, prompts: list[list[int]], params: list[SamplingParams],
-                       priority: int = 0) -> Batch:
+                       priority: int = 0, pooling: PoolingParams | None = None) -> Batch:
         """Cumulative outputs by prompt index; a client that leaves aborts them."""
-        streams = self.open_streams(prompts, params, priority, whole=True)
+        streams = self.open_streams(prompts, params, priority, whole=True, pooling=pooling)
         try:
             outputs = await unless_disconnected(self.request.receive, collect(streams))
         except Exception as exc:

@@ -28,7 +28,7 @@ class ServerSettings:
     # Request limits (app/api/limits.py): over one, a 400 naming the field (the body: 413).
     max_request_bytes: int = 16 * 2**20  # request body size
     max_n: int = 32  # n and best_of
-    max_prompts: int = 256  # prompts in one /v1/completions, /generate or /loglikelihood
+    max_prompts: int = 256  # prompts in one /v1/completions, /v1/embeddings, /generate or /loglikelihood
     max_messages: int = 1024  # messages in one chat
     max_input_chars: int = 1_000_000  # characters of prompt or message text in one request
     max_logit_bias: int = 1024  # logit_bias entries
