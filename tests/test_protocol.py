@@ -353,3 +353,19 @@ def test_engine_arg_aliases_and_only_given_options(argv, expected):
 def test_bad_engine_option_is_rejected():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run-batch", "-i", "x", "-o", "y", "--device", "tpu"])
+
+
+def test_generation_config_sampling_defaults_fill_only_unset_fields(tmp_path):
+    import json
+
+    from app.protocol.generation_defaults import model_sampling_defaults, with_model_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True, "max_length": 99, "min_p": None}))
+    defaults = model_sampling_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert model_sampling_defaults(tmp_path, "vllm") == {} and model_sampling_defaults(tmp_path / "none") == {}
+    params = with_model_defaults(chat(temperature=0.0), defaults).to_sampling_params(None, 100, 10)
+    assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.9, 20)  # the request's temperature wins
+    assert with_model_defaults(completion(), {}).to_sampling_params(None, 100, 10).top_k == completion().to_sampling_params(
+        None, 100, 10).top_k

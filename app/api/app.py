@@ -26,6 +26,7 @@ from app.api.errors import install_error_handlers
 from app.api.middleware import REQUEST_ID_HEADER, ApiKeyAuth, BodySizeLimit, RequestTracking
 from app.api.readiness import ReadinessGate
 from app.api.settings import ServerSettings
+from app.protocol.generation_defaults import model_sampling_defaults
 from app.protocol.model_parsers import with_model_parsers
 
 
@@ -82,8 +83,10 @@ def attach(app: FastAPI, client: EngineClient, tokenizer, settings: ServerSettin
     """Give the app its engine client, tokenizer and settings."""
     if settings.max_model_len is None:
         settings = dataclasses.replace(settings, max_model_len=client.max_model_len)
-    settings = with_model_parsers(settings, model_dir(settings.model_path))
+    checkpoint = model_dir(settings.model_path)
+    settings = with_model_parsers(settings, checkpoint)
     app.state.settings = settings
+    app.state.sampling_defaults = model_sampling_defaults(checkpoint, settings.generation_config)
     app.state.tokenizer = tokenizer
     app.state.client = client
     app.state.ready_seen = False

@@ -18,6 +18,7 @@ from app.api.errors import bad_request, unknown_model
 from app.api.request_context import Served
 from app.protocol.chat_output import OutputPlan, constraint, plan_output, tools_in_use
 from app.protocol.chat_template import render_chat_prompt
+from app.protocol.generation_defaults import with_model_defaults
 from app.protocol.models import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelCard,
     ModelList, random_id,
@@ -31,8 +32,8 @@ def sampling_params(served: Served, body, prompt_len: int, plan: OutputPlan | No
     """The request's SamplingParams, built and checked once (its grammar and output plan
     included); a 400 naming the field, and for length the numbers, when they can't be."""
     try:
-        return body.to_sampling_params(served.settings.default_max_tokens, served.max_model_len,
-                                       prompt_len, **constraint(body, plan))
+        return with_model_defaults(body, served.sampling_defaults).to_sampling_params(
+            served.settings.default_max_tokens, served.max_model_len, prompt_len, **constraint(body, plan))
     except ValueError as exc:  # RequestError
         raise bad_request(exc) from None
 

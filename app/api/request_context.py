@@ -67,6 +67,11 @@ class Served:
         return self.settings.served_model_name
 
     @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json sampling values (app/protocol/generation_defaults.py)."""
+        return getattr(self.request.app.state, "sampling_defaults", {})
+
+    @property
     def max_model_len(self) -> int:
         return self.settings.max_model_len or self.client.max_model_len
 

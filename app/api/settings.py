@@ -25,6 +25,9 @@ class ServerSettings:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: tool_choice "auto" is always on
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | none
+    # auto: sampling fields a request leaves unset take the model's generation_config.json
+    # values (app/protocol/generation_defaults.py); vllm: the server's defaults only
+    generation_config: str = "auto"
     # Request limits (app/api/limits.py): over one, a 400 naming the field (the body: 413).
     max_request_bytes: int = 16 * 2**20  # request body size
     max_n: int = 32  # n and best_of
@@ -45,6 +48,8 @@ class ServerSettings:
         if isinstance(self.allowed_origins, str):  # "a,b" from an environment variable or flag
             self.allowed_origins = [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
         self.allowed_origins = list(self.allowed_origins or [])
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"--generation-config must be auto or vllm, got {self.generation_config!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be positive, got {self.default_max_tokens}")
         for name in ("max_request_bytes", "max_n", "max_prompts", "max_messages", "max_input_chars",

@@ -67,6 +67,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--reasoning-parser", metavar="NAME",
         help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1 or none "
              "(default: the model's config.json, else its family's: Qwen3 -> qwen3)")
+    add("--generation-config", choices=["auto", "vllm"],
+        help="auto (default): requests that leave temperature, top_p, top_k, min_p or "
+             "repetition_penalty unset get the model's generation_config.json values; vllm: not")
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     add("--decode-progress-interval-s", type=float, metavar="S",
         help="log decode throughput every S seconds (default 0: off)")
