@@ -66,3 +66,18 @@ def test_blocks_are_shared_only_between_equal_cache_keys():
     assert bm.cached_prefix(other) == [] and bm.cached_prefix(seq(range(10))) == []
     run(bm, seq(range(10), "unkeyed"))
     assert len(bm.cached_prefix(seq(range(10), "again"))) == 2  # no key shares with no key
+
+
+def test_blocks_before_every_layers_window_are_given_back_and_stay_cached():
+    """Window 6, blocks of 4: after 13 computed tokens the next one (position 13) sees 8..13,
+    so blocks 0 and 1 (positions 0..7) go back to the pool, hashed; the ids stay in the table."""
+    bm = BlockManager(num_blocks=8, block_size=4, sliding_window=6)
+    a = seq(range(13), "a")
+    run(bm, a)
+    table = list(a.block_table)
+    assert bm.release_outside_window(a) == 2 and a.block_table == table and a.num_released_blocks == 2
+    assert bm.num_free_blocks == 8 - 2 and bm.release_outside_window(a) == 0  # once
+    assert bm.cached_prefix(seq(range(13), "b")) == table[:3]  # still prefix-cache hits
+    bm.free_sequence(a)  # only the blocks it still holds
+    assert bm.num_free_blocks == 8 and all(b.ref_count == 0 for b in bm.blocks)
+    assert BlockManager(num_blocks=8, block_size=4).release_outside_window(seq(range(13))) == 0

@@ -20,6 +20,7 @@ import torch
 from oracle import assert_equals_eager_and_hf, hf_greedy
 from serving import free_port, loopback_env, stop_process, wait_process_ready
 from test_engine import prompts_of
+from test_model_families import GEMMA_EVERYTHING, check_served, served_checkpoint
 
 from actors.engine.llm import LLM
 from actors.engine.metrics import DecodeProgress
@@ -37,9 +38,11 @@ def compiled_llm(path) -> LLM:
         return LLM(str(path), **OPTIONS)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
 def compiled(request, checkpoint_factory):
-    path = checkpoint_factory(request.param)
+    # Gemma 3 with a final soft-cap: windows, local rotary, per-head (1 + w) norms, capped
+    # logits and a head size that is not hidden / heads, all inside the traced step
+    path = checkpoint_factory(request.param, **(GEMMA_EVERYTHING if request.param == "gemma3" else {}))
     llm = compiled_llm(path)
     assert type(llm.engine.executor.runner.graphs).__name__ == "CompiledDecode", llm.engine.executor.runner.graphs_off
     return path, llm
@@ -140,12 +143,16 @@ def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, caplog):
 
 
 @pytest.mark.slow
-def test_shoal_serve_compiles_decode_by_default(llama_ckpt, tmp_path):
+def test_shoal_serve_compiles_decode_by_default(checkpoint_factory, tmp_path):
+    """`shoal serve` as a user starts it, on Gemma 2 (its family's one run through the whole
+    path): compiled decode by default, then a chat answer as tests/test_model_families.py's
+    check_served expects (chat template, generation_config.json's sampling defaults and EOS)."""
+    path, chat_ids, answer = served_checkpoint(checkpoint_factory, tmp_path, "gemma2")
     port, log = free_port(), tmp_path / "serve.log"
     env = {k: v for k, v in loopback_env().items() if k != "SHOAL_EAGER_DECODE"}
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(llama_ckpt),
+            [str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(path),
              "--host", "127.0.0.1", "--port", str(port), "--decode-progress-interval-s", "0.5"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -162,9 +169,11 @@ def test_shoal_serve_compiles_decode_by_default(llama_ckpt, tmp_path):
             responses = list(pool.map(complete, prompts))
         for r, ids in zip(responses, prompts):
             assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 40)
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(path, ids, 40)
+        check_served(url, "gemma2", path, chat_ids, answer)
     finally:
         code, outliving = stop_process(proc)
     assert code == 0 and not outliving
     text = log.read_text()
     assert "compiled decode ready in" in text and "graph=True" in text, text[-3000:]
+    assert "sampling defaults from the model's generation_config.json: temperature=0.0, top_p=0.5" in text

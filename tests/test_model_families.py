@@ -36,6 +36,9 @@ SHARED = [random.Random(3).randrange(500) for _ in range(12)]
 # short, past the window, a long one over several chunks, then two sharing a cached prefix
 PROMPTS = prompts_of([5, 30, 13]) + [SHARED + [1, 2], SHARED + [5]]
 MAX_TOKENS = 14
+# Gemma 3 with a final soft-cap (its attention soft-cap transformers ignores, and so do we) and a
+# head size that is not hidden / heads
+GEMMA_EVERYTHING = dict(attn_logit_softcapping=4.0, final_logit_softcapping=8.0, head_dim=32)
 
 
 def checkpoint(factory, name):
@@ -113,10 +116,118 @@ def local_ray():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,options", [
-    ("gemma2", {}), ("gemma3", {}), ("phi3", {}), ("granite", {}), ("glm4", {}), ("mistral-window", {}),
-    ("olmo2", {}), ("olmo2", dict(num_key_value_heads=1)),  # its all-heads k norm with the KV head replicated
-], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "mistral-window", "olmo2", "olmo2-kv1"])
+    ("gemma2", {}), ("gemma3", {}), ("phi3", {}), ("granite", {}), ("glm4", {}),
+    ("olmo2", dict(num_key_value_heads=1)),  # its all-heads k norm with the one KV head on both ranks
+], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1"])
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)
     check(path, tp_size=2, shard_cpus=0.5)
+
+
+def test_a_generation_far_past_the_window_holds_a_window_of_blocks(checkpoint_factory):
+    """Mistral, window 8, blocks of 4: 10 prompt tokens + 150 generated need 40 blocks without
+    giving any back; a pool of 10 serves it without a preemption, token for token."""
+    path = checkpoint(checkpoint_factory, "mistral-window")
+    llm = LLM(str(path), num_kv_blocks=10, block_size=4, max_num_seqs=1)
+    prompt = prompts_of([10], seed=9)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(path, prompt, 150)
+    assert llm.engine.scheduler.num_preemptions == 0 and llm.engine.scheduler.released_blocks >= 36
+    assert_pool_free(llm)
+
+
+def served_checkpoint(factory, tmp_path, name):
+    """A copy of the family's checkpoint whose generation_config.json sets temperature 0 and
+    top_p 0.5, and adds as an EOS id the token that first appears k >= 3 tokens into transformers'
+    greedy answer to MESSAGES: (path, chat prompt ids, the answer's k tokens)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = shutil.copytree(checkpoint(factory, name), tmp_path / name)
+    ids = AutoTokenizer.from_pretrained(path).apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                 tokenize=True, return_dict=False)
+    greedy = hf_greedy(path, ids, 24)
+    k = next(i for i in range(3, 24) if greedy[i] not in greedy[:i])
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation.update(temperature=0.0, top_p=0.5, eos_token_id=[generation["eos_token_id"], greedy[k]])
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    return path, ids, greedy[:k]
+
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def check_served(url, name, path, ids, answer):
+    """The chat template renders the prompt, a request without temperature takes the model's
+    (0: greedy, as transformers), and the EOS id only generation_config.json lists ends the
+    answer with finish_reason stop."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   json={"model": name, "messages": MESSAGES, "max_tokens": 24})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == AutoTokenizer.from_pretrained(path).decode(answer, skip_special_tokens=True)
+    n = len(answer) + 1  # and the EOS token
+    assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3", "olmo2", "granite", "glm4"])
+def test_family_served_by_the_api_app(checkpoint_factory, tmp_path, name):
+    """The API app in process (what `shoal serve` runs behind Ray Serve; Gemma 2 goes through
+    `shoal serve` itself in tests/test_compiled_decode.py) gets check_served's answers."""
+    from app.api.app import attach, build_api
+    from app.api.embedded import serve_in_thread
+    from app.api.engine_client import LocalEngineClient
+    from app.api.settings import ServerSettings
+    from actors.config import EngineConfig
+
+    path, ids, answer = served_checkpoint(checkpoint_factory, tmp_path, name)
+    client = LocalEngineClient(EngineConfig(model_path=str(path), num_kv_blocks=64))
+    settings = ServerSettings(model_path=str(path))
+    try:
+        with serve_in_thread(attach(build_api(settings), client, client.tokenizer, settings)) as url:
+            check_served(url, name, path, ids, answer)
+    finally:
+        client.shutdown()
+
+
+def test_older_config_spellings():
+    """transformers 4.x configs on the Hub: Phi-3's rope_scaling type "su" with its lengths beside
+    it, Gemma 3's rope_local_base_freq and sliding_window_pattern, Gemma 2 without layer_types."""
+    common = dict(vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=7, num_attention_heads=4)
+    phi = ModelArgs.from_hf(dict(common, architectures=["Phi3ForCausalLM"], max_position_embeddings=131072,
+                                 original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                                 rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}))
+    assert phi.rope.dim == 12 and phi.rope.scaling["rope_type"] == "longrope"
+    assert phi.rope.scaling["original_max_position_embeddings"] == 4096
+    gemma = dict(common, head_dim=16, query_pre_attn_scalar=16, sliding_window=512)
+    g3 = ModelArgs.from_hf(dict(gemma, architectures=["Gemma3ForCausalLM"], rope_theta=1e6, rope_local_base_freq=1e4,
+                                rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=6))
+    assert g3.layer_windows == (512,) * 5 + (None, 512)
+    assert (g3.rope.theta, g3.rope.scaling["factor"], g3.local_rope.theta, g3.local_rope.scaling) == (1e6, 8.0, 1e4, None)
+    g2 = ModelArgs.from_hf(dict(gemma, architectures=["Gemma2ForCausalLM"]))
+    assert g2.layer_windows == (512, None) * 3 + (512,) and g2.tie_word_embeddings
+
+
+def test_gemma_decode_through_emulated_cuda_graphs(checkpoint_factory):
+    """The CUDA-graph path's static buffers (emulated on CPU) on Gemma 3 with a final soft-cap:
+    windows, local rotary, per-head norms and capped logits equal eager and transformers.
+    (Compiled decode on the same checkpoint: tests/test_compiled_decode.py.)"""
+    from oracle import assert_equals_eager_and_hf
+    from test_compiled_decode import OPTIONS
+    from test_gpu_path import with_emulated_graphs
+
+    path = checkpoint_factory("gemma3", **GEMMA_EVERYTHING)
+    prompts = prompts_of([3, 9, 30, 1, 5, 14])  # 6 rows; the 30-token one outgrows the graphs' 40 keys
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    want = LLM(str(path), **OPTIONS).generate(prompts, params)
+    graphed = LLM(str(path), **OPTIONS)
+    graphs = with_emulated_graphs(graphed, [1, 2, 4, 8], max_seq_len=40)
+    assert_equals_eager_and_hf(path, prompts, graphed.generate(prompts, params), want, 16)
+    assert graphs.replays > 0

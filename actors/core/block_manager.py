@@ -5,6 +5,10 @@ prefixes. The first block's parent is the sequence's `cache_key` (empty: None), 
 with different keys never share blocks. Freed blocks keep their hash and sit in an LRU free
 queue: a later request with the same prefix takes them back; allocation evicts from the least
 recently freed end.
+
+With a sliding window on every layer (Mistral, Phi-3-mini), the leading blocks of a sequence
+that no later token can see are given back as it grows: a long generation holds about a
+window's worth of blocks, not its whole context.
 """
 from __future__ import annotations
 
@@ -33,9 +37,11 @@ def root_hash(seq: Sequence) -> int | None:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # the widest layer's window, when every layer has one
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
@@ -50,6 +56,14 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def outgrows_pool(self, seq: Sequence) -> bool:
+        """Its tokens need more blocks at once than the whole pool has. Under a sliding window on
+        every layer a sequence holds a window's worth: its blocks, a partial one at each end."""
+        held = self.blocks_needed(seq.num_tokens) - seq.num_released_blocks
+        if self.sliding_window is not None:
+            held = min(held, self.blocks_needed(self.sliding_window) + 2)
+        return held > self.num_blocks
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq (full blocks, never its last token)."""
@@ -94,17 +108,33 @@ class BlockManager:
 
     def free_sequence(self, seq: Sequence) -> None:
         # Free the tail first so the LRU queue evicts a prefix's last blocks before its first.
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None:
-                    self.free[block_id] = None
-                    self.free.move_to_end(block_id, last=False)  # unhashed: reuse first
-                else:
-                    self.free[block_id] = None
+        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._unref(block_id)
         seq.block_table = []
-        seq.num_hashed_blocks = 0
+        seq.num_hashed_blocks = seq.num_released_blocks = 0
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Give back the leading blocks wholly before the window of every token still to come
+        (the next one, at position num_computed_tokens, sees keys after num_computed_tokens -
+        window). Their ids stay in the block table, so the ranks' tables need no update: every
+        backend masks those keys (a reused block's other contents are never weighted), and the
+        blocks keep their hashes, prefix-cache hits for other requests. Returns how many."""
+        if self.sliding_window is None:
+            return 0
+        dead = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        released = seq.block_table[seq.num_released_blocks:dead]
+        for block_id in released:
+            self._unref(block_id)
+        seq.num_released_blocks += len(released)
+        return len(released)
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block_id, last=False)  # unhashed: reuse first
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed tokens in the prefix cache."""

@@ -37,6 +37,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.freed: list[int] = []  # seq ids whose rows the ranks drop at the next step
         self.hit_tokens = 0  # prefix-cache statistics, in tokens
+        self.released_blocks = 0  # blocks given back before their sequence ended (sliding windows)
         self.query_tokens = 0
 
     def add(self, seq: Sequence) -> None:
@@ -65,7 +66,7 @@ class Scheduler:
     def _outgrows_pool(self, seq: Sequence) -> bool:
         """Its tokens need more blocks than the whole pool has: it can never run again, so it
         ends with "length" instead of being preempted for ever (and blocking the queue)."""
-        if self.blocks.blocks_needed(seq.num_tokens) <= self.blocks.num_blocks:
+        if not self.blocks.outgrows_pool(seq):
             return False
         self.finish(seq, "length")
         self._outgrown.append(seq)
@@ -134,6 +135,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += s.num_tokens
             self.blocks.cache_full_blocks(seq)
+            self.released_blocks += self.blocks.release_outside_window(seq)
             if seq.pooling is not None and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.finish(seq, "stop")  # its embedding is complete (its blocks stay cached)
                 continue

@@ -33,6 +33,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_released_blocks: int = 0  # leading blocks given back: before every layer's sliding window
     num_sent_blocks: int = 0  # leading blocks the ranks' input batches have (0: no row there)
     prompt_logprobs_done: bool = False  # its prompt's log-probs are computed (or never wanted)
     children: list[Sequence] = field(default_factory=list)  # samples waiting for this one's prompt

@@ -49,7 +49,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.executor = Executor(config, self.spec, placement)
         self.rank_infos = self.executor.rank_infos()
-        self.blocks = BlockManager(self.executor.num_blocks, self.spec.block_size, config.enable_prefix_caching)
+        windows = self.spec.args.layer_windows
+        self.blocks = BlockManager(self.executor.num_blocks, self.spec.block_size, config.enable_prefix_caching,
+                                   sliding_window=max(windows) if windows and all(windows) else None)
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids)
         self.grammars = Grammars(self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics(config)

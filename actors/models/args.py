@@ -115,7 +115,8 @@ class ModelArgs:
             layer_windows=layer_windows(arch, cfg),
             attn_scale=(cfg["query_pre_attn_scalar"] ** -0.5 if gemma
                         else cfg.get("attention_multiplier", 1.0) if granite else None),
-            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            # Gemma 3's config has the field too, but transformers' Gemma 3 never applies it
+            attn_softcap=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=(cfg["hidden_size"] ** 0.5 if gemma
@@ -167,11 +168,11 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     dim = int(head_dim * factor)
     default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10_000.0
     theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta)
-    if glob.get("rope_type") == "longrope" and "original_max_position_embeddings" not in glob:
-        glob["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]  # Phi-3
-    if glob.get("rope_type") == "longrope":
-        glob["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
     kind = glob.get("rope_type", glob.get("type", "default"))
+    if kind in ("longrope", "su"):  # Phi-3 (early configs said "su"); its lengths sit beside rope_scaling
+        kind = glob["rope_type"] = "longrope"
+        glob.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        glob["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
     rope = Rope(theta, glob if kind != "default" else None, dim, interleaved=arch == "Glm4ForCausalLM")
     if arch != "Gemma3ForCausalLM":
         return rope, None
