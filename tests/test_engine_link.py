@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def scheduler(llama_ckpt):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor = engine_actor_class({"CPU": 1}).remote(
         EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32, num_threads=1))
     yield actor
