@@ -183,3 +183,20 @@ def test_unknown_parser_fails_at_start(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--tool-call-parser" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_models_sampling_defaults_apply(llama_ckpt, llm, tmp_path):
+    """A line without temperature takes generation_config.json's (0 here: greedy), as `shoal serve`."""
+    import shutil
+
+    path = shutil.copytree(llama_ckpt, tmp_path / "model")
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0}))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(line("plain", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8}) + "\n")
+    proc = subprocess.run([SHOAL, "run-batch", "--model-path", str(path), "-i", str(src), "-o", str(dst), *ENGINE],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "sampling defaults from the model's generation_config.json: temperature=0.0" in proc.stderr
+    (row,) = [json.loads(text) for text in dst.read_text().splitlines()]
+    assert row["response"]["body"]["choices"][0]["text"] == greedy(llm, PROMPT).text

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from actors.logs import setup_logging
 from app.protocol.chat_output import OutputPlan, constraint, plan_output, tools_in_use
 from app.protocol.chat_template import render_chat_prompt
+from app.protocol.generation_defaults import model_sampling_defaults, with_model_defaults
 from app.protocol.model_parsers import with_model_parsers
 from app.protocol.models import (
     ChatCompletionRequest, CompletionRequest, error_body, request_error_body, validation_error_body,
@@ -51,6 +52,7 @@ class BatchOptions:
     disable_thinking: bool = False
     tool_call_parser: str | None = None  # as `shoal serve`'s (None: from the chat template)
     reasoning_parser: str | None = None
+    sampling_defaults: dict = field(default_factory=dict)  # the model's generation_config.json values
 
 
 # --------------------------------------------------------------------------- parsing
@@ -106,8 +108,9 @@ def submit(llm, item: BatchItem, opts: BatchOptions) -> None:
     try:
         prompts = prompt_ids(llm, item, opts)
         fields = constraint(item.request, item.plan)  # structured outputs, forced tool calls
-        params = [item.request.to_sampling_params(opts.default_max_tokens, llm.max_model_len,
-                                                  len(ids), **fields) for ids in prompts]
+        request = with_model_defaults(item.request, opts.sampling_defaults)  # as `shoal serve` does
+        params = [request.to_sampling_params(opts.default_max_tokens, llm.max_model_len, len(ids), **fields)
+                  for ids in prompts]
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine_id = f"batch-{item.line_no}-{i}"
             llm.add_request(engine_id, ids, p, priority=item.request.priority)
@@ -164,6 +167,7 @@ def run_batch_file(args, config) -> int:
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser)
     opts = with_model_parsers(opts, llm.engine.spec.path)  # the flags left unset: the model's
+    opts.sampling_defaults = model_sampling_defaults(llm.engine.spec.path)
     start = time.perf_counter()
     results = run_batch(llm, lines, opts)
     write_jsonl(args.output_file, results)
