@@ -10,8 +10,8 @@ import torch
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies, bit-for-bit as transformers computes them."""
+def _inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies, bit-for-bit as transformers computes them (longrope: _longrope)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
@@ -49,7 +49,7 @@ def cos_sin_cache(dim: int, theta: float, scaling: dict | None, max_positions: i
         short, long, original, attention = _longrope(dim, theta, scaling)
         freqs = positions[:, None] * torch.where(positions[:, None] < original, short[None, :], long[None, :])
     else:
-        freqs, attention = positions[:, None] * inv_frequencies(dim, theta, scaling)[None, :], 1.0
+        freqs, attention = positions[:, None] * _inv_frequencies(dim, theta, scaling)[None, :], 1.0
     emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * attention, emb.sin() * attention
 
