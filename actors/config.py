@@ -32,6 +32,9 @@ class EngineConfig:
     eager_decode: bool = False  # True: neither (vLLM's --enforce-eager); so does SHOAL_EAGER_DECODE=1
     cuda_graph_sizes: list[int] | None = None  # vLLM's meaning: None, one max size N, or the exact sizes
     max_seq_len_to_capture: int = 8192  # decodes with a longer context run eagerly
+    # Process a step's outputs while the next step runs on the GPU (vLLM's --async-scheduling,
+    # SGLang's overlap scheduler): outputs leave one step later. None: on where the device is CUDA.
+    async_scheduling: bool | None = None
     num_threads: int | None = None  # rank 0's torch threads; None: the CPUs Ray gave it (Serve) or torch's default
     # Parallel layout: tp x pp ranks per model instance; rank 0 lives in the scheduler process
     tp_size: int = 1

@@ -101,6 +101,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 # writes `NAME: false`.)
 NEGATED_ALIASES: dict[str, tuple[str, ...]] = {
     "enable_prefix_caching": ("disable_radix_cache",),
+    "async_scheduling": ("disable_overlap_schedule",),
 }
 # Other spellings of values, by option: `--dtype bf16` and `dtype: bf16` both mean bfloat16.
 VALUE_ALIASES: dict[str, dict[str, str]] = {

@@ -128,10 +128,12 @@ class Scheduler:
         return True
 
     def update(self, output: SchedulerOutput, tokens: list[int | None]) -> None:
-        """The step ran: `tokens` holds the token sampled for each of output.seqs (or None)."""
-        for s, token in zip(output.seqs, tokens):
+        """The step ran: `tokens` holds the token sampled for each of output.seqs (or None).
+        The token of a sequence that finished after it was scheduled becomes None: dropped."""
+        for i, (s, token) in enumerate(zip(output.seqs, tokens)):
             seq = s.seq
-            if seq.finished:  # aborted (or failed) after it was scheduled
+            if seq.finished:  # aborted or failed, or (async scheduling) a stop string a step late
+                tokens[i] = None
                 continue
             seq.num_computed_tokens += s.num_tokens
             self.blocks.cache_full_blocks(seq)

@@ -79,6 +79,19 @@ class RunnerOutput:
     logprobs: list[dict | None]  # {chosen: lp, alternatives...} when the request asked
     prompt_logprobs: list[list | None]  # per prompt position its chunk predicts
     pooled: list[list[float] | None] = field(default_factory=list)  # its pool span's sum, or None
+    # Tokens still on the device while the step's GPU work runs (async scheduling): the chosen
+    # tokens and the positions in `tokens` they fill. `resolve()` reads them.
+    on_device: tuple | None = None
 
     def __post_init__(self):
         self.pooled = self.pooled or [None] * len(self.tokens)
+
+    def resolve(self) -> RunnerOutput:
+        """Read the tokens off the device (the step's one device-to-host copy; it waits for the
+        step's GPU work to finish)."""
+        if self.on_device is not None:
+            chosen, rows = self.on_device
+            self.on_device = None
+            for i, token in zip(rows, chosen.tolist()):
+                self.tokens[i] = token
+        return self

@@ -45,7 +45,9 @@ def last_stage_outputs(model, hidden: torch.Tensor, logit_rows: list[int],
                        pool_spans: list[tuple[int, int]]) -> Heads:
     """What the last stage makes of its final hidden states: the logits of `logit_rows`, and
     for each pool span the float32 sum of its rows' hidden states (None where none is asked)."""
-    logits = model.compute_logits(hidden[logit_rows]) if logit_rows else None
+    logits = None
+    if logit_rows:  # all rows (a decode step) need no index tensor, whose upload waits for the GPU
+        logits = model.compute_logits(hidden if len(logit_rows) == len(hidden) else hidden[logit_rows])
     return logits, span_sums(hidden, pool_spans) if pool_spans else None
 
 

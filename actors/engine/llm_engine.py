@@ -58,6 +58,7 @@ class LLMEngine:
         self.stats = self.metrics.stats
         self.processor = OutputProcessor(self.scheduler, self.metrics)
         self.requests = self.processor.requests  # request id -> Request, until it finishes
+        self._held = None  # async scheduling: the last step, its outputs not made yet
         freeze_startup_heap()  # no 350 ms full collections mid-step (actors/worker/process_tuning.py)
 
     # ---- one step ---------------------------------------------------------------------
@@ -65,10 +66,22 @@ class LLMEngine:
         output = self.scheduler.schedule()
         start = time.monotonic()
         result = self.executor.execute(output)
+        # Async scheduling: the previous step's outputs are made while the GPU runs this one.
+        outputs = self._held_outputs() if self.executor.async_scheduling else None
+        result.resolve()
         self.scheduler.update(output, result.tokens)
         now = time.monotonic()
         self.metrics.record_step(output, result.tokens, self.requests, start, now)
-        return self.processor.outputs(output, result, now)
+        if outputs is None:
+            return self.processor.outputs(output, result, now)
+        self._held = (output, result)
+        return outputs
+
+    def _held_outputs(self) -> list[RequestOutput]:
+        if self._held is None:
+            return []
+        held, self._held = self._held, None
+        return self.processor.outputs(*held, time.monotonic())
 
     # ---- requests ---------------------------------------------------------------------
     def check(self, request: EngineRequest) -> None:

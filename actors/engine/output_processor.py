@@ -68,7 +68,9 @@ class OutputProcessor:
         for s, token, lps, prompt_lps, pooled in zip(output.seqs, tokens.tokens, tokens.logprobs,
                                                      tokens.prompt_logprobs, tokens.pooled):
             req = self.requests.get(s.seq.request_id)
-            if req is None:  # aborted, or failed earlier in this step
+            # (aborted, failed earlier in this step, or, under async scheduling, a sample that
+            # a stop string finished after this step was scheduled)
+            if req is None or s.seq.index in req.finish_sent:
                 continue
             try:
                 self._process(req, s, token, lps, prompt_lps, pooled, deltas)

@@ -44,6 +44,11 @@ class Executor:
     def device(self):
         return self.runner.device
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether execute() may return before the GPU has run the step (RunnerOutput.resolve)."""
+        return self.runner.async_scheduling
+
     def rank_infos(self) -> list[dict]:
         """Where every rank runs (/stats): pid, node, device, GPU ids."""
         from actors.executor.shards import rank_info

@@ -98,8 +98,10 @@ class ModelRunner:
         elif self.kernels.decode == "compiled":
             self._compile_decode()
         log.info("rank %d %s", rank, self.kernels.describe())
-        self.sampler = Sampler(self.args.vocab_size, config.max_num_seqs, spec.eos_ids, self.device) \
-            if rank == 0 else None
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.device.type == "cuda"
+        self.sampler = Sampler(self.args.vocab_size, config.max_num_seqs, spec.eos_ids, self.device,
+                               defer=self.async_scheduling) if rank == 0 else None
 
     # ---- start-up -------------------------------------------------------------------
     def block_bytes(self) -> int:

@@ -3,7 +3,10 @@
 Each scheduled sequence reads its logits through the slice the scheduler gave it
 (ScheduledSeq.logits). The per-row settings (temperature, top-p/k, min-p, penalties, logit
 bias and min_tokens bans, grammar bitmasks, seeded generators) become one SamplingBatch
-(kernels/sampling.py); the chosen tokens are read off the device once per step.
+(kernels/sampling.py); the chosen tokens are read off the device once per step. With
+`defer` (async scheduling) that read is left to the engine (RunnerOutput.resolve), which
+processes the previous step's outputs while this step's GPU work runs; nothing here waits for
+the GPU before then (host lists reach the device through pinned memory).
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from kernels.sampling import SamplingBatch, sample, token_logprobs
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, max_rows: int, eos_ids: frozenset[int], device: torch.device):
-        self.eos_ids, self.device = eos_ids, device
+    def __init__(self, vocab_size: int, max_rows: int, eos_ids: frozenset[int], device: torch.device,
+                 defer: bool = False):
+        self.eos_ids, self.device, self.defer = eos_ids, device, defer
         # Grammar masks of one step's constrained rows, filled in place (nothing grows per step).
         self.bitmask = torch.zeros(max_rows, bitmask_width(vocab_size), dtype=torch.int32)
 
@@ -33,6 +37,9 @@ class Sampler:
         samples = [seqs[i].seq for i in sampling]
         last = take_rows(logits, [seqs[i].logits.stop - 1 for i in sampling])
         chosen = sample(last, self._sampling_batch(samples, last.shape[-1]))
+        if self.defer and all(sq.params.logprobs is None for sq in samples):
+            out.on_device = (chosen, sampling)
+            return out
         if any(sq.params.logprobs is not None for sq in samples):
             k = max((sq.params.logprobs or 0) for sq in samples)
             lp, top = _logprob_lists(*token_logprobs(last, chosen, k))
@@ -57,7 +64,7 @@ class Sampler:
     def _sampling_batch(self, seqs, vocab: int) -> SamplingBatch:
         params = [s.params for s in seqs]
         dev = self.device
-        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)  # noqa: E731
+        f = lambda xs: upload(xs, torch.float32, dev)  # noqa: E731
         b = SamplingBatch(temperature=f([p.temperature for p in params]),
                           all_greedy=all(p.temperature == 0 for p in params))
         b.generators = [s.generator for s in seqs] if any(s.generator for s in seqs) else None
@@ -65,7 +72,7 @@ class Sampler:
             b.top_p = f([p.top_p for p in params])
         if any(p.top_k > 0 for p in params):
             # (a top_k past the vocabulary keeps every token, and must not overflow int64)
-            b.top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
+            b.top_k = upload([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64, dev)
         if any(p.min_p > 0 for p in params):
             b.min_p = f([p.min_p for p in params])
         self._penalties(b, seqs, vocab)
@@ -90,16 +97,16 @@ class Sampler:
             for row, s in enumerate(seqs):
                 out = s.output_token_ids
                 if out:
-                    counts[row].index_add_(0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))
+                    counts[row].index_add_(0, upload(out, torch.int64, dev), torch.ones(len(out), device=dev))
             b.output_counts = counts
-            b.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
-            b.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            b.presence = upload([p.presence_penalty for p in params], torch.float32, dev)
+            b.frequency = upload([p.frequency_penalty for p in params], torch.float32, dev)
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
             for row, s in enumerate(seqs):
-                seen[row, torch.tensor(s.token_ids, device=dev)] = True
+                seen[row, upload(s.token_ids, torch.int64, dev)] = True
             b.seen = seen
-            b.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
+            b.repetition = upload([p.repetition_penalty for p in params], torch.float32, dev)
 
     def _bias(self, seqs, vocab: int) -> torch.Tensor | None:
         """Logit bias and min_tokens bans, as one additive [B, V] tensor."""
@@ -117,8 +124,15 @@ class Sampler:
             # the stop token, would leave nothing to sample).
             if s.num_output_tokens < p.min_tokens and s.matcher is None:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-                bias[row, [t for t in banned if 0 <= t < vocab]] = float("-inf")
+                bias[row, upload([t for t in banned if 0 <= t < vocab], torch.int64, self.device)] = float("-inf")
         return bias
+
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device` without waiting for the GPU: a copy from pageable
+    memory synchronises the stream (it would wait for the step's forward); a pinned one does not."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -83,6 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add("--eager-decode", action="store_true",
         help="run decode steps eagerly: without CUDA graphs on a GPU, without torch.compile on "
              "CPU (vLLM's --enforce-eager; saves the ~20-40 s compile at start-up on CPU)")
+    add("--async-scheduling", action=argparse.BooleanOptionalAction,
+        help="make each step's outputs (detokenizing, stop strings, deltas) while the next step "
+             "runs on the GPU; they leave one step later (default: on with CUDA, off on CPU; "
+             "SGLang's --disable-overlap-schedule turns it off)")
     add("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
         help="CUDA: decode batch sizes captured as graphs: one N means 1, 2, 4, 8, 16, ... up to "
              "N; several mean those sizes (default: up to min(2 x --max-num-seqs, 512)); never "
