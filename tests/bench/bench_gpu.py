@@ -2,7 +2,8 @@
 is installed in the same environment (CUDA only; figures in docs/benchmarks.md).
 
     .venv/bin/python tests/bench/bench_gpu.py [--model-path DIR] [--requests 256] [--output-len 256]
-    .venv/bin/python tests/bench/bench_gpu.py --workload nano-vllm [--variants triton]
+    .venv/bin/python tests/bench/bench_gpu.py --workload nano-vllm [--variants triton-graphs]
+    .venv/bin/python tests/bench/bench_gpu.py --step-profile [--variants triton-graphs-sync,triton-graphs]
 
 Without --model-path it builds a ~0.5B-parameter random Llama (hidden 1024, 24 layers,
 GQA 16/8 heads) in /tmp; `--workload nano-vllm` builds a random Qwen3-0.6B-shaped checkpoint
@@ -10,10 +11,12 @@ GQA 16/8 heads) in /tmp; `--workload nano-vllm` builds a random Qwen3-0.6B-shape
 workload (256 sequences, input and output lengths uniform in 100-1024). Every variant runs the
 same prompts with ignore_eos in this one process, one after the other; the table gives
 tokens/s and the ratio to vLLM (or to the first variant when vLLM is missing). Prints a
-markdown table for docs/benchmarks.md.
+markdown table for docs/benchmarks.md. `--step-profile` instead times decode-only steps at batch
+256 against the memory-bandwidth floor and splits one into its host parts and GPU kernels.
 """
 import argparse
 import gc
+import math
 import random
 import time
 from pathlib import Path
@@ -57,6 +60,97 @@ def shoal_tokens_per_s(path, prompts, out_lens, **options) -> float:
     return rate
 
 
+def decode_step_profile(path, batch: int = 256, prompt_len: int = 512, **options) -> None:
+    """Time decode-only steps at `batch` rows against the time an H100 / H200 needs to read the
+    weights and the live KV once at its nominal memory bandwidth (the issue's ratio)."""
+    from safetensors import safe_open
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=batch, **options)
+    rng = random.Random(1)
+    for i in range(batch):
+        llm.add_request(str(i), [rng.randrange(min(10000, llm.engine.spec.args.vocab_size)) for _ in range(prompt_len)],
+                        SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    engine, steps = llm.engine, 0
+    while engine.scheduler.waiting or steps < 3 or any(  # until every row is decoding
+            s.num_tokens - s.num_computed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+        steps += 1
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    reps, start = 50, time.perf_counter()
+    for _ in range(reps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - start) / reps
+    params = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            params += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    a = engine.spec.args
+    context = prompt_len + 6 + reps // 2  # the mean context over the timed steps
+    kv_bytes = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2 * context * batch
+    name = torch.cuda.get_device_name(0)
+    bandwidth = 4.8e12 if "H200" in name else 3.35e12
+    floor = (params * 2 + kv_bytes) / bandwidth
+    print(f"{name}: {options}: decode step at batch {batch}, context ~{context}: {step_s * 1e3:.2f} ms; "
+          f"reading {params / 1e9:.2f} B bf16 weights + {kv_bytes / 1e9:.2f} GB KV at "
+          f"{bandwidth / 1e12:.2f} TB/s takes {floor * 1e3:.2f} ms; ratio {step_s / floor:.1f}x", flush=True)
+    step_parts(engine)
+    llm.shutdown()
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def step_parts(engine, reps: int = 20) -> None:
+    """Where a decode step's time goes: the host time of engine.step's parts (resolve is the
+    wait for the GPU; under async scheduling the previous step's outputs are made before it),
+    then the GPU's own busy time."""
+    from actors.core.step import RunnerOutput
+    parts: dict[str, float] = {}
+
+    def timed(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[label] = parts.get(label, 0.0) + (time.perf_counter() - t) / reps
+        setattr(owner, name, wrapper)
+        return fn
+
+    originals = [(engine.scheduler, "schedule", timed(engine.scheduler, "schedule", "schedule")),
+                 (engine.executor, "execute", timed(engine.executor, "execute", "execute")),
+                 (engine.processor, "outputs", timed(engine.processor, "outputs", "outputs")),
+                 (engine.metrics, "record_step", timed(engine.metrics, "record_step", "metrics")),
+                 (engine.scheduler, "update", timed(engine.scheduler, "update", "update")),
+                 (RunnerOutput, "resolve", timed(RunnerOutput, "resolve", "resolve (GPU wait)"))]
+    start = time.perf_counter()
+    for _ in range(reps):
+        engine.step()
+    torch.cuda.synchronize()
+    total = (time.perf_counter() - start) / reps
+    for owner, name, fn in originals:
+        if owner is RunnerOutput:
+            setattr(owner, name, fn)
+        else:
+            delattr(owner, name)  # the instance attribute hid the class's method
+    print(f"  step {total * 1e3:.2f} ms; host parts (ms): "
+          + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in parts.items()), flush=True)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in events) / 5 / 1e3
+    print(f"  GPU busy per step: {busy:.2f} ms; top kernels (ms per step):", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]:
+        print(f"    {e.self_device_time_total / 5 / 1e3:7.3f}  {e.key[:90]}", flush=True)
+
+
 def vllm_tokens_per_s(path, prompts, out_lens) -> float | None:
     try:
         from vllm import LLM as VLLM
@@ -78,6 +172,8 @@ VARIANTS = {  # name -> (label, options)
     "native-graphs": ("shoal native, CUDA graphs", dict(attn_backend="native", max_seq_len_to_capture=2048)),
     "triton-eager": ("shoal triton, eager", dict(attn_backend="triton", eager_decode=True)),
     "triton-graphs": ("shoal triton, CUDA graphs", dict(attn_backend="triton", max_seq_len_to_capture=2048)),
+    "triton-graphs-sync": ("shoal triton, CUDA graphs, no async scheduling",
+                           dict(attn_backend="triton", max_seq_len_to_capture=2048, async_scheduling=False)),
     "flash-eager": ("shoal flash, eager", dict(attn_backend="flash", eager_decode=True)),
     "flash-graphs": ("shoal flash, CUDA graphs", dict(attn_backend="flash")),
 }
@@ -90,10 +186,19 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS), help="which of VARIANTS (flash where installed)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--step-profile", action="store_true",
+                    help="time decode steps at batch 256 against the memory-bandwidth floor, per variant")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
     path = Path(args.model_path) if args.model_path else gpu_checkpoint(workload_name=args.workload)
+    if args.step_profile:
+        for name in args.variants.split(","):
+            try:
+                decode_step_profile(path, **VARIANTS[name][1])
+            except Exception as exc:  # noqa: BLE001
+                print(f"{name} step profile failed: {type(exc).__name__}: {exc}", flush=True)
+        return
     if args.workload == "nano-vllm":  # nano-vllm's bench.py: lengths uniform in 100-1024
         rng = random.Random(0)
         prompts = [[rng.randrange(10000) for _ in range(rng.randint(100, 1024))] for _ in range(args.requests)]
