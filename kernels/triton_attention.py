@@ -25,25 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How the kernel is launched: keys per inner iteration (a power of two, >= 16 for tl.dot)
-    and Triton's warps per program and software-pipelining stages (ignored when interpreted)."""
-    tile: int = 32
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-MIXED = Launch()  # steps with prefill chunks
-# Decode-only steps (what CUDA graphs capture) by head size: memory-bound, so the tile and
-# pipelining that keep the most key bytes in flight (tests/bench/bench_gpu_attention.py --sweep).
-DECODE: dict[int, Launch] = {}
-
-
-def launch_for(head_dim: int, decode_only: bool) -> Launch:
-    return DECODE.get(head_dim, MIXED) if decode_only else MIXED
+TILE = 32  # keys per inner iteration (a power of two, >= 16 for tl.dot)
 
 
 @dataclass
@@ -174,14 +156,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // qpkv
     out = torch.empty_like(q)
     num_seqs = meta.seq_lens.shape[0]
-    launch = launch_for(d, decode_only=tokens == num_seqs)
     grid = (tokens // block_q + num_seqs, kv_heads)
     _build()[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, scale, num_seqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
         QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE=launch.tile,
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
-        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), num_warps=launch.num_warps, num_stages=launch.num_stages)
+        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0))
     return out

@@ -100,20 +100,6 @@ def test_sliding_window_and_softcap(interpreted, window, softcap):
     torch.testing.assert_close(got, dense_reference(q, kc, vc, meta, 0.125, window, softcap), rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("tile", [16, 64, 128])
-def test_decode_steps_with_other_launch_tiles(interpreted, monkeypatch, tile):
-    """A decode-only step takes its head size's launch (DECODE); every tile gives the torch
-    path's result, contexts shorter and longer than the tile, on block boundaries and off."""
-    from test_kernels import dense_reference, mixed_step
-
-    q, kc, vc, meta = mixed_step([], 8, 2, 64, 16, decode_lens=(3, 64, 130, 200, 16))
-    monkeypatch.setitem(ta.DECODE, 64, ta.Launch(tile=tile, num_warps=8, num_stages=2))
-    assert ta.launch_for(64, decode_only=True).tile == tile and ta.launch_for(64, decode_only=False) == ta.MIXED
-    tmeta = ta.build_metadata([1] * 5, meta.decode_context_lens, meta.decode_block_tables, 16, "cpu")
-    got = ta.paged_attention(q, kc, vc, tmeta, 0.125)
-    torch.testing.assert_close(got, dense_reference(q, kc, vc, meta, 0.125), rtol=0, atol=2e-5)
-
-
 def test_a_step_through_the_attention_entry_point(interpreted):
     """kernels.attention.paged_attention hands a step with triton metadata to the kernel."""
     q, k, v = torch.randn(3, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)

@@ -186,21 +186,12 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS), help="which of VARIANTS (flash where installed)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--decode-launch", metavar="FILE",
-                    help="decode launches by head size (JSON from bench_gpu_attention.py --sweep) to use")
     ap.add_argument("--step-profile", action="store_true",
                     help="time decode steps at batch 256 against the memory-bandwidth floor, per variant")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
     path = Path(args.model_path) if args.model_path else gpu_checkpoint(workload_name=args.workload)
-    if args.decode_launch:
-        import json
-
-        from kernels import triton_attention
-        for head_dim, launch in json.loads(Path(args.decode_launch).read_text()).items():
-            triton_attention.DECODE[int(head_dim)] = triton_attention.Launch(**launch)
-        print(f"decode launches: {triton_attention.DECODE}")
     if args.step_profile:
         for name in args.variants.split(","):
             try:

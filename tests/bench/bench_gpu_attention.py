@@ -3,11 +3,6 @@ native path (gather the blocks, then SDPA: kernels/attention.py) and flash where
 for decode batches and prefill / extend chunks, bf16. CUDA only.
 
     python tests/bench/bench_gpu_attention.py
-    python tests/bench/bench_gpu_attention.py --sweep [--best-out FILE]
-
---sweep times decode-only steps (256 rows of 800 keys, head sizes 64 and 128) under each launch
-(tile, warps, stages: kernels/triton_attention.py's Launch) and writes the fastest per head size
-as JSON (what DECODE holds; tests/bench/bench_gpu.py --decode-launch applies a file of them).
 
 Each case is timed with CUDA events over 50 calls after 10 warm-ups; the table gives
 microseconds per call (one layer), what the Triton kernel's K/V reads come to in GB/s, and the
@@ -44,7 +39,7 @@ def timed(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def case(rows, head_dim: int = HEAD_DIM):
+def case(rows):
     rng = random.Random(0)
     blocks = sum(-(-(s + n) // BLOCK) for n, s in rows)
     free = list(range(blocks))
@@ -55,8 +50,8 @@ def case(rows, head_dim: int = HEAD_DIM):
     for i, t in enumerate(tables):
         table[i, :len(t)] = torch.tensor(t)
     kw = dict(device="cuda", dtype=torch.bfloat16)
-    k, v = torch.randn(blocks * BLOCK, KV_HEADS, head_dim, **kw), torch.randn(blocks * BLOCK, KV_HEADS, head_dim, **kw)
-    q = torch.randn(sum(n for n, _ in rows), HEADS, head_dim, **kw)
+    k, v = torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, **kw), torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, **kw)
+    q = torch.randn(sum(n for n, _ in rows), HEADS, HEAD_DIM, **kw)
     lens = [n for n, _ in rows]
     keys = torch.tensor([s + n for n, s in rows])
     tri = triton_attention.build_metadata(lens, keys, table, BLOCK, "cuda")
@@ -69,51 +64,13 @@ def case(rows, head_dim: int = HEAD_DIM):
         offsets = [nd + sum(lens[nd:i]) for i in range(nd, len(rows))]
         native.prefill_chunks = [(o, n, s) for o, (n, s) in zip(offsets, rows[nd:])]
         native.prefill_block_tables = table[nd:].cuda()
-    kv_bytes = 2 * int(keys.sum()) * KV_HEADS * head_dim * 2
+    kv_bytes = 2 * int(keys.sum()) * KV_HEADS * HEAD_DIM * 2
     return q, k, v, tri, native, table, keys, lens, nd, kv_bytes
 
 
-def sweep(best_out: str | None) -> None:
-    """Each decode launch's time and bandwidth per head size; the fastest go to `best_out`."""
-    import itertools
-    import json
-    launches = [triton_attention.Launch(t, w, st) for t, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3))]
-    launches += [triton_attention.Launch(16, 4, 2)]
-    best = {}
-    for head_dim in (64, 128):
-        q, k, v, tri, native, *_, kv_bytes = case([(1, 799)] * 256, head_dim)
-        want = paged_attention(q, k, v, native, head_dim ** -0.5).float()
-        times = []
-        for launch in launches:
-            triton_attention.DECODE[head_dim] = launch
-            try:
-                diff = (triton_attention.paged_attention(q, k, v, tri, head_dim ** -0.5).float() - want).abs().max().item()
-                times.append((timed(lambda: triton_attention.paged_attention(q, k, v, tri, head_dim ** -0.5)), launch, diff))
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: that launch is out
-                print(f"head {head_dim} {launch}: {type(exc).__name__}", flush=True)
-        triton_attention.DECODE.pop(head_dim)
-        times.sort(key=lambda x: x[0])
-        mixed = next(t for t, launch, _ in times if launch == triton_attention.MIXED)
-        print(f"{torch.cuda.get_device_name(0)}; decode 256 x 800 keys, {HEADS}/{KV_HEADS} heads of {head_dim}: "
-              f"the mixed-step launch {triton_attention.MIXED} {mixed:.0f} us ({kv_bytes / mixed / 1e3:.0f} GB/s)")
-        for t, launch, diff in times[:6]:
-            print(f"  {t:6.0f} us  {kv_bytes / t / 1e3:5.0f} GB/s  {mixed / t:.2f}x  diff {diff:.1e}  {launch}", flush=True)
-        best[head_dim] = times[0][1].__dict__
-        if best_out:  # after each head size: a run cut short keeps what it found
-            with open(best_out, "w") as f:
-                json.dump(best, f)
-
-
 def main():
-    import argparse
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--best-out")
-    args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_attention.py needs a CUDA device")
-    if args.sweep:
-        return sweep(args.best_out)
     library = flash_attention.installed()
     ops = flash_attention.load(library) if library and BLOCK % flash_attention.block_multiple(library) == 0 else None
     print(f"{torch.cuda.get_device_name(0)}; {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, block {BLOCK}, bf16")
