@@ -2,8 +2,9 @@
 interpreter (TRITON_INTERPRET=1): against the torch path on mixed steps of every shape the
 engine makes (block sizes that are not its tile's, MHA / GQA / MQA and a group of 7, head
 sizes that are not powers of two, ragged contexts, chunks that continue a cached prefix, a
-context ending exactly on a block boundary), and end to end in the engine against
-transformers, eager and through the CUDA-graph path (emulated)."""
+context ending exactly on a block boundary), split-KV decode steps against the dense
+definition, and end to end in the engine against transformers, eager, split and through the
+CUDA-graph path (emulated)."""
 from __future__ import annotations
 
 import logging
@@ -100,6 +101,30 @@ def test_sliding_window_and_softcap(interpreted, window, softcap):
     torch.testing.assert_close(got, dense_reference(q, kc, vc, meta, 0.125, window, softcap), rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (300, None), (None, 3.0)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 80)], ids=["gqa4", "mha-pad"])
+def test_split_kv_decode_matches_the_dense_definition(interpreted, window, softcap, heads, kv_heads, d):
+    """A decode-only step of few long rows splits its keys (flash-decoding): ranges that end
+    mid-block and mid-tile, a row shorter than the later ranges (they weigh nothing), windows
+    that start inside a range."""
+    from test_kernels import dense_reference, mixed_step
+
+    lens = (1100, 37, 1537)
+    q, kc, vc, meta = mixed_step([], heads, kv_heads, d, 16, decode_lens=lens)
+    tmeta = ta.build_metadata([1] * 3, torch.tensor(lens), meta.decode_block_tables, 16, "cpu")
+    assert tmeta.splits == 3 and tmeta.keys_per_split == 544
+    got = ta.paged_attention(q, kc, vc, tmeta, d ** -0.5, window, softcap)
+    torch.testing.assert_close(got, dense_reference(q, kc, vc, meta, d ** -0.5, window, softcap), rtol=0, atol=2e-5)
+
+
+def test_which_steps_split_their_keys():
+    assert ta.key_splits([1] * 8, 16384) == (8, 2048)  # few long rows: SPLIT_ROWS // 8 ranges
+    assert ta.key_splits([1] * 2, 1100) == (2, 576)  # ranges of >= SPLIT_MIN_KEYS, TILE-aligned
+    assert ta.key_splits([1] * 2, 1000) == (1, 0)  # too short to split
+    assert ta.key_splits([1] * 64, 16384) == (1, 0)  # enough rows to fill the GPU
+    assert ta.key_splits([1, 5], 16384) == (1, 0)  # a prefill chunk: the one-launch kernel
+
+
 def test_a_step_through_the_attention_entry_point(interpreted):
     """kernels.attention.paged_attention hands a step with triton metadata to the kernel."""
     q, k, v = torch.randn(3, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
@@ -108,10 +133,21 @@ def test_a_step_through_the_attention_entry_point(interpreted):
     torch.testing.assert_close(out, ta.paged_attention(q, k, v, meta, 0.25))
 
 
-def test_engine_with_triton_attention_matches_transformers(interpreted, checkpoint_factory, caplog, monkeypatch):
-    """Chunked prefill, decodes and a prefix-cache hit through the metadata the runner builds.
+@pytest.mark.parametrize("split_min_keys", [ta.SPLIT_MIN_KEYS, 8], ids=["default", "split-kv-decode"])
+def test_engine_with_triton_attention_matches_transformers(interpreted, checkpoint_factory, caplog, monkeypatch,
+                                                           split_min_keys):
+    """Chunked prefill, decodes and a prefix-cache hit through the metadata the runner builds;
+    and with split-KV decode steps down to 8-key ranges, which these short prompts reach.
     (Without the suite's SHOAL_EAGER_DECODE: the interpreter itself keeps decode eager.)"""
     monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)
+    monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", split_min_keys)
+    splits, build = [], ta.build_metadata
+
+    def recorded(*args):
+        meta = build(*args)
+        splits.append(meta.splits)
+        return meta
+    monkeypatch.setattr(ta, "build_metadata", recorded)
     path = checkpoint_factory("qwen3")
     with caplog.at_level(logging.INFO, logger="shoal.runner"):
         llm = LLM(str(path), attn_backend="triton", block_size=4, num_kv_blocks=96, max_num_batched_tokens=16)
@@ -123,6 +159,7 @@ def test_engine_with_triton_attention_matches_transformers(interpreted, checkpoi
     for ids, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, ids, 16)
     assert llm.engine.scheduler.hit_tokens > 0
+    assert (max(splits) > 1) == (split_min_keys == 8)
 
 
 def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_factory):
