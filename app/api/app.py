@@ -70,10 +70,14 @@ class ApiHost:
         self.settings = settings
         self.api = build_api(settings)
 
-    def attach(self, client: EngineClient) -> FastAPI:
-        """Serve with `client`; its tokenizer, or the checkpoint's (the same files)."""
-        tokenizer = getattr(client, "tokenizer", None) or load_tokenizer(resolve_model_path(self.settings.model_path))
+    def attach(self, client: EngineClient, tokenizer=None) -> FastAPI:
+        """Serve with `client`; with `tokenizer`, else the client's, else the checkpoint's (the
+        same files)."""
+        tokenizer = tokenizer or getattr(client, "tokenizer", None) or self.load_tokenizer()
         return attach(self.api, client, tokenizer, self.settings)
+
+    def load_tokenizer(self):
+        return load_tokenizer(resolve_model_path(self.settings.model_path))
 
     def __serve_build_asgi_app__(self):  # Ray Serve's hook for `@serve.ingress()` hosts
         return self.api

@@ -45,6 +45,7 @@ def application(config: ShoalConfig, listener: str | None = None) -> serve.Appli
         config.server.served_model_name)
     ingress = Ingress.options(num_replicas=d.ingress_replicas, max_ongoing_requests=d.max_ongoing_requests,
                               graceful_shutdown_timeout_s=d.shutdown_timeout,
+                              graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_POLL_S,
                               ray_actor_options={"num_cpus": d.ingress_cpus},
                               logging_config={"log_level": d.log_level.upper(), "enable_access_log": False})
     return ingress.bind(llm, config.server, d.log_level)
@@ -63,6 +64,8 @@ def replica_options(config: ShoalConfig) -> dict:
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         # serve shutdown / a scale-down: requests in flight get this long, then __del__ ends them.
         graceful_shutdown_timeout_s=d.shutdown_timeout,
+        # ... checked this often (Serve's default, 2 s, made every stop wait 2 s for nothing).
+        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_POLL_S,
         # Serve's access log: the API logs every request itself (app/api/request_log.py).
         logging_config={"log_level": d.log_level.upper(), "enable_access_log": False},
     )
@@ -97,6 +100,7 @@ PREFIX_BUSY_MARGIN = 8
 
 
 HEALTH_CHECK_PERIOD_S = 2.0
+GRACEFUL_SHUTDOWN_POLL_S = 0.2
 
 
 def pack_strategy(bundles: list[dict]) -> str:

@@ -29,6 +29,7 @@ class Ingress(ApiHost):
         self._attaching = asyncio.create_task(self._attach(llm_server, serve.get_replica_context().app_name))
 
     async def _attach(self, llm_server, app_name: str) -> None:
+        tokenizer = asyncio.create_task(asyncio.to_thread(self.load_tokenizer))  # while the pool starts
         while True:
             try:
                 client = await ServeEngineClient.create(llm_server, app_name)
@@ -36,5 +37,5 @@ class Ingress(ApiHost):
             except Exception:  # the pool is not up yet, or a replica restarted: retry
                 log.warning("waiting for the LLMServer pool", exc_info=True)
                 await asyncio.sleep(1.0)
-        self.attach(client)
+        self.attach(client, await tokenizer)
         log.info("ingress attached to the LLMServer pool (max_model_len %d)", client.max_model_len)

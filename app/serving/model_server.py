@@ -42,10 +42,12 @@ class ModelServer(ApiHost, ReplicaLifecycle):
         super().__init__(settings, log_level)
         self.engine = ReplicaEngine(engine_config, log_level, progress_interval_s,
                                     stream_chunks_per_s, settings.served_model_name)
-        # Wait for the model: until then Serve routes no request here (a replica added by the
-        # autoscaler takes traffic only once it can serve it).
+        # The tokenizer loads while the scheduler actor starts (a cold transformers import is
+        # seconds). Then wait for the model: until then Serve routes no request here (a replica
+        # added by the autoscaler takes traffic only once it can serve it).
+        tokenizer = asyncio.create_task(asyncio.to_thread(self.load_tokenizer))
         client = await ReplicaEngineClient.create(self.engine, serve.get_replica_context().app_name)
-        self.attach(client)
+        self.attach(client, await tokenizer)
         self._pushing = asyncio.create_task(self._push_http_counts())
         self.http = None
         if listener is not None:
