@@ -361,7 +361,9 @@ def serve_run(config: dict, tmp_path, **env):
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
-    assert code is not None
+    # Ray's driver turns SIGTERM into sys.exit(15): an orderly exit (its atexit hook stops
+    # Ray), not a death by the signal (-15), which would leave Ray's processes to linger.
+    assert code == 15, f"serve run exited with {code}"
     deadline = time.monotonic() + 30
     while any(alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.5)
