@@ -4,7 +4,9 @@
 (actors/core/scheduler.py), the executor runs them on every rank and samples
 (actors/executor/executor.py -> actors/worker/model_runner.py), the scheduler advances its
 sequences with the sampled tokens, and the output processor turns what changed into
-RequestOutputs (actors/engine/output_processor.py).
+RequestOutputs (actors/engine/output_processor.py). With async scheduling (the default on
+CUDA) a step's outputs are made during the next step, while the GPU computes it: `step()`
+returns the previous step's outputs (docs/gpu.md).
 """
 from __future__ import annotations
 
