@@ -41,7 +41,10 @@ INPUT = [
     "{not json",
     line("bad-field", "/v1/completions", {"prompt": PROMPT, "temperature": -1}),
     line("too-long", "/v1/completions", {"prompt": PROMPT, "max_tokens": 100_000}),
-    line("bad-url", "/v1/embeddings", {"input": "x"}),
+    line("bad-url", "/v1/moderations", {"input": "x"}),
+    line("embed", "/v1/embeddings", {"input": [PROMPT, "Once upon a time"], "dimensions": 16}),
+    line("embed-b64", "/v1/embeddings", {"input": TOKEN_PROMPT, "encoding_format": "base64"}),
+    line("embed-long", "/v1/embeddings", {"input": list(range(600))}),
     line("tool", "/v1/chat/completions",
          {"messages": ASK, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
           "tool_choice": {"type": "function", "function": {"name": "pick"}}}),
@@ -61,7 +64,7 @@ INPUT = [
 def test_parse_line_errors():
     assert parse_line(1, "{nope").line_error["code"] == "invalid_json"
     assert parse_line(1, "[1]").line_error is not None
-    bad_url = parse_line(1, line("a", "/v1/embeddings", {}))
+    bad_url = parse_line(1, line("a", "/v1/moderations", {}))
     assert bad_url.error["error"]["param"] == "url" and bad_url.custom_id == "a"
     bad_body = parse_line(1, line("b", "/v1/completions", {"prompt": "x", "top_p": 2}))
     assert bad_body.error["error"]["param"] == "top_p"
@@ -105,7 +108,7 @@ def test_one_line_per_input_line_in_order(results):
     _, rows, stderr = results
     ids = [row["custom_id"] for row in rows]
     assert ids == ["chat", "chat-n", "text", "ids", "echo", "multi", None, "bad-field",
-                   "too-long", "bad-url", "tool", "json", "guided", "bad-tool"]
+                   "too-long", "bad-url", "embed", "embed-b64", "embed-long", "tool", "json", "guided", "bad-tool"]
     assert len({row["id"] for row in rows}) == len(rows)
     assert "requests" in stderr  # the tqdm bar
 
@@ -164,6 +167,28 @@ def test_bad_lines_get_errors_and_do_not_stop_the_rest(results):
         assert response["body"]["error"]["param"] == param
     too_long = results[0]["too-long"]["response"]["body"]["error"]
     assert too_long["code"] == "context_length_exceeded" and "100000" in too_long["message"]
+    long_input = results[0]["embed-long"]["response"]["body"]["error"]
+    assert long_input["code"] == "context_length_exceeded" and long_input["param"] == "input"
+    assert "600 tokens in the input" in long_input["message"]
+
+
+def test_embeddings_as_the_server_makes_them(results, llm):
+    """/v1/embeddings lines: a vector per input in input order, cut to `dimensions` and
+    renormalised, or base64 float32; the same vectors the engine's embed() gives."""
+    import base64
+    import struct
+
+    from actors.pooling_params import PoolingParams
+    embed = body(results, "embed")
+    assert embed["object"] == "list" and [d["index"] for d in embed["data"]] == [0, 1]
+    want = llm.embed([PROMPT, "Once upon a time"], PoolingParams(dimensions=16))
+    for got, out in zip(embed["data"], want):
+        assert len(got["embedding"]) == 16
+        assert got["embedding"] == pytest.approx(out.embedding, abs=1e-5)
+    assert embed["usage"]["prompt_tokens"] == len(llm.encode(PROMPT)) + len(llm.encode("Once upon a time"))
+    packed = base64.b64decode(body(results, "embed-b64")["data"][0]["embedding"])
+    full = llm.embed([TOKEN_PROMPT])[0].embedding
+    assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(full, abs=1e-5)
 
 
 def test_tool_calls_and_structured_outputs_as_the_server_makes_them(results):

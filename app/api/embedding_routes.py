@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from actors.pooling_params import PoolingParams
 from actors.sampling_params import SamplingParams
 from app.api import limits
-from app.api.errors import ApiError
+from app.api.errors import bad_request
 from app.api.request_context import Served
 from app.protocol import embeddings
 
@@ -21,21 +21,16 @@ router = APIRouter(tags=["OpenAI"])
 EMBEDDING_PARAMS = SamplingParams(max_tokens=0)  # an embedding request generates nothing
 
 
-def check_length(served: Served, ids: list[int]) -> None:
-    if len(ids) > served.max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {served.max_model_len} tokens. "
-                            f"However, you requested {len(ids)} tokens in the input for embedding "
-                            "generation. Please reduce the length of the input.",
-                       param="input", code="context_length_exceeded")
-
-
 @router.post("/v1/embeddings", response_model=embeddings.EmbeddingResponse)
 async def create_embedding(body: embeddings.EmbeddingRequest, request: Request):
     limits.check(body, request.app.state.settings)
     served = await Served.ready(request, body.model)
     prompts = [served.encode(p) for p in body.prompts()]
-    for ids in prompts:
-        check_length(served, ids)
+    try:
+        for ids in prompts:
+            embeddings.check_input_length(ids, served.max_model_len)
+    except ValueError as exc:
+        raise bad_request(exc) from None
     outputs = await served.complete(prompts, [EMBEDDING_PARAMS] * len(prompts),
                                     pooling=PoolingParams(dimensions=body.dimensions))
     ordered = [outputs[i] for i in range(len(prompts))]

@@ -17,8 +17,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from actors.logs import setup_logging
+from actors.pooling_params import PoolingParams
+from actors.sampling_params import SamplingParams
 from app.protocol.chat_output import OutputPlan, constraint, plan_output, tools_in_use
 from app.protocol.chat_template import render_chat_prompt
+from app.protocol.embeddings import EmbeddingRequest, check_input_length, embedding_response
 from app.protocol.generation_defaults import model_sampling_defaults, with_model_defaults
 from app.protocol.model_parsers import with_model_parsers
 from app.protocol.models import (
@@ -28,7 +31,8 @@ from app.protocol.responses import chat_response, completion_response
 
 log = logging.getLogger("shoal.run_batch")
 
-ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+             "/v1/embeddings": EmbeddingRequest}
 
 
 @dataclass
@@ -37,7 +41,7 @@ class BatchItem:
     line_no: int
     custom_id: str | None = None
     url: str | None = None
-    request: ChatCompletionRequest | CompletionRequest | None = None
+    request: ChatCompletionRequest | CompletionRequest | EmbeddingRequest | None = None
     error: dict | None = None  # a 400 body: the line parsed but the request is invalid
     line_error: dict | None = None  # the line itself is unusable (not JSON, not an object)
     engine_ids: list[str] = field(default_factory=list)  # one per prompt
@@ -106,6 +110,8 @@ def prompt_ids(llm, item: BatchItem, opts: BatchOptions) -> list[list[int]]:
 def submit(llm, item: BatchItem, opts: BatchOptions) -> None:
     """Queue every prompt of a valid line; any refusal turns the whole line into a 400."""
     try:
+        if isinstance(item.request, EmbeddingRequest):
+            return submit_embedding(llm, item)
         prompts = prompt_ids(llm, item, opts)
         fields = constraint(item.request, item.plan)  # structured outputs, forced tool calls
         request = with_model_defaults(item.request, opts.sampling_defaults)  # as `shoal serve` does
@@ -119,10 +125,24 @@ def submit(llm, item: BatchItem, opts: BatchOptions) -> None:
         item.error = request_error_body(exc)
 
 
+def submit_embedding(llm, item: BatchItem) -> None:
+    """An embeddings line: one pooled request per input, as /v1/embeddings makes them."""
+    prompts = [llm.encode(prompt) for prompt in item.request.prompts()]
+    for ids in prompts:
+        check_input_length(ids, llm.max_model_len)
+    pooling = PoolingParams(dimensions=item.request.dimensions)
+    for i, ids in enumerate(prompts):
+        engine_id = f"batch-{item.line_no}-{i}"
+        llm.add_request(engine_id, ids, SamplingParams(max_tokens=0), pooling=pooling)
+        item.engine_ids.append(engine_id)
+
+
 # --------------------------------------------------------------------------- results
 
 def response_body(item: BatchItem, outputs: dict, tokenizer, opts: BatchOptions) -> dict:
     request, done = item.request, [outputs[rid] for rid in item.engine_ids]
+    if isinstance(request, EmbeddingRequest):
+        return embedding_response(done, opts.model_name, request.encoding_format).model_dump()
     if isinstance(request, ChatCompletionRequest):
         return chat_response(request, done[0], tokenizer, opts.model_name,
                              f"chatcmpl-{uuid.uuid4().hex}", plan=item.plan)

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 
 from actors.outputs import RequestOutput
-from app.protocol.models import OpenAIModel, now, random_id
+from app.protocol.models import OpenAIModel, RequestError, now, random_id
 
 
 class EmbeddingRequest(OpenAIModel):
@@ -35,6 +35,14 @@ class EmbeddingRequest(OpenAIModel):
         if isinstance(self.input, str) or isinstance(self.input[0], int):
             return [self.input]
         return list(self.input)
+
+
+def check_input_length(ids: list[int], max_model_len: int) -> None:
+    """RequestError (400, context_length_exceeded) for an input longer than the context."""
+    if len(ids) > max_model_len:
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                           f"requested {len(ids)} tokens in the input for embedding generation. Please "
+                           "reduce the length of the input.", param="input", code="context_length_exceeded")
 
 
 class Embedding(BaseModel):
