@@ -45,10 +45,14 @@ def last_stage_outputs(model, hidden: torch.Tensor, logit_rows: list[int],
                        pool_spans: list[tuple[int, int]]) -> Heads:
     """What the last stage makes of its final hidden states: the logits of `logit_rows`, and
     for each pool span the float32 sum of its rows' hidden states (None where none is asked)."""
-    logits = None
-    if logit_rows:  # all rows (a decode step) need no index tensor, whose upload waits for the GPU
-        logits = model.compute_logits(hidden if len(logit_rows) == len(hidden) else hidden[logit_rows])
+    logits = model.compute_logits(take_rows(hidden, logit_rows)) if logit_rows else None
     return logits, span_sums(hidden, pool_spans) if pool_spans else None
+
+
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] for increasing row indices: x itself when they are all of its rows (a decode
+    step: no copy, and no index tensor, whose upload would wait for the GPU's queued work)."""
+    return x if len(rows) == len(x) else x[rows]
 
 
 def span_sums(hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from actors.config import EngineConfig
 from actors.core.step import RunnerOutput, SchedulerOutput
 from actors.distributed.parallel import layout
-from actors.distributed.pipeline import Heads, MicroBatch, last_stage_outputs, run_stage
+from actors.distributed.pipeline import Heads, MicroBatch, last_stage_outputs, run_stage, take_rows
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.worker import memory_profile
@@ -31,7 +31,7 @@ from actors.worker.kernel_choice import choose, device_type
 from actors.worker.loader import build_model
 from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import keep_freed_memory
-from actors.worker.sampler import Sampler, take_rows
+from actors.worker.sampler import Sampler
 from kernels import flash_attention, linear
 
 log = logging.getLogger("shoal.runner")

@@ -14,6 +14,7 @@ import torch
 
 from actors.core.step import RunnerOutput, ScheduledSeq
 from actors.core.structured import bitmask_width, fill_bitmasks
+from actors.distributed.pipeline import take_rows
 from kernels.sampling import SamplingBatch, sample, token_logprobs
 
 
@@ -133,12 +134,6 @@ def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
     memory synchronises the stream (it would wait for the step's forward); a pinned one does not."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
-def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """x[rows] for increasing row indices: x itself when they are all of its rows (a decode
-    step's logits, ~1 MB copied twice a step otherwise)."""
-    return x if len(rows) == len(x) else x[rows]
 
 
 def _logprob_lists(chosen_lp: torch.Tensor, top_ids: torch.Tensor | None, top_lp: torch.Tensor | None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.protocol.generation_defaults import CHOICES as GENERATION_CONFIG_CHOICES
 from app.protocol.reasoning import reasoning_parser_name
 from app.protocol.tool_parsers import tool_format
 
@@ -48,8 +49,9 @@ class ServerSettings:
         if isinstance(self.allowed_origins, str):  # "a,b" from an environment variable or flag
             self.allowed_origins = [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
         self.allowed_origins = list(self.allowed_origins or [])
-        if self.generation_config not in ("auto", "vllm"):
-            raise ValueError(f"--generation-config must be auto or vllm, got {self.generation_config!r}")
+        if self.generation_config not in GENERATION_CONFIG_CHOICES:
+            raise ValueError(f"--generation-config must be one of {', '.join(GENERATION_CONFIG_CHOICES)}, "
+                             f"got {self.generation_config!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be positive, got {self.default_max_tokens}")
         for name in ("max_request_bytes", "max_n", "max_prompts", "max_messages", "max_input_chars",

@@ -19,6 +19,7 @@ from actors.logs import setup_logging
 from app.cli.engine_args import add_engine_args, add_option
 from app.cli.serve_config import is_serve_config
 from app.config import ConfigError, ShoalConfig, load_config, replica_count, single_model_server, split_layout
+from app.protocol.generation_defaults import CHOICES as GENERATION_CONFIG_CHOICES
 
 log = logging.getLogger("shoal.serve")
 
@@ -67,7 +68,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--reasoning-parser", metavar="NAME",
         help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1 or none "
              "(default: the model's config.json, else its family's: Qwen3 -> qwen3)")
-    add("--generation-config", choices=["auto", "vllm"],
+    add("--generation-config", choices=list(GENERATION_CONFIG_CHOICES),
         help="auto (default): requests that leave temperature, top_p, top_k, min_p or "
              "repetition_penalty unset get the model's generation_config.json values; vllm: not")
     add("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
