@@ -21,9 +21,7 @@ query offsets, as vLLM's unified attention does), so a step needs no per-program
 the host: the metadata is the query offsets, each row's key count and the block tables.
 
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors (numpy): that is how the suite
-checks it on machines without a GPU. Triton fixes interpreted or compiled at its own import
-(its standard library is jitted then), so the variable must be set before the process imports
-Triton: the suite's conftest sets it first thing on machines without CUDA.
+checks it on machines without a GPU (kernels/triton_programs.py).
 """
 from __future__ import annotations
 
@@ -31,7 +29,25 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import triton_programs
+
 TILE = 32  # keys per inner iteration (a power of two, >= 16 for tl.dot)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the one-launch kernel runs: keys per inner iteration (a power of two, >= 16 for
+    tl.dot), and Triton's warps per program and software-pipelining stages (ignored when
+    interpreted)."""
+    tile: int = TILE
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+MIXED = Launch()  # steps with prefill chunks, and decode-only steps of head sizes not in DECODE
+# Decode-only steps (what CUDA graphs capture) by head size: memory-bound, so the tile and
+# pipelining that keep the most key bytes in flight (tests/bench/bench_gpu_attention.py --sweep).
+DECODE: dict[int, Launch] = {}
 # Split-KV decode: a decode-only step of fewer than SPLIT_ROWS rows splits each row's keys into
 # ranges of at least SPLIT_MIN_KEYS, into at most SPLIT_ROWS // rows ranges.
 SPLIT_ROWS = 64
@@ -73,34 +89,8 @@ def key_splits(query_lens: list[int], longest: int) -> tuple[int, int]:
     return -(-longest // per), per
 
 
-_kernel = None  # built on first use
-
-
-def interpreted() -> bool:
-    """Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1)."""
-    from kernels.env import flag
-    return flag("TRITON_INTERPRET", False)
-
-
-def available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("triton") is not None
-
-
-def _build():
-    """The jitted kernels (the whole-step one, the split-KV decode one), built on first use."""
-    global _kernel
-    if _kernel is None:
-        import triton.language as tl
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if interpreted() != isinstance(tl.standard.zeros, InterpretedFunction):
-            raise RuntimeError("TRITON_INTERPRET was changed after Triton was imported; Triton reads it at "
-                               "import, so set it before the process starts")
-        from kernels import triton_attention_programs as programs
-
-        _kernel = programs.attention, programs.decode_split
-    return _kernel
+def _programs():
+    return triton_programs.load("triton_attention_programs")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -117,15 +107,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // qpkv
     out = torch.empty_like(q)
     num_seqs = meta.seq_lens.shape[0]
+    launch = DECODE.get(d, MIXED) if tokens == num_seqs else MIXED
     grid = (tokens // block_q + num_seqs, kv_heads)
-    _build()[0][grid](
+    _programs().attention[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, scale, num_seqs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
         QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE=TILE,
+        BLOCK_Q=block_q, BLOCK_M=block_m, TILE=launch.tile,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
-        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0))
+        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out
 
 
@@ -136,7 +127,7 @@ def _split_decode(q, k_cache, v_cache, meta: TritonMetadata, scale: float, windo
     tokens, heads, d = q.shape
     parts = torch.empty(tokens, heads, meta.splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(tokens, heads, meta.splits, dtype=torch.float32, device=q.device)
-    _build()[1][(tokens, k_cache.shape[1], meta.splits)](
+    _programs().decode_split[(tokens, k_cache.shape[1], meta.splits)](
         q, k_cache, v_cache, parts, lse, meta.block_tables, meta.seq_lens, scale, meta.keys_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), meta.block_tables.stride(0),
         QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),

@@ -34,7 +34,9 @@ def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, seq, table_stride, k
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
-@triton.jit
+# Sizes that change from step to step are not specialised on (Triton would compile a variant
+# for each of: equal to 1, a multiple of 16, anything else) so that no step compiles mid-run.
+@triton.jit(do_not_specialize=["num_seqs"])
 def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, scale, num_seqs,
               q_stride_t, q_stride_h, kv_stride_s, kv_stride_h, o_stride_t, o_stride_h, table_stride,
               QPKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -84,7 +86,7 @@ def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_pt
         tl.store(out_ptr + q_rows[:, None] * o_stride_t + head[:, None] * o_stride_h + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
-@triton.jit
+@triton.jit(do_not_specialize=["keys_per_split"])
 def decode_split(q_ptr, k_ptr, v_ptr, part_ptr, lse_ptr, tables_ptr, seq_lens_ptr, scale, keys_per_split,
                  q_stride_t, q_stride_h, kv_stride_s, kv_stride_h, table_stride,
                  QPKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,

@@ -22,15 +22,16 @@ from actors.worker import kernel_choice
 from actors.worker.cuda_graphs import DecodeGraphs
 from actors.worker.input_batch import InputBatch
 from kernels import triton_attention as ta
+from kernels import triton_programs
 from kernels.attention import AttentionMetadata, paged_attention
 
-pytestmark = pytest.mark.skipif(not ta.available(), reason="Triton is not installed")
+pytestmark = pytest.mark.skipif(not triton_programs.available(), reason="Triton is not installed")
 
 
 @pytest.fixture
 def interpreted():
     """conftest turns the interpreter on where there is no CUDA (before Triton is imported)."""
-    if not ta.interpreted():
+    if not triton_programs.interpreted():
         pytest.skip("Triton's interpreter is off (CUDA is here: tests/test_gpu.py runs the kernel)")
 
 
@@ -123,6 +124,19 @@ def test_which_steps_split_their_keys():
     assert ta.key_splits([1] * 2, 1000) == (1, 0)  # too short to split
     assert ta.key_splits([1] * 64, 16384) == (1, 0)  # enough rows to fill the GPU
     assert ta.key_splits([1, 5], 16384) == (1, 0)  # a prefill chunk: the one-launch kernel
+
+
+@pytest.mark.parametrize("tile", [16, 64])
+def test_decode_steps_with_other_launch_tiles(interpreted, monkeypatch, tile):
+    """A decode-only step takes its head size's launch (DECODE); other tiles give the torch
+    path's result, contexts shorter and longer than the tile, on block boundaries and off."""
+    from test_kernels import dense_reference, mixed_step
+
+    q, kc, vc, meta = mixed_step([], 8, 2, 64, 16, decode_lens=(3, 64, 130, 200, 16))
+    monkeypatch.setitem(ta.DECODE, 64, ta.Launch(tile=tile, num_warps=8, num_stages=2))
+    tmeta = ta.build_metadata([1] * 5, meta.decode_context_lens, meta.decode_block_tables, 16, "cpu")
+    got = ta.paged_attention(q, kc, vc, tmeta, 0.125)
+    torch.testing.assert_close(got, dense_reference(q, kc, vc, meta, 0.125), rtol=0, atol=2e-5)
 
 
 def test_a_step_through_the_attention_entry_point(interpreted):

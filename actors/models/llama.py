@@ -25,6 +25,7 @@ from actors.models.args import ModelArgs
 from actors.models.layers import (
     ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard,
 )
+from kernels import triton_fused
 from kernels.activation import gated_activation
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.norms import RMSNorm
@@ -97,10 +98,23 @@ class Attention(nn.Module):
         self.softcap = a.attn_softcap
         self.local_rope = a.local_rope is not None and self.window is not None  # Gemma 3's local layers
         self.interleaved = a.rope.interleaved
+        rope = a.local_rope if self.local_rope else a.rope
+        # Norm, rotary and the KV write in one Triton kernel: whole-head rotate-half rotary.
+        self.fusable = (a.qk_norm != "all" and rope.dim == self.d and not rope.interleaved
+                        and triton_fused.enabled())
+        self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
         self.k_cache = self.v_cache = None  # views into the engine's KV pool, set at start-up
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         t = x.shape[0]
+        if meta.triton is not None and self.fusable:
+            q = triton_fused.qk_rope_write(
+                self.qkv_proj(x), self.h, self.kvh, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache,
+                *((self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)),
+                self.eps, self.norm_offset)
+            o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, window=self.window,
+                                softcap=self.softcap)
+            return self.o_proj(o.reshape(t, self.h * self.d))
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -120,8 +134,12 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(a.hidden_size, 2 * width, a.mlp_bias)
         self.down_proj = RowParallelLinear(width, a.hidden_size, a.mlp_bias, p)
         self.act = gated_activation(a.activation)
+        self.silu = a.activation == "silu"
 
-    def forward(self, x):
+    def forward(self, x, fused: bool = False):
+        """fused: SiLU x up through the Triton kernel (steps of the Triton backend)."""
+        if fused and self.silu:
+            return self.down_proj(triton_fused.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -136,10 +154,23 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = norm() if a.norms != "pre" else None
         self.post_mlp_norm = norm() if a.norms != "pre" else None
         self.residual_scale = a.residual_scale
+        self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
+        # Norms before each sublayer only: the residual add and the next norm fuse.
+        self.fusable = a.norms == "pre" and a.residual_scale == 1.0 and triton_fused.enabled()
 
     def forward(self, x, cos, sin, meta):
+        if meta.triton is not None and self.fusable:
+            return self._fused(x, cos, sin, meta)
         x = x + self._scaled(self.post_attn_norm, self.self_attn(_norm(self.input_layernorm, x), cos, sin, meta))
         return x + self._scaled(self.post_mlp_norm, self.mlp(_norm(self.pre_mlp_norm, x)))
+
+    def _fused(self, x, cos, sin, meta):
+        """The same block on a step of the Triton backend: its elementwise work in
+        kernels/triton_fused.py's kernels (a GPU step is otherwise dozens of tiny launches)."""
+        h = triton_fused.rms_norm(x, self.input_layernorm.weight, self.eps, self.norm_offset)
+        h, x = triton_fused.add_rms_norm(self.self_attn(h, cos, sin, meta), x, self.pre_mlp_norm.weight, self.eps,
+                                         self.norm_offset)
+        return x + (self.mlp(h, fused=True) if isinstance(self.mlp, MLP) else self.mlp(h))
 
     def _scaled(self, norm, y):
         y = _norm(norm, y)
@@ -166,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
         self.args, self.p = args, p or Parallel()
         self.model = LlamaModel(args, self.p, self.make_mlp)
         self.first_layer = self.p.layers(args.num_layers).start
+        self.fused_norm = triton_fused.enabled()  # the final norm, on steps of the Triton backend
         if self.p.last_stage:
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, self.p)
         for name, (cos, sin) in rope_tables(args, max_positions).items():
@@ -190,7 +222,12 @@ class LlamaForCausalLM(nn.Module):
         local = (self.rope_local_cos[positions], self.rope_local_sin[positions]) if self.args.local_rope else rope
         for layer in self.model.layers:
             x = layer(x, *(local if layer.self_attn.local_rope else rope), meta)
-        return self.model.norm(x) if self.p.last_stage else x
+        if not self.p.last_stage:
+            return x
+        norm = self.model.norm
+        if meta.triton is not None and self.fused_norm:
+            return triton_fused.rms_norm(x, norm.weight, norm.eps, norm.offset)
+        return norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
-from kernels import flash_attention, linear, native, triton_attention
+from kernels import flash_attention, linear, native, triton_programs
 from kernels.env import flag
 
 log = logging.getLogger("shoal.runner")
@@ -139,9 +139,9 @@ def attention_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int) -
 def triton_unavailable(config: EngineConfig) -> str | None:
     """Why the Triton kernel can't run (one phrase), or None: it needs Triton, and a CUDA
     device or, for tests on CPU, Triton's interpreter (TRITON_INTERPRET=1)."""
-    if not triton_attention.available():
+    if not triton_programs.available():
         return "Triton is not installed"
-    if device_type(config) != "cuda" and not triton_attention.interpreted():
+    if device_type(config) != "cuda" and not triton_programs.interpreted():
         return "it needs a CUDA device (or TRITON_INTERPRET=1 on CPU)"
     return None
 

@@ -15,8 +15,10 @@ markdown table for docs/benchmarks.md. `--step-profile` instead times decode-onl
 256 against the memory-bandwidth floor and splits one into its host parts and GPU kernels.
 """
 import argparse
+import contextlib
 import gc
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -47,7 +49,7 @@ def gpu_checkpoint(root="/tmp/shoal-bench", workload_name: str = "llama") -> Pat
 def shoal_tokens_per_s(path, prompts, out_lens, **options) -> float:
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=256, **options)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    llm.generate(prompts[:32], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -60,7 +62,7 @@ def shoal_tokens_per_s(path, prompts, out_lens, **options) -> float:
     return rate
 
 
-def decode_step_profile(path, batch: int = 256, prompt_len: int = 512, **options) -> None:
+def decode_step_profile(path, name: str, batch: int = 256, prompt_len: int = 512, **options) -> None:
     """Time decode-only steps at `batch` rows against the time an H100 / H200 needs to read the
     weights and the live KV once at its nominal memory bandwidth (the issue's ratio)."""
     from safetensors import safe_open
@@ -89,10 +91,9 @@ def decode_step_profile(path, batch: int = 256, prompt_len: int = 512, **options
     a = engine.spec.args
     context = prompt_len + 6 + reps // 2  # the mean context over the timed steps
     kv_bytes = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2 * context * batch
-    name = torch.cuda.get_device_name(0)
-    bandwidth = 4.8e12 if "H200" in name else 3.35e12
+    bandwidth = 4.8e12 if "H200" in torch.cuda.get_device_name(0) else 3.35e12
     floor = (params * 2 + kv_bytes) / bandwidth
-    print(f"{name}: {options}: decode step at batch {batch}, context ~{context}: {step_s * 1e3:.2f} ms; "
+    print(f"{torch.cuda.get_device_name(0)}: {name}: decode step at batch {batch}, context ~{context}: {step_s * 1e3:.2f} ms; "
           f"reading {params / 1e9:.2f} B bf16 weights + {kv_bytes / 1e9:.2f} GB KV at "
           f"{bandwidth / 1e12:.2f} TB/s takes {floor * 1e3:.2f} ms; ratio {step_s / floor:.1f}x", flush=True)
     step_parts(engine)
@@ -146,8 +147,9 @@ def step_parts(engine, reps: int = 20) -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     busy = sum(e.self_device_time_total for e in events) / 5 / 1e3
-    print(f"  GPU busy per step: {busy:.2f} ms; top kernels (ms per step):", flush=True)
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:8]:
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 5
+    print(f"  GPU busy per step: {busy:.2f} ms in {kernels:.0f} kernels; top kernels (ms per step):", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]:
         print(f"    {e.self_device_time_total / 5 / 1e3:7.3f}  {e.key[:90]}", flush=True)
 
 
@@ -167,16 +169,38 @@ def vllm_tokens_per_s(path, prompts, out_lens) -> float | None:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-VARIANTS = {  # name -> (label, options)
+GRAPHS = dict(attn_backend="triton", max_seq_len_to_capture=2048)
+VARIANTS = {  # name -> (label, engine options, environment, decode launches by head size)
     "native-eager": ("shoal native, eager", dict(attn_backend="native", eager_decode=True)),
     "native-graphs": ("shoal native, CUDA graphs", dict(attn_backend="native", max_seq_len_to_capture=2048)),
     "triton-eager": ("shoal triton, eager", dict(attn_backend="triton", eager_decode=True)),
-    "triton-graphs": ("shoal triton, CUDA graphs", dict(attn_backend="triton", max_seq_len_to_capture=2048)),
-    "triton-graphs-sync": ("shoal triton, CUDA graphs, no async scheduling",
-                           dict(attn_backend="triton", max_seq_len_to_capture=2048, async_scheduling=False)),
+    "triton-graphs": ("shoal triton, CUDA graphs", GRAPHS),
+    "triton-graphs-sync": ("shoal triton, CUDA graphs, no async scheduling", dict(GRAPHS, async_scheduling=False)),
+    "triton-graphs-unfused": ("shoal triton, CUDA graphs, unfused elementwise ops", GRAPHS,
+                              {"SHOAL_FUSED_KERNELS": "0"}),
+    # The decode launches a sweep on an H200 found fastest per call (docs/benchmarks.md)
+    "triton-graphs-tuned": ("shoal triton, CUDA graphs, decode launches by head size", GRAPHS, {},
+                            {64: dict(tile=128, num_warps=4, num_stages=3), 128: dict(tile=64, num_warps=4, num_stages=2)}),
     "flash-eager": ("shoal flash, eager", dict(attn_backend="flash", eager_decode=True)),
     "flash-graphs": ("shoal flash, CUDA graphs", dict(attn_backend="flash")),
 }
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The variant's engine options, with its environment and decode launches in force."""
+    from kernels import triton_attention
+    _, options, env, launches = (*VARIANTS[name], {}, {})[:4]
+    saved_env, saved_launches = {k: os.environ.get(k) for k in env}, dict(triton_attention.DECODE)
+    os.environ.update(env)
+    triton_attention.DECODE.update({d: triton_attention.Launch(**kw) for d, kw in launches.items()})
+    try:
+        yield options
+    finally:
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        triton_attention.DECODE.clear()
+        triton_attention.DECODE.update(saved_launches)
 
 
 def main():
@@ -195,7 +219,8 @@ def main():
     if args.step_profile:
         for name in args.variants.split(","):
             try:
-                decode_step_profile(path, **VARIANTS[name][1])
+                with variant(name) as options:
+                    decode_step_profile(path, name, **options)
             except Exception as exc:  # noqa: BLE001
                 print(f"{name} step profile failed: {type(exc).__name__}: {exc}", flush=True)
         return
@@ -208,12 +233,13 @@ def main():
         prompts = workload(args.requests, 64, 512)
         out_lens = [args.output_len] * args.requests
         what = f"prompts 64-512 tokens, {args.output_len} new tokens each"
-    variants = dict(VARIANTS[v] for v in args.variants.split(",")
-                    if not v.startswith("flash") or flash_attention.installed())
     rates = {}
-    for name, opts in variants.items():
+    for name in args.variants.split(","):
+        if name.startswith("flash") and not flash_attention.installed():
+            continue
         try:
-            rates[name] = shoal_tokens_per_s(path, prompts, out_lens, **opts)
+            with variant(name) as options:
+                rates[VARIANTS[name][0]] = shoal_tokens_per_s(path, prompts, out_lens, **options)
         except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others' figures
             print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
     baseline = vllm_tokens_per_s(path, prompts, out_lens)

@@ -15,18 +15,22 @@ DIR="${OUT:-/tmp}"
 LOG="$DIR/gpu_check.log"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY="${PYTHON:-python3}"
+# Which engine variants (tests/bench/bench_gpu.py's VARIANTS) to compare, each pair in one process.
+VARIANTS="${VARIANTS:-triton-graphs-unfused,triton-graphs,triton-graphs-tuned}"
+STEP_VARIANTS="${STEP_VARIANTS:-triton-graphs-unfused,triton-graphs}"
 {
   echo "== machine"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   echo "== tests (CUDA)"
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_triton_fused.py 2>&1 | tee "$DIR/gpu_fused_tests.log" | tail -5
   timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_gpu.py 2>&1 | tee "$DIR/gpu_tests.log" | tail -25
   echo "== paged attention kernels"
   timeout 45 "$PY" tests/bench/bench_gpu_attention.py 2>&1 | tee "$DIR/gpu_attention.log" | tail -12
-  echo "== a decode step at batch 256 against the memory-bandwidth floor"
-  timeout 90 "$PY" tests/bench/bench_gpu.py --step-profile --variants triton-graphs-sync,triton-graphs 2>&1 | tee "$DIR/gpu_step.log" | grep -v Warn | tail -24
+  echo "== a decode step at batch 256 against the memory-bandwidth floor, Qwen3-0.6B shape"
+  timeout 120 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --step-profile --variants "$STEP_VARIANTS" 2>&1 | tee "$DIR/gpu_step.log" | grep -v -i warn | tail -45
   echo "== nano-vllm's workload, Qwen3-0.6B shape (target >= 12,000 output tok/s)"
-  timeout 110 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --variants triton-graphs-sync,triton-graphs 2>&1 | tee "$DIR/gpu_nano.log" | tail -6
+  timeout 150 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_nano.log" | tail -7
   echo "== bench_gpu.py's 0.5B Llama, 256 requests (target >= 20,000 output tok/s)"
-  timeout 110 "$PY" tests/bench/bench_gpu.py --variants triton-graphs-sync,triton-graphs 2>&1 | tee "$DIR/gpu_llama.log" | tail -8
+  timeout 100 "$PY" tests/bench/bench_gpu.py --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_llama.log" | tail -7
 } 2>&1 | tee "$LOG"

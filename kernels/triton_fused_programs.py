@@ -1,0 +1,123 @@
+"""The Triton programs of kernels/triton_fused.py (which says what they compute). Imported on
+first use, after the choice between Triton's compiler and its interpreter is made.
+
+Each rounds to the tensors' dtype where the torch definition it replaces does (a bf16 product
+is rounded before it is added, say), so only the order of a sum can differ from it."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rounded(x, DTYPE: tl.constexpr):
+    """x (float32) rounded to DTYPE, kept in float32. Round to nearest even, as torch's casts
+    do; written out for bf16, whose cast Triton's interpreter truncates."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def normed(x, w, n, eps, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of the vector x (float32, masked-out entries 0) of n entries, by weight w
+    (float32), rounded to DTYPE as transformers does: Llama's order w * round(x * r), or
+    Gemma's round(x * r * (OFFSET + w))."""
+    r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+    if OFFSET != 0.0:
+        return rounded(x * r * (OFFSET + w), DTYPE)
+    return rounded(w * rounded(x * r, DTYPE), DTYPE)
+
+
+@triton.jit
+def rms_norm(x_ptr, add_ptr, w_ptr, out_ptr, sum_ptr, n, x_stride, add_stride, out_stride, sum_stride, eps,
+             HAS_ADD: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: out = RMSNorm(x), or with HAS_ADD, sum = x + add (rounded) and out = RMSNorm(sum)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0)
+    if HAS_ADD:
+        x = rounded(x.to(tl.float32) + tl.load(add_ptr + row * add_stride + offs, mask=ok, other=0.0).to(tl.float32),
+                    sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * sum_stride + offs, x, mask=ok)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = normed(x.to(tl.float32), w, n, eps, OFFSET, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_stride + offs, y, mask=ok)
+
+
+@triton.jit
+def rotate(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
+    """Rotate-half rotary over the two halves of a head (float32 values of DTYPE numbers), each
+    product rounded before the sum as torch's q * cos + rotate_half(q) * sin is."""
+    r1 = rounded(rounded(x1 * c1, DTYPE) + rounded(-x2 * s1, DTYPE), DTYPE)
+    r2 = rounded(rounded(x2 * c2, DTYPE) + rounded(x1 * s2, DTYPE), DTYPE)
+    return r1, r2
+
+
+@triton.jit
+def qk_rope_write(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+                  qkv_stride, q_stride_t, q_stride_h, cache_stride_s, cache_stride_h, cos_stride, eps,
+                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                  NORM: tl.constexpr, OFFSET: tl.constexpr):
+    """One token, one head of the fused q/k/v projection's output: a query head (program 1 axis
+    below HEADS) is normed (NORM), rotated and written to q; a KV head's key is normed, rotated
+    and written to the pool at the token's slot, its value copied beside it."""
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dtype = q_ptr.dtype.element_ty
+    offs = tl.arange(0, HALF_PAD)
+    ok = offs < HALF
+    is_q = head < HEADS
+    col = head * 2 * HALF  # the head's first column in qkv (keys follow the query heads)
+    x1 = tl.load(qkv_ptr + t * qkv_stride + col + offs, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(qkv_ptr + t * qkv_stride + col + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        if is_q:
+            w1 = tl.load(qw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(qw_ptr + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(kw_ptr + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+        if OFFSET != 0.0:
+            x1 = rounded(x1 * r * (OFFSET + w1), dtype)
+            x2 = rounded(x2 * r * (OFFSET + w2), dtype)
+        else:
+            x1 = rounded(w1 * rounded(x1 * r, dtype), dtype)
+            x2 = rounded(w2 * rounded(x2 * r, dtype), dtype)
+    c1 = rounded(tl.load(cos_ptr + t * cos_stride + offs, mask=ok, other=0.0), dtype)
+    c2 = rounded(tl.load(cos_ptr + t * cos_stride + HALF + offs, mask=ok, other=0.0), dtype)
+    s1 = rounded(tl.load(sin_ptr + t * cos_stride + offs, mask=ok, other=0.0), dtype)
+    s2 = rounded(tl.load(sin_ptr + t * cos_stride + HALF + offs, mask=ok, other=0.0), dtype)
+    r1, r2 = rotate(x1, x2, c1, c2, s1, s2, dtype)
+    if is_q:
+        out = q_ptr + t * q_stride_t + head * q_stride_h
+        tl.store(out + offs, r1, mask=ok)
+        tl.store(out + HALF + offs, r2, mask=ok)
+    else:
+        kv_head = head - HEADS
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        k_out = k_cache_ptr + slot * cache_stride_s + kv_head * cache_stride_h
+        tl.store(k_out + offs, r1, mask=ok)
+        tl.store(k_out + HALF + offs, r2, mask=ok)
+        v_col = (HEADS + KV_HEADS + kv_head) * 2 * HALF
+        v_out = v_cache_ptr + slot * cache_stride_s + kv_head * cache_stride_h
+        v1 = tl.load(qkv_ptr + t * qkv_stride + v_col + offs, mask=ok, other=0.0)
+        v2 = tl.load(qkv_ptr + t * qkv_stride + v_col + HALF + offs, mask=ok, other=0.0)
+        tl.store(v_out + offs, v1, mask=ok)
+        tl.store(v_out + HALF + offs, v2, mask=ok)
+
+
+@triton.jit
+def silu_and_mul(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexpr):
+    """out = round(silu(gate)) * up for one row's BLOCK columns; x holds [gate | up]."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < width
+    gate = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + width + offs, mask=ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    act = rounded(gate / (1.0 + tl.exp(-gate)), dtype)
+    tl.store(out_ptr + row * out_stride + offs, rounded(act * up, dtype), mask=ok)
