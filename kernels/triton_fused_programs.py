@@ -87,10 +87,10 @@ def qk_rope_write(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, cos_ptr, 
         else:
             x1 = rounded(w1 * rounded(x1 * r, dtype), dtype)
             x2 = rounded(w2 * rounded(x2 * r, dtype), dtype)
-    c1 = rounded(tl.load(cos_ptr + t * cos_stride + offs, mask=ok, other=0.0), dtype)
-    c2 = rounded(tl.load(cos_ptr + t * cos_stride + HALF + offs, mask=ok, other=0.0), dtype)
-    s1 = rounded(tl.load(sin_ptr + t * cos_stride + offs, mask=ok, other=0.0), dtype)
-    s2 = rounded(tl.load(sin_ptr + t * cos_stride + HALF + offs, mask=ok, other=0.0), dtype)
+    c1 = rounded(tl.load(cos_ptr + t * cos_stride + offs, mask=ok, other=0.0).to(tl.float32), dtype)
+    c2 = rounded(tl.load(cos_ptr + t * cos_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32), dtype)
+    s1 = rounded(tl.load(sin_ptr + t * cos_stride + offs, mask=ok, other=0.0).to(tl.float32), dtype)
+    s2 = rounded(tl.load(sin_ptr + t * cos_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32), dtype)
     r1, r2 = rotate(x1, x2, c1, c2, s1, s2, dtype)
     if is_q:
         out = q_ptr + t * q_stride_t + head * q_stride_h
