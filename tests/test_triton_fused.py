@@ -73,7 +73,8 @@ def test_qk_rope_write(device, dtype, heads, kv_heads, d, norm):
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d) * 2).to(device, dtype)
     cos_table, sin_table = cos_sin_cache(d, 10000.0, None, 64)
     positions = torch.tensor([0, 5, 6, 7, 31, 63])
-    cos, sin = cos_table[positions].to(device), sin_table[positions].to(device)
+    # the tables are in the model's dtype, as the model's buffers are once it is cast
+    cos, sin = cos_table[positions].to(device, dtype), sin_table[positions].to(device, dtype)
     slots = torch.randperm(pool)[:tokens].to(device)
     qw, kw = (torch.rand(d) + 0.5).to(device, dtype), (torch.rand(d) + 0.5).to(device, dtype)
     k_cache, v_cache = torch.randn(pool, kv_heads, d).to(device, dtype), torch.randn(pool, kv_heads, d).to(device, dtype)
