@@ -121,3 +121,79 @@ def silu_and_mul(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexp
     dtype = out_ptr.dtype.element_ty
     act = rounded(gate / (1.0 + tl.exp(-gate)), dtype)
     tl.store(out_ptr + row * out_stride + offs, rounded(act * up, dtype), mask=ok)
+
+
+@triton.jit
+def expert_block(b, block_cum_ptr, counts_ptr, starts_ptr, num_experts, BM: tl.constexpr):
+    """Program b's expert e (num_experts: none, the program has nothing to do), the sorted
+    positions of its rows (start + offs) and which of them exist (ok)."""
+    lo = 0
+    hi = num_experts
+    while lo < hi:  # the first expert whose blocks end past b
+        mid = (lo + hi) // 2
+        if tl.load(block_cum_ptr + mid) > b:
+            hi = mid
+        else:
+            lo = mid + 1
+    e = tl.minimum(lo, num_experts - 1)
+    first = tl.load(block_cum_ptr + e - 1, mask=e > 0, other=0)
+    offs = (b - first) * BM + tl.arange(0, BM)
+    rows = tl.where(lo < num_experts, tl.load(counts_ptr + e), 0)
+    return lo, tl.load(starts_ptr + e) + offs, offs < rows
+
+
+@triton.jit(do_not_specialize=["num_experts", "top_k"])
+def expert_gate_up(x_ptr, w_ptr, out_ptr, order_ptr, block_cum_ptr, counts_ptr, starts_ptr, num_experts, top_k,
+                   hidden, width, x_stride, w_stride_e, w_stride_n, out_stride,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of BM assignments of one expert, BN columns of its width: round(silu(x W_gate))
+    x round(x W_up), rounded, into the sorted positions' rows of out."""
+    e, pos, ok = expert_block(tl.program_id(0), block_cum_ptr, counts_ptr, starts_ptr, num_experts, BM)
+    if e < num_experts:
+        token = (tl.load(order_ptr + pos, mask=ok, other=0) // top_k).to(tl.int64)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = offs_n < width
+        w = w_ptr + e.to(tl.int64) * w_stride_e
+        gate = tl.zeros([BM, BN], tl.float32)
+        up = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, hidden, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < hidden
+            xs = tl.load(x_ptr + token[:, None] * x_stride + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            wk = k_ok[:, None] & n_ok[None, :]
+            wg = tl.load(w + offs_n[None, :] * w_stride_n + offs_k[:, None], mask=wk, other=0.0)
+            wu = tl.load(w + (width + offs_n)[None, :] * w_stride_n + offs_k[:, None], mask=wk, other=0.0)
+            gate = tl.dot(xs, wg, gate, input_precision=PRECISION)
+            up = tl.dot(xs, wu, up, input_precision=PRECISION)
+        dtype = out_ptr.dtype.element_ty
+        gate = rounded(gate, dtype)
+        act = rounded(rounded(gate / (1.0 + tl.exp(-gate)), dtype) * rounded(up, dtype), dtype)
+        tl.store(out_ptr + pos.to(tl.int64)[:, None] * out_stride + offs_n[None, :], act,
+                 mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_experts"])
+def expert_down(h_ptr, w_ptr, out_ptr, order_ptr, weights_ptr, block_cum_ptr, counts_ptr, starts_ptr, num_experts,
+                hidden, width, h_stride, w_stride_e, w_stride_n, out_stride,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of BM assignments of one expert, BN of the hidden columns: round(h W_down)
+    times the assignment's routing weight (rounded), into the assignment's row of out."""
+    e, pos, ok = expert_block(tl.program_id(0), block_cum_ptr, counts_ptr, starts_ptr, num_experts, BM)
+    if e < num_experts:
+        assign = tl.load(order_ptr + pos, mask=ok, other=0).to(tl.int64)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = offs_n < hidden
+        w = w_ptr + e.to(tl.int64) * w_stride_e
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, width, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            k_ok = offs_k < width
+            hs = tl.load(h_ptr + pos.to(tl.int64)[:, None] * h_stride + offs_k[None, :],
+                         mask=ok[:, None] & k_ok[None, :], other=0.0)
+            wd = tl.load(w + offs_n[None, :] * w_stride_n + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                         other=0.0)
+            acc = tl.dot(hs, wd, acc, input_precision=PRECISION)
+        dtype = out_ptr.dtype.element_ty
+        weight = rounded(tl.load(weights_ptr + assign, mask=ok, other=0.0).to(tl.float32), dtype)
+        y = rounded(rounded(acc, dtype) * weight[:, None], dtype)
+        tl.store(out_ptr + assign[:, None] * out_stride + offs_n[None, :], y, mask=ok[:, None] & n_ok[None, :])

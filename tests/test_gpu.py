@@ -57,10 +57,11 @@ def chosen_logprobs(out) -> list[float]:
     return [d[t] for t, d in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
 
 
-@pytest.mark.parametrize("backend", ["native", "triton"])
+@pytest.mark.parametrize("arch,backend", [("llama", "native"), ("llama", "triton"), ("qwen3_moe", "triton")])
 @pytest.mark.parametrize("eager", [False, True])
-def test_float32_native_matches_transformers(checkpoint_factory, eager, backend):
-    path = checkpoint_factory("llama")
+def test_float32_native_matches_transformers(checkpoint_factory, eager, arch, backend):
+    """(A MoE model's decode steps are graphs on the Triton backend: kernels/triton_moe.py.)"""
+    path = checkpoint_factory(arch)
     llm = LLM(str(path), device="cuda", dtype="float32", attn_backend=backend, eager_decode=eager,
               max_num_batched_tokens=32)
     assert llm.engine.spec.attn_backend == backend and llm.engine.executor.runner.device.type == "cuda"

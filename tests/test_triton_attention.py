@@ -194,6 +194,46 @@ def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_
     assert_equals_eager_and_hf(path, prompts, got, want, 12)
 
 
+def test_moe_through_the_fused_kernels_and_graphs(interpreted, checkpoint_factory):
+    """A MoE model on the Triton backend: its experts through kernels/triton_moe.py (what lets
+    its decode steps be CUDA graphs), eagerly and through the graph path (emulated), equal to
+    transformers. A replay's routed load is recorded for its real rows only."""
+    path = checkpoint_factory("qwen3_moe")
+    options = dict(attn_backend="triton", block_size=4, num_kv_blocks=128, max_num_seqs=8)
+    prompts = [[3, 1, 4], list(range(100, 121))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    eager, graphed = LLM(str(path), **options), LLM(str(path), **options)
+    r = graphed.engine.executor.runner
+    r.bind_kv_cache(r.num_blocks + 1)
+    r.batch = InputBatch(r.config.max_num_seqs, r.batch.tables.shape[1], r.block_size, pad_block=r.num_blocks)
+    r.graphs = DecodeGraphs(r.model, [1, 2, 4, 8], block_size=r.block_size, max_seq_len=40,
+                            hidden_size=r.args.hidden_size, dtype=r.dtype, device=r.device, triton=True)
+    r.graphs.capture(r.batch, eager_capture)
+    want, got = eager.generate(prompts, params), graphed.generate(prompts, params)
+    assert r.graphs.replays > 0
+    assert_equals_eager_and_hf(path, prompts, got, want, 6)
+
+    _, block = r.experts.blocks[0]
+    before = torch.tensor(r.experts.load.totals()[0])
+    block.graph_ids = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])  # as a capture of 4 rows leaves it
+    with torch.inference_mode():  # as in the runner's forward
+        r.experts.record_graph_rows(2)
+    assert (torch.tensor(r.experts.load.totals()[0]) - before).tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_moe_decode_graphs_need_the_fused_path(monkeypatch):
+    """On a GPU a MoE model's decode steps are graphs on the Triton backend only."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)
+    args = SimpleNamespace(moe=object(), norms="pre", residual_scale=1.0)  # ModelArgs' fields
+    cuda = torch.device("cuda")
+    for backend, graphs in (("triton", True), ("native", False)):
+        spec = SimpleNamespace(args=args, attn_backend=backend, dtype=torch.bfloat16)
+        choice = kernel_choice.choose(EngineConfig(), spec, cuda, world_size=1, lora=False)
+        assert (choice.decode == "cuda-graphs") == graphs, choice
+
+
 def test_backend_choice(monkeypatch, caplog):
     def resolve(**options):
         return kernel_choice.attention_backend(EngineConfig(**options), torch.bfloat16, 64)

@@ -103,3 +103,32 @@ def test_silu_and_mul(device, dtype, width):
     x = (torch.randn(3, 2 * width) * 4).to(device, dtype)
     assert_rounding_close(triton_fused.silu_and_mul(x), silu_and_mul(x), dtype)
     assert triton_fused.silu_and_mul(x[:0]).shape == (0, width)
+
+
+@pytest.mark.parametrize("tokens,k,experts,hidden,width", [
+    (7, 2, 5, 48, 24),  # an expert held elsewhere (-1), odd sizes
+    (1, 2, 4, 32, 16),  # one decode row
+    (300, 4, 6, 32, 80),  # >= 1024 assignments: blocks of 64 rows
+])
+def test_triton_moe_equals_the_torch_experts(device, tokens, k, experts, hidden, width):
+    """kernels/triton_moe.py against kernels/moe.py's grouped_experts: choices of experts held
+    elsewhere (-1) skipped, an expert no token chose, blocks that straddle experts. bf16 only on
+    CUDA: the interpreter multiplies bf16 matrices as raw integers."""
+    from kernels import triton_moe
+    from kernels.moe import grouped_experts
+
+    torch.manual_seed(4)
+    for dtype in DTYPES if device == "cuda" else [torch.float32]:
+        x = torch.randn(tokens, hidden).to(device, dtype)
+        weights = torch.rand(tokens, k, device=device)
+        ids = torch.randint(0, experts - 1, (tokens, k), device=device)  # the last expert: no token
+        ids[0, -1] = -1
+        gate_up = (torch.randn(experts, 2 * width, hidden) * 0.2).to(device, dtype)
+        down = (torch.randn(experts, hidden, width) * 0.2).to(device, dtype)
+        want = grouped_experts(x, weights, ids, gate_up, down)
+        got = triton_moe.grouped_experts(x, weights, ids, gate_up, down)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # one float32 sum over a token's experts instead of rounded adds
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert triton_moe.grouped_experts(x[:0], weights[:0], ids[:0], gate_up, down).shape == (0, hidden)

@@ -29,7 +29,8 @@ class ExpertLoad:
         if layer == 0:
             self.row = (self.row + 1) % self.shape[0]
             self.counts[self.row].zero_()
-        self.counts[self.row, layer] += torch.bincount(ids.flatten(), minlength=self.shape[2])
+        flat = ids.flatten()  # (scatter_add, not bincount: no wait for the GPU to size the result)
+        self.counts[self.row, layer].scatter_add_(0, flat, torch.ones_like(flat))
 
     def totals(self) -> list[list[int]]:
         """[layer][expert] tokens over the window."""

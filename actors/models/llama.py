@@ -155,8 +155,7 @@ class DecoderLayer(nn.Module):
         self.post_mlp_norm = norm() if a.norms != "pre" else None
         self.residual_scale = a.residual_scale
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
-        # Norms before each sublayer only: the residual add and the next norm fuse.
-        self.fusable = a.norms == "pre" and a.residual_scale == 1.0 and triton_fused.enabled()
+        self.fusable = fused_block(a)
 
     def forward(self, x, cos, sin, meta):
         if meta.triton is not None and self.fusable:
@@ -170,11 +169,17 @@ class DecoderLayer(nn.Module):
         h = triton_fused.rms_norm(x, self.input_layernorm.weight, self.eps, self.norm_offset)
         h, x = triton_fused.add_rms_norm(self.self_attn(h, cos, sin, meta), x, self.pre_mlp_norm.weight, self.eps,
                                          self.norm_offset)
-        return x + (self.mlp(h, fused=True) if isinstance(self.mlp, MLP) else self.mlp(h))
+        return x + self.mlp(h, fused=True)
 
     def _scaled(self, norm, y):
         y = _norm(norm, y)
         return y if self.residual_scale == 1.0 else y * self.residual_scale  # Granite
+
+
+def fused_block(a: ModelArgs) -> bool:
+    """Whether a decoder layer runs its Triton-backend steps through the fused kernels: norms
+    before each sublayer only, so the residual add and the next norm fuse."""
+    return a.norms == "pre" and a.residual_scale == 1.0 and triton_fused.enabled()
 
 
 def _norm(norm, x):

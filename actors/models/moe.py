@@ -18,6 +18,7 @@ from actors.distributed.parallel import Parallel
 from actors.models.args import ModelArgs
 from actors.models.eplb import initial_placement
 from actors.models.llama import LlamaForCausalLM
+from kernels import triton_fused, triton_moe
 from kernels.activation import silu_and_mul
 from kernels.moe import grouped_experts, route, spread_over_replicas
 
@@ -44,8 +45,9 @@ class SharedExpert(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x, fused: bool = False):
+        act = triton_fused.silu_and_mul if fused else silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 @dataclass
@@ -77,6 +79,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SharedExpert(a.hidden_size, m.shared_intermediate_size // p.tp_size)
             self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
         self.load, self.load_index = None, 0  # an ExpertLoad recorder, attached by the runner
+        self.graph_ids: torch.Tensor | None = None  # choices made inside a CUDA graph, recorded after replays
         self.set_placement(initial_placement(m.num_experts, ep, self.slots_per_rank))
 
     # ---- placement ----------------------------------------------------------------------
@@ -102,15 +105,29 @@ class SparseMoeBlock(nn.Module):
         return self._tables
 
     # ---- forward ------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """fused (steps of the Triton backend): the experts through kernels/triton_moe.py, which
+        never waits for the GPU, so a decode step with this block can be a CUDA graph."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.load is not None:
-            self.load.record(self.load_index, ids)
+            self._record(ids)
         e = self.experts
-        y = grouped_experts(x, weights, self._local_ids(ids), e.gate_up_proj, e.down_proj)
+        experts = triton_moe.grouped_experts if fused else grouped_experts
+        y = experts(x, weights, self._local_ids(ids), e.gate_up_proj, e.down_proj)
         if self.shared_expert is not None:  # the gate is replicated: gating each rank's part is exact
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, fused)
         return self.p.all_reduce(y)
+
+    def _record(self, ids: torch.Tensor) -> None:
+        """The routed load, for /stats and re-planning. Inside a CUDA graph the choices go to a
+        static buffer instead, recorded after each replay for the step's real rows only
+        (actors/worker/expert_balancer.py), padding rows left out."""
+        if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            if self.graph_ids is None or self.graph_ids.shape[0] < ids.shape[0]:
+                self.graph_ids = torch.empty_like(ids)  # the largest graph is captured first
+            self.graph_ids[:ids.shape[0]].copy_(ids)
+        else:
+            self.load.record(self.load_index, ids)
 
     def _local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Expert choices -> this rank's slot computing each (-1: another rank's)."""

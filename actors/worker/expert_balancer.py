@@ -29,6 +29,12 @@ class ExpertBalancer:
         self.interval = step_interval if self.p.ep_size > 1 else 0
         self.steps = self.rebalances = 0
 
+    def record_graph_rows(self, rows: int) -> None:
+        """After a CUDA graph's replay: the routed load of its first `rows` (real) rows."""
+        for i, (_, block) in enumerate(self.blocks):
+            if block.graph_ids is not None:
+                self.load.record(i, block.graph_ids[:rows])
+
     def due(self) -> bool:
         """Rank 0, once per step: re-plan before this step?"""
         self.steps += 1

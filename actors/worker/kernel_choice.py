@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.config import EngineConfig
+from actors.models.llama import fused_block
 from kernels import flash_attention, linear, native, triton_programs
 from kernels.env import flag
 
@@ -50,8 +51,11 @@ class KernelChoice:
 
 def choose(config: EngineConfig, spec, device: torch.device, world_size: int, lora: bool) -> KernelChoice:
     """This rank's kernels (`spec`: the ModelSpec, whose attention backend rank 0 resolved)."""
+    # MoE layers wait for the GPU to split tokens by expert, except on the Triton backend's
+    # fused path (kernels/triton_moe.py).
+    moe = spec.args.moe is not None and not (spec.attn_backend == "triton" and fused_block(spec.args))
     off = graphs_off_reason(device_type=device.type, eager_decode=config.eager_decode or eager_by_environment(),
-                            world_size=world_size, lora=lora, moe=spec.args.moe is not None)
+                            world_size=world_size, lora=lora, moe=moe)
     if off is None and device.type == "cpu" and spec.attn_backend == "triton":
         off = "Triton interpreted on CPU"  # torch.compile can't trace the interpreter
     decode = "eager" if off else ("cuda-graphs" if device.type == "cuda" else "compiled")
@@ -94,7 +98,7 @@ def graphs_off_reason(*, device_type: str, eager_decode: bool, world_size: int, 
     if lora:
         return "LoRA adapters (per-step adapter slots)"
     if moe:
-        return "mixture-of-experts layers (data-dependent routing)"
+        return "mixture-of-experts layers (data-dependent routing; graphs need --attn-backend triton)"
     return None
 
 

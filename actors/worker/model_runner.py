@@ -199,6 +199,8 @@ class ModelRunner:
             if isinstance(self.graphs, CompiledDecode):  # its graph ends with the LM head
                 return take_rows(self.graphs.run(output, self.batch), output.logit_rows), None
             hidden = self.graphs.run(output, self.batch)
+            if self.experts is not None:
+                self.experts.record_graph_rows(len(output.rows))
         else:
             hidden = self.model(*self.prepare(output))
         return last_stage_outputs(self.model, hidden, output.logit_rows, output.pool_spans)

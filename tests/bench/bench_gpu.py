@@ -3,12 +3,14 @@ is installed in the same environment (CUDA only; figures in docs/benchmarks.md).
 
     .venv/bin/python tests/bench/bench_gpu.py [--model-path DIR] [--requests 256] [--output-len 256]
     .venv/bin/python tests/bench/bench_gpu.py --workload nano-vllm [--variants triton-graphs]
+    .venv/bin/python tests/bench/bench_gpu.py --workload moe --variants triton-eager-unfused,triton-eager,triton-graphs
     .venv/bin/python tests/bench/bench_gpu.py --step-profile [--variants triton-graphs-sync,triton-graphs]
 
 Without --model-path it builds a ~0.5B-parameter random Llama (hidden 1024, 24 layers,
 GQA 16/8 heads) in /tmp; `--workload nano-vllm` builds a random Qwen3-0.6B-shaped checkpoint
 (vocab 151,936, 28 layers, hidden 1,024, 16/8 heads of 128) and runs nano-vllm's benchmark
-workload (256 sequences, input and output lengths uniform in 100-1024). Every variant runs the
+workload (256 sequences, input and output lengths uniform in 100-1024); `--workload moe` a small
+random Qwen3-MoE (MOE_MODEL) on the Llama workload's requests. Every variant runs the
 same prompts with ignore_eos in this one process, one after the other; the table gives
 tokens/s and the ratio to vLLM (or to the first variant when vLLM is missing). Prints a
 markdown table for docs/benchmarks.md. `--step-profile` instead times decode-only steps at batch
@@ -38,8 +40,15 @@ QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                  head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=4096)
 
 
+# A small Qwen3-MoE: ~0.9 B parameters, ~0.2 B active per token (4 of 32 experts).
+MOE_MODEL = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+                 norm_topk_prob=True, vocab_size=32000, max_position_embeddings=4096)
+
+
 def gpu_checkpoint(root="/tmp/shoal-bench", workload_name: str = "llama") -> Path:
-    arch, shape = ("qwen3", QWEN3_06B) if workload_name == "nano-vllm" else ("llama", GPU_MODEL)
+    arch, shape = {"nano-vllm": ("qwen3", QWEN3_06B), "moe": ("qwen3_moe", MOE_MODEL)}.get(
+        workload_name, ("llama", GPU_MODEL))
     path = Path(root) / f"{arch}-gpu"
     if not (path / "config.json").exists():
         make_checkpoint(path, arch, init_std=0.05, **shape)
@@ -174,6 +183,8 @@ VARIANTS = {  # name -> (label, engine options, environment, decode launches by 
     "native-eager": ("shoal native, eager", dict(attn_backend="native", eager_decode=True)),
     "native-graphs": ("shoal native, CUDA graphs", dict(attn_backend="native", max_seq_len_to_capture=2048)),
     "triton-eager": ("shoal triton, eager", dict(attn_backend="triton", eager_decode=True)),
+    "triton-eager-unfused": ("shoal triton, eager, unfused (torch experts)", dict(attn_backend="triton", eager_decode=True),
+                             {"SHOAL_FUSED_KERNELS": "0"}),
     "triton-graphs": ("shoal triton, CUDA graphs", GRAPHS),
     "triton-graphs-sync": ("shoal triton, CUDA graphs, no async scheduling", dict(GRAPHS, async_scheduling=False)),
     "triton-graphs-unfused": ("shoal triton, CUDA graphs, unfused elementwise ops", GRAPHS,
@@ -206,7 +217,8 @@ def variant(name: str):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path")
-    ap.add_argument("--workload", choices=["llama", "nano-vllm"], default="llama")
+    ap.add_argument("--workload", choices=["llama", "nano-vllm", "moe"], default="llama",
+                    help="moe: a small random Qwen3-MoE on the llama workload's requests")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="which of VARIANTS (flash where installed)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)

@@ -1,36 +1,55 @@
 #!/usr/bin/env bash
 # The GPU session's one prepared run (under 8 minutes on an H100 / H200): what the machine is,
 # the CUDA tests, the Triton kernel's own figures, a decode step against the bandwidth floor, and
-# the engine's decode throughput on the two workloads of issue 44, every figure printed with the GPU's name. Each part has its own
-# time limit, so one that fails or hangs leaves the others' figures.
+# the engine's throughput on the workloads of issue 44 and on a small MoE, every figure printed
+# with the GPU's name. Each part has its own time limit, so one that fails or hangs leaves the
+# others' figures.
 #
 #   bash tests/bench/gpu_check.sh            # from the repository root, on the GPU machine
+#   PARTS=tests,moe VARIANTS=triton-graphs bash tests/bench/gpu_check.sh    # some parts only
 #
 # The device tool's machine has torch, triton and transformers but no Ray, FastAPI or
-# xgrammar: only the offline engine runs here. Everything also goes to $OUT/gpu_check.log, each part's whole output
-# to its own $OUT/gpu_*.log.
+# xgrammar: only the offline engine runs here. Everything also goes to $OUT/gpu_check.log,
+# each part's whole output to its own $OUT/gpu_*.log.
 set -u
 cd "$(dirname "$0")/../.."
 DIR="${OUT:-/tmp}"
 LOG="$DIR/gpu_check.log"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY="${PYTHON:-python3}"
-# Which engine variants (tests/bench/bench_gpu.py's VARIANTS) to compare, each pair in one process.
-VARIANTS="${VARIANTS:-triton-graphs-unfused,triton-graphs,triton-graphs-tuned}"
+PARTS="${PARTS:-tests,attention,step,nano,llama,moe}"
+# Which engine variants (tests/bench/bench_gpu.py's VARIANTS) to compare, each set in one process.
+VARIANTS="${VARIANTS:-triton-graphs-unfused,triton-graphs}"
 STEP_VARIANTS="${STEP_VARIANTS:-triton-graphs-unfused,triton-graphs}"
+MOE_VARIANTS="${MOE_VARIANTS:-triton-eager-unfused,triton-eager,triton-graphs}"
+part() { [[ ",$PARTS," == *",$1,"* ]]; }
 {
   echo "== machine"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  echo "== tests (CUDA)"
-  timeout 120 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_triton_fused.py 2>&1 | tee "$DIR/gpu_fused_tests.log" | tail -5
-  timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_gpu.py 2>&1 | tee "$DIR/gpu_tests.log" | tail -25
-  echo "== paged attention kernels"
-  timeout 45 "$PY" tests/bench/bench_gpu_attention.py 2>&1 | tee "$DIR/gpu_attention.log" | tail -12
-  echo "== a decode step at batch 256 against the memory-bandwidth floor, Qwen3-0.6B shape"
-  timeout 120 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --step-profile --variants "$STEP_VARIANTS" 2>&1 | tee "$DIR/gpu_step.log" | grep -v -i warn | tail -45
-  echo "== nano-vllm's workload, Qwen3-0.6B shape (target >= 12,000 output tok/s)"
-  timeout 150 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_nano.log" | tail -7
-  echo "== bench_gpu.py's 0.5B Llama, 256 requests (target >= 20,000 output tok/s)"
-  timeout 100 "$PY" tests/bench/bench_gpu.py --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_llama.log" | tail -7
+  if part tests; then
+    echo "== tests (CUDA)"
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/test_triton_fused.py 2>&1 | tee "$DIR/gpu_fused_tests.log" | tail -5
+    timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_gpu.py 2>&1 | tee "$DIR/gpu_tests.log" | tail -25
+  fi
+  if part attention; then
+    echo "== paged attention kernels"
+    timeout 45 "$PY" tests/bench/bench_gpu_attention.py 2>&1 | tee "$DIR/gpu_attention.log" | tail -12
+  fi
+  if part step; then
+    echo "== a decode step at batch 256 against the memory-bandwidth floor, Qwen3-0.6B shape"
+    timeout 120 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --step-profile --variants "$STEP_VARIANTS" 2>&1 | tee "$DIR/gpu_step.log" | grep -v -i warn | tail -45
+  fi
+  if part nano; then
+    echo "== nano-vllm's workload, Qwen3-0.6B shape (target >= 12,000 output tok/s)"
+    timeout 150 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_nano.log" | tail -7
+  fi
+  if part llama; then
+    echo "== bench_gpu.py's 0.5B Llama, 256 requests (target >= 20,000 output tok/s)"
+    timeout 100 "$PY" tests/bench/bench_gpu.py --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_llama.log" | tail -7
+  fi
+  if part moe; then
+    echo "== a small Qwen3-MoE (32 experts, 4 per token), the Llama workload's requests"
+    timeout 150 "$PY" tests/bench/bench_gpu.py --workload moe --variants "$MOE_VARIANTS" 2>&1 | tee "$DIR/gpu_moe.log" | tail -7
+  fi
 } 2>&1 | tee "$LOG"
