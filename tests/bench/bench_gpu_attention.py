@@ -10,6 +10,7 @@ largest difference between the Triton and native outputs (bf16: ~1e-2 is roundin
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -88,6 +89,16 @@ def main():
                 - paged_attention(q, k, v, native, HEAD_DIM ** -0.5).float()).abs().max().item()
         print(f"| {name} | {t:.0f} | {kv_bytes / t / 1e3:.0f} | {n:.0f} | {n / t:.2f} | {f} | {diff:.1e} |",
               flush=True)
+    # A decode-only kernel (a program per row and KV head, no query-block search): the split
+    # kernel with one range per row, against the one-launch kernel on the same step.
+    q, k, v, tri, native, table, keys, lens, nd, kv_bytes = case([(1, 511)] * 256)
+    whole = timed(lambda: triton_attention.paged_attention(q, k, v, tri, HEAD_DIM ** -0.5))
+    one = dataclasses.replace(tri, splits=1, keys_per_split=-(-512 // triton_attention.TILE) * triton_attention.TILE)
+    block_m = 16 if HEADS // KV_HEADS <= 16 else HEADS // KV_HEADS
+    split = timed(lambda: triton_attention._split_decode(q, k, v, one, HEAD_DIM ** -0.5, None, None,
+                                                         HEADS // KV_HEADS, block_m))
+    print(f"decode 256 x 512 keys: one-launch kernel {whole:.0f} us, split kernel with one range per row "
+          f"{split:.0f} us ({whole / split:.2f}x)", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,10 @@ part() { [[ ",$PARTS," == *",$1,"* ]]; }
     echo "== paged attention kernels"
     timeout 45 "$PY" tests/bench/bench_gpu_attention.py 2>&1 | tee "$DIR/gpu_attention.log" | tail -12
   fi
+  if part moe; then
+    echo "== a small Qwen3-MoE (32 experts, 4 per token), the Llama workload's requests"
+    timeout 150 "$PY" tests/bench/bench_gpu.py --workload moe --variants "$MOE_VARIANTS" 2>&1 | tee "$DIR/gpu_moe.log" | tail -7
+  fi
   if part step; then
     echo "== a decode step at batch 256 against the memory-bandwidth floor, Qwen3-0.6B shape"
     timeout 120 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --step-profile --variants "$STEP_VARIANTS" 2>&1 | tee "$DIR/gpu_step.log" | grep -v -i warn | tail -45
@@ -47,9 +51,5 @@ part() { [[ ",$PARTS," == *",$1,"* ]]; }
   if part llama; then
     echo "== bench_gpu.py's 0.5B Llama, 256 requests (target >= 20,000 output tok/s)"
     timeout 100 "$PY" tests/bench/bench_gpu.py --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_llama.log" | tail -7
-  fi
-  if part moe; then
-    echo "== a small Qwen3-MoE (32 experts, 4 per token), the Llama workload's requests"
-    timeout 150 "$PY" tests/bench/bench_gpu.py --workload moe --variants "$MOE_VARIANTS" 2>&1 | tee "$DIR/gpu_moe.log" | tail -7
   fi
 } 2>&1 | tee "$LOG"
