@@ -224,3 +224,19 @@ def test_replanning_a_skewed_load_improves_balance_and_keeps_outputs(local_ray, 
         assert_pool_free(llm)
     finally:
         llm.shutdown()
+
+
+def test_expert_load_counts_and_clears():
+    """The ring counts each forward's choices per layer; clear() (after start-up's profiling
+    and capture forwards) forgets them."""
+    from actors.models.eplb import ExpertLoad
+
+    load = ExpertLoad(num_layers=2, num_experts=4, window=2)
+    load.record(0, torch.tensor([[0, 1], [1, 3]]))
+    load.record(1, torch.tensor([[2, 2]]))
+    assert load.totals() == [[1, 2, 0, 1], [0, 0, 2, 0]]
+    load.record(0, torch.tensor([[3]]))  # the window's second forward
+    load.record(0, torch.tensor([[0]]))  # the third replaces the first
+    assert load.totals()[0] == [1, 0, 0, 1]
+    load.clear()
+    assert load.totals() == [[0] * 4, [0] * 4]

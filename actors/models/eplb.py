@@ -32,6 +32,9 @@ class ExpertLoad:
         flat = ids.flatten()  # (scatter_add, not bincount: no wait for the GPU to size the result)
         self.counts[self.row, layer].scatter_add_(0, flat, torch.ones_like(flat))
 
+    def clear(self) -> None:
+        self.counts, self.row = None, -1
+
     def totals(self) -> list[list[int]]:
         """[layer][expert] tokens over the window."""
         if self.counts is None:

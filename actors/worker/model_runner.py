@@ -97,6 +97,8 @@ class ModelRunner:
             self._capture_graphs()
         elif self.kernels.decode == "compiled":
             self._compile_decode()
+        if self.experts is not None:  # the profiling and capture forwards routed padding, not load
+            self.experts.load.clear()
         log.info("rank %d %s", rank, self.kernels.describe())
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
             else self.device.type == "cuda"
