@@ -101,6 +101,11 @@ class LLMEngine:
         vocab = self.spec.args.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params = request.params
+        for field, given in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in given if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{field}: {bad} is not a token id of this model (0..{vocab - 1})")
         # Its prompt and first token must fit the pool; a sequence that outgrows it later ends
         # with "length" (actors/core/scheduler.py).
         need = self.blocks.blocks_needed(len(ids) + 1)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from actors.request import ContextLengthError, resolve_max_tokens
 from actors.sampling_params import SamplingParams
 from app.api import limits
 from app.api.errors import ApiError, bad_request
 from app.api.request_context import Served
-from app.protocol.models import RequestError, context_length_error
+from app.protocol.models import OpenAIModel, RequestError, context_length_error
 from app.protocol.responses import usage
 
 router = APIRouter(tags=["Scoring"])
@@ -25,8 +25,7 @@ def as_list(value):
     return [value] if isinstance(value, str) else value
 
 
-class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class GenerateRequest(OpenAIModel):
     model: str | None = None
     prompts: list[str | list[int]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)  # None: --default-max-tokens, capped by context
@@ -41,8 +40,7 @@ class GenerateRequest(BaseModel):
         return as_list(value)
 
 
-class LoglikelihoodRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class LoglikelihoodRequest(OpenAIModel):
     model: str | None = None
     prompts: list[str] = Field(min_length=1)
     continuations: list[str] = Field(min_length=1)

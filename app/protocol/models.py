@@ -5,6 +5,7 @@ fail validation with the field named, and `error_body` turns that into OpenAI's 
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -27,8 +28,40 @@ class RequestError(ValueError):
 
 # --------------------------------------------------------------------------- requests
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where `value` (parsed JSON) holds text that is not valid Unicode: a UTF-16 surrogate
+    without its pair (JSON's "\\ud800"), which no tokenizer, template or UTF-8 encoder takes.
+    JSON parsing already joins a valid pair into one character, so any surrogate left is lone."""
+    if isinstance(value, str):
+        return path or "body" if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return path or "body"
+        where = lone_surrogate(item, f"{path}{key}" if key.startswith("[") else f"{path}.{key}" if path else key)
+        if where:
+            return where
+    return None
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate(data)
+        if where:
+            raise ValueError(f"{where}: text that is not valid Unicode (a lone UTF-16 surrogate)")
+        return data
 
 
 class TextPart(OpenAIModel):
@@ -125,6 +158,16 @@ class SamplingRequest(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's, not built here: refused rather than ignored, since ignoring changes the output
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    @field_validator("allowed_token_ids", "bad_words")
+    @classmethod
+    def _not_built(cls, value, info: ValidationInfo):
+        if value:
+            raise ValueError("not supported by this server")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
