@@ -75,6 +75,8 @@ class SamplingParams:
             ("n", self.n >= 1, "must be at least 1"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"must be at most max_tokens ({self.max_tokens})"),
             ("temperature", 0 <= self.temperature < math.inf, "must be non-negative and finite"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1, 0 or positive"),

@@ -127,3 +127,11 @@ def test_every_token_id_outside_the_vocabulary_is_refused(url, name, bad):
     if name != "allowed_token_ids":  # refused whatever the ids: not built here
         assert post(url, route, body(3)).status_code == 200, (name, "the in-vocabulary body must be served")
     assert_openai_400(post(url, route, body(bad)), (name, bad))
+
+
+def test_min_tokens_above_max_tokens_is_refused(url):
+    """(vLLM refuses it too; it used to be served, stopping at max_tokens.)"""
+    message = assert_openai_400(post(url, "/v1/completions", {"prompt": "a", "min_tokens": 5, "max_tokens": 2}),
+                                "min_tokens")
+    assert "min_tokens must be at most max_tokens (2)" in message
+    assert post(url, "/v1/completions", {"prompt": "a", "min_tokens": 2, "max_tokens": 2}).status_code == 200
