@@ -14,7 +14,7 @@ from oracle import hf_greedy, hf_model
 
 from actors.engine.llm import LLM
 from actors.sampling_params import SamplingParams
-from actors.worker.loader import BUNDLED_MODEL
+from actors.worker.checkpoint_files import BUNDLED_MODEL
 
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL / "model.safetensors").exists(),
                                 reason="the bundled demo model is not built (make demo-model)")

@@ -1,6 +1,6 @@
 """Incremental detokenization: whole characters only, stop strings never shown in part."""
 from actors.engine.detokenizer import IncrementalDetokenizer
-from actors.worker.loader import load_tokenizer
+from actors.worker.checkpoint_files import load_tokenizer
 
 
 def stream(tokenizer, text, stop=(), include_stop=False):
@@ -84,7 +84,7 @@ def test_decoder_equals_the_tokenizers_decode(llama_ckpt):
     """The Rust tokenizer's own decode, where the detokenizer uses it, gives what
     `tokenizer.decode` gives: special tokens kept or skipped, cut characters, any ids."""
     from actors.engine.detokenizer import decoder
-    from actors.worker.loader import resolve_model_path
+    from actors.worker.checkpoint_files import resolve_model_path
 
     for tok in (load_tokenizer(llama_ckpt), load_tokenizer(resolve_model_path(None))):
         specials = [i for i in tok.all_special_ids if i is not None]

@@ -3,7 +3,8 @@ dtype on the target device (no float32 model is ever materialized first)."""
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actors.worker.loader import build_model, read_config
+from actors.worker.checkpoint_files import read_config
+from actors.worker.loader import build_model
 
 
 class Allocations(TorchDispatchMode):

@@ -53,7 +53,7 @@ def completion_text(url: str, model: str, ids: list[int]) -> str:
 
 def test_load_use_unload_over_http(server):
     url, base, paths = server
-    from actors.worker.loader import load_tokenizer
+    from actors.worker.checkpoint_files import load_tokenizer
     tok = load_tokenizer(base)
     models = lambda: {m["id"]: m for m in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]}  # noqa: E731
     assert set(models()) == {base.name, "a"} and models()["a"]["parent"] == base.name
@@ -92,7 +92,7 @@ def test_load_use_unload_over_http(server):
 
 def test_streaming_and_scoring_on_an_adapter(server):
     url, base, paths = server
-    from actors.worker.loader import load_tokenizer
+    from actors.worker.checkpoint_files import load_tokenizer
     tok = load_tokenizer(base)
     prompt, cont = "The quick brown", " fox jumps"
     r = post(url, "/loglikelihood", {"model": "a", "prompts": [prompt], "continuations": [cont]})

@@ -48,7 +48,7 @@ def complete(url: str, model: str, ids: list[int]) -> httpx.Response:
 
 def test_adapters_on_every_replica(served):
     url, base, paths = served
-    from actors.worker.loader import load_tokenizer
+    from actors.worker.checkpoint_files import load_tokenizer
     tok = load_tokenizer(base)
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(paths["b"])})
     assert r.status_code == 200, r.text

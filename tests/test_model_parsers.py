@@ -15,7 +15,7 @@ import pytest
 from test_api import running
 
 from actors.config import EngineConfig
-from actors.worker.loader import BUNDLED_MODEL
+from actors.worker.checkpoint_files import BUNDLED_MODEL
 from app.api.app import attach, build_api
 from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings

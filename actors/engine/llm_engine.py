@@ -32,7 +32,8 @@ from actors.outputs import Pending, RequestOutput
 from actors.pooling_params import PoolingParams
 from actors.request import EngineRequest, resolve_max_tokens
 from actors.sampling_params import SamplingParams
-from actors.worker.loader import checkpoint_shapes, load_tokenizer, resolve_model_path
+from actors.worker.checkpoint_files import load_tokenizer, resolve_model_path
+from actors.worker.loader import checkpoint_shapes
 from actors.worker.model_spec import resolve_model
 from actors.worker.process_tuning import freeze_startup_heap
 

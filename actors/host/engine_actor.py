@@ -21,20 +21,22 @@ import os
 import threading
 import time
 
+from typing import TYPE_CHECKING
+
 import ray
-import torch
 
 from actors.config import EngineConfig
-from actors.engine.async_engine import AsyncEngine
 from actors.engine.lora_calls import AdapterCalls
 from actors.engine.metrics import DecodeProgress, Replica
 from actors.executor.placement import rank_runtime_env
-from actors.executor.shards import use_ray_progress_bars
 from actors.host.link import LinkServer
 from actors.host.ray_metrics import start_ray_export
 from actors.logs import setup_logging
 from actors.outputs import Pending
 from actors.request import EngineRequest
+
+if TYPE_CHECKING:
+    from actors.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("shoal.scheduler")
 
@@ -95,6 +97,13 @@ class EngineActor(AdapterCalls):
                  replica: Replica | None = None):
         """placement: (placement group, bundle of shard rank 1), or None for the engine's own.
         replica: the Serve replica's id, rank and model name (metric labels, progress line)."""
+        # The engine (and torch) are imported here, in the actor's process: the replica that
+        # creates this actor never imports them, which would cost it seconds at start.
+        import torch
+
+        from actors.engine.async_engine import AsyncEngine
+        from actors.executor.shards import use_ray_progress_bars
+
         setup_logging(log_level)
         use_ray_progress_bars()
         threads = torch_threads(config)

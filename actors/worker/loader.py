@@ -1,4 +1,5 @@
-"""Find a checkpoint on disk, read its config and tokenizer, and load its weights."""
+"""Load a checkpoint's weights into the model (finding it and reading its config and tokenizer:
+actors/worker/checkpoint_files.py)."""
 from __future__ import annotations
 
 import json
@@ -16,32 +17,7 @@ from actors.worker.progress import progress_bar
 
 log = logging.getLogger("shoal.loader")
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """A local directory, or a repo id already in the local Hugging Face cache (never downloads)."""
-    if model is None:
-        if not (BUNDLED_MODEL / "config.json").exists():
-            raise FileNotFoundError(f"the bundled model is missing at {BUNDLED_MODEL}; pass --model-path")
-        return BUNDLED_MODEL
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception:
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local directory nor in the local Hugging Face cache "
-            f"(offline only: download it first, e.g. `huggingface-cli download {model}`)") from None
-
-
-def read_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
 
 
 def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
@@ -50,27 +26,6 @@ def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def eos_token_ids(path: Path, cfg: dict, tokenizer) -> set[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer together."""
-    ids: set[int] = set()
-    sources = [cfg.get("eos_token_id")]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    sources.append(tokenizer.eos_token_id)
-    for s in sources:
-        if isinstance(s, int):
-            ids.add(s)
-        elif isinstance(s, list):
-            ids.update(i for i in s if isinstance(i, int))
-    return ids
 
 
 def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,

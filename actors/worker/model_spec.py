@@ -12,7 +12,8 @@ from actors.distributed.parallel import parse_layer_split
 from actors.models.args import ModelArgs
 from actors.pooling_params import PoolingParams
 from actors.worker.kernel_choice import attention_backend, device_type
-from actors.worker.loader import eos_token_ids, read_config, resolve_dtype, resolve_model_path
+from actors.worker.checkpoint_files import eos_token_ids, read_config, resolve_model_path
+from actors.worker.loader import resolve_dtype
 from actors.worker.pooling_config import DEFAULT as DEFAULT_POOLING
 from actors.worker.pooling_config import read_pooling
 from kernels import flash_attention

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from actors.logs import setup_logging
-from actors.worker.loader import load_tokenizer, resolve_model_path
+from actors.worker.checkpoint_files import load_tokenizer, resolve_model_path
 from app.api import (
     embedding_routes, lora_routes, metrics, openai_routes, ops_routes, responses_routes, scoring_routes,
     tokenize_routes, web,

@@ -154,7 +154,7 @@ def serve_config_command(args: argparse.Namespace, options: dict) -> int:
 
 
 def check_model_path(config: ShoalConfig) -> None:
-    from actors.worker.loader import resolve_model_path
+    from actors.worker.checkpoint_files import resolve_model_path
     resolve_model_path(config.engine.model_path)
 
 

@@ -1,0 +1,53 @@
+"""Find a checkpoint on disk and read its config and tokenizer. No torch here: the HTTP
+processes (ingress, replica) use this, and importing torch would cost them seconds at start."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A local directory, or a repo id already in the local Hugging Face cache (never downloads)."""
+    if model is None:
+        if not (BUNDLED_MODEL / "config.json").exists():
+            raise FileNotFoundError(f"the bundled model is missing at {BUNDLED_MODEL}; pass --model-path")
+        return BUNDLED_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local directory nor in the local Hugging Face cache "
+            f"(offline only: download it first, e.g. `huggingface-cli download {model}`)") from None
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(path: Path, cfg: dict, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer together."""
+    ids: set[int] = set()
+    sources = [cfg.get("eos_token_id")]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, list):
+            ids.update(i for i in s if isinstance(i, int))
+    return ids
