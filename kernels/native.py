@@ -8,6 +8,7 @@ and callers use the torch path. The library registers `torch.ops.shoal.*` ops th
 torch's stable C++ API, so it needs no pybind11 and no Python headers.
 
 - `SHOAL_NATIVE_KERNELS=0` turns the native kernels off (read on every call).
+- `SHOAL_CPU_ATTENTION=avx2|portable` holds the attention kernel to a narrower path.
 - `SHOAL_KERNEL_CACHE=DIR` puts the builds in DIR (default `~/.cache/shoal/kernels`).
 
 Builds live in a folder named by a hash of the source, the flags, torch and Python, so a
@@ -48,25 +49,42 @@ def enabled() -> bool:
     return flag("SHOAL_NATIVE_KERNELS", True)
 
 
-def paged_decode_attention_op():
+# The paths of csrc/paged_attention.cpp, widest first; SHOAL_CPU_ATTENTION=avx2 or portable
+# holds a CPU to a narrower one (to run and test the AMD EPYCs' path on an AVX-512 machine).
+ATTENTION_PATHS = ("best", "avx2", "portable")
+
+
+def attention_path() -> str:
+    path = os.environ.get("SHOAL_CPU_ATTENTION", "best").strip().lower() or "best"
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"SHOAL_CPU_ATTENTION must be one of {', '.join(ATTENTION_PATHS)}, got {path!r}")
+    return path
+
+
+def paged_decode_attention_op(path: str | None = None):
     """`op(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale)`, or None.
 
-    Writes decode attention over the paged pool into `out` (see csrc/paged_attention.cpp)."""
+    Writes decode attention over the paged pool into `out` (see csrc/paged_attention.cpp),
+    through the widest vector path the CPU has, or no wider than `path` (default:
+    SHOAL_CPU_ATTENTION's)."""
     if not enabled() or not _load("paged_attention", ["paged_attention.cpp"]):
         return None
-    return torch.ops.shoal.paged_decode_attention.default
+    path = path or attention_path()
+    ops = torch.ops.shoal
+    return {"best": ops.paged_decode_attention, "avx2": ops.paged_decode_attention_avx2,
+            "portable": ops.paged_decode_attention_portable}[path].default
 
 
 def panel_linear_op():
     """`op(out, x, packed, bias)`, or None: float32 linear layers on AVX-512 CPUs over weights
     packed in panels of 64 columns (see csrc/panel_linear.cpp, kernels/linear.py). None also
     where the CPU lacks AVX-512."""
-    if not enabled() or not _avx512() or not _load("panel_linear", ["panel_linear.cpp"]):
+    if not enabled() or not has_avx512() or not _load("panel_linear", ["panel_linear.cpp"]):
         return None
     return torch.ops.shoal_linear.panel_linear.default
 
 
-def _avx512() -> bool:
+def has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"  # (AMX CPUs report AVX512 too)
 
 

@@ -21,11 +21,16 @@ from kernels.attention import AttentionMetadata, paged_attention
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def op():
+# The attention kernel's paths this CPU can execute, widest first (kernels/native.py): every
+# test of `op` runs on each, so an AVX-512 machine also tests the AVX2 path the EPYCs take.
+CPU_PATHS = {"AVX512": ["best", "avx2"], "AVX2": ["best"]}.get(torch.backends.cpu.get_cpu_capability(), [])
+
+
+@pytest.fixture(scope="module", params=CPU_PATHS or ["portable"])
+def op(request):
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler: the engine uses the torch path")
-    kernel = native.paged_decode_attention_op()
+    kernel = native.paged_decode_attention_op(request.param)
     assert kernel is not None, "a compiler is here but the native kernel did not build (see the warning)"
     return kernel
 
@@ -114,13 +119,14 @@ def test_vector_and_portable_paths_agree(op, dtype, atol, block_size, d):
     AVX2: 8 keys a step and V rows 4 at a time, for head_dim a multiple of 8; both with a vector
     exp) and the portable loop give the same attention, both within float32 rounding of SDPA.
     Block sizes that are not multiples of the lane count exercise the masked tails."""
-    portable = torch.ops.shoal.paged_decode_attention_portable.default
     lens = MIXED_LENS + [31, 47]
     q, kc, vc, tables, lens_t = make_case(lens, 8, 2, d, block_size, dtype=dtype, seed=block_size)
-    out, ref_out = torch.empty_like(q), torch.empty_like(q)
+    out = torch.empty_like(q)
     op(out, q, kc, vc, tables, lens_t, block_size, 0.125)
-    portable(ref_out, q, kc, vc, tables, lens_t, block_size, 0.125)
-    torch.testing.assert_close(out.float(), ref_out.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else atol)
+    for narrower in ("avx2", "portable"):  # (the AVX2 path is the portable loop on CPUs without it)
+        ref_out = torch.empty_like(q)
+        native.paged_decode_attention_op(narrower)(ref_out, q, kc, vc, tables, lens_t, block_size, 0.125)
+        torch.testing.assert_close(out.float(), ref_out.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else atol)
     ref = sdpa_reference(q, kc, vc, tables, lens_t, block_size, 0.125)
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=atol)
 
@@ -286,6 +292,31 @@ def test_engine_uses_native_kernel(checkpoint_factory, op):
     assert calls, "the decode steps did not go through the native kernel"
     for ids, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(path, ids, 16)
+
+
+def test_engine_held_to_the_portable_path(checkpoint_factory, op, monkeypatch, caplog):
+    """SHOAL_CPU_ATTENTION=portable: the engine reports and takes the portable loop, and its
+    greedy tokens still equal transformers; an unknown value stops the start with its name."""
+    import logging
+
+    from oracle import hf_greedy
+
+    from actors.engine.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    path = checkpoint_factory("llama")
+    monkeypatch.setenv("SHOAL_CPU_ATTENTION", "portable")
+    assert native.paged_decode_attention_op() == torch.ops.shoal.paged_decode_attention_portable.default
+    with caplog.at_level(logging.INFO, logger="shoal.runner"):
+        llm = LLM(str(path), block_size=4, num_kv_blocks=64)
+    assert "attention cpp-portable" in caplog.text
+    prompts = [[5, 17, 3], list(range(40, 60))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for ids, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(path, ids, 8)
+    monkeypatch.setenv("SHOAL_CPU_ATTENTION", "avx9")
+    with pytest.raises(ValueError, match="SHOAL_CPU_ATTENTION must be one of best, avx2, portable"):
+        LLM(str(path), block_size=4, num_kv_blocks=64)
 
 
 def mixed_step(chunks, heads, kv_heads, d, block_size, decode_lens=(40, 7), seed=0):

@@ -4,6 +4,9 @@ for oneDNN outside torch.compile.
 The engine's compiled decode path against transformers (token for token, float32) is checked
 in tests/test_compiled_decode.py; here, the layer itself.
 """
+import os
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,8 +108,19 @@ def test_prepacked_weights_serve_the_op_until_the_weight_changes_or_goes(dtype):
     assert key not in linear_mod._PACKED
 
 
-panel = pytest.mark.skipif(linear_mod.native.panel_linear_op() is None,
+COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+panel = pytest.mark.skipif(not (linear_mod.native.has_avx512() and COMPILER),
                            reason="no AVX-512 (or no C++ compiler): float32 stays on oneDNN")
+
+
+def test_the_panel_kernel_builds_wherever_it_can():
+    """On an AVX-512 CPU with a compiler the panel kernel must build (a failed build is a
+    failure here, not a skip of the tests below); elsewhere it is None."""
+    op = linear_mod.native.panel_linear_op()
+    if linear_mod.native.has_avx512() and COMPILER and linear_mod.native.enabled():
+        assert op is not None, "a compiler and AVX-512 are here but the panel kernel did not build (see the warning)"
+    else:
+        assert op is None
 
 
 @panel

@@ -1,6 +1,7 @@
 """A real two-node Ray cluster on this machine: the Serve app (ingress, LLMServer replica,
 scheduler actor, shard actor) with TP=2 and one rank per node, and a clear, immediate error
 when a layout cannot be placed."""
+import json
 import os
 import time
 
@@ -76,10 +77,15 @@ def test_replica_and_its_engine_on_two_nodes_talk_through_ray(two_nodes, llama_c
         body = {"model": "", "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}
         r = httpx.post(f"{url}/v1/completions", timeout=60, json=body)
-        assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 10)
+        whole = r.json()["choices"][0]
+        assert whole["token_ids"] == hf_greedy(llama_ckpt, ids, 10)
         with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={**body, "stream": True}) as s:
-            text = "".join(line for line in s.iter_lines())
-        assert text.count("data: {") >= 1 and text.endswith("data: [DONE]")
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        # the stream across the two nodes carries the same text, piece by piece, to the same end
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["text"]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={**body, "prompt": [10**6]})
         assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
     finally:

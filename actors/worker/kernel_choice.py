@@ -68,7 +68,10 @@ def attention_kernel(spec, device: torch.device) -> str:
     if spec.attn_backend == "triton":
         return "triton" + ("-interpreted" if device.type == "cpu" else "")
     if device.type == "cpu" and native.paged_decode_attention_op() is not None:  # builds it now
-        return "cpp-" + {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "portable")
+        paths = ["portable", "avx2", "avx512"]  # narrowest first
+        cpu = {"AVX512": 2, "AVX2": 1}.get(torch.backends.cpu.get_cpu_capability(), 0)
+        held = {"portable": 0, "avx2": 1, "best": 2}[native.attention_path()]  # SHOAL_CPU_ATTENTION
+        return "cpp-" + paths[min(cpu, held)]
     return "torch"
 
 

@@ -13,9 +13,9 @@
 // Three implementations of one task: on a CPU with AVX-512 (and head_dim a multiple of 16) an
 // explicit one that scores 16 keys at a time and exponentiates 16 scores at a time; with AVX2
 // and FMA (head_dim a multiple of 8) the same 8 lanes wide; elsewhere a portable loop that the
-// compiler vectorises (one dot product per key, scalar exp). The portable one is also
-// registered on its own (paged_decode_attention_portable) so tests and benchmarks can hold
-// the vector paths against it on one machine.
+// compiler vectorises (one dot product per key, scalar exp). Two more ops hold a CPU to a
+// narrower path (paged_decode_attention_avx2: at most AVX2; _portable: the loop), so one
+// machine runs and tests every path it can execute (kernels/native.py, SHOAL_CPU_ATTENTION).
 //
 // Built against torch's stable C++ API (torch/csrc/stable): its headers compile in seconds,
 // where torch/extension.h takes ~45 s. Registered as torch.ops.shoal.paged_decode_attention.
@@ -559,12 +559,15 @@ void run_portable(const Args<float>& a, int64_t sp, int64_t i, float* ws) { run_
 void run_portable(const Args<c10::BFloat16>& a, int64_t sp, int64_t i, float* ws) { run_bf16(a, sp, i, ws); }
 void run_portable(const Args<c10::Half>& a, int64_t sp, int64_t i, float* ws) { run_f16(a, sp, i, ws); }
 
+// The widest path a call may take: tests and SHOAL_CPU_ATTENTION hold a CPU to a narrower one.
+enum Path : int64_t { kPortable = 0, kAvx2 = 1, kBest = 2 };
+
 template <typename T>
-void run_any(const Args<T>& a, int64_t splits, int64_t i, float* ws, bool portable) {
+void run_any(const Args<T>& a, int64_t splits, int64_t i, float* ws, int64_t widest) {
 #ifdef SHOAL_HAS_VECTOR_PATHS
   const int64_t span = a.kv_heads / splits, kh0 = (i % splits) * span;
-  if (!portable && avx512_path(a.d)) return avx512_task(a, i / splits, kh0, kh0 + span, ws);
-  if (!portable && avx2_path(a.d)) return avx2_task(a, i / splits, kh0, kh0 + span, ws);
+  if (widest >= kBest && avx512_path(a.d)) return avx512_task(a, i / splits, kh0, kh0 + span, ws);
+  if (widest >= kAvx2 && avx2_path(a.d)) return avx2_task(a, i / splits, kh0, kh0 + span, ws);
 #endif
   run_portable(a, splits, i, ws);
 }
@@ -575,7 +578,7 @@ using torch::headeronly::ScalarType;
 template <typename T>
 void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
             const Tensor& tables, const Tensor& lens, int64_t block_size, double scale,
-            int64_t window, double softcap, int64_t max_len, bool portable) {
+            int64_t window, double softcap, int64_t max_len, int64_t widest) {
   Args<T> a{q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
             out.mutable_data_ptr<T>(), tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int32_t>(),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -597,7 +600,7 @@ void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v
   std::atomic<int64_t> next{0};
   torch::stable::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> ws(ws_size);
-    for (int64_t i; (i = next.fetch_add(1)) < tasks;) run_any(a, splits, i, ws.data(), portable);
+    for (int64_t i; (i = next.fetch_add(1)) < tasks;) run_any(a, splits, i, ws.data(), widest);
   });
 }
 
@@ -605,7 +608,7 @@ void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v
 
 static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                     const Tensor& block_tables, const Tensor& context_lens, int64_t block_size,
-                    double scale, int64_t window, double softcap, bool portable) {
+                    double scale, int64_t window, double softcap, int64_t widest) {
   // Shapes, dtypes, layouts and block ids are checked here, before any thread starts, so the
   // task loop can trust raw pointers.
   STD_TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
@@ -651,13 +654,13 @@ static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, 
   switch (q.scalar_type()) {
     case ScalarType::Float:
       return launch<float>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
-                              portable);
+                              widest);
     case ScalarType::BFloat16:
       return launch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
-                              portable);
+                              widest);
     case ScalarType::Half:
       return launch<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
-                              portable);
+                              widest);
     default:
       STD_TORCH_CHECK(false, "paged_decode_attention: unsupported dtype");
   }
@@ -666,19 +669,29 @@ static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, 
 void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                             Tensor block_tables, Tensor context_lens, int64_t block_size,
                             double scale, int64_t window, double softcap) {
-  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, false);
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, kBest);
 }
 
-// The portable loop even where AVX-512 or AVX2 is there: for tests and benchmarks.
+// At most AVX2 + FMA even on an AVX-512 CPU (the AMD EPYCs' path), and the portable loop even
+// where AVX-512 or AVX2 is there: for tests, benchmarks and SHOAL_CPU_ATTENTION.
+void paged_decode_attention_avx2(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
+                                 Tensor block_tables, Tensor context_lens, int64_t block_size,
+                                 double scale, int64_t window, double softcap) {
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, kAvx2);
+}
+
 void paged_decode_attention_portable(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                                      Tensor block_tables, Tensor context_lens, int64_t block_size,
                                      double scale, int64_t window, double softcap) {
   checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap,
-                 true);
+                 kPortable);
 }
 
 STABLE_TORCH_LIBRARY(shoal, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window=0, "
+        "float softcap=0.) -> ()");
+  m.def("paged_decode_attention_avx2(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window=0, "
         "float softcap=0.) -> ()");
   m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
@@ -688,5 +701,6 @@ STABLE_TORCH_LIBRARY(shoal, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(shoal, CPU, m) {
   m.impl("paged_decode_attention", TORCH_BOX(&paged_decode_attention));
+  m.impl("paged_decode_attention_avx2", TORCH_BOX(&paged_decode_attention_avx2));
   m.impl("paged_decode_attention_portable", TORCH_BOX(&paged_decode_attention_portable));
 }
