@@ -238,6 +238,8 @@ def test_importing_kernels_builds_nothing(tmp_path):
 def test_concurrent_first_builds_share_one_build(tmp_path):
     """Two processes building into an empty cache at once (with a stale torch lock file left
     by a killed build) both get a working kernel; a third reuses the build."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: nothing to build")
     cache = tmp_path / "cache"
     code = textwrap.dedent("""
         import time, torch

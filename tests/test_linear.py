@@ -109,8 +109,8 @@ def test_prepacked_weights_serve_the_op_until_the_weight_changes_or_goes(dtype):
 
 
 COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
-panel = pytest.mark.skipif(not (linear_mod.native.has_avx512() and COMPILER),
-                           reason="no AVX-512 (or no C++ compiler): float32 stays on oneDNN")
+panel = pytest.mark.skipif(not (linear_mod.native.has_avx512() and COMPILER and linear_mod.native.enabled()),
+                           reason="no AVX-512, no C++ compiler or SHOAL_NATIVE_KERNELS=0: float32 stays on oneDNN")
 
 
 def test_the_panel_kernel_builds_wherever_it_can():
