@@ -1,6 +1,8 @@
-"""Helpers for tests that run Ray Serve apps on loopback."""
+"""Helpers for tests that run servers on loopback: Ray Serve apps, `shoal serve` processes,
+and the HTTP API over an in-process engine."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +28,25 @@ def free_port() -> int:
             port = s.getsockname()[1]
         if port not in RAY_DEFAULT_PORTS:
             return port
+
+
+@contextlib.contextmanager
+def api_in_thread(path, served_model_name: str, **engine_options):
+    """The HTTP API (uvicorn on 127.0.0.1, in a thread) over an engine in this process; yields
+    its base URL."""
+    from actors.config import EngineConfig
+    from app.api.app import attach, build_api
+    from app.api.embedded import serve_in_thread
+    from app.api.engine_client import LocalEngineClient
+    from app.api.settings import ServerSettings
+
+    client = LocalEngineClient(EngineConfig(model_path=str(path), **engine_options))
+    settings = ServerSettings(model_path=str(path), served_model_name=served_model_name)
+    try:
+        with serve_in_thread(attach(build_api(settings), client, client.tokenizer, settings)) as url:
+            yield url
+    finally:
+        client.shutdown()
 
 
 def wait_ready(url: str, timeout: float = 60.0) -> str:

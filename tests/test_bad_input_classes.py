@@ -9,12 +9,7 @@ import json
 
 import httpx
 import pytest
-
-from actors.config import EngineConfig
-from app.api.app import attach, build_api
-from app.api.embedded import serve_in_thread
-from app.api.engine_client import LocalEngineClient
-from app.api.settings import ServerSettings
+from serving import api_in_thread
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -56,13 +51,8 @@ TOKEN_ID_FIELDS = {
 @pytest.fixture(scope="module")
 def url(checkpoint_factory):
     path = checkpoint_factory("llama", max_position_embeddings=2048)  # room for the tool definitions
-    engine = LocalEngineClient(EngineConfig(model_path=str(path), num_kv_blocks=256))
-    settings = ServerSettings(model_path=str(path), served_model_name="llama")
-    try:
-        with serve_in_thread(attach(build_api(settings), engine, engine.tokenizer, settings)) as url:
-            yield url
-    finally:
-        engine.shutdown()
+    with api_in_thread(path, "llama", num_kv_blocks=256) as url:
+        yield url
 
 
 def post(url: str, route: str, body) -> httpx.Response:

@@ -200,7 +200,6 @@ def test_gpu_sizing_glue_runs_the_profiling_forwards(checkpoint_factory, monkeyp
               max_seq_len_to_capture=128)
     r = llm.engine.executor.runner
     gib = mp.GiB
-    peak = {"now": 0}
     for name, fn in {"synchronize": lambda: None, "empty_cache": lambda: None,
                      "reset_peak_memory_stats": lambda: None,
                      "memory_allocated": lambda: 2 * gib + (r.kv_cache.numel() * 4 if r.kv_cache is not None else 0),
@@ -362,12 +361,13 @@ def eager_capture(fn, pool):
     return type("Replay", (), {"replay": staticmethod(fn)})(), pool
 
 
-def with_emulated_graphs(llm: LLM, sizes, max_seq_len: int, flash_ops=None) -> DecodeGraphs:
+def with_emulated_graphs(llm: LLM, sizes, max_seq_len: int, flash_ops=None, triton: bool = False) -> DecodeGraphs:
     r = llm.engine.executor.runner
     r.bind_kv_cache(r.num_blocks + 1)  # the spare block the padding rows use
     r.batch = InputBatch(r.config.max_num_seqs, r.batch.tables.shape[1], r.block_size, pad_block=r.num_blocks)
     r.graphs = DecodeGraphs(r.model, sizes, block_size=r.block_size, max_seq_len=max_seq_len,
-                            hidden_size=r.args.hidden_size, dtype=r.dtype, device=r.device, flash_ops=flash_ops)
+                            hidden_size=r.args.hidden_size, dtype=r.dtype, device=r.device, flash_ops=flash_ops,
+                            triton=triton)
     r.graphs.capture(r.batch, eager_capture)
     return r.graphs
 

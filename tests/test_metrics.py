@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving import free_port, wait_ready
+from serving import api_in_thread, free_port, wait_ready
 from test_api import running
 
 from actors.config import EngineConfig
@@ -32,8 +32,7 @@ from actors.request import EngineRequest
 from actors.sampling_params import SamplingParams
 from actors.worker.loader import count_tensors, weight_files
 from actors.worker.progress import progress_bar
-from app.api.app import attach, build_api
-from app.api.engine_client import LocalEngineClient
+from app.api.app import build_api
 from app.api.metrics import HTTP_REQUESTS, ShoalCollector, combine
 from app.api.settings import ServerSettings
 
@@ -106,14 +105,8 @@ def check_http_counters(m: dict, prefix: str = "", **labels) -> None:
 
 @pytest.fixture(scope="module")
 def local_url(llama_ckpt):
-    client = LocalEngineClient(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=256,
-                                            metrics_ttft_buckets="0.05,0.5,5"))
-    settings = ServerSettings(model_path=str(llama_ckpt), served_model_name="tiny")
-    try:
-        with running(attach(build_api(settings), client, client.tokenizer, settings)) as url:
-            yield url
-    finally:
-        client.shutdown()
+    with api_in_thread(llama_ckpt, "tiny", num_kv_blocks=256, metrics_ttft_buckets="0.05,0.5,5") as url:
+        yield url
 
 
 def test_in_process_metrics_match_requests(local_url, caplog):

@@ -13,14 +13,12 @@ import random
 import pytest
 import torch
 from oracle import assert_equals_eager_and_hf, hf_greedy
-from test_gpu_path import eager_capture
+from test_gpu_path import with_emulated_graphs
 
 from actors.config import EngineConfig
 from actors.engine.llm import LLM
 from actors.sampling_params import SamplingParams
 from actors.worker import kernel_choice
-from actors.worker.cuda_graphs import DecodeGraphs
-from actors.worker.input_batch import InputBatch
 from kernels import triton_attention as ta
 from kernels import triton_programs
 from kernels.attention import AttentionMetadata, paged_attention
@@ -187,14 +185,9 @@ def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_
     prompts = [[3, 1, 4], list(range(9)), list(range(100, 130))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     eager, graphed = LLM(str(path), **options), LLM(str(path), **options)
-    r = graphed.engine.executor.runner
-    r.bind_kv_cache(r.num_blocks + 1)  # the spare block the padding rows use
-    r.batch = InputBatch(r.config.max_num_seqs, r.batch.tables.shape[1], r.block_size, pad_block=r.num_blocks)
-    r.graphs = DecodeGraphs(r.model, [1, 2, 4, 8], block_size=r.block_size, max_seq_len=40,
-                            hidden_size=r.args.hidden_size, dtype=r.dtype, device=r.device, triton=True)
-    r.graphs.capture(r.batch, eager_capture)
+    graphs = with_emulated_graphs(graphed, [1, 2, 4, 8], max_seq_len=40, triton=True)
     want, got = eager.generate(prompts, params), graphed.generate(prompts, params)
-    assert r.graphs.replays > 0
+    assert graphs.replays > 0
     assert_equals_eager_and_hf(path, prompts, got, want, 12)
 
 
@@ -207,15 +200,11 @@ def test_moe_through_the_fused_kernels_and_graphs(interpreted, checkpoint_factor
     prompts = [[3, 1, 4], list(range(100, 121))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     eager, graphed = LLM(str(path), **options), LLM(str(path), **options)
-    r = graphed.engine.executor.runner
-    r.bind_kv_cache(r.num_blocks + 1)
-    r.batch = InputBatch(r.config.max_num_seqs, r.batch.tables.shape[1], r.block_size, pad_block=r.num_blocks)
-    r.graphs = DecodeGraphs(r.model, [1, 2, 4, 8], block_size=r.block_size, max_seq_len=40,
-                            hidden_size=r.args.hidden_size, dtype=r.dtype, device=r.device, triton=True)
-    r.graphs.capture(r.batch, eager_capture)
+    graphs = with_emulated_graphs(graphed, [1, 2, 4, 8], max_seq_len=40, triton=True)
     want, got = eager.generate(prompts, params), graphed.generate(prompts, params)
-    assert r.graphs.replays > 0
+    assert graphs.replays > 0
     assert_equals_eager_and_hf(path, prompts, got, want, 6)
+    r = graphed.engine.executor.runner
 
     _, block = r.experts.blocks[0]
     before = torch.tensor(r.experts.load.totals()[0])

@@ -18,33 +18,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 from checkpoints import make_checkpoint  # noqa: E402
-from serving import free_port, loopback_env  # noqa: E402
+from serving import free_port, loopback_env, wait_process_ready  # noqa: E402
 
 
-def one_start(tree: Path, model: Path) -> tuple[float, float]:
+def one_start(tree: Path, model: Path, log: Path) -> tuple[float, float]:
     """(seconds to ready, seconds from SIGINT to exit)."""
     port = free_port()
     env = loopback_env(SHOAL_EAGER_DECODE="1", PYTHONPATH=str(tree))
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model-path", str(model),
-                             "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", "64"],
-                            cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model-path", str(model),
+                                 "--host", "127.0.0.1", "--port", str(port), "--num-kv-blocks", "64"],
+                                cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"shoal serve exited with {proc.returncode} before it was ready")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_process_ready(f"http://127.0.0.1:{port}", proc, log)
         ready = time.perf_counter() - start
         stop = time.perf_counter()
         proc.send_signal(signal.SIGINT)
@@ -67,7 +58,7 @@ def main():
         times: dict[Path, list[tuple[float, float]]] = {t: [] for t in trees}
         for _ in range(args.runs):
             for tree in trees:  # alternating, so load drifts hit every tree alike
-                times[tree].append(one_start(tree, model))
+                times[tree].append(one_start(tree, model, Path(tmp) / "serve.log"))
     print(f"{os.cpu_count()} CPUs; shoal serve of a tiny checkpoint, SHOAL_EAGER_DECODE=1")
     for tree, runs in times.items():
         print(f"{tree}: ready after " + ", ".join(f"{r:.1f}" for r, _ in runs) + " s; stopped after "
