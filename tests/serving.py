@@ -131,13 +131,14 @@ def stop_process(proc: subprocess.Popen) -> tuple[int, set[int]]:
 
 
 def check_sigterm_drain(url: str, proc: subprocess.Popen, log: Path, tokens: int,
-                        timeout_s: float) -> tuple[float, float]:
-    """A stream of `tokens` in flight, then SIGTERM: probes and new requests get 503, the
-    stream completes with all its tokens, the process exits 0 and leaves no process behind.
-    Returns (seconds to the stream's end, seconds to the exit) after the signal."""
+                        timeout_s: float, group: bool = False) -> tuple[float, float]:
+    """A stream of `tokens` in flight, then SIGTERM (with `group`, to the process's whole
+    process group, as systemd and `kill -- -PGID` stop a service): probes and new requests get
+    503, the stream completes with all its tokens, the process exits 0 and leaves no process
+    behind. Returns (seconds to the stream's end, seconds to the exit) after the signal."""
     family = descendants(proc.pid)
-    streamed, signalled = check_drain(url, lambda: proc.send_signal(signal.SIGTERM), tokens,
-                                      timeout_s, log)
+    stop = (lambda: os.killpg(proc.pid, signal.SIGTERM)) if group else (lambda: proc.send_signal(signal.SIGTERM))
+    streamed, signalled = check_drain(url, stop, tokens, timeout_s, log)
     code = proc.wait(timeout=timeout_s + 60)
     exited = time.monotonic() - signalled
     assert code == 0, log.read_text()[-3000:]

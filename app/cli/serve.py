@@ -17,6 +17,7 @@ import time
 
 from actors.logs import setup_logging
 from app.cli.engine_args import add_engine_args, add_option
+from app.cli.own_session import run_in_own_session
 from app.cli.serve_config import is_serve_config
 from app.config import ConfigError, ShoalConfig, load_config, replica_count, single_model_server, split_layout
 from app.protocol.generation_defaults import CHOICES as GENERATION_CONFIG_CHOICES
@@ -138,7 +139,7 @@ def serve_command(args: argparse.Namespace) -> int:
     setup_logging(config.deploy.log_level)
     if args.dry_run:
         return dry_run(config)
-    return run_server(config)
+    return run_in_own_session(lambda: run_server(config))
 
 
 def serve_config_command(args: argparse.Namespace, options: dict) -> int:
@@ -150,7 +151,7 @@ def serve_config_command(args: argparse.Namespace, options: dict) -> int:
         sys.exit(f"shoal serve: error: {options['config']} is a Ray Serve config: set options under its "
                  f"applications' args: (only --address goes with it; got {given})")
     setup_logging()
-    return run_serve_config(options["config"], options.get("address"))
+    return run_in_own_session(lambda: run_serve_config(options["config"], options.get("address")))
 
 
 def check_model_path(config: ShoalConfig) -> None:
