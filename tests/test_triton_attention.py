@@ -169,9 +169,10 @@ def test_engine_with_triton_attention_matches_transformers(interpreted, checkpoi
     assert "attention triton-interpreted" in caplog.text and "decode eager (Triton interpreted on CPU)" in caplog.text
     shared = [random.Random(3).randrange(500) for _ in range(12)]
     prompts = [[7, 1, 2], list(range(40, 60)), shared + [1, 2], shared + [5]]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    tokens = 16 if split_min_keys == 8 else 10  # (the split run needs decode-only steps past 16 keys)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     for ids, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(path, ids, 16)
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, tokens)
     assert llm.engine.scheduler.hit_tokens > 0
     assert (max(splits) > 1) == (split_min_keys == 8)
 
@@ -193,18 +194,18 @@ def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_
 
 def test_moe_through_the_fused_kernels_and_graphs(interpreted, checkpoint_factory):
     """A MoE model on the Triton backend: its experts through kernels/triton_moe.py (what lets
-    its decode steps be CUDA graphs), eagerly and through the graph path (emulated), equal to
-    transformers. A replay's routed load is recorded for its real rows only."""
+    its decode steps be CUDA graphs), eagerly in its prefill steps and through the graph path
+    (emulated) in its decodes, equal to transformers. A replay's routed load is recorded for its
+    real rows only."""
     path = checkpoint_factory("qwen3_moe")
-    options = dict(attn_backend="triton", block_size=4, num_kv_blocks=128, max_num_seqs=8)
+    llm = LLM(str(path), attn_backend="triton", block_size=4, num_kv_blocks=128, max_num_seqs=8)
+    graphs = with_emulated_graphs(llm, [1, 2, 4, 8], max_seq_len=40, triton=True)
     prompts = [[3, 1, 4], list(range(100, 121))]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-    eager, graphed = LLM(str(path), **options), LLM(str(path), **options)
-    graphs = with_emulated_graphs(graphed, [1, 2, 4, 8], max_seq_len=40, triton=True)
-    want, got = eager.generate(prompts, params), graphed.generate(prompts, params)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert graphs.replays > 0
-    assert_equals_eager_and_hf(path, prompts, got, want, 6)
-    r = graphed.engine.executor.runner
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
+    r = llm.engine.executor.runner
 
     _, block = r.experts.blocks[0]
     before = torch.tensor(r.experts.load.totals()[0])
