@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import runpy
 import socket
 import statistics
 import subprocess
