@@ -20,14 +20,18 @@ def rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def normed(x, w, n, eps, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
-    """RMSNorm of the vector x (float32, masked-out entries 0) of n entries, by weight w
-    (float32), rounded to DTYPE as transformers does: Llama's order w * round(x * r), or
-    Gemma's round(x * r * (OFFSET + w))."""
-    r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+def scaled(x, r, w, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+    """x (float32) times its RMSNorm factor r and weight w (float32), rounded to DTYPE as
+    transformers does: Llama's order w * round(x * r), or Gemma's round(x * r * (OFFSET + w))."""
     if OFFSET != 0.0:
         return rounded(x * r * (OFFSET + w), DTYPE)
     return rounded(w * rounded(x * r, DTYPE), DTYPE)
+
+
+@triton.jit
+def silu(x, DTYPE: tl.constexpr):
+    """silu(x) (float32) rounded to DTYPE, as torch's F.silu on a DTYPE tensor."""
+    return rounded(x / (1.0 + tl.exp(-x)), DTYPE)
 
 
 @triton.jit
@@ -43,7 +47,8 @@ def rms_norm(x_ptr, add_ptr, w_ptr, out_ptr, sum_ptr, n, x_stride, add_stride, o
                     sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * sum_stride + offs, x, mask=ok)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    y = normed(x.to(tl.float32), w, n, eps, OFFSET, out_ptr.dtype.element_ty)
+    x = x.to(tl.float32)
+    y = scaled(x, tl.rsqrt(tl.sum(x * x, 0) / n + eps), w, OFFSET, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + offs, y, mask=ok)
 
 
@@ -81,12 +86,7 @@ def qk_rope_write(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, cos_ptr, 
             w1 = tl.load(kw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
             w2 = tl.load(kw_ptr + HALF + offs, mask=ok, other=0.0).to(tl.float32)
         r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-        if OFFSET != 0.0:
-            x1 = rounded(x1 * r * (OFFSET + w1), dtype)
-            x2 = rounded(x2 * r * (OFFSET + w2), dtype)
-        else:
-            x1 = rounded(w1 * rounded(x1 * r, dtype), dtype)
-            x2 = rounded(w2 * rounded(x2 * r, dtype), dtype)
+        x1, x2 = scaled(x1, r, w1, OFFSET, dtype), scaled(x2, r, w2, OFFSET, dtype)
     c1 = rounded(tl.load(cos_ptr + t * cos_stride + offs, mask=ok, other=0.0).to(tl.float32), dtype)
     c2 = rounded(tl.load(cos_ptr + t * cos_stride + HALF + offs, mask=ok, other=0.0).to(tl.float32), dtype)
     s1 = rounded(tl.load(sin_ptr + t * cos_stride + offs, mask=ok, other=0.0).to(tl.float32), dtype)
@@ -119,8 +119,7 @@ def silu_and_mul(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexp
     gate = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + width + offs, mask=ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    act = rounded(gate / (1.0 + tl.exp(-gate)), dtype)
-    tl.store(out_ptr + row * out_stride + offs, rounded(act * up, dtype), mask=ok)
+    tl.store(out_ptr + row * out_stride + offs, rounded(silu(gate, dtype) * up, dtype), mask=ok)
 
 
 @triton.jit
@@ -166,8 +165,7 @@ def expert_gate_up(x_ptr, w_ptr, out_ptr, order_ptr, block_cum_ptr, counts_ptr, 
             gate = tl.dot(xs, wg, gate, input_precision=PRECISION)
             up = tl.dot(xs, wu, up, input_precision=PRECISION)
         dtype = out_ptr.dtype.element_ty
-        gate = rounded(gate, dtype)
-        act = rounded(rounded(gate / (1.0 + tl.exp(-gate)), dtype) * rounded(up, dtype), dtype)
+        act = rounded(silu(rounded(gate, dtype), dtype) * rounded(up, dtype), dtype)
         tl.store(out_ptr + pos.to(tl.int64)[:, None] * out_stride + offs_n[None, :], act,
                  mask=ok[:, None] & n_ok[None, :])
 
