@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import triton_programs
+from kernels.host_copies import to_device
 
 TILE = 32  # keys per inner iteration (a power of two, >= 16 for tl.dot)
 
@@ -70,8 +71,8 @@ def build_metadata(query_lens: list[int], seq_lens: torch.Tensor, block_tables: 
     `device`, and whether the step splits its keys."""
     starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-    return TritonMetadata(starts.to(device), seq_lens.to(device, torch.int32),
-                          block_tables.to(device, torch.int32), block_size,
+    return TritonMetadata(to_device(starts, device), to_device(seq_lens, device, torch.int32),
+                          to_device(block_tables, device, torch.int32), block_size,
                           *key_splits(query_lens, int(seq_lens.max()) if len(query_lens) else 0))
 
 

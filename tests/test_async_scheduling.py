@@ -1,10 +1,14 @@
-"""Async scheduling (actors/engine/llm_engine.py): a step's outputs are made while the next
-step runs on the GPU, so they leave one step later. Nothing else may change: tokens, text,
-finish reasons, log-probs, metrics and the KV pool come out as with it off.
+"""Async scheduling (actors/engine/llm_engine.py). With one rank the next step is scheduled
+and launched before a step's tokens are read (its rows take them on the device, from
+placeholders); a step that cannot go ahead (grammar, penalties, prompt log-probs), or with
+SHOAL_SCHEDULE_AHEAD=0 every step, makes its outputs during the next one, so they leave a step
+later. Nothing else may change: tokens, text, finish reasons, log-probs, metrics and the KV
+pool come out as with it off.
 
-On CPU the forward finishes inside execute(), so these tests check the bookkeeping (a stop
-string found a step late, aborts between steps, streamed deltas); tests/bench/bench_gpu.py
-measures the overlap on a GPU.
+On CPU the forward finishes inside execute(), so these tests check the bookkeeping (stop
+tokens and strings found a step late, length limits, preemption of a sequence whose token is
+pending, aborts between steps, streamed deltas); tests/bench/bench_gpu.py measures the overlap
+on a GPU.
 """
 import pytest
 from oracle import hf_greedy
@@ -21,11 +25,24 @@ def summary(out):
 
 
 def run(path, async_scheduling, prompts, params, **options):
+    """(each request's summary, the metrics' counters and finishes, the steps that went ahead)."""
     llm = LLM(str(path), async_scheduling=async_scheduling, **options)
+    ahead = count_steps_ahead(llm.engine)
     outs = llm.generate(prompts, params)
     assert_pool_free(llm)
     snap = llm.engine.metrics.snapshot(llm.engine)
-    return [summary(o) for o in outs], (snap["counters"], snap["finished"])
+    return [summary(o) for o in outs], (snap["counters"], snap["finished"]), ahead
+
+
+def count_steps_ahead(engine) -> list[int]:
+    """A one-item list that counts the steps launched before the step before them was read."""
+    count, execute = [0], engine.executor.execute
+
+    def counted(output, previous=None):
+        count[0] += previous is not None
+        return execute(output, previous)
+    engine.executor.execute = counted
+    return count
 
 
 def sample_only_one_hits(texts: list[str]) -> str:
@@ -35,9 +52,10 @@ def sample_only_one_hits(texts: list[str]) -> str:
                 if first[i:i + 2].strip() and first[i:i + 2] not in second and first[i:i + 2] not in first[:i + 1])
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "held"])
 @pytest.mark.parametrize("pool", [dict(num_kv_blocks=64), dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=64)],
                          ids=["roomy", "preempting"])
-def test_same_outputs_as_synchronous_steps(llama_ckpt, pool):
+def test_same_outputs_as_synchronous_steps(llama_ckpt, pool, ahead, monkeypatch):
     """Every kind of request in one batch, with async scheduling off and on (and, in a pool too
     small for the batch, preemption): identical outputs, metrics and a free pool."""
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -59,9 +77,14 @@ def test_same_outputs_as_synchronous_steps(llama_ckpt, pool):
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[free.text[10:14]]),
               SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True, stop=[stop_one]),
               greedy]
-    sync, sync_metrics = run(llama_ckpt, False, prompts, params, **pool)
-    overlapped, overlapped_metrics = run(llama_ckpt, True, prompts, params, **pool)
+    sync, sync_metrics, _ = run(llama_ckpt, False, prompts, params, **pool)
+    monkeypatch.setenv("SHOAL_SCHEDULE_AHEAD", "1" if ahead else "0")
+    overlapped, overlapped_metrics, steps_ahead = run(llama_ckpt, True, prompts, params, **pool)
+    assert (steps_ahead[0] > 10) if ahead else (steps_ahead[0] == 0)  # (not while prompt log-probs run)
     assert overlapped == sync
+    if "max_num_batched_tokens" in pool:  # when preempted sequences return, and so what their
+        for counters, _ in (sync_metrics, overlapped_metrics):  # prefix-cache lookups find, moves
+            del counters["prefix_cache_queries"], counters["prefix_cache_hits"]  # with scheduling ahead
     assert overlapped_metrics == sync_metrics
     # The stop strings did stop: one sample of the pair, and the greedy row, a step before the
     # next token (which async scheduling had already computed) could leak.
@@ -70,9 +93,13 @@ def test_same_outputs_as_synchronous_steps(llama_ckpt, pool):
     assert sync[0][0][1] == hf_greedy(llama_ckpt, prompts[0], 30)
 
 
-def test_streamed_deltas_come_a_step_later_and_add_up(llama_ckpt):
-    """Streamed requests: the first step sends nothing (its outputs are made during the second);
-    the deltas add up to what synchronous steps give; an aborted request sends nothing more."""
+@pytest.mark.parametrize("ahead", [True, False], ids=["ahead", "held"])
+def test_streamed_deltas_add_up(llama_ckpt, ahead, monkeypatch):
+    """Streamed requests: the deltas add up to what synchronous steps give; an aborted request
+    sends nothing more. Scheduling ahead, each step sends its own tokens (the next step is
+    already launched); holding outputs, the first step sends nothing (its outputs are made
+    during the second)."""
+    monkeypatch.setenv("SHOAL_SCHEDULE_AHEAD", "1" if ahead else "0")
     prompts = prompts_of([7, 13, 10], seed=21)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     two = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
@@ -84,8 +111,11 @@ def test_streamed_deltas_come_a_step_later_and_add_up(llama_ckpt):
     engine = llm.engine
     for i, (ids, p) in enumerate(zip(prompts + [prompts[0]], params + [greedy])):
         engine.add_request(EngineRequest(f"r{i}", ids, p))
-    assert engine.step() == []
-    got, finishes, steps = {}, [], 0
+    first = engine.step()
+    assert (len(first) == 4) if ahead else (first == [])
+    assert (engine._launched is not None) == ahead
+    got = {out.request_id: out for out in first}
+    finishes, steps = [], 0
     while engine.has_unfinished():
         for out in engine.step():
             assert out.request_id != "r3" or steps < 3, "an aborted request sent an output"
@@ -98,5 +128,5 @@ def test_streamed_deltas_come_a_step_later_and_add_up(llama_ckpt):
         assert got[f"r{i}"].finished and summary(got[f"r{i}"]) == summary(want)
     assert [o.finish_reason for o in got["r2"].outputs] == ["stop", "length"]
     assert sorted(finishes) == [("r0", 0), ("r1", 0), ("r2", 0), ("r2", 1)]  # each sample's finish once
-    assert not got["r3"].finished and len(got["r3"].outputs[0].token_ids) == 3
+    assert not got["r3"].finished and len(got["r3"].outputs[0].token_ids) == 3 + ahead
     assert_pool_free(llm)

@@ -112,9 +112,9 @@ def test_watchdog_declares_a_stuck_step_dead(llama_ckpt):
     engine = AsyncEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32, watchdog_timeout=0.5))
     execute = engine.engine.executor.runner.execute
 
-    def stuck(output):
+    def stuck(*step):
         time.sleep(4)
-        return execute(output)
+        return execute(*step)
 
     engine.engine.executor.runner.execute = stuck
 

@@ -11,10 +11,10 @@ import torch
 from actors.config import EngineConfig
 from actors.core.block_manager import BlockManager
 from actors.core.scheduler import Scheduler
-from actors.core.sequence import Sequence
+from actors.core.sequence import PLACEHOLDER, Sequence
 from actors.core.step import SchedulerOutput, StepRow
 from actors.sampling_params import SamplingParams
-from actors.worker.input_batch import InputBatch
+from actors.worker.input_batch import InputBatch, pending_tokens
 
 
 def reference(rows: list[tuple[list[int], int, list[int]]], bs: int):
@@ -103,3 +103,24 @@ def test_padded_decode_fills_graph_rows_from_the_batch(pad):
     p = batch.padded_decode(step, 2, width=3)
     assert p.block_tables.tolist() == [[3, 9, pad], [pad, pad, pad]]
     assert p.slots.tolist() == [9 * 4 + 1, pad * 4] and p.context_lens.tolist() == [6, 1]
+
+
+@pytest.mark.parametrize("order", ["same", "shifted", "mixed"])
+def test_placeholders_take_the_previous_steps_tokens(order):
+    """Async scheduling: a row's placeholder input id becomes the token the previous step
+    sampled for its sequence, whether the rows come in the previous step's order (a slice, no
+    index upload), with a sequence gone, or after prompt chunks that have no placeholder."""
+    sampled = (torch.tensor([101, 102, 103, 104]), [10, 11, 12, 13])
+    decodes = {"same": [10, 11, 12], "shifted": [11, 13], "mixed": [13, 10]}[order]
+    rows = [StepRow(i, [PLACEHOLDER], 5) for i in decodes]
+    if order == "mixed":
+        rows += [StepRow(20, [7, 8, 9], 0), StepRow(12, [3, PLACEHOLDER], 4)]  # a prompt chunk, a two-token row
+    ids = torch.tensor([t for r in rows for t in r.token_ids])
+    pending = pending_tokens(SchedulerOutput(rows, len(decodes), []), sampled)
+    assert (pending.picks is None) == (order == "same")
+    pending.apply(ids)
+    want = {"same": [101, 102, 103], "shifted": [102, 104], "mixed": [104, 101, 7, 8, 9, 3, 103]}[order]
+    assert ids.tolist() == want
+    assert pending_tokens(SchedulerOutput([StepRow(20, [7, 8], 0)], 0, []), None) is None
+    with pytest.raises(RuntimeError, match="placeholder"):
+        pending_tokens(SchedulerOutput(rows, len(decodes), []), None)

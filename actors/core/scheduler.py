@@ -8,16 +8,19 @@ out, the sequence scheduled last is preempted: its blocks are freed and it is re
 later (the prefix cache usually gives most of them back).
 
 `schedule()` returns one SchedulerOutput: the step as plain data, which rank 0 also
-broadcasts to the other ranks. `update()` takes the sampled tokens back: it advances the
-counts, caches full blocks, appends tokens, finishes sequences at a stop token or a length
-limit, and admits the samples (n > 1) that waited for their prompt.
+broadcasts to the other ranks. `update()` takes the sampled tokens back in two halves:
+`advance()` counts the step's tokens as computed, caches full blocks and gives each sampling
+row a placeholder token; `settle()` puts the sampled tokens in their place, finishes sequences
+at a stop token or a length limit, and admits the samples (n > 1) that waited for their
+prompt. Under async scheduling the engine calls `advance()`, schedules and launches the next
+step (its rows read the placeholders' tokens on the device), and `settle()`s afterwards.
 """
 from __future__ import annotations
 
 from actors.config import EngineConfig
 from actors.core.block_manager import BlockManager
 from actors.core.lora_slots import LoraSlots
-from actors.core.sequence import Sequence, Status
+from actors.core.sequence import PLACEHOLDER, Sequence, Status
 from actors.core.step import ScheduledSeq, SchedulerOutput, StepRow
 from actors.core.structured import accept
 
@@ -76,6 +79,9 @@ class Scheduler:
         preempted, i = False, 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.pending and self._waits_for_token(seq):
+                i += 1
+                continue
             if self._outgrows_pool(seq):
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -127,13 +133,24 @@ class Scheduler:
         in_use.add(seq.lora.id)
         return True
 
+    def _waits_for_token(self, seq: Sequence) -> bool:
+        """A sequence whose last token is still being sampled, and that cannot be scheduled
+        before it is known: it ends there by length, or its tokens outgrow the pool."""
+        p = seq.params
+        return (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+                or self.blocks.outgrows_pool(seq))
+
     def update(self, output: SchedulerOutput, tokens: list[int | None]) -> None:
-        """The step ran: `tokens` holds the token sampled for each of output.seqs (or None).
-        The token of a sequence that finished after it was scheduled becomes None: dropped."""
-        for i, (s, token) in enumerate(zip(output.seqs, tokens)):
+        """The step ran: `tokens` holds the token sampled for each of output.seqs (or None)."""
+        self.advance(output)
+        self.settle(output, tokens)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step's tokens are computed (or queued on the GPU): count them, cache the blocks
+        they fill, and give each row that samples a placeholder for its token."""
+        for s in output.seqs:
             seq = s.seq
             if seq.finished:  # aborted or failed, or (async scheduling) a stop string a step late
-                tokens[i] = None
                 continue
             seq.num_computed_tokens += s.num_tokens
             self.blocks.cache_full_blocks(seq)
@@ -144,8 +161,20 @@ class Scheduler:
             if s.prompt_logprobs and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 for sample in [seq] + seq.children:  # the samples share the prompt's log-probs
                     sample.prompt_logprobs_done = True
-            if token is not None:
-                self._append(seq, token)
+            if s.samples:
+                seq.token_ids.append(PLACEHOLDER)
+
+    def settle(self, output: SchedulerOutput, tokens: list[int | None]) -> None:
+        """The sampled tokens replace their placeholders. The token of a sequence that finished
+        after the step was scheduled becomes None: dropped."""
+        for i, (s, token) in enumerate(zip(output.seqs, tokens)):
+            seq = s.seq
+            if seq.finished:
+                tokens[i] = None
+            elif s.samples and seq.pending:  # (None: a row that samples nothing this step)
+                seq.token_ids.pop()
+                if token is not None:
+                    self._append(seq, token)
 
     def _append(self, seq: Sequence, token: int) -> None:
         p = seq.params

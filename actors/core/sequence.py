@@ -8,6 +8,10 @@ from enum import Enum
 from actors.pooling_params import PoolingParams
 from actors.sampling_params import SamplingParams
 
+# A token a step is still sampling on the GPU while the next step is scheduled (async
+# scheduling, actors/engine/llm_engine.py): the next step's input id comes from the device.
+PLACEHOLDER = -1
+
 _arrivals = itertools.count()
 _seq_ids = itertools.count()
 
@@ -70,6 +74,11 @@ class Sequence:
         none may come from the prefix cache."""
         pools_all = self.pooling is not None and self.pooling.needs_every_prompt_token
         return self.needs_prompt_logprobs or pools_all
+
+    @property
+    def pending(self) -> bool:
+        """Its last token is still being sampled (a placeholder until the step resolves)."""
+        return self.token_ids[-1] == PLACEHOLDER
 
     @property
     def finished(self) -> bool:

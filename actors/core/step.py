@@ -79,19 +79,25 @@ class RunnerOutput:
     logprobs: list[dict | None]  # {chosen: lp, alternatives...} when the request asked
     prompt_logprobs: list[list | None]  # per prompt position its chunk predicts
     pooled: list[list[float] | None] = field(default_factory=list)  # its pool span's sum, or None
-    # Tokens still on the device while the step's GPU work runs (async scheduling): the chosen
-    # tokens and the positions in `tokens` they fill. `resolve()` reads them.
+    # Tokens not read yet while the step's GPU work runs (async scheduling): their host copy
+    # (pinned, filled by the GPU), the event after which it is complete (None on CPU) and the
+    # positions in `tokens` they fill. `resolve()` reads them.
     on_device: tuple | None = None
+    # The sampled tokens on the device and the ids of the sequences they belong to: the next
+    # step, scheduled before they are read, takes its placeholders' input ids from them.
+    sampled: tuple | None = None
 
     def __post_init__(self):
         self.pooled = self.pooled or [None] * len(self.tokens)
 
     def resolve(self) -> RunnerOutput:
-        """Read the tokens off the device (the step's one device-to-host copy; it waits for the
-        step's GPU work to finish)."""
+        """Read the tokens (the step's one device-to-host copy, started when it sampled): waits
+        for this step's GPU work, not for a next step queued behind it."""
         if self.on_device is not None:
-            chosen, rows = self.on_device
+            host, done, rows = self.on_device
             self.on_device = None
-            for i, token in zip(rows, chosen.tolist()):
+            if done is not None:
+                done.synchronize()
+            for i, token in zip(rows, host.tolist()):
                 self.tokens[i] = token
         return self

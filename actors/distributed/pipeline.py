@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from actors.distributed.parallel import Parallel
+from kernels.host_copies import to_device
 
 
 @dataclass
@@ -51,8 +52,8 @@ def last_stage_outputs(model, hidden: torch.Tensor, logit_rows: list[int],
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] for increasing row indices: x itself when they are all of its rows (a decode
-    step: no copy, and no index tensor, whose upload would wait for the GPU's queued work)."""
-    return x if len(rows) == len(x) else x[rows]
+    step: no copy), else through an index tensor uploaded without waiting for the GPU."""
+    return x if len(rows) == len(x) else x[to_device(torch.tensor(rows), x.device)]
 
 
 def span_sums(hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

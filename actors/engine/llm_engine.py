@@ -4,9 +4,15 @@
 (actors/core/scheduler.py), the executor runs them on every rank and samples
 (actors/executor/executor.py -> actors/worker/model_runner.py), the scheduler advances its
 sequences with the sampled tokens, and the output processor turns what changed into
-RequestOutputs (actors/engine/output_processor.py). With async scheduling (the default on
-CUDA) a step's outputs are made during the next step, while the GPU computes it: `step()`
-returns the previous step's outputs (docs/gpu.md).
+RequestOutputs (actors/engine/output_processor.py).
+
+Async scheduling (the default on CUDA) keeps the GPU busy while the host works (docs/gpu.md):
+- with one rank, the next step is scheduled and launched before this step's tokens are read:
+  its rows take the tokens still on the device (placeholders), so the host's update, outputs
+  and scheduling run while the GPU computes. A step whose rows need their last token on the
+  host to go on (a grammar, penalties, prompt log-probs, embeddings) runs in turn instead;
+- otherwise (or for such a step) a step's outputs are made during the next step: `step()`
+  then returns the previous step's outputs.
 """
 from __future__ import annotations
 
@@ -62,23 +68,38 @@ class LLMEngine:
         self.processor = OutputProcessor(self.scheduler, self.metrics)
         self.requests = self.processor.requests  # request id -> Request, until it finishes
         self._held = None  # async scheduling: the last step, its outputs not made yet
+        self._launched = None  # async scheduling: (output, result, start) of the step launched ahead
         freeze_startup_heap()  # no 350 ms full collections mid-step (actors/worker/process_tuning.py)
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        output = self.scheduler.schedule()
-        start = time.monotonic()
-        result = self.executor.execute(output)
-        # Async scheduling: the previous step's outputs are made while the GPU runs this one.
-        outputs = self._held_outputs() if self.executor.async_scheduling else None
+        launched, self._launched = self._launched, None
+        output, result, start = launched or self._launch(self.scheduler.schedule())
+        outputs = self._held_outputs()  # (the last step's, if it held them: the GPU runs this one)
+        ahead = self.executor.runs_ahead and all(map(_runs_ahead, output.seqs))
+        if ahead:  # the next step goes to the GPU before this one's tokens are read
+            self.scheduler.advance(output)
+            self._launched = self._launch(self.scheduler.schedule(), previous=result)
         result.resolve()
-        self.scheduler.update(output, result.tokens)
+        if ahead:
+            self.scheduler.settle(output, result.tokens)
+        else:
+            self.scheduler.update(output, result.tokens)
         now = time.monotonic()
         self.metrics.record_step(output, result.tokens, self.requests, start, now)
-        if outputs is None:
-            return self.processor.outputs(output, result, now)
-        self._held = (output, result)
+        if ahead or not self.executor.async_scheduling:
+            outputs += self.processor.outputs(output, result, now)
+        else:
+            self._held = (output, result)
+        if self._launched is not None and not self.requests:  # its rows all finished meanwhile
+            self._launched[1].resolve()
+            self._launched = None
         return outputs
+
+    def _launch(self, output, previous=None) -> tuple:
+        """Start the step on the executor: (output, its RunnerOutput, start time)."""
+        start = time.monotonic()
+        return output, self.executor.execute(output, previous), start
 
     def _held_outputs(self) -> list[RequestOutput]:
         if self._held is None:
@@ -207,6 +228,14 @@ class LLMEngine:
         if self.loras is None:
             raise UnknownAdapterError(f"The model `{name}` does not exist.")
         return self.loras.get(name)
+
+
+def _runs_ahead(s) -> bool:
+    """Whether the step after s's may be scheduled before s's token is read: nothing in it
+    needs that token on the host first (a grammar's next mask, penalties over the output)."""
+    seq, p = s.seq, s.seq.params
+    return (seq.matcher is None and seq.pooling is None and not s.prompt_logprobs and p.max_tokens != 0
+            and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0))
 
 
 def cache_key(params: SamplingParams, lora: LoraRef | None = None) -> tuple:

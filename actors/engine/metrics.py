@@ -122,7 +122,7 @@ class EngineMetrics:
             return
         self.hist["engine_step_seconds"].observe(now - start)
         self.hist["batch_size"].observe(len(output.seqs))
-        self.stats.record_step(output.seqs, now - start)
+        self.stats.record_step(output.seqs, tokens, now - start)
         for s, token in zip(output.seqs, tokens):
             req = requests.get(s.seq.request_id)
             if req is None:
@@ -208,11 +208,13 @@ class EngineStats:
         self.generated_tokens = 0
         self.decode_tokens = 0  # sampled by one-token rows (decode), for the progress line
 
-    def record_step(self, seqs, seconds: float) -> None:
+    def record_step(self, seqs, tokens: list, seconds: float) -> None:
+        """seqs: the step's ScheduledSeqs; tokens: what each sampled (None: nothing, or a token
+        dropped because its sequence had finished)."""
         self.steps += 1
         self.step_time += seconds
-        for s in seqs:
-            if s.samples:
+        for s, token in zip(seqs, tokens):
+            if token is not None:
                 self.generated_tokens += 1
                 self.decode_tokens += s.num_tokens == 1
             self.prompt_tokens += max(0, min(s.num_tokens, s.seq.num_prompt_tokens - s.start))

@@ -19,6 +19,7 @@ from actors.core.step import RunnerOutput, SchedulerOutput
 from actors.distributed.pipeline import REBALANCE, STOP, broadcast_step
 from actors.worker.model_runner import ModelRunner
 from actors.worker.model_spec import ModelSpec
+from kernels.env import flag
 
 log = logging.getLogger("shoal.engine")
 
@@ -34,6 +35,9 @@ class Executor:
         if self.runner.p.world_size > 1:
             from actors.executor.shards import start_shards  # Ray: only for multi-rank layouts
             self.shards = start_shards(config, spec, self.runner, placement)
+        # Whether the next step may be executed before this one's tokens are read (execute's
+        # `previous`): async scheduling with one rank, whose sampled tokens stay on its device.
+        self.runs_ahead = self.async_scheduling and self.shards is None and flag("SHOAL_SCHEDULE_AHEAD", True)
 
     @property
     def num_blocks(self) -> int:
@@ -54,7 +58,8 @@ class Executor:
         from actors.executor.shards import rank_info
         return [rank_info(0, self.runner.device)] + (self.shards.infos if self.shards else [])
 
-    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, output: SchedulerOutput, previous: RunnerOutput | None = None) -> RunnerOutput:
+        """previous: the step before, not read yet (runs_ahead)."""
         if not output.seqs:
             return RunnerOutput([], [], [])
         if self.shards is not None:
@@ -62,7 +67,7 @@ class Executor:
             broadcast_step(self.runner.p, (REBALANCE, output) if rebalance else output)
             if rebalance:  # every rank re-plans at this same step
                 self.runner.experts.rebalance()
-        return self.runner.execute(output)
+        return self.runner.execute(output, previous)
 
     def check(self, timeout: float) -> str | None:
         """None while every rank is healthy (always, for one rank); else what is wrong."""

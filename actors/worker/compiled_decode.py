@@ -34,7 +34,7 @@ import torch
 
 from actors.core.step import SchedulerOutput
 from actors.worker.cuda_graphs import padded_size
-from actors.worker.input_batch import InputBatch, PaddedDecode
+from actors.worker.input_batch import InputBatch, PaddedDecode, PendingTokens
 from kernels.attention import AttentionMetadata
 
 log = logging.getLogger("shoal.runner")
@@ -63,11 +63,15 @@ class CompiledDecode:
         return (MIN_ROWS <= len(output.rows) <= self.sizes[-1]
                 and output.num_decodes == len(output.rows))
 
-    def run(self, output, batch: InputBatch) -> torch.Tensor:
-        """Logits of the step's rows (the LM head is part of the graph)."""
+    def run(self, output, batch: InputBatch, pending: PendingTokens | None = None) -> torch.Tensor:
+        """Logits of the step's rows (the LM head is part of the graph); `pending` fills the
+        input ids the previous step sampled."""
         rows = output.rows
         width = max(MIN_BLOCKS, -(-max(r.start + 1 for r in rows) // self.block_size))
-        logits = self.fn(*self._inputs(batch.padded_decode(output, padded_size(len(rows), self.sizes), width)))
+        padded = batch.padded_decode(output, padded_size(len(rows), self.sizes), width)
+        if pending is not None:
+            pending.apply(padded.input_ids)
+        logits = self.fn(*self._inputs(padded))
         self.replays += 1
         return logits[:len(rows)]
 

@@ -20,9 +20,10 @@ import time
 import torch
 
 from actors.core.step import SchedulerOutput
-from actors.worker.input_batch import InputBatch, PaddedDecode
+from actors.worker.input_batch import InputBatch, PaddedDecode, PendingTokens
 from kernels.attention import AttentionMetadata
 from kernels.flash_attention import FlashMetadata
+from kernels.host_copies import staged
 from kernels.triton_attention import TritonMetadata
 
 log = logging.getLogger("shoal.runner")
@@ -69,21 +70,22 @@ class DecodeGraphs:
         rows = output.rows
         return (bool(rows) and output.num_decodes == len(rows) and len(rows) <= self.sizes[-1] and max(r.start + 1 for r in rows) <= self.max_seq_len)
 
-    def run(self, output, batch: InputBatch) -> torch.Tensor:
-        """Hidden states of the step's rows (a view into the static output)."""
+    def run(self, output, batch: InputBatch, pending: PendingTokens | None = None) -> torch.Tensor:
+        """Hidden states of the step's rows (a view into the static output); `pending` fills the
+        input ids the previous step is still sampling."""
         size = padded_size(len(output.rows), self.sizes)
         self._fill(batch.padded_decode(output, size, self.width))
+        if pending is not None:
+            pending.apply(self.input_ids)
         self.graphs[size].replay()
         self.replays += 1
         return self.hidden[:len(output.rows)]
 
     def _fill(self, p: PaddedDecode) -> None:
         n = p.size
-        self.input_ids[:n].copy_(p.input_ids, non_blocking=True)
-        self.positions[:n].copy_(p.positions, non_blocking=True)
-        self.slots[:n].copy_(p.slots, non_blocking=True)
-        self.context_lens[:n].copy_(p.context_lens, non_blocking=True)
-        self.block_tables[:n].copy_(p.block_tables, non_blocking=True)
+        for static, given in ((self.input_ids, p.input_ids), (self.positions, p.positions), (self.slots, p.slots),
+                              (self.context_lens, p.context_lens), (self.block_tables, p.block_tables)):
+            static[:n].copy_(staged(given, static.device), non_blocking=True)
 
     # ---- capture --------------------------------------------------------------------
     def forward(self, n: int) -> None:

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from actors.core.sequence import PLACEHOLDER
 from actors.core.step import SchedulerOutput
 from kernels import flash_attention, triton_attention
 from kernels.attention import AttentionMetadata
+from kernels.host_copies import to_device
 
 
 @dataclass
@@ -33,6 +35,44 @@ class PaddedDecode:
     slots: torch.Tensor  # [size]
     context_lens: torch.Tensor  # [size] int32
     block_tables: torch.Tensor  # [size, width]
+
+
+@dataclass
+class PendingTokens:
+    """Input ids the previous step is still sampling on the device (async scheduling): token
+    rows `rows` of this step take `tokens[picks]`; with `picks` None, rows 0..rows-1 take
+    tokens 0..rows-1 (a decode step after a decode step: no index tensors to upload)."""
+    tokens: torch.Tensor
+    rows: torch.Tensor | int
+    picks: torch.Tensor | None = None
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        if self.picks is None:
+            input_ids[:self.rows] = self.tokens[:self.rows]
+        else:
+            input_ids[self.rows] = self.tokens[self.picks]
+
+
+def pending_tokens(output: SchedulerOutput, sampled: tuple | None) -> PendingTokens | None:
+    """Where this step's placeholders are (a placeholder is always its row's last token) and
+    which of the previous step's sampled tokens (RunnerOutput.sampled) fills each."""
+    rows, seq_ids, offset = [], [], 0
+    for r in output.rows:
+        offset += len(r.token_ids)
+        if r.token_ids[-1] == PLACEHOLDER:
+            rows.append(offset - 1)
+            seq_ids.append(r.seq_id)
+    if not rows:
+        return None
+    if sampled is None:
+        raise RuntimeError("a step has placeholder tokens but no previous step sampled them")
+    tokens, sampled_ids = sampled
+    n = len(rows)
+    if rows[-1] == n - 1 and sampled_ids[:n] == seq_ids:  # the same sequences first, in order
+        return PendingTokens(tokens, n)
+    where = {seq_id: k for k, seq_id in enumerate(sampled_ids)}
+    return PendingTokens(tokens, to_device(ints(rows), tokens.device),
+                         to_device(ints([where[i] for i in seq_ids]), tokens.device))
 
 
 def ints(values: list[int]) -> torch.Tensor:
@@ -69,9 +109,11 @@ class InputBatch:
         """Forget every row (after start-up's synthetic steps)."""
         self.update(SchedulerOutput([], 0, [], freed=list(self.rows)))
 
-    def prepare(self, output: SchedulerOutput, device: torch.device, flash_ops=None, triton: bool = False):
+    def prepare(self, output: SchedulerOutput, device: torch.device, flash_ops=None, triton: bool = False,
+                pending: PendingTokens | None = None):
         """(input ids, positions, attention metadata) of the step's rows, on `device`, for the
-        flash backend (`flash_ops`), the triton one, or the native / torch kernels."""
+        flash backend (`flash_ops`), the triton one, or the native / torch kernels; `pending`
+        fills the input ids the previous step is still sampling."""
         rows, bs = output.rows, self.block_size
         lens = [len(r.token_ids) for r in rows]
         table_rows = ints([self.rows[r.seq_id] for r in rows])
@@ -86,7 +128,7 @@ class InputBatch:
             positions = starts[row_of] + torch.arange(len(ids)) - first[row_of]
             token_rows = table_rows[row_of]
         slots = self.tables[token_rows, positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(slot_mapping=slots.to(device), num_decode_tokens=output.num_decodes,
+        meta = AttentionMetadata(slot_mapping=to_device(slots, device), num_decode_tokens=output.num_decodes,
                                  block_size=bs)
         ends = starts + ints(lens)
         if flash_ops is not None or triton:
@@ -98,7 +140,10 @@ class InputBatch:
                                                             bs, device, flash_ops)
         else:
             self._split_metadata(meta, output, table_rows, starts, ends, device)
-        return ids.to(device), positions.to(device), meta
+        ids = to_device(ids, device)
+        if pending is not None:
+            pending.apply(ids)
+        return ids, to_device(positions, device), meta
 
     def _split_metadata(self, meta: AttentionMetadata, output: SchedulerOutput, table_rows, starts, ends,
                         device: torch.device) -> None:
@@ -107,8 +152,8 @@ class InputBatch:
         nd, bs = output.num_decodes, self.block_size
         if nd:
             ctx = ends[:nd].to(torch.int32)
-            meta.decode_block_tables = self.tables[table_rows[:nd], :-(-int(ctx.max()) // bs)].to(device)
-            meta.decode_context_lens = ctx.to(device)
+            meta.decode_block_tables = to_device(self.tables[table_rows[:nd], :-(-int(ctx.max()) // bs)], device)
+            meta.decode_context_lens = to_device(ctx, device)
         if nd < len(output.rows):
             prefills = output.rows[nd:]
             offset, chunks = nd, []
@@ -117,7 +162,7 @@ class InputBatch:
                 offset += len(r.token_ids)
             meta.prefill_chunks = chunks
             width = -(-int(ends[nd:].max()) // bs)
-            meta.prefill_block_tables = self.tables[table_rows[nd:], :width].to(device)
+            meta.prefill_block_tables = to_device(self.tables[table_rows[nd:], :width], device)
 
     def padded_decode(self, output: SchedulerOutput, size: int, width: int) -> PaddedDecode:
         """The step's rows (one-token decodes) padded to `size` rows, tables to `width` blocks."""

@@ -26,7 +26,7 @@ from actors.worker import memory_profile
 from actors.worker.compiled_decode import CompiledDecode
 from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from actors.worker.expert_balancer import ExpertBalancer
-from actors.worker.input_batch import InputBatch
+from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
 from actors.worker.kernel_choice import choose, device_type
 from actors.worker.loader import build_model
 from actors.worker.model_spec import ModelSpec
@@ -176,9 +176,12 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        """Rank 0: the step on every rank (the executor has broadcast it), then sampling."""
-        logits, pooled = self.forward(output)
+    def execute(self, output: SchedulerOutput, previous: RunnerOutput | None = None) -> RunnerOutput:
+        """Rank 0: the step on every rank (the executor has broadcast it), then sampling.
+        previous: the step before, when this one was scheduled before its tokens were read
+        (async scheduling, one rank): its placeholders' input ids come from its device tokens."""
+        pending = pending_tokens(output, previous.sampled if previous is not None else None)
+        logits, pooled = self.forward(output, pending)
         result = self.sampler(output.seqs, logits)
         if pooled is not None:
             sums = pooled.tolist()  # one device read for the step's embedding requests
@@ -186,7 +189,7 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def forward(self, output: SchedulerOutput) -> Heads:
+    def forward(self, output: SchedulerOutput, pending: PendingTokens | None = None) -> Heads:
         """This rank's part of the step; rank 0 gets the logits of output.logit_rows and the
         sums of output.pool_spans, in order. The shard ranks run this for every step rank 0
         broadcasts."""
@@ -199,12 +202,12 @@ class ModelRunner:
         # (a step that pools needs the hidden states, which a compiled graph does not return)
         if self.graphs is not None and not output.pool_spans and self.graphs.can_run(output):
             if isinstance(self.graphs, CompiledDecode):  # its graph ends with the LM head
-                return take_rows(self.graphs.run(output, self.batch), output.logit_rows), None
-            hidden = self.graphs.run(output, self.batch)
+                return take_rows(self.graphs.run(output, self.batch, pending), output.logit_rows), None
+            hidden = self.graphs.run(output, self.batch, pending)
             if self.experts is not None:
                 self.experts.record_graph_rows(len(output.rows))
         else:
-            hidden = self.model(*self.prepare(output))
+            hidden = self.model(*self.prepare(output, pending))
         return last_stage_outputs(self.model, hidden, output.logit_rows, output.pool_spans)
 
     def _pipeline(self, output: SchedulerOutput) -> Heads:
@@ -214,9 +217,9 @@ class ModelRunner:
         heads = run_stage(self.model, self.p, micro, self.args.hidden_size, self.args.vocab_size, self.dtype)
         return _joined([logits for logits, _ in heads]), _joined([pooled for _, pooled in heads])
 
-    def prepare(self, output: SchedulerOutput):
+    def prepare(self, output: SchedulerOutput, pending: PendingTokens | None = None):
         """input ids, positions and attention metadata of the step's rows."""
-        return self.batch.prepare(output, self.device, self.flash_ops, self.triton)
+        return self.batch.prepare(output, self.device, self.flash_ops, self.triton, pending)
 
     def expert_stats(self) -> dict | None:
         return self.experts.stats() if self.experts else None

@@ -15,6 +15,7 @@ import torch
 from actors.core.step import RunnerOutput, ScheduledSeq
 from actors.core.structured import bitmask_width, fill_bitmasks
 from actors.distributed.pipeline import take_rows
+from kernels.host_copies import to_device
 from kernels.sampling import SamplingBatch, sample, token_logprobs
 
 
@@ -38,8 +39,9 @@ class Sampler:
         samples = [seqs[i].seq for i in sampling]
         last = take_rows(logits, [seqs[i].logits.stop - 1 for i in sampling])
         chosen = sample(last, self._sampling_batch(samples, last.shape[-1]))
+        out.sampled = (chosen, [sq.seq_id for sq in samples])
         if self.defer and all(sq.params.logprobs is None for sq in samples):
-            out.on_device = (chosen, sampling)
+            out.on_device = (*_copy_to_host(chosen), sampling)
             return out
         if any(sq.params.logprobs is not None for sq in samples):
             k = max((sq.params.logprobs or 0) for sq in samples)
@@ -130,10 +132,19 @@ class Sampler:
 
 
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device` without waiting for the GPU: a copy from pageable
-    memory synchronises the stream (it would wait for the step's forward); a pinned one does not."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    """A host list as a tensor on `device` without waiting for the step's forward."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _copy_to_host(chosen: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """(host tensor, CUDA event): the copy starts now, behind the sampling; it is complete
+    once the event is (None on CPU: already)."""
+    if chosen.device.type != "cuda":
+        return chosen, None
+    host = chosen.to("cpu", non_blocking=True)  # into pinned memory
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 def _logprob_lists(chosen_lp: torch.Tensor, top_ids: torch.Tensor | None, top_lp: torch.Tensor | None):

@@ -16,6 +16,8 @@ in this one); the table gives
 tokens/s and the ratio to vLLM (or to the first variant when vLLM is missing). Prints a
 markdown table for docs/benchmarks.md. `--step-profile` instead times decode-only steps at batch
 256 against the memory-bandwidth floor and splits one into its host parts and GPU kernels.
+With BENCH_PHASES=1 a single variant's run also prints its time by kind of step (prompt-chunk
+steps, decode steps by rows).
 """
 import argparse
 import contextlib
@@ -63,15 +65,46 @@ def shoal_tokens_per_s(path, prompts, out_lens, **options) -> float:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:32], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
     torch.cuda.synchronize()
+    phases = step_phases(llm.engine) if os.environ.get("BENCH_PHASES") else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
     rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    if phases is not None:
+        print("PHASES " + ", ".join(f"{k}: {n} steps {t:.3f} s ({t / max(n, 1) * 1e3:.2f} ms each)"
+                                    for k, (n, t) in phases.items()), flush=True)
     llm.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     return rate
+
+
+def step_phases(engine) -> dict:
+    """{kind: [calls, seconds]}: engine.step calls timed and sorted by the step they finish
+    (mixed: with prompt chunks; decode buckets by rows), filled in as the engine runs."""
+    phases, step, record = {}, engine.step, engine.metrics.record_step
+    seen = []
+
+    def recorded(output, *args):
+        seen.append(output)
+        return record(output, *args)
+
+    def timed():
+        t = time.perf_counter()
+        out = step()
+        dt = time.perf_counter() - t
+        o = seen.pop() if seen else None
+        kind = ("empty" if o is None or not o.rows else "mixed" if o.num_decodes < len(o.rows)
+                else f"decode<={1 << (len(o.rows) - 1).bit_length()}")
+        n_t = phases.setdefault(kind, [0, 0.0])
+        n_t[0] += 1
+        n_t[1] += dt
+        seen.clear()
+        return out
+    engine.metrics.record_step = recorded
+    engine.step = timed
+    return phases
 
 
 def decode_step_profile(path, name: str, batch: int = 256, prompt_len: int = 512, **options) -> None:
@@ -117,8 +150,9 @@ def decode_step_profile(path, name: str, batch: int = 256, prompt_len: int = 512
 
 def step_parts(engine, reps: int = 20) -> None:
     """Where a decode step's time goes: the host time of engine.step's parts (resolve is the
-    wait for the GPU; under async scheduling the previous step's outputs are made before it),
-    then the GPU's own busy time."""
+    wait for the GPU; scheduling ahead, the next step is scheduled and executed before it,
+    holding outputs, the previous step's outputs are made before it), then the GPU's own busy
+    time."""
     from actors.core.step import RunnerOutput
     parts: dict[str, float] = {}
 
@@ -138,7 +172,8 @@ def step_parts(engine, reps: int = 20) -> None:
                  (engine.executor, "execute", timed(engine.executor, "execute", "execute")),
                  (engine.processor, "outputs", timed(engine.processor, "outputs", "outputs")),
                  (engine.metrics, "record_step", timed(engine.metrics, "record_step", "metrics")),
-                 (engine.scheduler, "update", timed(engine.scheduler, "update", "update")),
+                 (engine.scheduler, "advance", timed(engine.scheduler, "advance", "advance")),
+                 (engine.scheduler, "settle", timed(engine.scheduler, "settle", "settle")),
                  (RunnerOutput, "resolve", timed(RunnerOutput, "resolve", "resolve (GPU wait)"))]
     start = time.perf_counter()
     for _ in range(reps):
@@ -190,6 +225,8 @@ VARIANTS = {  # name -> (label, engine options, environment, decode launches by 
                              {"SHOAL_FUSED_KERNELS": "0"}),
     "triton-graphs": ("shoal triton, CUDA graphs", GRAPHS),
     "triton-graphs-sync": ("shoal triton, CUDA graphs, no async scheduling", dict(GRAPHS, async_scheduling=False)),
+    "triton-graphs-held": ("shoal triton, CUDA graphs, outputs held a step (not scheduled ahead)", GRAPHS,
+                           {"SHOAL_SCHEDULE_AHEAD": "0"}),
     "triton-graphs-unfused": ("shoal triton, CUDA graphs, unfused elementwise ops", GRAPHS,
                               {"SHOAL_FUSED_KERNELS": "0"}),
     # The decode launches a sweep on an H200 found fastest per call (docs/benchmarks.md)
