@@ -422,13 +422,13 @@ def test_request_id_echoed_and_logged(real, caplog):
 def test_request_id_prefixes_engine_ids_and_request_logs(stub, caplog):
     app, http = stub
     caplog.set_level(logging.INFO, logger="shoal.api")
-    settings = app.state.settings
-    app.state.settings = dataclasses.replace(settings, log_requests=2)
+    model = app.state.models[0]
+    app.state.models[0] = dataclasses.replace(model, settings=dataclasses.replace(model.settings, log_requests=2))
     try:
         http.post("/v1/completions", json={"prompt": ["The fox", "A boat"]},
                   headers={"X-Request-Id": "trace-7"})
     finally:
-        app.state.settings = settings
+        app.state.models[0] = model
     assert all(rid.startswith("trace-7-") for rid in app.state.client.request_ids[-2:])
     logged = " ".join(rec.getMessage() for rec in caplog.records)
     assert "The fox" in logged and "trace-7 output 1.0: 'ok!'" in logged

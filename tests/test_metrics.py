@@ -153,10 +153,11 @@ def _snapshot(used: int, blocks: int, finished: dict, counts: list[int]) -> dict
                                                            "sum": 3.0}}}
 
 
-def test_combine_sums_replicas():
+def test_combine_sums_replicas_and_each_model_has_its_label():
     both = combine([_snapshot(10, 100, {"stop": 1}, [1, 0, 0]),
                     _snapshot(30, 100, {"stop": 2, "length": 1}, [0, 1, 2])])
-    families = {f.name: f for f in ShoalCollector(both, {("/x", "200"): 3}, "m").collect()}
+    other = combine([_snapshot(5, 50, {"length": 7}, [0, 0, 1])])  # a second model of the app
+    families = {f.name: f for f in ShoalCollector([("m", both), ("e", other)], {("/x", "200"): 3}, "m").collect()}
     value = {s.name + str(sorted(s.labels.items())): s.value
              for f in families.values() for s in f.samples}
     assert value["shoal_prompt_tokens_total[('model', 'm')]"] == 20
@@ -167,6 +168,10 @@ def test_combine_sums_replicas():
     assert value["shoal_e2e_request_latency_seconds_bucket[('le', '2.0'), ('model', 'm')]"] == 2
     assert value["shoal_e2e_request_latency_seconds_count[('model', 'm')]"] == 4
     assert value["shoal_http_requests_total[('model', 'm'), ('path', '/x'), ('status', '200')]"] == 3
+    assert value["shoal_prompt_tokens_total[('model', 'e')]"] == 10
+    assert value["shoal_requests_finished_total[('finish_reason', 'length'), ('model', 'e')]"] == 7
+    assert value["shoal_kv_cache_usage[('model', 'e')]"] == 0.1  # 5 of 50 blocks
+    assert value["shoal_e2e_request_latency_seconds_count[('model', 'e')]"] == 1
 
 
 def test_bucket_option_is_checked():

@@ -136,7 +136,7 @@ def test_expert_balancedness_is_a_prometheus_metric(checkpoint_factory):
     llm = LLM(str(checkpoint_factory("mixtral")), num_kv_blocks=32)
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
     registry = CollectorRegistry()
-    registry.register(ShoalCollector(combine([llm.engine.metrics.snapshot(llm.engine)]), {}, "m"))
+    registry.register(ShoalCollector([("m", combine([llm.engine.metrics.snapshot(llm.engine)]))], {}, "m"))
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     value = families["shoal_expert_balancedness"].samples[0].value
     assert value == llm.engine.executor.runner.expert_stats()["balancedness"] and 0 < value <= 1

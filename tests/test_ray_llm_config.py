@@ -5,19 +5,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.config import ConfigError, load_config
-from app.serving.ray_llm_config import from_llm_configs
+from app.config import ConfigError
+from app.serving.ray_llm_config import load_configs, model_args
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def config_of(llm_config: dict, **rest):
-    return load_config(from_llm_configs({"llm_configs": [llm_config], **rest}))
+    [config] = load_configs({"llm_configs": [llm_config], **rest})
+    return config
 
 
 def test_the_shipped_example_maps_onto_shoal_options():
     args = yaml.safe_load((REPO / "serve_configs/ray-serve-llm.yaml").read_text())
-    config = load_config(from_llm_configs(args["applications"][0]["args"]))
+    [config] = load_configs(args["applications"][0]["args"])
     assert config.server.served_model_name == "shoal-demo" and config.engine.model_path is None
     assert (config.engine.max_model_len, config.engine.max_num_seqs) == (1024, 64)
     assert (config.deploy.min_replicas, config.deploy.max_replicas) == (1, 1)
@@ -55,8 +56,27 @@ def test_what_shoal_lacks_is_refused_by_name_in_one_line(llm_config, says):
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
-def test_one_model_per_application_and_no_option_twice():
-    with pytest.raises(ConfigError, match="exactly one llm_config"):
-        from_llm_configs({"llm_configs": [{}, {}]})
-    with pytest.raises(ConfigError, match="tp_size is given both"):
-        from_llm_configs({"llm_configs": [{"engine_kwargs": {"tp": 2}}], "tensor_parallel_size": 2})
+def test_several_models_share_the_options_outside_llm_configs(tmp_path, llama_ckpt):
+    """A chat model next to an embedding model: one config each, the options outside
+    llm_configs given to both, errors naming the entry."""
+    chat, embed = load_configs({"llm_configs": [
+        {"model_loading_config": {"model_id": "chat", "model_source": str(llama_ckpt)},
+         "engine_kwargs": {"max_model_len": 512}},
+        {"model_loading_config": {"model_id": "embed", "model_source": str(tmp_path)},
+         "deployment_config": {"num_replicas": 2}}], "replica_cpus": 0.25})
+    assert (chat.server.served_model_name, embed.server.served_model_name) == ("chat", "embed")
+    assert (chat.engine.model_path, embed.engine.model_path) == (str(llama_ckpt), str(tmp_path))
+    assert (chat.engine.max_model_len, embed.engine.max_model_len) == (512, None)
+    assert (chat.deploy.num_replicas, embed.deploy.num_replicas) == (None, 2)
+    assert chat.deploy.replica_cpus == embed.deploy.replica_cpus == 0.25
+    with pytest.raises(ConfigError, match=r"llm_configs\[1\]\.engine_kwargs\.trust_remote_code"):
+        model_args({"llm_configs": [{}, {"engine_kwargs": {"trust_remote_code": True}}]})
+    with pytest.raises(ConfigError, match="two models are served as 'same'"):
+        load_configs({"llm_configs": [{"model_loading_config": {"model_id": "same", "model_source": str(llama_ckpt)}}] * 2})
+
+
+def test_no_option_twice_and_no_empty_list():
+    with pytest.raises(ConfigError, match="one llm_config per model"):
+        model_args({"llm_configs": []})
+    with pytest.raises(ConfigError, match=r"tp_size is given both in llm_configs\[0\]"):
+        model_args({"llm_configs": [{"engine_kwargs": {"tp": 2}}], "tensor_parallel_size": 2})

@@ -10,6 +10,7 @@ bring their own model and for tests (app/api/embedded.py).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -70,11 +71,12 @@ class ApiHost:
         self.settings = settings
         self.api = build_api(settings)
 
-    def attach(self, client: EngineClient, tokenizer=None) -> FastAPI:
-        """Serve with `client`; with `tokenizer`, else the client's, else the checkpoint's (the
-        same files)."""
+    def attach(self, client: EngineClient, tokenizer=None, settings: ServerSettings | None = None) -> FastAPI:
+        """Serve a model with `client`; with `tokenizer`, else the client's, else the
+        checkpoint's (the same files). settings: that model's (default: the host's); an app of
+        several models is attached once per model, the first being the default."""
         tokenizer = tokenizer or getattr(client, "tokenizer", None) or self.load_tokenizer()
-        return attach(self.api, client, tokenizer, self.settings)
+        return attach(self.api, client, tokenizer, settings or self.settings)
 
     def load_tokenizer(self):
         return load_tokenizer(resolve_model_path(self.settings.model_path))
@@ -83,15 +85,29 @@ class ApiHost:
         return self.api
 
 
+@dataclass
+class ServedModel:
+    """One model the app serves: its engine client, tokenizer, settings (served name, parsers,
+    limits) and generation_config.json sampling values."""
+    client: EngineClient
+    tokenizer: object
+    settings: ServerSettings
+    sampling_defaults: dict
+
+
 def attach(app: FastAPI, client: EngineClient, tokenizer, settings: ServerSettings) -> FastAPI:
-    """Give the app its engine client, tokenizer and settings."""
+    """Give the app a model to serve: its engine client, tokenizer and settings. The first
+    model attached is the default one (`app.state.client`, `.tokenizer`, `.settings`): it
+    serves requests that name no model, and its settings hold the app's own (keys, limits)."""
     if settings.max_model_len is None:
         settings = dataclasses.replace(settings, max_model_len=client.max_model_len)
     checkpoint = model_dir(settings.model_path)
     settings = with_model_parsers(settings, checkpoint)
-    app.state.settings = settings
-    app.state.sampling_defaults = model_sampling_defaults(checkpoint, settings.generation_config)
-    app.state.tokenizer = tokenizer
-    app.state.client = client
+    model = ServedModel(client, tokenizer, settings, model_sampling_defaults(checkpoint, settings.generation_config))
+    app.state.models = getattr(app.state, "models", []) + [model]
+    if len(app.state.models) == 1:
+        app.state.settings = settings
+        app.state.tokenizer = tokenizer
+        app.state.client = client
     app.state.ready_seen = False
     return app

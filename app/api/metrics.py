@@ -13,6 +13,7 @@ pushed.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections import defaultdict
@@ -74,9 +75,12 @@ def route_label(scope) -> str:
 async def metrics(request: Request):
     """Prometheus text format: engine metrics summed over replicas, and HTTP counters."""
     state = request.app.state
-    snapshots = await pool_snapshots(getattr(state, "client", None))
+    models = getattr(state, "models", [])
+    pools = await asyncio.gather(*(pool_snapshots(m.client) for m in models))
+    engines = [(m.settings.served_model_name, combine(snaps)) for m, snaps in zip(models, pools)]
     registry = CollectorRegistry()
-    registry.register(ShoalCollector(combine(snapshots), http_counts(state.http_metrics, snapshots),
+    registry.register(ShoalCollector([(name, e) for name, e in engines if e is not None],
+                                     http_counts(state.http_metrics, [s for snaps in pools for s in snaps]),
                                      state.settings.served_model_name))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -131,47 +135,55 @@ def _add_histogram(into: dict, name: str, h: dict) -> None:
 
 
 class ShoalCollector:
-    """A prometheus_client custom collector over one combined snapshot."""
+    """A prometheus_client custom collector over each model's combined snapshot (label
+    `model`); the HTTP counts carry the app's default model."""
 
-    def __init__(self, engine: dict | None, http_counts: dict, model: str):
-        self.engine, self.http, self.model = engine, dict(http_counts), model
+    def __init__(self, engines: list[tuple[str, dict]], http_counts: dict, model: str):
+        self.engines, self.http, self.model = engines, dict(http_counts), model
 
     def collect(self):
         yield self._http()
-        if self.engine is None:
+        if not self.engines:
             return
-        e, model = self.engine, [self.model]
+        engines = self.engines
         for name, text in COUNTERS.items():
-            yield _counter(name, text, ["model"], [(model, e["counters"].get(name, 0))])
+            yield _counter(name, text, ["model"], [([m], e["counters"].get(name, 0)) for m, e in engines])
         yield _counter(FINISHED[0], FINISHED[1], ["model", "finish_reason"],
-                       [([self.model, r], v) for r, v in sorted(e["finished"].items())])
+                       [([m, r], v) for m, e in engines for r, v in sorted(e["finished"].items())])
         yield _counter(LORA_REQUESTS[0], LORA_REQUESTS[1], ["model", "lora_name"],
-                       [([self.model, name], v) for name, v in sorted(e["lora_requests"].items())])
-        yield from self._gauges(e)
-        for name, h in e["histograms"].items():
-            yield _histogram(name, HISTOGRAMS[name][0], model, h)
+                       [([m, name], v) for m, e in engines for name, v in sorted(e["lora_requests"].items())])
+        yield from self._gauges()
+        for name in engines[0][1]["histograms"]:
+            yield _histogram(name, HISTOGRAMS[name][0], [(m, e["histograms"][name]) for m, e in engines])
 
     def _http(self):
         rows = [([self.model, path, status], n) for (path, status), n in sorted(self.http.items())]
         return _counter(HTTP_REQUESTS[0], HTTP_REQUESTS[1], ["model", "path", "status"], rows)
 
-    def _gauges(self, e: dict):
-        g, c = e["gauges"], e["counters"]
-        values = {
-            "num_requests_running": g["num_requests_running"],
-            "num_requests_waiting": g["num_requests_waiting"],
-            "kv_cache_usage": g["kv_blocks_used"] / g["kv_blocks_total"] if g["kv_blocks_total"] else 0.0,
-            "prefix_cache_hit_rate": (c["prefix_cache_hits"] / c["prefix_cache_queries"]
-                                      if c["prefix_cache_queries"] else 0.0),
-        }
-        if g.get("moe_replicas"):  # the mean over the replicas serving a MoE model
-            values["expert_balancedness"] = g["expert_balancedness"] / g["moe_replicas"]
+    def _gauges(self):
+        values = {m: _gauge_values(e) for m, e in self.engines}
         for name, text in GAUGES.items():
-            if name not in values:
+            rows = [(m, v[name]) for m, v in values.items() if name in v]
+            if not rows:
                 continue
             family = GaugeMetricFamily(PREFIX + name, text, labels=["model"])
-            family.add_metric([self.model], values[name])
+            for m, value in rows:
+                family.add_metric([m], value)
             yield family
+
+
+def _gauge_values(e: dict) -> dict:
+    g, c = e["gauges"], e["counters"]
+    values = {
+        "num_requests_running": g["num_requests_running"],
+        "num_requests_waiting": g["num_requests_waiting"],
+        "kv_cache_usage": g["kv_blocks_used"] / g["kv_blocks_total"] if g["kv_blocks_total"] else 0.0,
+        "prefix_cache_hit_rate": (c["prefix_cache_hits"] / c["prefix_cache_queries"]
+                                  if c["prefix_cache_queries"] else 0.0),
+    }
+    if g.get("moe_replicas"):  # the mean over the replicas serving a MoE model
+        values["expert_balancedness"] = g["expert_balancedness"] / g["moe_replicas"]
+    return values
 
 
 def _counter(name: str, text: str, labels: list[str], rows) -> CounterMetricFamily:
@@ -181,12 +193,13 @@ def _counter(name: str, text: str, labels: list[str], rows) -> CounterMetricFami
     return family
 
 
-def _histogram(name: str, text: str, model: list[str], h: dict) -> HistogramMetricFamily:
+def _histogram(name: str, text: str, per_model: list[tuple[str, dict]]) -> HistogramMetricFamily:
     """Cumulative `le` buckets, as Prometheus wants them, from per-bucket counts."""
-    buckets, running = [], 0
-    for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):
-        running += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
     family = HistogramMetricFamily(PREFIX + name, text, labels=["model"])
-    family.add_metric(model, buckets, h["sum"])
+    for model, h in per_model:
+        buckets, running = [], 0
+        for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):
+            running += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        family.add_metric([model], buckets, h["sum"])
     return family

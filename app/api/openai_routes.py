@@ -88,23 +88,23 @@ async def create_completion(body: CompletionRequest, request: Request):
                                             response_id))
 
 
-def model_card(request: Request) -> ModelCard:
-    state = request.app.state
-    client = getattr(state, "client", None)
-    return ModelCard(id=state.settings.served_model_name, root=state.settings.model_path,
-                     max_model_len=state.settings.max_model_len
-                     or getattr(client, "max_model_len", None))
+def model_card(model) -> ModelCard:
+    """The card of a ServedModel (app/api/app.py)."""
+    settings = model.settings
+    return ModelCard(id=settings.served_model_name, root=settings.model_path,
+                     max_model_len=settings.max_model_len or getattr(model.client, "max_model_len", None))
 
 
 async def model_cards(request: Request) -> list[ModelCard]:
-    """The base model, then every registered LoRA adapter with the base as its parent."""
-    base = model_card(request)
-    client = getattr(request.app.state, "client", None)
-    if not getattr(client, "lora_enabled", False):
-        return [base]
-    adapters = await client.list_loras()
-    return [base] + [ModelCard(id=a["name"], root=a["path"], parent=base.id,
-                               max_model_len=base.max_model_len) for a in adapters]
+    """Each model the app serves, followed by its registered LoRA adapters (their parent)."""
+    cards = []
+    for model in getattr(request.app.state, "models", []):
+        base = model_card(model)
+        cards.append(base)
+        if getattr(model.client, "lora_enabled", False):
+            cards += [ModelCard(id=a["name"], root=a["path"], parent=base.id, max_model_len=base.max_model_len)
+                      for a in await model.client.list_loras()]
+    return cards
 
 
 @router.get("/v1/models", response_model=ModelList)
@@ -114,8 +114,9 @@ async def list_models(request: Request):
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard)
 async def retrieve_model(model: str, request: Request):
-    if model in request.app.state.settings.model_names():
-        return JSONResponse(model_card(request).model_dump())
+    for served in getattr(request.app.state, "models", []):
+        if model in served.settings.model_names():
+            return JSONResponse(model_card(served).model_dump())
     for card in await model_cards(request):
         if card.id == model:
             return JSONResponse(card.model_dump())

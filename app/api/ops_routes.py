@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import sys
 from importlib import metadata
 
@@ -40,10 +41,10 @@ async def readyz(request: Request):
 @router.get("/health")
 async def health(request: Request):
     """The replica pool: 200 while every replica's engine is alive and the pool is ready."""
-    client = getattr(request.app.state, "client", None)
-    if client is None:
+    stats = await pool_stats(request.app.state)
+    if stats is None:
         return JSONResponse({"status": "loading", "replicas": 0, "alive": 0}, status_code=503)
-    replicas = (await client.stats()).get("replicas", [])
+    replicas = stats.get("replicas", [])
     alive = sum(r.get("engine_alive", True) is not False for r in replicas)  # None: starting
     ready = await is_ready(request.app.state, cached=False)
     status = "ok" if ready and alive == len(replicas) else "degraded" if ready and alive else \
@@ -55,10 +56,23 @@ async def health(request: Request):
 @router.get("/stats")
 async def stats(request: Request):
     """`client.stats()`: per replica running/waiting requests, KV usage, tokens/s."""
-    client = getattr(request.app.state, "client", None)
-    if client is None:
+    stats = await pool_stats(request.app.state)
+    if stats is None:
         return JSONResponse({"replicas": []}, status_code=503)
-    return JSONResponse(await client.stats())
+    return JSONResponse(stats)
+
+
+async def pool_stats(state) -> dict | None:
+    """The replicas' stats (None: no engine attached yet); with several models each replica
+    says which it serves."""
+    models = getattr(state, "models", [])
+    if not models:
+        return None
+    stats = await asyncio.gather(*(m.client.stats() for m in models))
+    if len(models) == 1:
+        return stats[0]
+    return {"replicas": [{**r, "model": m.settings.served_model_name}
+                         for m, st in zip(models, stats) for r in st.get("replicas", [])]}
 
 
 @router.get("/version")

@@ -8,6 +8,7 @@ engine_dead on the request instead), so only requests before the first ready pay
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -21,12 +22,12 @@ OPEN_WHILE_LOADING = {"/healthz", "/readyz", "/health", "/metrics"}
 
 
 async def is_ready(state, cached: bool = True) -> bool:
-    """The engine client answers ready (cached: or did once). Remembers a ready answer."""
+    """Every model's engine client answers ready (cached: or did once). Remembers a ready answer."""
     if cached and getattr(state, "ready_seen", False):
         return True
-    client = getattr(state, "client", None)
+    models = getattr(state, "models", [])
     try:
-        ready = client is not None and bool(await client.ready())
+        ready = bool(models) and all(await asyncio.gather(*(m.client.ready() for m in models)))
     except Exception:  # a pool that can't answer yet is not ready
         log.warning("readiness check failed", exc_info=True)
         ready = False

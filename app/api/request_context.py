@@ -1,7 +1,7 @@
 """What a route needs from the app hosting it, and the two ways a route runs engine requests.
 
-The host (`attach`) puts the engine client, tokenizer and settings on `app.state`; `Served`
-is that state for one request, with its request id. `complete` waits for whole outputs,
+The host (`attach`) puts each model it serves (engine client, tokenizer, settings) on
+`app.state`; `Served` is the state of the model a request names, with its request id. `complete` waits for whole outputs,
 `stream` answers with server-sent events; both abort the engine requests when the client
 goes away (see app/api/streams.py).
 """
@@ -44,20 +44,26 @@ class Served:
     summary: EngineSummary = field(default_factory=EngineSummary)  # for the request's log line
     lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
 
+    sampling_defaults: dict = field(default_factory=dict)  # the model's generation_config.json values
+
     @classmethod
-    def of(cls, request: Request) -> Served:
-        state = request.app.state
-        if getattr(state, "client", None) is None:  # built but not attached to an engine yet
+    def of(cls, request: Request, model: str | None = None) -> Served:
+        """The state of the model `model` names (one the app serves by that name, else the
+        default model, whose LoRA adapter it may name)."""
+        models = getattr(request.app.state, "models", None)
+        if not models:  # built but not attached to an engine yet
             raise not_ready()
+        chosen = next((m for m in models if model and model in m.settings.model_names()), models[0])
         request_id = getattr(request.state, "request_id", None) or new_request_id()
-        served = cls(request, state.client, state.tokenizer, state.settings, request_id)
+        served = cls(request, chosen.client, chosen.tokenizer, chosen.settings, request_id,
+                     sampling_defaults=chosen.sampling_defaults)
         request.state.engine_summary = served.summary  # the middleware logs it at the end
         return served
 
     @classmethod
     async def ready(cls, request: Request, model: str | None) -> Served:
         """The state for a request that will use the engine: known model, engine ready."""
-        served = cls.of(request)
+        served = cls.of(request, model)
         served.check_model(model)
         await served.ensure_ready()
         return served
@@ -65,11 +71,6 @@ class Served:
     @property
     def model_name(self) -> str:
         return self.settings.served_model_name
-
-    @property
-    def sampling_defaults(self) -> dict:
-        """The model's generation_config.json sampling values (app/protocol/generation_defaults.py)."""
-        return getattr(self.request.app.state, "sampling_defaults", {})
 
     @property
     def max_model_len(self) -> int:

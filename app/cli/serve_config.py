@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from app.config import ConfigError, load_config
-from app.serving.ray_llm_config import from_llm_configs
+from app.config import ConfigError
+from app.serving.ray_llm_config import load_configs
 
 log = logging.getLogger("shoal.serve")
 
@@ -57,10 +57,10 @@ def load_serve_config(path: str):
     for app in schema.applications:
         if app.import_path == SHOAL_BUILDER:
             try:
-                config = load_config(from_llm_configs(app.args or {}))
+                configs = load_configs(app.args or {})
             except ConfigError as exc:
                 raise ConfigError(f"{path}: application {app.name!r}: {exc}") from None
-            timeouts[app.name] = config.deploy.shutdown_timeout
+            timeouts[app.name] = max(c.deploy.shutdown_timeout for c in configs)
     return schema, timeouts
 
 

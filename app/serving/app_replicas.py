@@ -13,9 +13,11 @@ log = logging.getLogger("shoal.server")
 
 
 class AppReplicas:
-    """Base of the Serve EngineClients; `app_name` is the application's."""
+    """Base of the Serve EngineClients; `app_name` is the application's, `deployment` the
+    model pool's where the application serves several models (None: every replica)."""
 
     app_name: str
+    deployment: str | None = None
 
     # A replica started later (autoscaling, a restart) has only the --lora-modules adapters.
     async def load_lora(self, name: str, path: str) -> None:
@@ -35,7 +37,7 @@ class AppReplicas:
 
     async def stats(self) -> dict:
         """Every replica's scheduler stats, not just the one a call lands on."""
-        actors = await asyncio.to_thread(scheduler_actors, self.app_name)
+        actors = await asyncio.to_thread(scheduler_actors, self.app_name, self.deployment)
         results = await asyncio.gather(*(_answer(a.stats) for a in actors.values()),
                                        return_exceptions=True)
         return {"replicas": [{"replica": replica, **_stats_or_error(r)}
@@ -43,7 +45,7 @@ class AppReplicas:
 
     async def metrics(self) -> list[dict]:
         """Every replica's engine metrics snapshot (actors/engine/metrics.py), for GET /metrics."""
-        actors = await asyncio.to_thread(scheduler_actors, self.app_name)
+        actors = await asyncio.to_thread(scheduler_actors, self.app_name, self.deployment)
         results = await asyncio.gather(*(_answer(a.metrics) for a in actors.values()),
                                        return_exceptions=True)
         for replica, r in zip(actors, results):
@@ -53,7 +55,7 @@ class AppReplicas:
 
     async def _on_every_replica(self, method: str, *args) -> list:
         """Each live replica's result of scheduler.method(*args), or its (unwrapped) exception."""
-        actors = await asyncio.to_thread(scheduler_actors, self.app_name)
+        actors = await asyncio.to_thread(scheduler_actors, self.app_name, self.deployment)
         results = await asyncio.gather(*(getattr(a, method).remote(*args) for a in actors.values()),
                                        return_exceptions=True)
         return [unwrap(r) if isinstance(r, Exception) else r for r in results]

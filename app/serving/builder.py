@@ -2,7 +2,9 @@
 
 `build_app(args)` takes the same option names as `shoal serve` (see app/config.py), or Ray
 Serve LLM's `llm_configs` shape; the YAML's `args:` rank like command-line flags, above SHOAL_*
-variables and `config: FILE`.
+variables and `config: FILE`. With several `llm_configs` (a chat model next to an embedding
+model, say) one Ingress serves them all, each model with its own LLMServer pool; a request's
+`model` picks the pool.
 """
 from __future__ import annotations
 
@@ -10,21 +12,33 @@ import ray
 from ray import serve
 
 from actors.executor.placement import check_fits, default_strategy
-from app.config import ConfigError, ShoalConfig, load_config, replica_count, split_layout
+from app.config import ConfigError, ShoalConfig, replica_count, split_layout
 from app.serving.ingress import Ingress
 from app.serving.llm_server import LLMServer
 from app.serving.model_server import ModelServer
-from app.serving.ray_llm_config import from_llm_configs
+from app.serving.ray_llm_config import load_configs
 from app.serving.replica import placement_bundles
 
 
 def build_app(args: dict | None = None) -> serve.Application:
     """`args`: shoal's options, or Ray Serve LLM's `llm_configs` (app/serving/ray_llm_config.py)."""
-    config = load_config(from_llm_configs(args or {}))
-    if config.deploy.direct_ingress:
+    configs = load_configs(args or {})
+    if any(c.deploy.direct_ingress for c in configs):
         raise ConfigError("direct_ingress is a `shoal serve` option: under `serve run` the "
                           "config's http_options and Serve's proxy answer HTTP")
-    return application(config)
+    return application(configs[0]) if len(configs) == 1 else models_application(configs)
+
+
+def models_application(configs: list[ShoalConfig]) -> serve.Application:
+    """Several models: one Ingress (the first config's ingress options) in front of an
+    LLMServer pool per model, named after it."""
+    if ray.is_initialized():
+        for config in configs:
+            check_placement(config)
+    pools = [LLMServer.options(name=f"LLMServer:{c.server.served_model_name}", **replica_options(c)).bind(
+        c.engine, c.deploy.log_level, c.deploy.decode_progress_interval_s, c.deploy.stream_chunks_per_s,
+        c.server.served_model_name) for c in configs]
+    return ingress_deployment(configs[0]).bind(pools, [c.server for c in configs], configs[0].deploy.log_level)
 
 
 def application(config: ShoalConfig, listener: str | None = None) -> serve.Application:
@@ -43,12 +57,16 @@ def application(config: ShoalConfig, listener: str | None = None) -> serve.Appli
     llm = LLMServer.options(**replica_options(config)).bind(
         config.engine, d.log_level, d.decode_progress_interval_s, d.stream_chunks_per_s,
         config.server.served_model_name)
-    ingress = Ingress.options(num_replicas=d.ingress_replicas, max_ongoing_requests=d.max_ongoing_requests,
-                              graceful_shutdown_timeout_s=d.shutdown_timeout,
-                              graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_POLL_S,
-                              ray_actor_options={"num_cpus": d.ingress_cpus},
-                              logging_config={"log_level": d.log_level.upper(), "enable_access_log": False})
-    return ingress.bind(llm, config.server, d.log_level)
+    return ingress_deployment(config).bind([llm], [config.server], d.log_level)
+
+
+def ingress_deployment(config: ShoalConfig):
+    d = config.deploy
+    return Ingress.options(num_replicas=d.ingress_replicas, max_ongoing_requests=d.max_ongoing_requests,
+                           graceful_shutdown_timeout_s=d.shutdown_timeout,
+                           graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_POLL_S,
+                           ray_actor_options={"num_cpus": d.ingress_cpus},
+                           logging_config={"log_level": d.log_level.upper(), "enable_access_log": False})
 
 
 def replica_options(config: ShoalConfig) -> dict:

@@ -66,17 +66,20 @@ class ServeEngineClient(AppReplicas):
     """EngineClient over the LLMServer pool's deployment handle (used by the split layout's
     ingress)."""
 
-    def __init__(self, handle, max_model_len: int, app_name: str, lora_enabled: bool = False):
+    def __init__(self, handle, max_model_len: int, app_name: str, lora_enabled: bool = False,
+                 own_pool: bool = False):
+        """own_pool: the application serves several models; reach only this handle's replicas."""
         self.handle = handle
         self._streaming = handle.options(stream=True)
         self.max_model_len = max_model_len
         self.app_name = app_name
         self.lora_enabled = lora_enabled
+        self.deployment = handle.deployment_name if own_pool else None
 
     @classmethod
-    async def create(cls, handle, app_name: str) -> "ServeEngineClient":
+    async def create(cls, handle, app_name: str, own_pool: bool = False) -> "ServeEngineClient":
         return cls(handle, await handle.get_max_model_len.remote(), app_name,
-                   await handle.lora_enabled.remote())
+                   await handle.lora_enabled.remote(), own_pool)
 
     async def generate(self, request: EngineRequest):
         response = self._streaming.generate.remote(RoutedRequest(request))

@@ -1,7 +1,8 @@
 """Ray Serve LLM's `llm_configs` shape, read as shoal options.
 
 A Ray Serve LLM app config switches to shoal by changing its import path to
-`app.serving.builder:build_app` and keeping its `args:`:
+`app.serving.builder:build_app` and keeping its `args:` (one entry per model: several models,
+say a chat model and an embedding model, are served by one application, chosen by `model`):
 
     llm_configs:
       - model_loading_config: {model_id: NAME, model_source: PATH_OR_REPO}
@@ -19,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from app.api.settings import DEMO_MODEL_NAME
-from app.config import ConfigError, canonical, option_types
+from app.config import ConfigError, ShoalConfig, canonical, load_config, option_types
 
 LLM_CONFIG_KEYS = {"model_loading_config", "engine_kwargs", "deployment_config",
                    "placement_group_config", "llm_engine"}
@@ -28,23 +29,37 @@ AUTOSCALING_KEYS = {"min_replicas": "min_replicas", "max_replicas": "max_replica
                     "target_ongoing_requests": "target_ongoing_requests"}
 
 
-def from_llm_configs(args: dict) -> dict:
-    """`args` with its `llm_configs` replaced by the shoal options they mean."""
+def load_configs(args: dict) -> list[ShoalConfig]:
+    """One ShoalConfig per model the application serves; their served names must differ."""
+    configs = [load_config(a) for a in model_args(args)]
+    names = [c.server.served_model_name for c in configs]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ConfigError(f"llm_configs: two models are served as {twice!r}; give each its own "
+                          "model_loading_config.model_id")
+    return configs
+
+
+def model_args(args: dict) -> list[dict]:
+    """One set of shoal options per model the application serves: `args` itself, or with
+    `llm_configs` each entry's options over the options outside it (shared by every model)."""
     if "llm_configs" not in args:
-        return args
+        return [args]
     rest = {k: v for k, v in args.items() if k != "llm_configs"}
     configs = args["llm_configs"]
-    if not isinstance(configs, list) or len(configs) != 1:
-        raise ConfigError("llm_configs: shoal serves one model per application; give exactly "
-                          "one llm_config (one application per model)")
-    options = llm_config_options(_load(configs[0]))
-    clash = sorted({canonical(k) for k in options} & {canonical(k) for k in rest})
-    if clash:
-        raise ConfigError(f"{clash[0]} is given both in llm_configs and as an option; keep one")
-    return {**rest, **options}
+    if not isinstance(configs, list) or not configs:
+        raise ConfigError("llm_configs: give a list of one llm_config per model")
+    out = []
+    for i, config in enumerate(configs):
+        options = llm_config_options(_load(config, i), i)
+        clash = sorted({canonical(k) for k in options} & {canonical(k) for k in rest})
+        if clash:
+            raise ConfigError(f"{clash[0]} is given both in llm_configs[{i}] and as an option; keep one")
+        out.append({**rest, **options})
+    return out
 
 
-def _load(config) -> dict:
+def _load(config, i: int) -> dict:
     if isinstance(config, str):  # Ray Serve LLM also takes a path to a YAML file per model
         try:
             config = yaml.safe_load(Path(config).read_text())
@@ -52,23 +67,24 @@ def _load(config) -> dict:
             reason = str(exc).splitlines()[0]
             raise ConfigError(f"llm_configs: cannot read {config}: {reason}") from None
     if not isinstance(config, dict):
-        raise ConfigError("llm_configs[0] must be a mapping (or the path of a YAML file)")
+        raise ConfigError(f"llm_configs[{i}] must be a mapping (or the path of a YAML file)")
     return config
 
 
-def llm_config_options(config: dict) -> dict:
-    _refuse_unknown("llm_configs[0]", config, LLM_CONFIG_KEYS)
+def llm_config_options(config: dict, i: int) -> dict:
+    where = f"llm_configs[{i}]"
+    _refuse_unknown(where, config, LLM_CONFIG_KEYS)
     if config.get("llm_engine", "vLLM") != "vLLM":
-        raise ConfigError("llm_configs[0].llm_engine: shoal is the engine; leave it out")
-    engine = engine_options(config.get("engine_kwargs") or {})
-    placement, ranks = placement_options(config.get("placement_group_config") or {})
-    check_rank_count(ranks, engine)
-    return {**model_options(config.get("model_loading_config") or {}), **engine,
-            **deployment_options(config.get("deployment_config") or {}), **placement}
+        raise ConfigError(f"{where}.llm_engine: shoal is the engine; leave it out")
+    engine = engine_options(config.get("engine_kwargs") or {}, where)
+    placement, ranks = placement_options(config.get("placement_group_config") or {}, where)
+    check_rank_count(ranks, engine, where)
+    return {**model_options(config.get("model_loading_config") or {}, where), **engine,
+            **deployment_options(config.get("deployment_config") or {}, where), **placement}
 
 
-def model_options(loading: dict) -> dict:
-    where = "llm_configs[0].model_loading_config"
+def model_options(loading: dict, where: str) -> dict:
+    where += ".model_loading_config"
     _refuse_unknown(where, loading, {"model_id", "model_source"})
     model_id, source = loading.get("model_id"), loading.get("model_source")
     if source is not None and not isinstance(source, str):
@@ -81,17 +97,17 @@ def model_options(loading: dict) -> dict:
     return options
 
 
-def engine_options(kwargs: dict) -> dict:
+def engine_options(kwargs: dict, where: str) -> dict:
     known = option_types()
     for key in kwargs:
         if canonical(key) not in known:
-            raise ConfigError(f"llm_configs[0].engine_kwargs.{key} is not supported by shoal "
+            raise ConfigError(f"{where}.engine_kwargs.{key} is not supported by shoal "
                               "(see `shoal serve --help` for the options it has)")
     return dict(kwargs)  # load_config resolves the spellings and converts the values
 
 
-def deployment_options(deployment: dict) -> dict:
-    where = "llm_configs[0].deployment_config"
+def deployment_options(deployment: dict, where: str) -> dict:
+    where += ".deployment_config"
     _refuse_unknown(where, deployment, set(DEPLOYMENT_KEYS) | {"autoscaling_config"})
     options = {DEPLOYMENT_KEYS[k]: v for k, v in deployment.items() if k in DEPLOYMENT_KEYS}
     autoscaling = deployment.get("autoscaling_config") or {}
@@ -100,10 +116,10 @@ def deployment_options(deployment: dict) -> dict:
     return options
 
 
-def placement_options(placement: dict) -> tuple[dict, int | None]:
+def placement_options(placement: dict, where: str) -> tuple[dict, int | None]:
     """(options, bundles per replica). shoal places one bundle per rank itself, so the
     bundles must be equal: they set each rank's CPUs and GPUs."""
-    where = "llm_configs[0].placement_group_config"
+    where += ".placement_group_config"
     _refuse_unknown(where, placement, {"bundles", "strategy"})
     options = {"placement_strategy": placement["strategy"]} if "strategy" in placement else {}
     bundles = placement.get("bundles") or []
@@ -118,12 +134,12 @@ def placement_options(placement: dict) -> tuple[dict, int | None]:
     return options, len(bundles)
 
 
-def check_rank_count(ranks: int | None, engine: dict) -> None:
+def check_rank_count(ranks: int | None, engine: dict, where: str) -> None:
     """Ray Serve LLM sizes a replica by its bundles: one per rank, tp x pp of them."""
     named = {canonical(k): v for k, v in engine.items()}
     tp, pp = int(named.get("tp_size", 1)), int(named.get("pp_size", 1))
     if ranks is not None and ranks != tp * pp:
-        raise ConfigError(f"llm_configs[0].placement_group_config.bundles: {ranks} bundles, but "
+        raise ConfigError(f"{where}.placement_group_config.bundles: {ranks} bundles, but "
                           f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp}; give one "
                           "bundle per rank")
 

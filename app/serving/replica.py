@@ -26,7 +26,7 @@ from actors.host.engine_actor import engine_actor_class
 from actors.host.link import SocketLink
 from actors.outputs import Pending
 from actors.request import EngineRequest
-from app.serving.schedulers import SCHEDULER_NAMESPACE, scheduler_name_prefix
+from app.serving.schedulers import SCHEDULER_NAMESPACE, scheduler_name
 
 # The engine's refusals and failures of one request (400, 429, 503, 500 at the HTTP layer).
 REFUSALS = (ValueError, QueueFullError, EngineDeadError, RequestFailedError, ShuttingDownError)
@@ -73,7 +73,7 @@ class ReplicaEngine:
         pg = ray.util.get_current_placement_group()  # None only outside Serve's placement
         strategy = PlacementGroupSchedulingStrategy(pg, SCHEDULER_BUNDLE) if pg else None
         actor = engine_actor_class(rank_bundle(engine_config)).options(
-            name=scheduler_name_prefix(ctx.app_name) + self.replica,
+            name=scheduler_name(ctx.app_name, ctx.deployment, self.replica),
             namespace=SCHEDULER_NAMESPACE, scheduling_strategy=strategy)
         placement = (pg, FIRST_SHARD_BUNDLE) if pg else None
         self.scheduler = actor.remote(engine_config, log_level, progress_interval_s, placement,

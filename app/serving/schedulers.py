@@ -12,9 +12,15 @@ def scheduler_name_prefix(app_name: str) -> str:
     return f"scheduler:{app_name}:"
 
 
-def scheduler_actors(app_name: str) -> dict:
-    """Replica id -> scheduler actor handle, for every live replica of the app."""
-    prefix = scheduler_name_prefix(app_name)
+def scheduler_name(app_name: str, deployment: str, replica: str) -> str:
+    """The named actor of a replica's scheduler (its deployment: one pool per model)."""
+    return f"{scheduler_name_prefix(app_name)}{deployment}:{replica}"
+
+
+def scheduler_actors(app_name: str, deployment: str | None = None) -> dict:
+    """Replica id -> scheduler actor handle, for every live replica of the app (of one of its
+    deployments, where given)."""
+    prefix = scheduler_name_prefix(app_name) + (f"{deployment}:" if deployment else "")
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == SCHEDULER_NAMESPACE and a["name"].startswith(prefix)]
-    return {n[len(prefix):]: ray.get_actor(n, namespace=SCHEDULER_NAMESPACE) for n in sorted(names)}
+    return {n.rsplit(":", 1)[1]: ray.get_actor(n, namespace=SCHEDULER_NAMESPACE) for n in sorted(names)}
