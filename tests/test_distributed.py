@@ -1,4 +1,6 @@
-"""Tensor and pipeline parallel shards (Ray actors, gloo) give transformers' outputs exactly."""
+"""Tensor and pipeline parallel shards (Ray actors, gloo) give transformers' outputs exactly,
+and every layout serves what users combine (prefix-cache hits, preemption, n > 1, seeded
+sampling, structured output) with the same tokens as one rank."""
 import os
 
 import pytest
@@ -12,7 +14,7 @@ from test_engine import assert_pool_free, prompts_of  # noqa: E402
 
 from actors.engine.llm import LLM  # noqa: E402
 from actors.pooling_params import PoolingParams  # noqa: E402
-from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +26,49 @@ def local_ray():
     ray.shutdown()
 
 
-def check_layout(path, prompts, **layout):
-    llm = LLM(str(path), num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5, **layout)
+POOL = dict(num_kv_blocks=64, block_size=4, max_num_batched_tokens=24)  # chunked prefill, preemption
+
+
+def feature_requests() -> list[tuple[list[int], SamplingParams]]:
+    """Seeded n=2 and top-k/top-p sampling, a regex-constrained sample, and greedy rows long
+    enough that together they outgrow POOL's 256 tokens (preemption)."""
+    greedy = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    params = [SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=30,
+                             structured=StructuredOutput("regex", "[a-z]{2,6}( [a-z]{2,6}){2}")),
+              greedy, greedy, greedy]
+    return list(zip(prompts_of([30, 28, 26, 24, 22, 20], seed=17), params))
+
+
+def run_features(llm) -> tuple[list, int, int]:
+    """(each request's samples as (token ids, text, finish reason), the preemptions they
+    caused, prompt tokens a later request found in the prefix cache)."""
+    requests, before = feature_requests(), llm.engine.scheduler.num_preemptions
+    outs = llm.generate([ids for ids, _ in requests], [p for _, p in requests])
+    again = llm.generate([requests[-1][0] + [3, 1, 4]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    samples = [[(o.token_ids, o.text, o.finish_reason) for o in out.outputs] for out in outs + again]
+    return samples, llm.engine.scheduler.num_preemptions - before, again[0].num_cached_tokens
+
+
+_one_rank: dict = {}
+
+
+def check_features_match_one_rank(llm, path) -> None:
+    """The layout engine `llm` (built with POOL) gives one rank's tokens for feature_requests,
+    through preemption and a prefix-cache hit."""
+    if path not in _one_rank:
+        reference = LLM(str(path), **POOL)
+        _one_rank[path] = run_features(reference)
+    got, preemptions, cached = run_features(llm)
+    want, want_preemptions, want_cached = _one_rank[path]
+    assert got == want
+    assert preemptions == want_preemptions > 0 and cached == want_cached >= 16
+    assert_pool_free(llm)
+
+
+def check_layout(path, prompts, features: bool = False, **layout):
+    llm = LLM(str(path), **POOL, shard_cpus=0.5, **layout)
     try:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
         outs = llm.generate(prompts, params)
@@ -37,6 +80,8 @@ def check_layout(path, prompts, **layout):
         for ids, out in zip(prompts, llm.embed(prompts, PoolingParams(method="mean", normalize=False))):
             assert out.embedding == pytest.approx(hf_hidden_states(path, ids).mean(0).tolist(), abs=1e-5)
         assert_pool_free(llm)
+        if features:
+            check_features_match_one_rank(llm, path)
     finally:
         llm.shutdown()
 
@@ -47,7 +92,7 @@ LAYOUTS = {"tp2": dict(tp_size=2), "pp2": dict(pp_size=2), "tp2xpp2": dict(tp_si
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_llama_layouts_match_transformers(checkpoint_factory, layout):
     path = checkpoint_factory("llama", num_hidden_layers=3)
-    check_layout(path, prompts_of([5, 30, 13, 2]), **LAYOUTS[layout])
+    check_layout(path, prompts_of([5, 30, 13, 2]), features=True, **LAYOUTS[layout])
 
 
 def test_qwen3_tp2_and_tied_qwen2_pp2(checkpoint_factory):

@@ -177,24 +177,66 @@ def check_served(url, name, path, ids, answer):
     assert r.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3", "olmo2", "granite", "glm4"])
-def test_family_served_by_the_api_app(checkpoint_factory, tmp_path, name):
-    """The API app in process (what `shoal serve` runs behind Ray Serve; Gemma 2 goes through
-    `shoal serve` itself in tests/test_compiled_decode.py) gets check_served's answers."""
-    from app.api.app import attach, build_api
-    from app.api.embedded import serve_in_thread
-    from app.api.engine_client import LocalEngineClient
-    from app.api.settings import ServerSettings
-    from actors.config import EngineConfig
+@pytest.mark.slow
+def test_shoal_serve_runs_the_ray_serve_llm_config_with_every_family_and_an_embedder(
+        checkpoint_factory, llama_ckpt, tmp_path):
+    """`shoal serve --config serve_configs/ray-serve-llm.yaml` (Ray Serve LLM's llm_configs
+    shape), its one entry turned into six models in one application, one LLMServer pool each
+    behind one ingress: the five families not run through `shoal serve` elsewhere (Gemma 2:
+    tests/test_compiled_decode.py) and an embedding model (a Llama with mean pooling,
+    normalised, as its sentence-transformers files say). A request's `model` picks the pool:
+    each family gets check_served's answers (its chat template, generation_config.json's
+    sampling defaults and EOS), the embedder's vectors equal transformers'; an unknown model is
+    a 404, /metrics has each model's series; SIGTERM stops everything (exit 0, no process left)."""
+    import copy
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    path, ids, answer = served_checkpoint(checkpoint_factory, tmp_path, name)
-    client = LocalEngineClient(EngineConfig(model_path=str(path), num_kv_blocks=64))
-    settings = ServerSettings(model_path=str(path))
+    import httpx
+    import torch
+    import yaml
+    from serving import free_port, loopback_env, stop_process, wait_process_ready
+    from test_embeddings import reference, write_sentence_transformers
+
+    repo = Path(__file__).resolve().parent.parent
+    families = ["gemma3", "phi3", "olmo2", "granite", "glm4"]
+    served = {name: served_checkpoint(checkpoint_factory, tmp_path, name) for name in families}
+    embedder = shutil.copytree(llama_ckpt, tmp_path / "embedder")
+    write_sentence_transformers(embedder, "mean", normalize=True)
+    port, log, path = free_port(), tmp_path / "serve.log", tmp_path / "serve.yaml"
+    config = yaml.safe_load((repo / "serve_configs/ray-serve-llm.yaml").read_text())
+    config["http_options"]["port"] = port
+    args = config["applications"][0]["args"]
+    entry = args["llm_configs"][0]
+    entry["engine_kwargs"].update(max_model_len=256, num_gpu_blocks_override=64)
+    entry["placement_group_config"]["bundles"] = [{"CPU": 0.25}]  # six models on two cores
+    args.update(replica_cpus=0.04, ingress_cpus=0.04)
+    models = {**{n: p for n, (p, _, _) in served.items()}, "tiny-embed": embedder}
+    args["llm_configs"] = [{**copy.deepcopy(entry), "model_loading_config": {"model_id": name, "model_source": str(p)}}
+                           for name, p in models.items()]
+    path.write_text(yaml.safe_dump(config))
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "shoal"), "serve", "--config", str(path)],
+                                cwd=repo, env=loopback_env(), stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        with serve_in_thread(attach(build_api(settings), client, client.tokenizer, settings)) as url:
-            check_served(url, name, path, ids, answer)
+        wait_process_ready(url, proc, log)
+        listed = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == list(models)
+        for name, (p, ids, answer) in served.items():
+            check_served(url, name, p, ids, answer)
+        ids = [5, 17, 42, 8, 99, 3]
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": "tiny-embed", "input": [ids]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert (torch.tensor(r.json()["data"][0]["embedding"]) - reference(embedder, ids, "mean")).abs().max() < 1e-5
+        missing = httpx.post(f"{url}/v1/embeddings", json={"model": "nope", "input": "x"})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+        assert 'shoal_prompt_tokens_total{model="tiny-embed"} 6.0' in httpx.get(f"{url}/metrics").text
     finally:
-        client.shutdown()
+        code, outliving = stop_process(proc)
+    assert code == 0 and not outliving, log.read_text()[-3000:]
 
 
 def test_older_config_spellings():

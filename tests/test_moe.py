@@ -11,6 +11,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from oracle import hf_greedy, hf_prompt_logprobs  # noqa: E402
+from test_distributed import check_features_match_one_rank  # noqa: E402
 from test_engine import assert_pool_free, prompts_of  # noqa: E402
 
 from actors.config import EngineConfig  # noqa: E402
@@ -181,6 +182,8 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
         rank0 = sum(p.numel() for p in llm.engine.executor.runner.model.parameters())
         assert [info["parameters"] for info in llm.engine.executor.shards.infos] == [rank0]
         assert_pool_free(llm)
+        if arch == "qwen3_moe":  # one family is enough for the feature mix (tests/test_distributed.py)
+            check_features_match_one_rank(llm, path)
     finally:
         llm.shutdown()
 

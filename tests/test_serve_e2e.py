@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +25,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
-import torch  # noqa: E402
 import yaml  # noqa: E402
 from serving import alive, descendants, free_port, loopback_env, wait_ready  # noqa: E402
 
@@ -415,42 +412,6 @@ def test_serve_run_dev_yaml_ready_means_ready_and_the_models_parsers(llama_ckpt,
             model="", messages=MESSAGES, max_tokens=40, extra_body={"guided_regex": THOUGHT})
         message = thought.choices[0].message
         assert len(message.reasoning_content.split()) == 2 and message.content in ("yes", "no")
-
-
-@pytest.mark.slow
-def test_serve_run_ray_serve_llm_config_with_a_chat_and_an_embedding_model(llama_ckpt, tmp_path):
-    """serve_configs/ray-serve-llm.yaml (Ray Serve LLM's llm_configs shape) on a test checkpoint,
-    with a second llm_config: an embedding model (mean pooling, normalised, as its
-    sentence-transformers files say) served by the same application. A request's `model`
-    picks the model: chat on one, embeddings equal to transformers' on the other."""
-    from test_embeddings import reference, write_sentence_transformers
-
-    embedder = tmp_path / "embedder"
-    shutil.copytree(llama_ckpt, embedder)
-    write_sentence_transformers(embedder, "mean", normalize=True)
-    config = yaml.safe_load((REPO / "serve_configs/ray-serve-llm.yaml").read_text())
-    chat = config["applications"][0]["args"]["llm_configs"][0]
-    chat["model_loading_config"] = {"model_id": "tiny-llama", "model_source": str(llama_ckpt)}
-    chat["engine_kwargs"].update(max_model_len=512, num_gpu_blocks_override=64)
-    chat["placement_group_config"]["bundles"] = [{"CPU": 0.5}]  # two models on two cores
-    embed = copy.deepcopy(chat)
-    embed["model_loading_config"] = {"model_id": "tiny-embed", "model_source": str(embedder)}
-    config["applications"][0]["args"]["llm_configs"].append(embed)
-    with serve_run(config, tmp_path) as (url, proc):
-        poll_until_200(f"{url}/readyz", proc)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["tiny-llama", "tiny-embed"]
-        reply = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=4)
-        assert reply.choices[0].message.content is not None and reply.usage.completion_tokens > 0
-        ids = [5, 17, 42, 8, 99, 3]
-        vector = client.embeddings.create(model="tiny-embed", input=[ids]).data[0].embedding
-        assert (torch.tensor(vector) - reference(embedder, ids, "mean")).abs().max() < 1e-5
-        last = client.embeddings.create(model="tiny-llama", input=[ids]).data[0].embedding  # its own pooling
-        assert (torch.tensor(last) - reference(llama_ckpt, ids, "last")).abs().max() < 1e-5
-        missing = httpx.post(f"{url}/v1/embeddings", json={"model": "nope", "input": "x"})
-        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
-        metrics = httpx.get(f"{url}/metrics").text
-        assert 'shoal_prompt_tokens_total{model="tiny-embed"} 6.0' in metrics
 
 
 # --------------------------------------------------------------------------- stream pacing
