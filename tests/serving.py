@@ -228,3 +228,21 @@ def wait_answered(url: str, ids: list[int], max_tokens: int, log: Path, timeout:
             assert r.status_code == 503 and r.json()["error"]["code"] in ("engine_dead", "not_ready"), r.text
         assert time.monotonic() < deadline, f"not back after {timeout:.0f} s:\n{log.read_text()[-3000:]}"
         time.sleep(1)
+
+
+def poll_until_200(url: str, proc, timeout: float = 120) -> list[int]:
+    """GET url until it answers 200 (as clients poll /v1/models); the statuses seen before."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == 200:
+                return seen
+            seen.append(r.status_code)
+            body = r.json() if r.headers.get("content-type") == "application/json" else {}
+            if "error" in body:  # ours (the proxy answers in plain text)
+                assert body["error"]["code"] == "not_ready"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} never answered 200 (saw {sorted(set(seen))})")

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from serving import (alive, check_drain, check_sigterm_drain, descendants, free_port, loopback_env,
-                     outliving, wait_process_ready)
+from serving import (alive, check_drain, check_sigterm_drain, descendants, free_port, loopback_env, outliving,
+                     poll_until_200, wait_process_ready)
 
 REPO = Path(__file__).resolve().parent.parent
 LONG_STREAM_TOKENS = 4000  # ~15 s on a tiny test checkpoint
@@ -100,10 +100,12 @@ def test_dev_yaml_drains_on_sigterm_then_exits_0(checkpoint_factory, tmp_path):
 
 @pytest.mark.slow
 def test_serve_run_drains_with_shoal_drain_first(checkpoint_factory, tmp_path):
-    """Plain `serve run dev.yaml` (Ray's own CLI): `shoal drain` from another process stops
-    admitting and lets the stream in flight finish, then exits 0; Ray's stop (SIGTERM) then
-    cuts nothing and leaves no process behind. The drainer's start (Python, Ray's client)
-    takes seconds, so the stream is a long one, on a tiny checkpoint with a long context."""
+    """Plain `serve run dev.yaml` (Ray's own CLI): ready means ready (the moment /v1/models
+    says 200, having said only 404 from the proxy or our 503 not_ready before, a chat request
+    succeeds); `shoal drain` from another process stops admitting and lets the stream in flight
+    finish, then exits 0; Ray's stop (SIGTERM) then exits as Ray's driver does (15) and leaves
+    no process behind. The drainer's start (Python, Ray's client) takes seconds, so the stream
+    is a long one, on a tiny checkpoint with a long context."""
     config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
     config["applications"][0]["args"]["model_path"] = str(
         checkpoint_factory("llama", max_position_embeddings=LONG_STREAM_TOKENS + 64))
@@ -120,7 +122,11 @@ def test_serve_run_drains_with_shoal_drain_first(checkpoint_factory, tmp_path):
     family: set[int] = set()
     drainer = []
     try:
-        wait_process_ready(url, proc, log, timeout=180)
+        before = poll_until_200(f"{url}/v1/models", proc, timeout=180)
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": "", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] > 0, chat.text
+        assert set(before) <= {404, 503}
         family = descendants(proc.pid)
         # `auto`: the cluster `serve run` started on this machine, as a user's second shell finds it.
         start = lambda: drainer.append(subprocess.Popen(  # noqa: E731
@@ -143,4 +149,8 @@ def test_serve_run_drains_with_shoal_drain_first(checkpoint_factory, tmp_path):
         for p in drainer:
             if p.poll() is None:
                 p.kill()
+    # Ray's driver turns SIGTERM into sys.exit(15), an orderly exit. Known and left alone: once
+    # in about ten full-suite runs (2026-11-27) it aborted (-6) at interpreter exit after its
+    # core-worker log said Ray's shutdown had completed; the processes check still holds then.
+    assert proc.returncode in (15, -6), f"serve run exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
     assert not outliving(family), "serve run left processes behind"
