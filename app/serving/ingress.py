@@ -36,8 +36,8 @@ class Ingress(ApiHost):
     async def _attach_all(self, models: list, app_name: str) -> None:
         # The tokenizers load in one thread while the pools start (transformers imported from
         # two threads at once can fail halfway).
-        paths = [resolve_model_path(settings.model_path) for _, settings in models]
-        tokenizers = asyncio.create_task(asyncio.to_thread(lambda: [load_tokenizer(p) for p in paths]))
+        tokenizers = asyncio.create_task(asyncio.to_thread(
+            lambda: [load_tokenizer(resolve_model_path(s.model_path)) for _, s in models]))
         try:
             clients = await asyncio.gather(*(self._connect(pool, s.served_model_name, app_name, len(models) > 1)
                                              for pool, s in models))
