@@ -27,6 +27,8 @@ from functools import lru_cache
 
 import torch
 
+from kernels.host_copies import to_device
+
 # Import names in order of preference, and the block-size multiple each one's paged path needs.
 LIBRARIES = {"vllm_flash_attn": 16, "vllm.vllm_flash_attn": 16, "flash_attn": 256}
 DTYPES = (torch.float16, torch.bfloat16)
@@ -120,8 +122,9 @@ def build_metadata(query_lens: list[int], context_lens: list[int],
     q = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     k = torch.tensor(context_lens, dtype=torch.int32)
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), k.cumsum(0, dtype=torch.int32)])
-    return FlashMetadata(ops, block_size, num_decodes, q.to(device), k.to(device), cu_k.to(device),
-                         table.to(device), max(query_lens), max_seqlen_k or max(context_lens))
+    return FlashMetadata(ops, block_size, num_decodes, to_device(q, device), to_device(k, device),
+                         to_device(cu_k, device), to_device(table, device), max(query_lens),
+                         max_seqlen_k or max(context_lens))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

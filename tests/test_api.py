@@ -109,7 +109,7 @@ def stub_app(engine):
 @pytest.fixture()
 def stub(stub_app):
     app, url = stub_app
-    app.state.client.mode, app.state.client.is_ready = "ok", True
+    app.state.models[0].client.mode, app.state.models[0].client.is_ready = "ok", True
     return app, httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"})
 
 
@@ -336,19 +336,19 @@ def test_unknown_model_is_404(oai):
 def test_queue_full_dead_engine_not_ready_and_bugs(stub):
     app, http = stub
     chat = {"messages": USER, "max_tokens": 4}
-    app.state.client.mode = "queue_full"
+    app.state.models[0].client.mode = "queue_full"
     r = http.post("/v1/chat/completions", json=chat)
     assert_error(r, 429) and r.headers["Retry-After"] == "1"
     r = http.post("/v1/chat/completions", json={**chat, "stream": True})
     assert_error(r, 429)  # refused before the stream starts: still a status, not an event
-    app.state.client.mode = "dead"
+    app.state.models[0].client.mode = "dead"
     assert_error(http.post("/v1/completions", json={"prompt": "hi"}), 503)
     assert http.get("/health").status_code == 503
-    app.state.client.mode = "bug"
+    app.state.models[0].client.mode = "bug"
     r = http.post("/v1/chat/completions", json=chat)
     assert_error(r, 500)
     assert "secret" not in r.text and r.headers["X-Request-Id"] in r.json()["error"]["message"]
-    app.state.client.mode, app.state.client.is_ready, app.state.ready_seen = "ok", False, False
+    app.state.models[0].client.mode, app.state.models[0].client.is_ready, app.state.ready_seen = "ok", False, False
     assert_error(http.post("/v1/chat/completions", json=chat), 503)
     # Ready means ready: every route but the probes says so, /v1/models included.
     for r in (http.get("/v1/models"), http.post("/tokenize", json={"prompt": "hi"}),
@@ -356,7 +356,7 @@ def test_queue_full_dead_engine_not_ready_and_bugs(stub):
         assert assert_error(r, 503)["code"] == "not_ready" and r.headers["Retry-After"]
     assert http.get("/readyz").status_code == 503 and http.get("/healthz").status_code == 200
     assert http.get("/health").status_code == 503
-    app.state.client.is_ready = True
+    app.state.models[0].client.is_ready = True
     assert http.get("/v1/models").status_code == 200
     assert http.get("/readyz").status_code == 200
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
@@ -364,7 +364,7 @@ def test_queue_full_dead_engine_not_ready_and_bugs(stub):
 
 def test_failure_mid_stream_is_an_error_event(stub):
     app, http = stub
-    app.state.client.mode = "dies_midstream"
+    app.state.models[0].client.mode = "dies_midstream"
     with http.stream("POST", "/v1/chat/completions",
                      json={"messages": USER, "stream": True}) as r:
         events = sse_events(r)
@@ -400,10 +400,10 @@ def test_cors_off_by_default_and_on_with_origins(real, stub):
 def test_disable_thinking_unless_the_request_says(stub, engine):
     app, http = stub
     http.post("/v1/chat/completions", json={"messages": USER})
-    assert "<think>" in engine.tokenizer.decode(app.state.client.prompts[-1])
+    assert "<think>" in engine.tokenizer.decode(app.state.models[0].client.prompts[-1])
     http.post("/v1/chat/completions", json={"messages": USER,
                                             "chat_template_kwargs": {"enable_thinking": True}})
-    assert "<think>" not in engine.tokenizer.decode(app.state.client.prompts[-1])
+    assert "<think>" not in engine.tokenizer.decode(app.state.models[0].client.prompts[-1])
 
 
 def test_request_id_echoed_and_logged(real, caplog):
@@ -429,7 +429,7 @@ def test_request_id_prefixes_engine_ids_and_request_logs(stub, caplog):
                   headers={"X-Request-Id": "trace-7"})
     finally:
         app.state.models[0] = model
-    assert all(rid.startswith("trace-7-") for rid in app.state.client.request_ids[-2:])
+    assert all(rid.startswith("trace-7-") for rid in app.state.models[0].client.request_ids[-2:])
     logged = " ".join(rec.getMessage() for rec in caplog.records)
     assert "The fox" in logged and "trace-7 output 1.0: 'ok!'" in logged
 

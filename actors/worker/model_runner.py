@@ -180,7 +180,7 @@ class ModelRunner:
         """Rank 0: the step on every rank (the executor has broadcast it), then sampling.
         previous: the step before, when this one was scheduled before its tokens were read
         (async scheduling, one rank): its placeholders' input ids come from its device tokens."""
-        pending = pending_tokens(output, previous.sampled if previous is not None else None)
+        pending = pending_tokens(output, previous.sampled) if previous is not None else None
         logits, pooled = self.forward(output, pending)
         result = self.sampler(output.seqs, logits)
         if pooled is not None:

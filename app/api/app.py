@@ -96,9 +96,9 @@ class ServedModel:
 
 
 def attach(app: FastAPI, client: EngineClient, tokenizer, settings: ServerSettings) -> FastAPI:
-    """Give the app a model to serve: its engine client, tokenizer and settings. The first
-    model attached is the default one (`app.state.client`, `.tokenizer`, `.settings`): it
-    serves requests that name no model, and its settings hold the app's own (keys, limits)."""
+    """Give the app a model to serve (`app.state.models`): its engine client, tokenizer and
+    settings. The first model attached is the default one: it serves requests that name no
+    model, and its settings are the app's own (`app.state.settings`: keys, limits)."""
     if settings.max_model_len is None:
         settings = dataclasses.replace(settings, max_model_len=client.max_model_len)
     checkpoint = model_dir(settings.model_path)
@@ -107,7 +107,5 @@ def attach(app: FastAPI, client: EngineClient, tokenizer, settings: ServerSettin
     app.state.models = getattr(app.state, "models", []) + [model]
     if len(app.state.models) == 1:
         app.state.settings = settings
-        app.state.tokenizer = tokenizer
-        app.state.client = client
     app.state.ready_seen = False
     return app

@@ -1,9 +1,9 @@
 """What a route needs from the app hosting it, and the two ways a route runs engine requests.
 
 The host (`attach`) puts each model it serves (engine client, tokenizer, settings) on
-`app.state`; `Served` is the state of the model a request names, with its request id. `complete` waits for whole outputs,
-`stream` answers with server-sent events; both abort the engine requests when the client
-goes away (see app/api/streams.py).
+`app.state`; `Served` is the state of the model a request names, with its request id.
+`complete` waits for whole outputs, `stream` answers with server-sent events; both abort the
+engine requests when the client goes away (see app/api/streams.py).
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ class Served:
     texts: dict = field(default_factory=lambda: defaultdict(str))  # (prompt, seq) -> text, for logs
     summary: EngineSummary = field(default_factory=EngineSummary)  # for the request's log line
     lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
-
     sampling_defaults: dict = field(default_factory=dict)  # the model's generation_config.json values
 
     @classmethod
