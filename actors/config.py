@@ -1,7 +1,10 @@
 """Engine settings: one dataclass, filled by the CLI, YAML configs or Python callers."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
+
+SPECULATIVE_METHODS = ("ngram",)
 
 
 @dataclass
@@ -57,6 +60,9 @@ class EngineConfig:
     lora_modules: list[str] | None = None  # "name=path" adapters registered at start
     max_loras: int = 1  # adapter slots: adapters in one batch (more registered ones take turns, LRU)
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
+    # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 3,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (actors/core/speculation.py). None: off
+    speculative_config: dict | None = None  # (or its JSON text)
     # Metrics: histogram bucket bounds in seconds ("0.05,0.1,0.5" or a list); None: defaults
     metrics_ttft_buckets: list[float] | None = None  # time to first token
     metrics_itl_buckets: list[float] | None = None  # inter-token latency
@@ -67,6 +73,12 @@ class EngineConfig:
         # nothing changes the config after validation.
         for name in ("metrics_ttft_buckets", "metrics_itl_buckets", "metrics_e2e_buckets"):
             setattr(self, name, check_buckets(name, getattr(self, name)))
+        if isinstance(self.speculative_config, str) and self.speculative_config.strip():  # JSON text
+            try:
+                self.speculative_config = json.loads(self.speculative_config)
+            except ValueError:
+                raise ValueError(f"--speculative-config must be a JSON object, got "
+                                 f"{self.speculative_config!r}") from None
         if isinstance(self.lora_modules, str):  # "a=/x,b=/y" from an environment variable
             self.lora_modules = [m.strip() for m in self.lora_modules.split(",") if m.strip()]
         if self.lora_modules:
@@ -80,6 +92,11 @@ class EngineConfig:
                 raise ValueError(f"--cuda-graph-sizes takes batch sizes (integers), "
                                  f"got {self.cuda_graph_sizes!r}") from None
 
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config parsed (None: off)."""
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def lora_module_paths(self) -> dict[str, str]:
         """--lora-modules as {name: path}: each "name=path" or vLLM's JSON {"name", "path"}."""
         out = {}
@@ -87,7 +104,6 @@ class EngineConfig:
             if isinstance(item, dict):
                 name, path = item.get("name"), item.get("path")
             elif item.lstrip().startswith("{"):
-                import json
                 spec = json.loads(item)
                 name, path = spec.get("name"), spec.get("path")
             else:
@@ -143,6 +159,7 @@ class EngineConfig:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be at least 1")
         self.lora_module_paths()
+        self.speculative  # noqa: B018 - raises on a bad --speculative-config
 
     def _validate_experts(self) -> None:
         if self.ep_size is not None and self.ep_size not in (1, self.tp_size):
@@ -154,6 +171,55 @@ class EngineConfig:
         if (self.num_redundant_experts or self.eplb_step_interval) and not self.expert_parallel:
             raise ValueError("--num-redundant-experts and --eplb-step-interval need expert parallelism "
                              "(--enable-expert-parallel with --tp-size > 1)")
+
+
+@dataclass
+class SpeculativeConfig:
+    """--speculative-config, in vLLM's JSON spelling."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # More running sequences than this: no row proposes (None: the default for the device).
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """The option's dict (EngineConfig turns JSON text into one); None or {}: off."""
+        if not value:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
+        value = dict(value)
+        if "model" in value and "method" not in value:
+            raise ValueError("--speculative-config: a draft model is not supported yet; "
+                             "use {\"method\": \"ngram\", ...}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        config = cls(**value)
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        # vLLM's defaults: one bound given sets the other; none gives 5 and 5.
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        self.prompt_lookup_min = lo if lo is not None else (hi if hi is not None else 5)
+        self.prompt_lookup_max = hi if hi is not None else self.prompt_lookup_min
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"--speculative-config: prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"is above prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("--speculative-config: disable_by_batch_size must be at least 1")
 
 
 def check_buckets(name: str, value) -> list[float] | None:

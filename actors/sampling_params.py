@@ -69,6 +69,11 @@ class SamplingParams:
             self.top_k = 0
         self.validate()
 
+    @property
+    def penalizes_output(self) -> bool:
+        """Its next token depends on the tokens so far through penalties, not only the model."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def validate(self) -> None:
         """Raise ValueError naming the field for values no sampler can honour."""
         checks = [

@@ -10,6 +10,7 @@ bad combinations raise ConfigError with one clear line, before anything starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -194,6 +195,11 @@ def convert(name: str, value, kind):
     try:
         if base is bool:
             return _bool(value)
+        if base is dict:  # JSON text from the command line or the environment
+            value = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
         if base is list:
             return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) \
                 else list(value)
@@ -203,7 +209,8 @@ def convert(name: str, value, kind):
             return base(value)
         return str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"option {name}: {value!r} is not a valid {base.__name__}") from None
+        what = "JSON object" if base is dict else base.__name__
+        raise ConfigError(f"option {name}: {value!r} is not a valid {what}") from None
 
 
 def _is_optional(kind) -> bool:

@@ -74,6 +74,43 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.where(b.temperature > 0, sampled, greedy)
 
 
+def verify_drafts(logits: torch.Tensor, b: SamplingBatch, drafts: torch.Tensor):
+    """Speculative decoding's verification. logits: [N, V], one row per position of the rows
+    under verification; drafts: [N] the token proposed for each position (-1: none, the
+    position after a row's last draft). Returns (tokens [N], accepted [N] bool): a position's
+    draft is accepted (greedy: it is the argmax; sampled: with probability p(draft), the draft
+    distribution being a point mass), and `tokens` holds what the position emits if its draft
+    is rejected or it has none: a draw from p with the draft taken out (renormalised), which
+    makes the emitted tokens exactly distributed as p (Leviathan et al.'s rejection sampling).
+    """
+    logits = apply_penalties(logits, b)
+    greedy = logits.argmax(dim=-1)
+    proposed = drafts >= 0
+    if b.all_greedy:
+        return greedy, proposed & (greedy == drafts)
+    temperature = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    probs = _filter(torch.softmax(logits / temperature[:, None], dim=-1), b)
+    index = drafts.clamp(min=0)[:, None]
+    p_draft = probs.gather(-1, index).squeeze(-1) / probs.sum(dim=-1)
+    u = _uniform(p_draft, b.generators)
+    accepted = proposed & torch.where(b.temperature > 0, u < p_draft, greedy == drafts)
+    kept = probs.gather(-1, index) * ~proposed[:, None]  # the draft's column: 0 where proposed
+    residual = probs.scatter(-1, index, kept)
+    # (all of p on the draft: it is accepted whatever the draw; keep the residual drawable)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
+    sampled = (residual / _exponential_noise(residual, b.generators)).argmax(dim=-1)
+    return torch.where(b.temperature > 0, sampled, greedy), accepted
+
+
+def _uniform(like: torch.Tensor, generators) -> torch.Tensor:
+    """U[0, 1) per row, from the row's own generator where it has one."""
+    u = torch.rand_like(like)
+    for row, gen in enumerate(generators or []):
+        if gen is not None:
+            u[row] = torch.rand((), generator=gen, device=like.device)
+    return u
+
+
 def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.min_p is not None:
         floor = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values

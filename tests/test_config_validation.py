@@ -43,3 +43,19 @@ def test_serve_layout_is_merged_unless_a_separate_ingress_is_needed():
             load_config(bad, environ={})
     with pytest.raises(ConfigError, match="--serve-layout must be merged or split"):
         load_config({"serve_layout": "both"}, environ={})
+
+
+def test_speculative_config_from_yaml_environment_and_command_line(tmp_path):
+    """vLLM's JSON object from every source: a mapping in YAML, JSON text elsewhere."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("speculative-config:\n  method: ngram\n  num_speculative_tokens: 2\n")
+    engine = load_config({"config": str(config)}, environ={}).engine
+    assert engine.speculative.num_speculative_tokens == 2 and engine.speculative.prompt_lookup_max == 5
+    env = {"SHOAL_SPECULATIVE_CONFIG": '{"method": "ngram", "prompt_lookup_max": 3}'}
+    assert load_config({"config": str(config)}, environ=env).engine.speculative.prompt_lookup_min == 3
+    got = load_config({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 6}'}, environ=env)
+    assert got.engine.speculative.num_speculative_tokens == 6  # the command line wins
+    for bad, why in [("ngram", "is not a valid JSON object"), ('{"method": "ngram", "num_speculative_tokens": -1}',
+                                                                "num_speculative_tokens must be a positive integer")]:
+        with pytest.raises(ConfigError, match=why):
+            load_config({"speculative_config": bad}, environ={})

@@ -105,6 +105,23 @@ def test_kv_heads_replicated_when_fewer_than_ranks_and_uneven_split(checkpoint_f
     check_layout(path, prompts_of([11, 4]), tp_size=2, pp_size=2, pp_layer_split="2,1")
 
 
+def test_tp2_verifies_drafts_with_one_ranks_tokens():
+    """Speculative decoding at tp=2 (and pp=2): drafts verified as chunks across the shards,
+    transformers' greedy tokens, and the rows that speculated emitted several tokens a step."""
+    from test_speculative import COPY_TEXTS, DEMO, NGRAM
+    for layout in ({"tp_size": 2}, {"pp_size": 2}):
+        llm = LLM(DEMO, dtype="float32", speculative_config=NGRAM, shard_cpus=0.5, **layout)
+        try:
+            prompts = [llm.encode(t) for t in COPY_TEXTS[:3]]
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            for ids, out in zip(prompts, outs):
+                assert out.outputs[0].token_ids == hf_greedy(DEMO, ids, 24)
+            assert llm.engine.scheduler.speculator.num_accepted_tokens > 10
+            assert_pool_free(llm)
+        finally:
+            llm.shutdown()
+
+
 def test_bad_layouts_fail_before_start(checkpoint_factory):
     with pytest.raises(ValueError, match="divide"):
         LLM(str(checkpoint_factory("llama")), tp_size=3)

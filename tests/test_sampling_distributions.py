@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from kernels.sampling import SamplingBatch, sample
+from kernels.sampling import SamplingBatch, sample, verify_drafts
 
 V = 8
 LOGITS = torch.tensor([2.0, 1.6, 1.1, 0.7, 0.2, -0.3, -0.9, -1.5], dtype=torch.float64)
@@ -146,3 +146,38 @@ def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
     torch.manual_seed(6)
     assert draws(7) == alone  # other rows (unseeded, other noise) around it change nothing
     assert len(set(alone)) > 2  # and it does sample
+
+
+@pytest.mark.parametrize("draft", [0, 2, 5, 7, -1], ids=["likely", "middling", "unlikely", "least", "none"])
+def test_verifying_a_draft_emits_each_settings_distribution(draft):
+    """Speculative decoding's rejection sampling (kernels/sampling.py verify_drafts): what a
+    position emits -- its draft where accepted, else the draw from the rest -- follows the
+    setting's distribution whatever the draft (also one the setting gives no mass, and none)."""
+    names = list(SETTINGS)
+    rows = [SETTINGS[names[i % len(names)]] for i in range(DRAWS * len(names))]
+    torch.manual_seed(2)
+    drafts = torch.full((len(rows),), draft)
+    tokens, accepted = verify_drafts(LOGITS.float().expand(len(rows), V).clone(), batch_of(rows), drafts)
+    emitted = torch.where(accepted, drafts, tokens)
+    assert draft >= 0 or not accepted.any()
+    for k, name in enumerate(names):
+        counts = torch.bincount(emitted[k::len(names)], minlength=V).double()
+        want = reference(SETTINGS[name])
+        assert (counts[want == 0] == 0).all(), (name, counts, want)
+        observed, expected = pooled(counts[want > 0], want[want > 0] * DRAWS)
+        chi2 = float(((observed - expected) ** 2 / expected).sum())
+        df = len(expected) - 1
+        assert df == 0 or chi2 < CHI2_CRITICAL[df], (name, chi2, df, (counts / DRAWS).tolist(), want.tolist())
+        if draft >= 0:  # accepted as often as the setting gives the draft
+            rate = float(accepted[k::len(names)].double().mean())
+            assert rate == pytest.approx(float(want[draft]), abs=4 * math.sqrt(0.25 / DRAWS) + 1e-9)
+
+
+def test_verifying_greedy_rows_accepts_exactly_the_argmax():
+    torch.manual_seed(3)
+    logits = torch.randn(64, 50)
+    drafts = torch.where(torch.rand(64) < 0.5, logits.argmax(-1), torch.randint(0, 50, (64,)))
+    drafts[::7] = -1
+    tokens, accepted = verify_drafts(logits, SamplingBatch(temperature=torch.zeros(64), all_greedy=True), drafts)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.equal(accepted, (drafts == logits.argmax(-1)) & (drafts >= 0))

@@ -4,7 +4,8 @@ One Ray instance for the module (loopback only, no dashboard) hosts the apps: `s
 (one replica), `pair` at /pair (two replicas, an API key and a tiny queue limit, for the
 routing, 401 and 429 checks), both in the default merged layout (each replica its own
 ingress); `split` at /split (a separate Ingress in front of one LLMServer replica) and
-`routed` at /routed (prefix-aware routing, which is split too). The `shoal serve` command is
+`routed` at /routed (prefix-aware routing, which is split too); `split` also proposes n-gram
+drafts (speculative decoding), which must change none of its greedy tokens. The `shoal serve` command is
 exercised in subprocesses (`serve run` of serve_configs/dev.yaml: tests/test_serve_config_drain.py;
 of the Ray Serve LLM config: tests/test_model_families.py).
 """
@@ -31,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PAIR_KEY = "sekret"
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -82,7 +84,7 @@ def split_url(serve_port, llama_ckpt, base_url):
     from app.serving.builder import build_app
 
     app = build_app({"model_path": str(llama_ckpt), "serve_layout": "split", "shard_cpus": 0.2,
-                     "num_kv_blocks": 256, "num_threads": 1})
+                     "num_kv_blocks": 256, "num_threads": 1, "speculative_config": SPECULATIVE})
     serve.run(app, name="split", route_prefix="/split")
     return wait_ready(f"http://127.0.0.1:{serve_port}/split")
 
@@ -152,6 +154,18 @@ def test_embeddings_http_equal_offline_engine(layout, request, offline):
     assert [d.index for d in got.data] == [0, 1]
     for d, want in zip(got.data, offline.embed(inputs)):
         assert max(abs(a - b) for a, b in zip(d.embedding, want.embedding, strict=True)) < 1e-5
+
+
+def test_speculation_shows_in_stats_and_metrics(split_url):
+    client = openai.OpenAI(base_url=f"{split_url}/v1", api_key="unused", max_retries=0)
+    for prompt in ("a b c a b c a b c a b", PROMPT, "1 2 3 4 1 2 3 4 1 2"):
+        client.completions.create(model="", prompt=prompt, **greedy(max_tokens=32))
+    spec = replica_stats(split_url)[0]["speculative"]
+    assert spec["drafts"] > 0 and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"], spec
+    text = httpx.get(f"{split_url}/metrics", timeout=10).text
+    for name, key in (("drafts", "drafts"), ("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")):
+        line = next(x for x in text.splitlines() if x.startswith(f"shoal_spec_decode_num_{name}_total{{"))
+        assert float(line.rsplit(" ", 1)[1]) == spec[key], line
 
 
 @pytest.mark.slow
@@ -387,13 +401,14 @@ def test_print_config_precedence(llama_ckpt, tmp_path):
     env = loopback_env(SHOAL_SEED="7", SHOAL_MAX_NUM_SEQS="9")
     done = shoal("--model-path", str(llama_ckpt), "--config", str(config), "--port", "9001",
                  "--max-running-prompts", "10", "--enable-auto-tool-choice", "--print-config",
-                 env=env)
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}', env=env)
     assert done.returncode == 0, done.stderr
     options = yaml.safe_load(done.stdout)
     assert options["port"] == 9001 and options["max_num_seqs"] == 10  # command line
     assert options["enable_auto_tool_choice"] is True  # vLLM's spelling is accepted
     assert options["seed"] == 7  # environment over YAML
     assert options["block_size"] == 32  # YAML over defaults
+    assert options["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}  # vLLM's JSON
     assert options["host"] == "0.0.0.0" and options["default_max_tokens"] == 1024  # areno defaults
 
 
@@ -402,6 +417,9 @@ def test_bad_combination_fails_with_one_line(llama_ckpt):
     assert done.returncode != 0 and done.stdout == ""
     assert done.stderr.strip().count("\n") == 0
     assert "--world-size 3 is not divisible by --tp-size x --pp-size" in done.stderr
+    done = shoal("--model-path", str(llama_ckpt), "--speculative-config", '{"method": "medusa"}')
+    assert done.returncode != 0 and done.stderr.strip().count("\n") == 0
+    assert "--speculative-config: method must be one of ngram, got 'medusa'" in done.stderr
 
 
 def test_dry_run_loads_the_model(llama_ckpt):

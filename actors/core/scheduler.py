@@ -14,6 +14,12 @@ row a placeholder token; `settle()` puts the sampled tokens in their place, fini
 at a stop token or a length limit, and admits the samples (n > 1) that waited for their
 prompt. Under async scheduling the engine calls `advance()`, schedules and launches the next
 step (its rows read the placeholders' tokens on the device), and `settle()`s afterwards.
+
+Speculative decoding (actors/core/speculation.py): a decoding row may carry draft tokens
+after its last one. The step computes them all; `settle()` then takes the drafts the target
+agreed with and its own token after them, and counts the accepted drafts as computed. The KV
+the rejected drafts wrote is past num_computed_tokens, so the next step overwrites it; blocks
+only they reached stay with the sequence for its next tokens.
 """
 from __future__ import annotations
 
@@ -21,13 +27,14 @@ from actors.config import EngineConfig
 from actors.core.block_manager import BlockManager
 from actors.core.lora_slots import LoraSlots
 from actors.core.sequence import PLACEHOLDER, Sequence, Status
+from actors.core.speculation import Speculator, can_speculate
 from actors.core.step import ScheduledSeq, SchedulerOutput, StepRow
 from actors.core.structured import accept
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_ids: frozenset[int]):
+                 eos_ids: frozenset[int], speculator: Speculator | None = None):
         self.max_tokens = config.max_num_batched_tokens
         self.max_seqs = config.max_num_seqs
         self.priority = config.scheduling_policy == "priority"
@@ -42,6 +49,7 @@ class Scheduler:
         self.hit_tokens = 0  # prefix-cache statistics, in tokens
         self.released_blocks = 0  # blocks given back before their sequence ended (sliding windows)
         self.query_tokens = 0
+        self.speculator = speculator
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (its `children`, the request's other samples, follow its prompt)."""
@@ -75,8 +83,13 @@ class Scheduler:
         self._outgrown.append(seq)
         return True
 
+    def speculating(self) -> bool:
+        """Whether decoding rows may propose drafts at the current batch size."""
+        return self.speculator is not None and self.speculator.active(len(self.running))
+
     def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
         preempted, i = False, 0
+        speculate = self.speculating()
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.pending and self._waits_for_token(seq):
@@ -85,6 +98,13 @@ class Scheduler:
             if self._outgrows_pool(seq):
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = self._draft(seq, budget) if speculate and n == 1 and not seq.pending else []
+            if draft:
+                self.blocks.allocate(seq, seq.num_computed_tokens + 1 + len(draft))
+                scheduled.append(_scheduled(seq, 1, draft))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n, []):
                 preempted = True
                 victim = self.running[-1]
@@ -122,6 +142,18 @@ class Scheduler:
             scheduled.append(_scheduled(seq, n))
             budget -= n
 
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence, within what the step, its limits and the free
+        blocks leave (a draft never preempts: [] where its blocks are not free)."""
+        if not can_speculate(seq):
+            return []
+        room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        draft = self.speculator.propose(seq.seq_id, seq.token_ids, room)
+        if draft and not self.blocks.can_allocate(seq, seq.num_computed_tokens + 1 + len(draft), []):
+            return []
+        return draft
+
     def _take_lora_slot(self, seq: Sequence, in_use: set[int]) -> bool:
         """Give seq its adapter's slot, loading the adapter there this step if it isn't resident."""
         got = self.loras.acquire(seq.lora, in_use)
@@ -152,7 +184,7 @@ class Scheduler:
             seq = s.seq
             if seq.finished:  # aborted or failed, or (async scheduling) a stop string a step late
                 continue
-            seq.num_computed_tokens += s.num_tokens
+            seq.num_computed_tokens += s.num_tokens - len(s.draft)  # drafts count once accepted
             self.blocks.cache_full_blocks(seq)
             self.released_blocks += self.blocks.release_outside_window(seq)
             if seq.pooling is not None and seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -173,8 +205,27 @@ class Scheduler:
                 tokens[i] = None
             elif s.samples and seq.pending:  # (None: a row that samples nothing this step)
                 seq.token_ids.pop()
-                if token is not None:
+                if token is not None and s.draft:
+                    tokens[i] = self._append_verified(seq, s, token)
+                elif token is not None:
                     self._append(seq, token)
+
+    def _append_verified(self, seq: Sequence, s: ScheduledSeq, emitted: list[int]) -> list[int]:
+        """A row with drafts emitted its accepted drafts and one token of the target's: each
+        accepted draft's KV is computed, so it counts as computed once the token after it is
+        in. Returns what was kept (a stop ends the row early)."""
+        self.speculator.record(seq.seq_id, len(s.draft), len(emitted) - 1)
+        kept = []
+        for token in emitted:
+            if kept:
+                seq.num_computed_tokens += 1
+            self._append(seq, token)
+            kept.append(token)
+            if seq.finished:
+                return kept
+        self.blocks.cache_full_blocks(seq)
+        self.released_blocks += self.blocks.release_outside_window(seq)
+        return kept
 
     def _append(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -211,6 +262,8 @@ class Scheduler:
         self._free_blocks(seq)
         seq.status = Status.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if self.speculator is not None:
+            self.speculator.forget(seq.seq_id)
         for child in seq.children:
             if not child.finished:
                 self.finish(child, reason)
@@ -226,10 +279,10 @@ class Scheduler:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+def _scheduled(seq: Sequence, n: int, draft: list[int] = ()) -> ScheduledSeq:
     start = seq.num_computed_tokens
-    return ScheduledSeq(seq, n, start, samples=start + n == seq.num_tokens and seq.pooling is None,
-                        prompt_logprobs=seq.needs_prompt_logprobs)
+    return ScheduledSeq(seq, n + len(draft), start, samples=start + n == seq.num_tokens and seq.pooling is None,
+                        prompt_logprobs=seq.needs_prompt_logprobs, draft=list(draft))
 
 
 def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
@@ -238,13 +291,13 @@ def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
     scheduled.sort(key=lambda s: s.num_tokens != 1)  # stable: keeps the schedule's order within
     rows, logit_rows, pool_spans, tables, offset = [], [], [], [], 0
     for s in scheduled:
-        seq, end = s.seq, s.start + s.num_tokens
-        rows.append(StepRow(seq.seq_id, seq.token_ids[s.start:end], s.start, seq.lora_slot))
+        seq, end = s.seq, s.start + s.num_tokens - len(s.draft)
+        rows.append(StepRow(seq.seq_id, seq.token_ids[s.start:end] + s.draft, s.start, seq.lora_slot))
         if len(seq.block_table) > seq.num_sent_blocks:
             tables.append((seq.seq_id, seq.num_sent_blocks, seq.block_table[seq.num_sent_blocks:]))
             seq.num_sent_blocks = len(seq.block_table)
         first = len(logit_rows)
-        if s.prompt_logprobs:
+        if s.prompt_logprobs or s.draft:  # every position: its prompt log-probs, or verification
             logit_rows.extend(range(offset, offset + s.num_tokens))
         elif s.samples:
             logit_rows.append(offset + s.num_tokens - 1)

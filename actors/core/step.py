@@ -34,6 +34,9 @@ class ScheduledSeq:
     prompt_logprobs: bool  # its chunk's logits give prompt log-probs
     logits: slice = field(default_factory=lambda: slice(0, 0))  # its rows among the step's logits
     pool_span: int = -1  # its entry in the step's pool_spans (-1: none)
+    # Speculative decoding: tokens proposed after its last one, computed with it (included in
+    # num_tokens); every position's logits are computed and verified (actors/core/speculation.py)
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -75,8 +78,10 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     """What a step gives back (rank 0), per scheduled sequence in the SchedulerOutput's order."""
-    tokens: list[int | None]  # the sampled token (None: a chunk in the middle of its prompt)
-    logprobs: list[dict | None]  # {chosen: lp, alternatives...} when the request asked
+    # the sampled token (None: a chunk in the middle of its prompt); a row with drafts: the
+    # tokens it emits, the accepted drafts then the target's own token
+    tokens: list[int | list[int] | None]
+    logprobs: list[dict | list[dict] | None]  # {chosen: lp, alternatives...} when asked (a list for a list)
     prompt_logprobs: list[list | None]  # per prompt position its chunk predicts
     pooled: list[list[float] | None] = field(default_factory=list)  # its pool span's sum, or None
     # Tokens not read yet while the step's GPU work runs (async scheduling): their host copy

@@ -147,6 +147,8 @@ class AsyncEngine:
         if e.loras is not None:  # adapters registered, and the ones in slots now
             stats["lora_adapters"] = [r.name for r in e.list_loras()]
             stats["lora_slots_loads"] = e.scheduler.loras.loads
+        if e.scheduler.speculator is not None:  # drafts, accepted tokens, acceptance rate
+            stats["speculative"] = e.scheduler.speculator.stats()
         experts = e.executor.expert_stats()  # MoE models: routed tokens per expert, balancedness
         if experts is not None:
             stats["experts"] = experts

@@ -26,6 +26,7 @@ from actors.core.block_manager import BlockManager
 from actors.core.lora_slots import LoraRef
 from actors.core.scheduler import Scheduler
 from actors.core.sequence import Sequence
+from actors.core.speculation import Speculator
 from actors.core.structured import Grammars
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.embedding import PooledPrompt
@@ -61,7 +62,8 @@ class LLMEngine:
         windows = self.spec.args.layer_windows
         self.blocks = BlockManager(self.executor.num_blocks, self.spec.block_size, config.enable_prefix_caching,
                                    sliding_window=max(windows) if windows and all(windows) else None)
-        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids)
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids,
+                                   Speculator.create(config.speculative, self.executor.device.type))
         self.grammars = Grammars(self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics(config)
         self.stats = self.metrics.stats
@@ -76,7 +78,9 @@ class LLMEngine:
         launched, self._launched = self._launched, None
         output, result, start = launched or self._launch(self.scheduler.schedule())
         outputs = self._held_outputs()  # (the last step's, if it held them: the GPU runs this one)
-        ahead = self.executor.runs_ahead and all(map(_runs_ahead, output.seqs))
+        # (while rows may propose drafts, steps run in turn: a pending token has nothing to look up)
+        ahead = self.executor.runs_ahead and all(map(_runs_ahead, output.seqs)) \
+            and not self.scheduler.speculating()
         if ahead:  # the next step goes to the GPU before this one's tokens are read
             self.scheduler.advance(output)
             self._launched = self._launch(self.scheduler.schedule(), previous=result)
@@ -232,10 +236,11 @@ class LLMEngine:
 
 def _runs_ahead(s) -> bool:
     """Whether the step after s's may be scheduled before s's token is read: nothing in it
-    needs that token on the host first (a grammar's next mask, penalties over the output)."""
+    needs that token on the host first (a grammar's next mask, penalties over the output, or
+    its drafts' verification: how many were accepted)."""
     seq, p = s.seq, s.seq.params
     return (seq.matcher is None and seq.pooling is None and not s.prompt_logprobs and p.max_tokens != 0
-            and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0))
+            and not p.penalizes_output and not s.draft)
 
 
 def cache_key(params: SamplingParams, lora: LoraRef | None = None) -> tuple:

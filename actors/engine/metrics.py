@@ -27,6 +27,10 @@ COUNTERS = {
     "preemptions": "Sequences preempted when KV blocks ran out (recomputed later).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    # Speculative decoding, as vLLM names them (acceptance rate = accepted / draft tokens)
+    "spec_decode_num_drafts": "Rows that carried draft tokens to verification.",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens the target model accepted.",
 }
 FINISHED = ("requests_finished", "Finished sequences (choices) by finish reason.")
 LORA_REQUESTS = ("lora_requests", "Requests started on each LoRA adapter (lora_name).")
@@ -129,7 +133,9 @@ class EngineMetrics:
                 continue
             if req.scheduled_time is None:
                 self._scheduled(req, start)
-            if token is not None and s.seq.params.max_tokens != 0:
+            if isinstance(token, list):  # a verified row's tokens share the step's interval
+                self._token(req, s.seq.index, now, len(token))
+            elif token is not None and s.seq.params.max_tokens != 0:
                 self._token(req, s.seq.index, now)
         for interval, n in self._intervals.items():
             self._itl.observe(interval, n)
@@ -145,14 +151,15 @@ class EngineMetrics:
         self.hist["request_queue_time_seconds"].observe(now - req.arrival_time)
         self.counts["prompt_tokens"] += len(req.prompt_token_ids)
 
-    def _token(self, req, index: int, now: float) -> None:
-        """Sequence `index` of `req` got a token at the end of the step that ended at `now`."""
-        self.counts["generation_tokens"] += 1
+    def _token(self, req, index: int, now: float, count: int = 1) -> None:
+        """Sequence `index` of `req` got `count` tokens at the end of the step that ended at
+        `now` (more than one: speculative decoding; they share the interval)."""
+        self.counts["generation_tokens"] += count
         last = req.token_times.get(index)
         req.token_times[index] = now
         if last is not None:
-            interval = now - last
-            self._intervals[interval] = self._intervals.get(interval, 0) + 1
+            interval = (now - last) / count
+            self._intervals[interval] = self._intervals.get(interval, 0) + count
         elif req.first_token_time is None:
             req.first_token_time = now
             self._ttft.observe(now - req.arrival_time)
@@ -186,7 +193,7 @@ class EngineMetrics:
             "labels": dict(self.labels),
             "counters": {**self.counts, "preemptions": sched.num_preemptions,
                          "prefix_cache_queries": sched.query_tokens,
-                         "prefix_cache_hits": sched.hit_tokens},
+                         "prefix_cache_hits": sched.hit_tokens, **_spec_counters(sched.speculator)},
             "finished": dict(self.finished),
             "lora_requests": dict(self.lora_requests),
             "gauges": {"num_requests_running": len(sched.running),
@@ -215,9 +222,17 @@ class EngineStats:
         self.step_time += seconds
         for s, token in zip(seqs, tokens):
             if token is not None:
-                self.generated_tokens += 1
-                self.decode_tokens += s.num_tokens == 1
+                count = len(token) if isinstance(token, list) else 1
+                self.generated_tokens += count
+                self.decode_tokens += count if s.num_tokens - len(s.draft) == 1 else 0
             self.prompt_tokens += max(0, min(s.num_tokens, s.seq.num_prompt_tokens - s.start))
+
+
+def _spec_counters(speculator) -> dict:
+    """Speculative decoding's totals (0 where it is off)."""
+    names = {"spec_decode_num_drafts": "num_drafts", "spec_decode_num_draft_tokens": "num_draft_tokens",
+             "spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+    return {name: getattr(speculator, field, 0) for name, field in names.items()}
 
 
 def _expert_gauges(engine) -> dict:
@@ -230,9 +245,15 @@ def _expert_gauges(engine) -> dict:
 
 # --------------------------------------------------------------------------- progress line
 
-def progress_line(rank: int, world_size: int, active: int, graph: bool, tokens_per_second: float) -> str:
-    return (f"decode progress: dp={rank}/{world_size} active={active} graph={graph} "
+def progress_line(rank: int, world_size: int, active: int, graph: bool, tokens_per_second: float,
+                  spec: tuple[float, float] | None = None) -> str:
+    """spec: speculative decoding's (acceptance rate, mean tokens per verified row) since the
+    last line, where it is on."""
+    line = (f"decode progress: dp={rank}/{world_size} active={active} graph={graph} "
             f"tokens_per_second={tokens_per_second:.1f}")
+    if spec is not None:
+        line += f" spec_acceptance_rate={spec[0]:.2f} spec_mean_acceptance_length={spec[1]:.2f}"
+    return line
 
 
 class DecodeProgress:
@@ -244,6 +265,11 @@ class DecodeProgress:
         self.replica = replica or Replica()
         self._last = (time.monotonic(), engine.stats.decode_tokens)
         self._replays = self._graph_replays()
+        self._spec = self._spec_totals()
+
+    def _spec_totals(self) -> tuple[int, int, int] | None:
+        s = self.engine.scheduler.speculator
+        return None if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
 
     def _graph_replays(self) -> int:
         return self.engine.executor.graph_replays
@@ -256,5 +282,10 @@ class DecodeProgress:
         rate = (tokens - before) / max(now - then, 1e-9)
         replays, self._replays = self._replays, self._graph_replays()
         graph = self._replays > replays
+        spec, before_spec = None, self._spec
+        self._spec = self._spec_totals()
+        if self._spec is not None:
+            drafts, proposed, accepted = (a - b for a, b in zip(self._spec, before_spec))
+            spec = (accepted / proposed if proposed else 0.0, 1 + accepted / drafts if drafts else 0.0)
         return progress_line(self.replica.rank, self.replica.world_size,
-                             len(self.engine.scheduler.running), graph, rate)
+                             len(self.engine.scheduler.running), graph, rate, spec)

@@ -107,12 +107,16 @@ class OutputProcessor:
             self._add_prompt_logprobs(req, s, prompt_lps)
         if pooled is not None:
             req.pooled.add(s.start, pooled)
-        if token is not None and seq.params.max_tokens != 0:  # the scheduler appended it
+        if token is not None and seq.params.max_tokens != 0:  # the scheduler appended it (them)
             out = _sequence(self._delta(req, deltas), seq.index)
-            out.token_ids.append(token)
-            if lps is not None:
-                out.logprobs = (out.logprobs or []) + [lps]
-            out.text += self._detokenize(req, seq, token)
+            tokens = token if isinstance(token, list) else [token]  # a list: a verified row's
+            for t, lp in zip(tokens, lps if isinstance(lps, list) else [lps] * len(tokens)):
+                out.token_ids.append(t)
+                if lp is not None:
+                    out.logprobs = (out.logprobs or []) + [lp]
+                out.text += self._detokenize(req, seq, t)
+                if isinstance(seq.stop_reason, str):  # a stop string ended it: drop what follows
+                    break
         if seq.finished:
             delta = self._delta(req, deltas)
             if req.pooled is not None:  # the scheduler finished it with its prompt computed

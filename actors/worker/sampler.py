@@ -16,7 +16,7 @@ from actors.core.step import RunnerOutput, ScheduledSeq
 from actors.core.structured import bitmask_width, fill_bitmasks
 from actors.distributed.pipeline import take_rows
 from kernels.host_copies import to_device
-from kernels.sampling import SamplingBatch, sample, token_logprobs
+from kernels.sampling import SamplingBatch, sample, token_logprobs, verify_drafts
 
 
 class Sampler:
@@ -33,7 +33,9 @@ class Sampler:
         for i, s in enumerate(seqs):
             if s.prompt_logprobs:
                 out.prompt_logprobs[i] = self._prompt_logprobs(s, logits[s.logits])
-        sampling = [i for i, s in enumerate(seqs) if s.samples]
+        if any(s.draft for s in seqs):
+            self._verify(seqs, [i for i, s in enumerate(seqs) if s.draft], logits, out)
+        sampling = [i for i, s in enumerate(seqs) if s.samples and not s.draft]
         if not sampling:
             return out
         samples = [seqs[i].seq for i in sampling]
@@ -52,6 +54,31 @@ class Sampler:
             if sq.params.logprobs is not None:
                 out.logprobs[i] = _lp_dict(tokens[row], lp[row], top[row], sq.params.logprobs)
         return out
+
+    def _verify(self, seqs: list[ScheduledSeq], rows: list[int], logits: torch.Tensor,
+                out: RunnerOutput) -> None:
+        """Rows with drafts: every position's logits verify its draft (kernels/sampling.py
+        verify_drafts); each row emits its accepted drafts and the token after them."""
+        positions = [p for i in rows for p in range(seqs[i].logits.start, seqs[i].logits.stop)]
+        samples = [seqs[i].seq for i in rows for _ in range(seqs[i].num_tokens)]
+        drafts = [t for i in rows for t in seqs[i].draft + [-1]]
+        scores = take_rows(logits, positions)
+        drafted = upload(drafts, torch.int64, self.device)
+        chosen, accepted = verify_drafts(scores, self._sampling_batch(samples, scores.shape[-1]), drafted)
+        emitted = torch.where(accepted, drafted, chosen)  # each position's token if it is reached
+        k = max((sq.params.logprobs for sq in samples if sq.params.logprobs is not None), default=None)
+        if k is not None:
+            lp, top = _logprob_lists(*token_logprobs(scores, emitted, k))
+        emitted, accepted = emitted.tolist(), accepted.tolist()  # the step's one device read
+        first = 0
+        for i in rows:
+            n = seqs[i].num_tokens
+            taken = next((j for j in range(n) if not accepted[first + j]), n - 1) + 1
+            out.tokens[i] = emitted[first:first + taken]
+            want = seqs[i].seq.params.logprobs
+            if want is not None:
+                out.logprobs[i] = [_lp_dict(emitted[p], lp[p], top[p], want) for p in range(first, first + taken)]
+            first += n
 
     def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list:
         """Log-probs of the prompt tokens this chunk predicts (position p predicts token p+1)."""

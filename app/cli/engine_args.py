@@ -134,6 +134,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="adapter slots: distinct adapters in one batch; more registered adapters take "
              "turns, least recently used first (default 1)")
     add("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank accepted (default 16)")
+    add("--speculative-config", metavar="JSON",
+        help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+             "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+             "(optional \"disable_by_batch_size\": no drafts above that many running "
+             "sequences); see docs/speculative-decoding.md")
     for what, name in (("time to first token", "ttft"), ("inter-token latency", "itl"),
                        ("end-to-end latency", "e2e")):
         add(f"--metrics-{name}-buckets", metavar="S,S,...",

@@ -1,0 +1,206 @@
+"""Speculative decoding (n-gram prompt lookup): greedy output is transformers' token for token
+with drafts verified several at a time, sampled output keeps the model's distribution, and the
+features a request combines (stop strings, max_tokens, logprobs, n > 1, chunked prefill,
+prefix caching, preemption) behave as without speculation. The rejection sampler's own
+distribution test is in tests/test_sampling_distributions.py."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from oracle import hf_greedy, hf_logits
+from test_sampling_distributions import CHI2_CRITICAL, pooled
+from test_engine import assert_pool_free
+
+from actors.config import EngineConfig, SpeculativeConfig
+from actors.core.speculation import Speculator, ngram_proposal
+from actors.engine.llm import LLM
+from actors.engine.metrics import DecodeProgress
+from actors.sampling_params import SamplingParams
+from actors.worker.checkpoint_files import resolve_model_path
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 64}
+# A small pool and token budget: prompts arrive in chunks and long requests preempt each other.
+POOL = dict(num_kv_blocks=48, block_size=4, max_num_batched_tokens=24, dtype="float32")
+
+
+DEMO = str(resolve_model_path(None))  # the bundled model, trained to quote: it copies its prompts
+COPY_TEXTS = ["Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox",
+              "Quote the line exactly: 'All happy families are alike; each unhappy family is unhappy in its own way.'",
+              "a b c d e f g a b c d e f g a b c",
+              "The list is: apples, pears, plums, apples, pears, plums, apples,",
+              "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+              "Say it twice: we meet at noon by the old mill. We meet at noon"]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(with drafts, without): the bundled model and the same pool."""
+    spec = LLM(DEMO, speculative_config=NGRAM, **POOL)
+    plain = LLM(DEMO, **POOL)
+    yield spec, plain
+    spec.shutdown()
+    plain.shutdown()
+
+
+# ---- proposing ------------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_proposal(tokens, 2, 1, 3) == [7, 8]  # "2 3" last seen before "7 8"
+    assert ngram_proposal(tokens + [7], 5, 1, 3) == [8, 5, 2, 3, 7]  # "2 3 7" once: the longest wins
+    assert ngram_proposal([1, 2, 3, 4], 3, 1, 3) == []  # nothing recurs
+    assert ngram_proposal([5, 5], 3, 1, 1) == [5]  # what follows may run into the suffix itself
+    assert ngram_proposal([4, 1, 2, 4, 1], 3, 3, 3) == []  # min 3: a 2-token match is not enough
+
+
+def test_config_defaults_and_errors_follow_vllm():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    assert EngineConfig(speculative_config='{"method": "ngram", "prompt_lookup_min": 2}').speculative.prompt_lookup_max == 2
+    assert EngineConfig().speculative is None
+    for bad, why in [({"method": "eagle"}, "method must be one of ngram"),
+                     ({"model": "/some/draft"}, "draft model is not supported yet"),
+                     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
+                     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "is above"),
+                     ({"method": "ngram", "k": 3}, "unknown key(s) k")]:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            EngineConfig(speculative_config=bad).validate()
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        EngineConfig(speculative_config="{method: ngram}")
+
+
+def test_a_row_that_keeps_rejecting_backs_off_and_a_busy_batch_does_not_propose():
+    s = Speculator(SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 1}), max_batch=4)
+    tokens = [1, 2, 1, 2, 1]
+    assert s.propose(7, tokens, 3) == [2, 1, 2]
+    waits = []
+    for _ in range(4):  # every proposal rejected: waits of 2, 4, 8, 16 steps
+        s.record(7, proposed=3, accepted=0)
+        waits.append(sum(1 for _ in iter(lambda: s.propose(7, tokens, 3), [2, 1, 2])))
+    assert waits == [2, 4, 8, 16]
+    s.record(7, proposed=3, accepted=3)  # accepted again: no wait
+    s.record(7, proposed=3, accepted=3)
+    assert s.propose(7, tokens, 3) == [2, 1, 2]
+    assert s.active(4) and not s.active(5)
+    assert s.stats()["acceptance_rate"] == pytest.approx(6 / 18)
+    s.forget(7)
+    assert not s.records
+
+
+# ---- the engine -----------------------------------------------------------------------
+
+def test_greedy_equals_transformers_and_log_probs_equal_no_drafts(engines):
+    spec, plain = engines
+    prompts = [spec.encode(t) for t in COPY_TEXTS]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    before = spec.engine.scheduler.speculator.num_accepted_tokens
+    got, want = spec.generate(prompts, params), plain.generate(prompts, params)
+    for ids, g, w in zip(prompts, got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids == hf_greedy(DEMO, ids, 40)
+        assert len(g.outputs[0].logprobs) == 40
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            assert lg.keys() == lw.keys()
+            # (the drafts' positions run the chunk kernels, not the decode ones: float32
+            # rounding of a few 1e-6 relative; either differs from transformers by ~2.5e-5)
+            assert all(lg[t] == pytest.approx(lw[t], rel=1e-5, abs=1e-5) for t in lw)
+    stats = spec.engine.scheduler.speculator.stats()
+    assert spec.engine.scheduler.speculator.num_accepted_tokens - before >= 20, stats
+    assert 0 < stats["acceptance_rate"] < 1  # some drafts were rejected too
+    # Fewer steps than tokens: rows emitted several tokens at once.
+    assert spec.engine.stats.steps < plain.engine.stats.steps
+    assert_pool_free(spec)
+
+
+def test_features_behave_as_without_drafts(engines):
+    """Chunked prefill, preemption (POOL is too small for all at once), a prefix-cache hit,
+    stop strings and stop tokens, max_tokens, n=2 and min_tokens give the same outputs."""
+    spec, plain = engines
+    prompts = [spec.encode(t) for t in COPY_TEXTS + COPY_TEXTS[:2]]
+    greedy = dict(temperature=0, ignore_eos=True)
+    first = plain.generate([prompts[0]], SamplingParams(max_tokens=30, **greedy))[0].outputs[0]
+    stop_text = first.text[len(first.text) // 2:][:3]  # a stop string met mid-output
+    params = [SamplingParams(max_tokens=30, stop=[stop_text], **greedy),
+              SamplingParams(max_tokens=30, stop_token_ids=[first.token_ids[12]], **greedy),
+              SamplingParams(max_tokens=7, **greedy),
+              SamplingParams(n=2, max_tokens=30, **greedy),
+              SamplingParams(max_tokens=30, min_tokens=20, **greedy),
+              *[SamplingParams(max_tokens=60, **greedy)] * 3]
+
+    def run(llm):
+        before = llm.engine.scheduler.num_preemptions
+        outs = llm.generate(prompts, params)
+        again = llm.generate([prompts[7] + [1, 2, 3]], SamplingParams(max_tokens=20, **greedy))
+        got = [[(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in out.outputs] for out in outs + again]
+        return got, llm.engine.scheduler.num_preemptions - before, again[0].num_cached_tokens
+
+    accepted = spec.engine.scheduler.speculator.num_accepted_tokens
+    got, preempted, cached = run(spec)
+    want, _, want_cached = run(plain)
+    assert got == want
+    assert got[0][0][2:] == ("stop", stop_text) and got[1][0][2] == "stop" and len(got[2][0][0]) == 7
+    assert preempted > 0 and cached == want_cached >= 16
+    assert spec.engine.scheduler.speculator.num_accepted_tokens > accepted
+    assert_pool_free(spec)
+
+
+def test_sampling_keeps_the_model_distribution():
+    """Temperature 1 with top-k 3 on a prompt whose lookups propose a draft for most
+    requests' second token (some accepted, most rejected): the second token's distribution over 1,500 seeded
+    requests matches transformers' exact one (chi-square at a 1e-3 false-failure rate)."""
+    llm = LLM(DEMO, dtype="float32", max_num_seqs=256, speculative_config={**NGRAM, "disable_by_batch_size": 512})
+    prompt = llm.encode(COPY_TEXTS[2])
+    try:
+        draws = 1500
+        # (max_tokens 3: the step after the first token may propose one draft, for the second)
+        params = [SamplingParams(temperature=1.0, top_k=3, seed=i, max_tokens=3, ignore_eos=True) for i in range(draws)]
+        outs = llm.generate([prompt] * draws, params)
+        stats = llm.engine.scheduler.speculator.stats()
+    finally:
+        llm.shutdown()
+    rejected = stats["draft_tokens"] - stats["accepted_tokens"]
+    assert stats["draft_tokens"] > draws // 2 and stats["accepted_tokens"] >= 50 and rejected >= 50, stats
+
+    def top3(ids):
+        p = torch.softmax(hf_logits(DEMO, ids)[-1].double(), dim=-1)
+        keep = p.topk(3).indices
+        q = torch.zeros_like(p)
+        q[keep] = p[keep] / p[keep].sum()
+        return q
+
+    first = top3(prompt)
+    second = sum(first[t] * top3(prompt + [t]) for t in first.nonzero().flatten().tolist())
+    counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[1] for o in outs]), minlength=len(second)).double()
+    support = second > 0
+    assert counts[~support].sum() == 0  # no mass: never drawn
+    observed, expected = pooled(counts[support], second[support] * draws)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    df = len(expected) - 1
+    assert 3 <= df and chi2 < CHI2_CRITICAL[df], (chi2, df)
+
+
+def test_a_busy_batch_proposes_nothing():
+    llm = LLM(DEMO, dtype="float32", speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    try:
+        llm.generate([llm.encode(t) for t in COPY_TEXTS], greedy)  # six running: over 2
+        assert llm.engine.scheduler.speculator.num_drafts == 0
+        progress, decoded = DecodeProgress(llm.engine), llm.engine.stats.decode_tokens
+        llm.generate([llm.encode(t) for t in COPY_TEXTS[:2]], greedy)
+        s = llm.engine.scheduler.speculator
+        assert s.num_drafts > 0
+        # The progress line's figures are the speculator's since the line before.
+        rate, length = re.search(r" spec_acceptance_rate=([\d.]+) spec_mean_acceptance_length=([\d.]+)$",
+                                 progress.line()).groups()
+        assert float(rate) == round(s.num_accepted_tokens / s.num_draft_tokens, 2) > 0
+        assert float(length) == round(1 + s.num_accepted_tokens / s.num_drafts, 2) > 1
+        assert llm.engine.stats.decode_tokens - decoded == 2 * 11  # every token after the first
+        snap = llm.engine.metrics.snapshot(llm.engine)["counters"]
+        assert snap["spec_decode_num_drafts"] == llm.engine.scheduler.speculator.num_drafts
+        assert 0 < snap["spec_decode_num_accepted_tokens"] <= snap["spec_decode_num_draft_tokens"]
+    finally:
+        llm.shutdown()
