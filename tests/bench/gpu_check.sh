@@ -7,6 +7,7 @@
 #
 #   bash tests/bench/gpu_check.sh            # from the repository root, on the GPU machine
 #   PARTS=tests,moe VARIANTS=triton-graphs bash tests/bench/gpu_check.sh    # some parts only
+#   PARTS=spec bash tests/bench/gpu_check.sh     # speculative decoding (issue 48), not in the default
 #
 # The device tool's machine has torch, triton and transformers but no Ray, FastAPI or
 # xgrammar: only the offline engine runs here. Everything also goes to $OUT/gpu_check.log,
@@ -51,5 +52,10 @@ part() { [[ ",$PARTS," == *",$1,"* ]]; }
   if part llama; then
     echo "== bench_gpu.py's 0.5B Llama, 256 requests (target >= 20,000 output tok/s)"
     timeout 130 "$PY" tests/bench/bench_gpu.py --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_llama.log" | tail -7
+  fi
+  if part spec; then
+    echo "== n-gram speculative decoding, the bundled model's copying tasks (no SmolLM2 without a network)"
+    timeout 180 "$PY" tests/bench/bench_speculative.py --demo --concurrency 1 32 --k 6 --lookup-min 1 2>&1 \
+      | tee "$DIR/gpu_spec.log" | grep -v "^ *---\|^    " | tail -8
   fi
 } 2>&1 | tee "$LOG"
