@@ -2,8 +2,9 @@
 
 n-gram (prompt lookup, vLLM's "ngram"): the sequence's last n tokens (n from
 prompt_lookup_max down to prompt_lookup_min) are looked up earlier in its own tokens, and the
-k tokens that followed the latest match (with k tokens after it) are the proposal. No second model: it pays where the
-output copies the input (edits, quotes, tool-call arguments that repeat the request).
+k tokens that followed the latest match (with k tokens after it) are the proposal. No second
+model: it pays where the output copies the input (edits, quotes, tool-call arguments that
+repeat the request).
 
 The scheduler asks `Speculator.propose` for each decoding row; the target model then computes
 the row's last token and the drafts in one forward, and the sampler keeps the longest prefix
@@ -99,8 +100,8 @@ class Speculator:
             record.wait -= 1
             return []
         c = self.config
-        k = min(c.num_speculative_tokens, room)
-        return ngram_proposal(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max) if k > 0 else []
+        return ngram_proposal(tokens, min(c.num_speculative_tokens, room), c.prompt_lookup_min,
+                              c.prompt_lookup_max)
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         """A verified proposal: `accepted` of its `proposed` drafts were kept."""

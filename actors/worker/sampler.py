@@ -33,8 +33,9 @@ class Sampler:
         for i, s in enumerate(seqs):
             if s.prompt_logprobs:
                 out.prompt_logprobs[i] = self._prompt_logprobs(s, logits[s.logits])
-        if any(s.draft for s in seqs):
-            self._verify(seqs, [i for i, s in enumerate(seqs) if s.draft], logits, out)
+        verifying = [i for i, s in enumerate(seqs) if s.draft]
+        if verifying:
+            self._verify(seqs, verifying, logits, out)
         sampling = [i for i, s in enumerate(seqs) if s.samples and not s.draft]
         if not sampling:
             return out
@@ -77,7 +78,8 @@ class Sampler:
             out.tokens[i] = emitted[first:first + taken]
             want = seqs[i].seq.params.logprobs
             if want is not None:
-                out.logprobs[i] = [_lp_dict(emitted[p], lp[p], top[p], want) for p in range(first, first + taken)]
+                out.logprobs[i] = [_lp_dict(emitted[p], lp[p], top[p], want)
+                                   for p in range(first, first + taken)]
             first += n
 
     def _prompt_logprobs(self, s: ScheduledSeq, logits: torch.Tensor) -> list:
