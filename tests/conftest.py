@@ -16,6 +16,8 @@ os.environ.setdefault("SHOAL_EAGER_DECODE", "1")
 
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -37,10 +39,14 @@ from app.demo.yielding import mark_test_run  # noqa: E402
 def pytest_sessionstart(session):
     # A demo-model training run (make demo-model) pauses while this marker exists.
     session.config._shoal_marker = mark_test_run()
+    # Compiled decode steps (actors/worker/compiled_decode.py) go to a folder of this run's
+    # own, so every run compiles what it tests; `shoal serve` subprocesses inherit it.
+    session.config._shoal_compiled = os.environ["SHOAL_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="shoal-compiled-")
 
 
 def pytest_sessionfinish(session, exitstatus):
     session.config._shoal_marker.unlink(missing_ok=True)
+    shutil.rmtree(session.config._shoal_compiled, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -3,14 +3,22 @@
 The suite runs eagerly (conftest sets SHOAL_EAGER_DECODE=1: compiling costs seconds per engine
 start); these tests turn compilation on and hold it to the oracle: greedy tokens equal
 transformers' token for token, log-probs equal an eager engine's, on mixed batches whose
-contexts cross blocks (a batch of one decodes eagerly, by design). The slow test starts `shoal serve` the way a user
-does (compiled is the default) and reads the progress line it logs.
+contexts cross blocks (a batch of one decodes eagerly, by design). They follow the compiled
+step's life: an engine decodes eagerly while its job compiles, swaps the artifact in, a later
+engine loads it from disk (when idle, or mid-run once eager steps have cost enough), a job dies
+with its engine, and a failed compile or a broken artifact leaves eager decoding. The slow test
+starts `shoal serve` the way a user does (compiled is the default) and reads the progress line
+it logs.
 """
 from __future__ import annotations
 
+import gc
 import logging
+import os
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,27 +33,80 @@ from test_model_families import GEMMA_EVERYTHING, check_served, served_checkpoin
 from actors.engine.llm import LLM
 from actors.engine.metrics import DecodeProgress
 from actors.sampling_params import SamplingParams
+from actors.worker import model_runner
+from actors.worker.compiled_decode import CompiledDecode
 from actors.worker.model_spec import cpu_has_matmul
 
 OPTIONS = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8)
 REPO = Path(__file__).resolve().parent.parent
 
 
-def compiled_llm(path) -> LLM:
-    """An engine that compiles its decode step (the suite's SHOAL_EAGER_DECODE=1 lifted)."""
+def compiled_llm(path, wait: bool = True, **options) -> LLM:
+    """An engine that compiles its decode step (the suite's SHOAL_EAGER_DECODE=1 lifted);
+    wait: until its compiled step is in use."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("SHOAL_EAGER_DECODE", raising=False)
-        return LLM(str(path), **OPTIONS)
+        llm = LLM(str(path), **{**OPTIONS, **options})
+    if wait:
+        llm.engine.executor.runner.finish_compiling(timeout=600)
+    return llm
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def compiled(request, checkpoint_factory):
+    """(checkpoint, engine decoding compiled, what its first start did while its job ran)."""
     # Gemma 3 with a final soft-cap: windows, local rotary, per-head (1 + w) norms, capped
     # logits and a head size that is not hidden / heads, all inside the traced step
     path = checkpoint_factory(request.param, **(GEMMA_EVERYTHING if request.param == "gemma3" else {}))
-    llm = compiled_llm(path)
-    assert type(llm.engine.executor.runner.graphs).__name__ == "CompiledDecode", llm.engine.executor.runner.graphs_off
-    return path, llm
+    llm = compiled_llm(path, wait=False)  # the suite's compile cache is this run's own: no artifact yet
+    runner = llm.engine.executor.runner
+    job = runner.pending_compile.job
+    prompts = prompts_of([4, 11, 2], seed=5)
+    meanwhile = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    start = dict(graphs=runner.graphs, job_running=job is not None and not job.done(), prompts=prompts,
+                 tokens=[o.outputs[0].token_ids for o in meanwhile], replays=runner.graph_replays)
+    runner.finish_compiling(timeout=600)
+    assert type(runner.graphs).__name__ == "CompiledDecode", runner.graphs_off
+    return path, llm, start
+
+
+def test_a_first_start_decodes_eagerly_while_its_job_compiles(compiled):
+    path, llm, start = compiled
+    assert start["graphs"] is None and start["job_running"] and start["replays"] == 0
+    assert start["tokens"] == [hf_greedy(path, p, 6) for p in start["prompts"]]
+    assert llm.engine.executor.runner.pending_compile is None
+
+
+def test_a_later_start_loads_the_artifact_when_idle(compiled):
+    path, _, _ = compiled
+    llm = compiled_llm(path, wait=False)
+    runner = llm.engine.executor.runner
+    assert runner.graphs is None and runner.pending_compile.job is None  # on disk: no job
+    runner.idle()
+    assert isinstance(runner.graphs, CompiledDecode)
+    prompts = prompts_of([3, 8], seed=6)
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert runner.graph_replays > 0
+    assert [o.outputs[0].token_ids for o in out] == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_a_busy_engine_swaps_it_in_once_eager_steps_have_cost_enough(compiled, monkeypatch):
+    path, _, _ = compiled
+    monkeypatch.setattr(model_runner, "SWAP_AFTER_S", 0.02)  # ~a few of these tiny eager steps
+    llm = compiled_llm(path, wait=False)
+    runner = llm.engine.executor.runner
+    prompts = prompts_of([5, 9, 2, 13], seed=7)
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert isinstance(runner.graphs, CompiledDecode) and 0 < runner.graph_replays < 23  # swapped mid-run
+    assert [o.outputs[0].token_ids for o in out] == [hf_greedy(path, p, 24) for p in prompts]
 
 
 def test_eager_decode_by_option_or_environment(checkpoint_factory, monkeypatch):
@@ -56,7 +117,7 @@ def test_eager_decode_by_option_or_environment(checkpoint_factory, monkeypatch):
 
 
 def test_compiled_decode_equals_transformers_and_eager(compiled):
-    path, llm = compiled
+    path, llm, _ = compiled
     eager = LLM(str(path), **OPTIONS)  # SHOAL_EAGER_DECODE=1
     prompts = prompts_of([3, 9, 30, 1, 5, 14])  # 6 rows; contexts cross blocks of 4 as they grow
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -75,10 +136,8 @@ def test_compiled_bfloat16_decode_follows_eager_bfloat16(checkpoint_factory):
     differently (close calls at this precision), each chosen token's log-prob agrees within
     bf16's error. (float32 compiled decode equals transformers token for token, above.)"""
     path = checkpoint_factory("qwen3")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("SHOAL_EAGER_DECODE", raising=False)
-        llm = LLM(str(path), dtype="bfloat16", **OPTIONS)
-    assert type(llm.engine.executor.runner.graphs).__name__ == "CompiledDecode"
+    llm = compiled_llm(path, dtype="bfloat16")
+    assert isinstance(llm.engine.executor.runner.graphs, CompiledDecode), llm.engine.executor.runner.graphs_off
     eager = LLM(str(path), dtype="bfloat16", **OPTIONS)
     prompts = prompts_of([3, 9, 30, 1, 5, 14], seed=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -96,7 +155,7 @@ def test_compiled_bfloat16_decode_follows_eager_bfloat16(checkpoint_factory):
 
 
 def test_two_requests_compile_one_runs_eagerly_and_blocks_come_back(compiled):
-    path, llm = compiled
+    path, llm, _ = compiled
     prompts = prompts_of([6, 2], seed=3)  # the 2-token prompt's table pads to 2 blocks at first
     replays = llm.engine.executor.runner.graph_replays
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 6)]
@@ -110,43 +169,88 @@ def test_two_requests_compile_one_runs_eagerly_and_blocks_come_back(compiled):
 def test_rows_pad_to_a_few_bucket_sizes(compiled):
     """oneDNN keeps a kernel per row count it meets (kernels/linear.py), so the compiled step
     pads its rows to the capture sizes plus --max-num-seqs (8 here): 2, 4, 8."""
-    _, llm = compiled
+    _, llm, _ = compiled
     graphs = llm.engine.executor.runner.graphs
     assert graphs.sizes == [2, 4, 8]
-    from actors.worker.compiled_decode import CompiledDecode
-    assert CompiledDecode(torch.nn.Identity(), sizes=[1, 2, 4, 8, 10], block_size=4).sizes \
-        == [2, 4, 8, 10]
+    assert CompiledDecode(None, sizes=[1, 2, 4, 8, 10], block_size=4).sizes == [2, 4, 8, 10]
 
 
-def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, caplog):
-    """No working C++ compiler: the engine says why once and decodes eagerly."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    torch._dynamo.reset()  # nothing compiled earlier may be reused
+def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, tmp_path, monkeypatch, caplog):
+    """No working C++ compiler for the job: the engine says why once and decodes eagerly."""
+    monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # inductor's compiler, read by the job
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # nothing compiled earlier may be reused
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
     path = checkpoint_factory("llama")
-    # The configs' own patch(): monkeypatch's undo left enable_autograd_cache deleted, and
-    # every later compile in the process failed on it.
-    try:
-        with inductor_config.patch({"fx_graph_cache": False, "cpp.cxx": ("/nonexistent/c++",)}), \
-                functorch_config.patch(enable_autograd_cache=False), caplog.at_level(logging.INFO):
-            llm = compiled_llm(path)
-    finally:
-        torch._dynamo.reset()
-    assert llm.engine.executor.runner.graphs is None
+    with caplog.at_level(logging.INFO):
+        llm = compiled_llm(path)
+    assert llm.engine.executor.runner.graphs is None and not list(tmp_path.glob("*.bin"))
     (warning,) = [r.getMessage() for r in caplog.records
                   if r.levelno >= logging.WARNING and r.name.startswith("shoal")]
-    assert warning.startswith("compiled decode off: compiling failed")
+    assert warning.startswith("compiled decode off: compiling failed (exit 1: "), warning
     ids = prompts_of([5])[0]
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_greedy(path, ids, 8)
 
 
+def test_a_broken_artifact_is_dropped_and_decoding_stays_eager(checkpoint_factory, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path))
+    path = checkpoint_factory("llama")
+    first = compiled_llm(path, wait=False)  # finds nothing: its job starts (and dies with it)
+    runner = first.engine.executor.runner
+    artifact = runner.pending_compile.path
+    del first, runner
+    gc.collect()
+    artifact.write_bytes(b"not a compiled step")
+    with caplog.at_level(logging.INFO):
+        llm = compiled_llm(path, wait=False)
+        assert llm.engine.executor.runner.pending_compile.job is None  # it trusts the file until loading
+        llm.engine.executor.runner.idle()
+    assert llm.engine.executor.runner.graphs is None and not artifact.exists()
+    assert any(r.getMessage().startswith("compiled decode off: compiling failed (its artifact did not load")
+               for r in caplog.records)
+    ids = prompts_of([5, 3])
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in out] == [hf_greedy(path, i, 6) for i in ids]
+
+
+def test_the_job_dies_with_its_engine(checkpoint_factory, tmp_path, monkeypatch):
+    """Freed engine: its job is killed at once. Killed process (SIGKILL, no clean-up): the job
+    notices its parent is gone within a few seconds."""
+    monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path))
+    path = checkpoint_factory("llama")
+    llm = compiled_llm(path, wait=False)
+    pid = llm.engine.executor.runner.pending_compile.job.proc.pid
+    assert alive(pid)
+    del llm
+    gc.collect()
+    assert not alive(pid)
+
+    env = {k: v for k, v in os.environ.items() if k != "SHOAL_EAGER_DECODE"}
+    script = ("import sys, time; from actors.engine.llm import LLM; "
+              f"llm = LLM({str(path)!r}, num_kv_blocks=16); "
+              "print(llm.engine.executor.runner.pending_compile.job.proc.pid, flush=True); time.sleep(600)")
+    engine = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(engine.stdout.readline())
+        assert alive(pid)
+        engine.send_signal(signal.SIGKILL)
+        engine.wait()
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(pid)
+    finally:
+        engine.kill()
+        engine.wait()
+
+
 @pytest.mark.slow
 def test_shoal_serve_compiles_decode_by_default(checkpoint_factory, tmp_path):
     """`shoal serve` as a user starts it, on Gemma 2 (its family's one run through the whole
-    path): compiled decode by default, then a chat answer as tests/test_model_families.py's
-    check_served expects (chat template, generation_config.json's sampling defaults and EOS)."""
+    path): a chat answer as tests/test_model_families.py's check_served expects (chat template,
+    generation_config.json's sampling defaults and EOS) while the decode step compiles in the
+    background; then, the server idle, the compiled step swapped in, and decoding through it."""
     path, chat_ids, answer = served_checkpoint(checkpoint_factory, tmp_path, "gemma2")
     port, log = free_port(), tmp_path / "serve.log"
     env = {k: v for k, v in loopback_env().items() if k != "SHOAL_EAGER_DECODE"}
@@ -158,6 +262,11 @@ def test_shoal_serve_compiles_decode_by_default(checkpoint_factory, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_process_ready(url, proc, log)
+        check_served(url, "gemma2", path, chat_ids, answer)
+        deadline = time.monotonic() + 600
+        while "compiled decode ready: loaded" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
         prompts = prompts_of([7, 19])
 
         def complete(ids):
@@ -170,10 +279,9 @@ def test_shoal_serve_compiles_decode_by_default(checkpoint_factory, tmp_path):
         for r, ids in zip(responses, prompts):
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["token_ids"] == hf_greedy(path, ids, 40)
-        check_served(url, "gemma2", path, chat_ids, answer)
     finally:
         code, outliving = stop_process(proc)
     assert code == 0 and not outliving
     text = log.read_text()
-    assert "compiled decode ready in" in text and "graph=True" in text, text[-3000:]
+    assert "compiling the decode step in the background" in text and "graph=True" in text, text[-3000:]
     assert "sampling defaults from the model's generation_config.json: temperature=0.0, top_p=0.5" in text

@@ -326,3 +326,24 @@ def test_prompt_logprobs_with_no_new_tokens(llama_ckpt):
     ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
     assert ours == pytest.approx(hf_prompt_logprobs(llama_ckpt, ids), abs=1e-4)
     assert_pool_free(llm)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_the_cpu_kv_pool_takes_memory_only_as_blocks_are_written(llama_ckpt):
+    """A 256 MiB pool for a tiny model (issue 46): the process grows by the pages written, not
+    by the pool; unwritten blocks read as zeros; outputs stay exact."""
+    before = rss_bytes()
+    llm = LLM(str(llama_ckpt), num_kv_blocks=32768, block_size=16)
+    pool = llm.engine.executor.runner.kv_cache
+    size = pool.numel() * pool.element_size()
+    assert size >= 256 * 2**20
+    grown = rss_bytes() - before
+    assert grown < size / 8, (grown, size)
+    prompts = prompts_of([40, 7], seed=4)
+    assert_matches_hf(llama_ckpt, prompts, llm.generate(prompts, GREEDY))
+    assert rss_bytes() - before < size / 8
+    assert not pool[:, :, -16:].any()  # the last block: never handed out yet, still zeros

@@ -182,7 +182,8 @@ class AsyncEngine:
         while not self._stopped and self.error is None:
             self._drain_inbox()
             if not self.engine.has_unfinished():
-                self._wake.wait(timeout=1.0)
+                if not self._wake.wait(timeout=1.0):  # a second with nothing to do
+                    self.engine.executor.idle()
                 self._wake.clear()
                 continue
             self._step_started = time.monotonic()

@@ -69,6 +69,10 @@ class Executor:
                 self.runner.experts.rebalance()
         return self.runner.execute(output, previous)
 
+    def idle(self) -> None:
+        """Nothing to run for a while (rank 0's runner may load its compiled decode step)."""
+        self.runner.idle()
+
     def check(self, timeout: float) -> str | None:
         """None while every rank is healthy (always, for one rank); else what is wrong."""
         return self.shards.check(timeout) if self.shards is not None else None

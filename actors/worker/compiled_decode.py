@@ -10,8 +10,8 @@ model, docs/benchmarks.md).
 
 torch.compile specialises sizes 0 and 1, so block tables are padded to at least 2 blocks
 (with the spare block of the KV pool the block manager never hands out, as CUDA graphs pad:
-actors/worker/input_batch.py), and the graph is compiled at start-up on 2 padding rows that
-write to and read from that block: every step then runs on the one graph.
+actors/worker/input_batch.py), and the graph is traced on 2 padding rows that write to and read
+from that block: every step then runs on the one graph.
 
 The graph ends with the LM head. Its linear layers run through kernels/linear.py on the
 weights the runner packed at start (actors/worker/kernel_choice.py): float32 on an AVX-512 CPU
@@ -20,15 +20,33 @@ for every row count it meets. So the rows are padded to the next of a few bucket
 graphs' capture sizes: 2, 4, 8, then multiples of 8 up to --max-num-seqs): the kernels kept
 stay few and the memory bounded, for at most 7 padding rows of work.
 
-Compiling takes ~20-40 s on 2 cores (less with inductor's cache warm in
-/tmp/torchinductor_$USER), once per engine start, at start-up; `--eager-decode` (or
-SHOAL_EAGER_DECODE=1, which the test suite sets) skips it. If compiling fails (no C++
-compiler, say), the engine logs why and decodes eagerly.
+Compiling is never paid at start-up, and never slows a run down (issue 46). Tracing and
+inductor take 15-45 s of Python on 2 cores, and a compiling thread would hold the GIL against
+the engine's (an eager step ran ~75x slower beside a busy thread), so:
+- the compiled step is an artifact on disk (`torch.compile(...).aot_compile`, saved with the
+  model as external data and no guards), named by a hash of everything it depends on
+  (`artifact_path`): the model's config, dtype, block size, kernels, this CPU, torch, and
+  shoal's model and kernel sources;
+- without one, a process of its own compiles it at the lowest CPU priority
+  (actors/worker/compile_job.py: the model built without reading its weights) while the engine
+  decodes eagerly; the job dies with the engine;
+- loading it takes ~3 s (inductor's imports, its kernels' libraries), so the runner loads it
+  when the engine has been idle a second, or once eager steps the compiled one could have run
+  have taken SWAP_AFTER_S: a short offline run stays eager, a long one or a server switches.
+  A start with the artifact on disk pays nothing either way.
+`SHOAL_COMPILE_CACHE=DIR` moves the artifacts (default `~/.cache/shoal/compiled`);
+`SHOAL_COMPILE_WAIT=1` makes start-up wait for the compiled step (benchmarks); `--eager-decode`
+(or SHOAL_EAGER_DECODE=1, which the test suite sets) skips all of it. If compiling fails (no
+C++ compiler, say), the engine logs why and goes on decoding eagerly.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,28 +58,28 @@ from kernels.attention import AttentionMetadata
 log = logging.getLogger("shoal.runner")
 
 MIN_ROWS = MIN_BLOCKS = 2  # below these torch.compile would specialise a second graph
+# Eager decode steps the compiled step could have run, in seconds, before it is loaded mid-run:
+# it saves 10-25% of such steps and its load takes ~3 s (a ski-rental rule: load once the
+# eager steps have cost about what the load does). An idle engine loads it at once.
+SWAP_AFTER_S = 20.0
+FORMAT = "shoal-compiled-decode-1"  # bump when the artifact's contents change meaning
+REPO = Path(__file__).resolve().parents[2]
+# The code a compiled step runs: the models and the kernels they call.
+TRACED_SOURCES = ("actors/models", "kernels", "actors/worker/compiled_decode.py")
+KERNEL_SWITCHES = ("SHOAL_NATIVE_KERNELS", "SHOAL_ONEDNN_LINEAR", "SHOAL_CPU_ATTENTION")
 
 
 class CompiledDecode:
     """The compiled model of one runner; `run` takes decode-only steps."""
 
-    def __init__(self, model, *, sizes: list[int], block_size: int):
-        import torch._inductor.config as inductor_config
-        import torch.fx.experimental._config as shape_config
-
-        inductor_config.compile_threads = 1  # compile in this process: no worker pool left behind
-        # Sizes that happen to be equal when compiling (2 padding rows, the KV pool's K/V axis)
-        # must not become one symbol, or the first real batch recompiles.
-        shape_config.use_duck_shape = False
-        self.fn = torch.compile(lambda ids, positions, meta: model.compute_logits(model(ids, positions, meta)),
-                                dynamic=True, fullgraph=True)
+    def __init__(self, fn, *, sizes: list[int], block_size: int):
+        self.fn = fn  # (ids, positions, meta) -> logits, from `load`
         self.sizes = sorted({max(MIN_ROWS, s) for s in sizes})
         self.block_size = block_size
         self.replays = 0  # decode steps that ran compiled (the progress line's graph=True)
 
     def can_run(self, output) -> bool:
-        return (MIN_ROWS <= len(output.rows) <= self.sizes[-1]
-                and output.num_decodes == len(output.rows))
+        return compilable(output, self.sizes[-1])
 
     def run(self, output, batch: InputBatch, pending: PendingTokens | None = None) -> torch.Tensor:
         """Logits of the step's rows (the LM head is part of the graph); `pending` fills the
@@ -71,18 +89,126 @@ class CompiledDecode:
         padded = batch.padded_decode(output, padded_size(len(rows), self.sizes), width)
         if pending is not None:
             pending.apply(padded.input_ids)
-        logits = self.fn(*self._inputs(padded))
+        logits = self.fn(*step_inputs(padded, self.block_size))
         self.replays += 1
         return logits[:len(rows)]
 
-    def _inputs(self, p: PaddedDecode):
-        meta = AttentionMetadata(slot_mapping=p.slots, num_decode_tokens=p.size, block_size=self.block_size,
-                                 decode_block_tables=p.block_tables, decode_context_lens=p.context_lens)
-        return p.input_ids, p.positions, meta
 
-    @torch.inference_mode()
-    def compile(self, batch: InputBatch) -> None:
-        """Compile now, on padding rows only (what the first decode step would otherwise pay)."""
-        start = time.perf_counter()
-        self.fn(*self._inputs(batch.padded_decode(SchedulerOutput([], 0, []), MIN_ROWS, MIN_BLOCKS)))
-        log.info("compiled decode ready in %.1f s", time.perf_counter() - start)
+def compilable(output, max_rows: int) -> bool:
+    """A step the compiled graph takes: 2 to max_rows rows, each a one-token decode."""
+    return MIN_ROWS <= len(output.rows) <= max_rows and output.num_decodes == len(output.rows)
+
+
+class PendingCompile:
+    """The compiled step before it is in use: its job running (`job`), or its artifact on disk.
+    The runner decodes eagerly meanwhile and counts what the compiled step would have taken
+    (`eager_seconds`) to choose when loading it pays."""
+
+    def __init__(self, path: Path, job=None):
+        self.path, self.job = path, job  # job: actors.worker.compile_job.BackgroundCompile
+        self.eager_seconds = 0.0
+        self.failure: str | None = None  # why there is no artifact, once the job has ended
+
+    def ready(self) -> bool:
+        """The job has ended (or there was none): the artifact, or `failure`, is there."""
+        if self.job is not None:
+            if not self.job.done():
+                return False
+            self.failure = self.job.failure()
+            if self.failure is None:
+                log.info("compiled decode: compiled in the background in %.1f s", self.job.seconds)
+            self.job = None
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.job is not None:
+            self.job.wait(timeout)
+
+
+def step_inputs(p: PaddedDecode, block_size: int):
+    meta = AttentionMetadata(slot_mapping=p.slots, num_decode_tokens=p.size, block_size=block_size,
+                             decode_block_tables=p.block_tables, decode_context_lens=p.context_lens)
+    return p.input_ids, p.positions, meta
+
+
+def padding_inputs(batch: InputBatch, block_size: int):
+    """Two padding rows on the spare block: what the graph is traced and checked on."""
+    return step_inputs(batch.padded_decode(SchedulerOutput([], 0, []), MIN_ROWS, MIN_BLOCKS), block_size)
+
+
+def _decode(model):
+    # A closure over the model: saved as external data, so the artifact holds no weights.
+    return lambda ids, positions, meta: model.compute_logits(model(ids, positions, meta))
+
+
+def _configure() -> None:
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as shape_config
+
+    inductor_config.compile_threads = 1  # compile in this process: no worker pool left behind
+    # Sizes that happen to be equal when compiling (2 padding rows, the KV pool's K/V axis)
+    # must not become one symbol, or the first real batch recompiles.
+    shape_config.use_duck_shape = False
+    # Float attributes (norm eps, embedding scales) as constants: symbolic floats made dynamo
+    # trace the whole model twice (a restart in tensorifying them).
+    dynamo_config.specialize_float = True
+
+
+@torch.inference_mode()
+def compile_to(model, batch: InputBatch, block_size: int, path: Path) -> None:
+    """Trace and compile the decode step on padding rows and save it at `path` (atomically)."""
+    _configure()
+    # No guards saved: the runner makes every input the traced way (padded_decode), and
+    # rebuilding dynamo's guards took ~2 s of every load.
+    fn = torch.compile(_decode(model), dynamic=True, fullgraph=True,
+                       options={"guard_filter_fn": lambda guards: [False] * len(guards)}).aot_compile(
+        (padding_inputs(batch, block_size), {}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fn.save_compiled_function(str(path), external_data={"model": model})
+
+
+@torch.inference_mode()
+def load(model, batch: InputBatch, block_size: int, path: Path):
+    """The saved step, bound to this model; checked against the eager model on padding rows.
+    Raises if it can't be loaded or disagrees."""
+    _configure()
+    with open(path, "rb") as f:
+        fn = torch.compiler.load_compiled_function(f, external_data={"model": model})
+    inputs = padding_inputs(batch, block_size)
+    got, want = fn(*inputs), _decode(model)(*inputs)
+    error = (got.float() - want.float()).abs().max().item()
+    if not error <= 1e-2 * want.float().abs().max().item() + 1e-4:
+        raise ValueError(f"the compiled step's logits differ from the eager model's by {error:.3g}")
+    return fn
+
+
+def artifact_path(spec, kernels, block_size: int) -> Path:
+    """Where this model's compiled step is kept: named by a hash of everything it depends on."""
+    h = hashlib.sha256()
+    parts = [FORMAT, torch.__version__, _cpu(), json.dumps(spec.hf_config, sort_keys=True, default=str),
+             str(spec.dtype), str(spec.weight_dtype), spec.max_model_len, block_size, kernels.attention,
+             kernels.linear, [os.environ.get(k) for k in KERNEL_SWITCHES]]
+    h.update(repr(parts).encode())
+    for name in TRACED_SOURCES:
+        root = REPO / name
+        for file in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
+            h.update(file.read_bytes())
+    cache = Path(os.environ.get("SHOAL_COMPILE_CACHE") or Path.home() / ".cache" / "shoal" / "compiled")
+    return cache / f"decode-{h.hexdigest()[:24]}.bin"
+
+
+def _cpu() -> str:
+    """This CPU's model and instruction sets (inductor's C++ targets them)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability()
+    return "\n".join(line for line in info.splitlines() if line.startswith(("model name", "flags")))
+
+
+def timed_load(model, batch: InputBatch, block_size: int, path: Path, sizes: list[int]) -> CompiledDecode:
+    start = time.perf_counter()
+    decode = CompiledDecode(load(model, batch, block_size, path), sizes=sizes, block_size=block_size)
+    log.info("compiled decode ready: loaded %s in %.1f s", path.name, time.perf_counter() - start)
+    return decode

@@ -29,10 +29,12 @@ def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
 
 
 def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
-                max_positions: int, parallel=None, weight_dtype: torch.dtype | None = None) -> nn.Module:
+                max_positions: int, parallel=None, weight_dtype: torch.dtype | None = None,
+                read_weights: bool = True) -> nn.Module:
     """This rank's shard of the model, with only its slices of the weights read from disk.
 
-    weight_dtype: round every weight to it on the way in (a 16-bit model computed in float32)."""
+    weight_dtype: round every weight to it on the way in (a 16-bit model computed in float32).
+    read_weights=False leaves them unread (the decode compile job traces shapes only)."""
     args = ModelArgs.from_hf(cfg)
     cls = model_class(args.architecture)
     # Built on the meta device in the target dtype, then given memory on the target device
@@ -46,7 +48,8 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
         setattr(model, f"{name}_cos", cos.to(device, dtype))
         setattr(model, f"{name}_sin", sin.to(device, dtype))
     model.weight_dtype = weight_dtype  # experts re-read later (load_selected) are rounded alike
-    load_weights(model, path, weight_dtype)
+    if read_weights:
+        load_weights(model, path, weight_dtype)
     return model.eval()
 
 

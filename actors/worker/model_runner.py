@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import os
+import time
 
 import torch
 
@@ -22,8 +24,9 @@ from actors.distributed.parallel import layout
 from actors.distributed.pipeline import Heads, MicroBatch, last_stage_outputs, run_stage, take_rows
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from actors.models.lora import attach_lora, load_adapter, lora_batch
-from actors.worker import memory_profile
-from actors.worker.compiled_decode import CompiledDecode
+from actors.worker import compiled_decode, memory_profile
+from actors.worker.compile_job import BackgroundCompile
+from actors.worker.compiled_decode import SWAP_AFTER_S, CompiledDecode, PendingCompile, compilable
 from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
@@ -33,6 +36,7 @@ from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import keep_freed_memory
 from actors.worker.sampler import Sampler
 from kernels import flash_attention, linear
+from kernels.env import flag
 
 log = logging.getLogger("shoal.runner")
 
@@ -85,6 +89,7 @@ class ModelRunner:
         self.triton = spec.attn_backend == "triton"
         self.graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         self.graphs: DecodeGraphs | CompiledDecode | None = None  # decode-only steps
+        self.pending_compile: PendingCompile | None = None  # compiled decode not yet in use
         self.num_blocks = num_blocks or self._num_kv_blocks(spec.max_model_len)
         self._allocate_kv_cache()
         if num_blocks and self.device.type == "cuda":  # a shard rank with rank 0's pool size
@@ -96,7 +101,7 @@ class ModelRunner:
         if self.kernels.decode == "cuda-graphs":
             self._capture_graphs()
         elif self.kernels.decode == "compiled":
-            self._compile_decode()
+            self._compile_decode(spec)
         if self.experts is not None:  # the profiling and capture forwards routed padding, not load
             self.experts.load.clear()
         log.info("rank %d %s", rank, self.kernels.describe())
@@ -112,7 +117,7 @@ class ModelRunner:
         return per_token * len(self.model.model.layers) * self.block_size
 
     def _local_kv_heads(self) -> int:
-        return self.model.model.layers[0].self_attn.kvh if len(self.model.model.layers) else 0
+        return _local_kv_heads(self.model)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         c = self.config
@@ -135,13 +140,7 @@ class ModelRunner:
 
     def bind_kv_cache(self, blocks: int | None) -> None:
         """A zeroed pool of `blocks` blocks as every layer's cache (None: drop it)."""
-        layers = self.model.model.layers
-        self.kv_cache = None if blocks is None else torch.zeros(
-            len(layers), 2, blocks * self.block_size, self._local_kv_heads(), self.args.head_dim,
-            dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            attn.k_cache, attn.v_cache = (None, None) if blocks is None else (self.kv_cache[i, 0], self.kv_cache[i, 1])
+        self.kv_cache = bind_kv_cache(self.model, blocks, self.block_size, self.dtype, self.device)
 
     def _capture_graphs(self) -> None:
         self.graphs = DecodeGraphs(
@@ -153,16 +152,54 @@ class ModelRunner:
         self.graphs.capture(self.batch)
         log.info("CUDA graphs took %.0f MiB", (before - torch.cuda.mem_get_info()[0]) / 2**20)
 
-    def _compile_decode(self) -> None:
-        # The capture sizes stop at the last multiple of 8: every batch up to --max-num-seqs runs compiled.
-        sizes = [*self.graph_sizes, self.config.max_num_seqs]
-        self.graphs = CompiledDecode(self.model, sizes=sizes, block_size=self.block_size)
+    def _compile_decode(self, spec: ModelSpec) -> None:
+        """Decode eagerly until the compiled step pays for its load (actors/worker/compiled_decode.py)."""
+        path = compiled_decode.artifact_path(spec, self.kernels, self.block_size)
         try:
-            self.graphs.compile(self.batch)
-        except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: decode eagerly
-            why = f"compiling failed ({type(e).__name__}: {str(e)[:300]})"
-            self.graphs, self.kernels = None, dataclasses.replace(self.kernels, decode="eager", decode_off=why)
-            log.warning("compiled decode off: %s", why)
+            self.pending_compile = PendingCompile(path, None if path.exists() else
+                                                  BackgroundCompile(self.config, spec, self.block_size, path))
+        except OSError as e:  # a read-only cache, say
+            self._decode_eagerly(f"no compile job ({e})")
+            return
+        if flag("SHOAL_COMPILE_WAIT", False):  # benchmarks of the compiled step
+            self.finish_compiling()
+
+    def finish_compiling(self, timeout: float | None = None) -> None:
+        """Wait for the compiled step and swap it in now (tests, SHOAL_COMPILE_WAIT=1)."""
+        if self.pending_compile is not None:
+            self.pending_compile.wait(timeout)
+            self._swap_in_compiled()
+
+    def idle(self) -> None:
+        """The engine has had nothing to do for a while: a good moment to load the compiled step."""
+        self._swap_in_compiled()
+
+    def _eager_decode_took(self, seconds: float) -> None:
+        """A decode step the compiled one could have run took `seconds` eagerly."""
+        pending = self.pending_compile
+        pending.eager_seconds += seconds
+        if pending.eager_seconds >= SWAP_AFTER_S:
+            self._swap_in_compiled()
+
+    def _swap_in_compiled(self) -> None:
+        pending = self.pending_compile
+        if pending is None or not pending.ready():
+            return
+        self.pending_compile = None
+        if pending.failure is None:
+            # The capture sizes stop at the last multiple of 8: every batch up to --max-num-seqs runs compiled.
+            sizes = [*self.graph_sizes, self.config.max_num_seqs]
+            try:
+                self.graphs = compiled_decode.timed_load(self.model, self.batch, self.block_size, pending.path, sizes)
+                return
+            except Exception as e:  # noqa: BLE001 - stale or broken: the next start compiles it again
+                pending.path.unlink(missing_ok=True)
+                pending.failure = f"its artifact did not load ({type(e).__name__}: {str(e)[:300]})"
+        self._decode_eagerly(f"compiling failed ({pending.failure})")
+
+    def _decode_eagerly(self, why: str) -> None:
+        self.graphs, self.kernels = None, dataclasses.replace(self.kernels, decode="eager", decode_off=why)
+        log.warning("compiled decode off: %s", why)
 
     @property
     def graphs_off(self) -> str | None:
@@ -207,7 +244,11 @@ class ModelRunner:
             if self.experts is not None:
                 self.experts.record_graph_rows(len(output.rows))
         else:
+            timed = self.pending_compile is not None and compilable(output, self.config.max_num_seqs)
+            start = time.perf_counter() if timed else 0.0
             hidden = self.model(*self.prepare(output, pending))
+            if timed:
+                self._eager_decode_took(time.perf_counter() - start)
         return last_stage_outputs(self.model, hidden, output.logit_rows, output.pool_spans)
 
     def _pipeline(self, output: SchedulerOutput) -> Heads:
@@ -236,6 +277,31 @@ class ModelRunner:
             return None  # a base-model step skips the per-token grouping
         slots = [r.lora_slot for r in output.rows for _ in r.token_ids]
         return lora_batch(slots, self.config.max_loras, self.dtype, self.device)
+
+
+def bind_kv_cache(model, blocks: int | None, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor | None:
+    """A zeroed pool of `blocks` blocks as every layer's cache (None: drop it); returns it.
+    On CPU its pages come from an anonymous mapping, zero until written: the process's memory
+    grows with the blocks in use, not with the pool's size."""
+    layers = model.model.layers
+    pool = None
+    if blocks is not None:
+        shape = (len(layers), 2, blocks * block_size, _local_kv_heads(model), model.args.head_dim)
+        if device.type == "cpu":
+            nbytes = dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+            pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            pool = torch.frombuffer(pages, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+        else:
+            pool = torch.zeros(shape, dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        attn.k_cache, attn.v_cache = (None, None) if pool is None else (pool[i, 0], pool[i, 1])
+    return pool
+
+
+def _local_kv_heads(model) -> int:
+    return model.model.layers[0].self_attn.kvh if len(model.model.layers) else 0
 
 
 def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

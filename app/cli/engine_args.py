@@ -82,7 +82,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
              "kernel on CPU), or auto (default: flash where it runs, else native, silently)")
     add("--eager-decode", action="store_true",
         help="run decode steps eagerly: without CUDA graphs on a GPU, without torch.compile on "
-             "CPU (vLLM's --enforce-eager; saves the ~20-40 s compile at start-up on CPU)")
+             "CPU (vLLM's --enforce-eager; no background compile job on CPU)")
     add("--async-scheduling", action=argparse.BooleanOptionalAction,
         help="make each step's outputs (detokenizing, stop strings, deltas) while the next step "
              "runs on the GPU; they leave one step later (default: on with CUDA, off on CPU; "

@@ -27,6 +27,7 @@ def shoal_throughput(path, prompts, out_len, eager_decode: bool) -> tuple[float,
     before the clock starts."""
     llm = LLM(str(path), max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory=2.0,
               eager_decode=eager_decode)
+    llm.engine.executor.runner.finish_compiling()  # the compiled step in use before the clock starts
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     steps = {"decode": [0, 0.0], "prefill": [0, 0.0]}  # steps, seconds in ModelRunner.execute
     execute = llm.engine.executor.runner.execute
