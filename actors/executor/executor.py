@@ -29,8 +29,8 @@ class Executor:
         """placement: (placement group, first bundle for shard rank 1) when the caller reserved one."""
         start = time.perf_counter()
         self.runner = ModelRunner(config, spec)
-        log.info("rank 0 loaded in %.2f s, peak RSS %.0f MiB", time.perf_counter() - start,
-                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        log.info("rank 0 loaded in %.2f s: %s; peak RSS %.0f MiB", time.perf_counter() - start,
+                 self.runner.describe_startup(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         self.shards = None
         if self.runner.p.world_size > 1:
             from actors.executor.shards import start_shards  # Ray: only for multi-rank layouts

@@ -71,6 +71,8 @@ class ModelRunner:
             keep_freed_memory()  # no page faults on every step's activations (actors/worker/process_tuning.py)
         self.args = spec.args
         self.max_model_len = spec.max_model_len
+        phase = time.perf_counter()
+        self.startup: dict[str, float] = {}  # seconds per start-up phase, for the executor's log line
         self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p,
                                  spec.weight_dtype)
         self.experts = None  # MoE models: expert load recording and placement re-planning
@@ -79,6 +81,7 @@ class ModelRunner:
         # Adapter slots (actors/models/lora.py), allocated before the KV pool is sized.
         self.lora_layers = attach_lora(self.model, config.max_loras, config.max_lora_rank) \
             if config.enable_lora else None
+        phase = self._phase("weights", phase)
         self.kernels = choose(config, spec, self.device, self.p.world_size, lora=bool(self.lora_layers))
         if self.kernels.packs_weights:
             linear.prepack([m.weight for m in self.model.modules()
@@ -90,6 +93,7 @@ class ModelRunner:
         self.graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
         self.graphs: DecodeGraphs | CompiledDecode | None = None  # decode-only steps
         self.pending_compile: PendingCompile | None = None  # compiled decode not yet in use
+        phase = self._phase("kernels", phase)
         self.num_blocks = num_blocks or self._num_kv_blocks(spec.max_model_len)
         self._allocate_kv_cache()
         if num_blocks and self.device.type == "cuda":  # a shard rank with rank 0's pool size
@@ -98,10 +102,12 @@ class ModelRunner:
         spare = self.num_blocks if self.kernels.decode != "eager" else 0
         self.batch = InputBatch(config.max_num_seqs, max(2, -(-spec.max_model_len // self.block_size)),
                                 self.block_size, pad_block=spare)
+        phase = self._phase("KV", phase)
         if self.kernels.decode == "cuda-graphs":
             self._capture_graphs()
         elif self.kernels.decode == "compiled":
             self._compile_decode(spec)
+        self._phase("decode", phase)
         if self.experts is not None:  # the profiling and capture forwards routed padding, not load
             self.experts.load.clear()
         log.info("rank %d %s", rank, self.kernels.describe())
@@ -111,6 +117,20 @@ class ModelRunner:
                                defer=self.async_scheduling) if rank == 0 else None
 
     # ---- start-up -------------------------------------------------------------------
+    def _phase(self, name: str, since: float) -> float:
+        now = time.perf_counter()
+        self.startup[name] = now - since
+        return now
+
+    def describe_startup(self) -> str:
+        """The phases in one phrase, e.g. "weights 2.1 s, kernels 0.3 s, KV 0.0 s, decode 0.0 s
+        (compiling in the background)"."""
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.startup.items())
+        state = ("compiling in the background" if self.pending_compile and self.pending_compile.job else
+                 "compiled step on disk, loaded when it pays" if self.pending_compile else
+                 self.kernels.decode)
+        return f"{phases} ({state})"
+
     def block_bytes(self) -> int:
         """Bytes of one KV block on this rank (its layers, its KV heads)."""
         per_token = 2 * self._local_kv_heads() * self.args.head_dim * self.dtype.itemsize

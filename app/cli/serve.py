@@ -216,7 +216,9 @@ def run_server(config: ShoalConfig) -> int:
         print(f"shoal serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
     ray_settings_for_serving()
+    phases = [("start", time.perf_counter())]  # start-up phases, in the ready line
     ray.init(address=address, logging_level=logging.WARNING, **resources)
+    phases.append(("Ray", time.perf_counter()))
     stop = stop_event()
     try:
         try:
@@ -228,9 +230,11 @@ def run_server(config: ShoalConfig) -> int:
             serve.start(proxy_location="Disabled")
         else:
             serve.start(http_options={"host": d.host, "port": d.port})
+        phases.append(("Serve", time.perf_counter()))
         serve.run(app, name=d.app_name, route_prefix="/", blocking=False)
+        phases.append(("replicas", time.perf_counter()))
         print(f"shoal: serving {config.server.served_model_name} at http://{d.host}:{d.port}/v1 "
-              f"(Ray at {address}); Ctrl-C or SIGTERM stops", flush=True)
+              f"(Ray at {address}); ready in {describe_phases(phases)}; Ctrl-C or SIGTERM stops", flush=True)
         stop.wait()
         print(f"shoal: draining (up to {d.shutdown_timeout:g} s)", flush=True)
         seconds, aborted = drain(d.app_name, d.shutdown_timeout)
@@ -241,6 +245,18 @@ def run_server(config: ShoalConfig) -> int:
         if listener is not None:
             listener.close()
     return 0
+
+
+def describe_phases(marks: list[tuple[str, float]]) -> str:
+    """'25.2 s (before Ray 2.0 s, Ray 9.6 s, Serve 1.1 s, replicas 12.5 s)' from the process's
+    start and (name, time a phase ended) marks; the first mark ends what came before Ray."""
+    import psutil  # Ray's dependency
+
+    began = time.perf_counter() - (time.time() - psutil.Process().create_time())
+    names = ["before Ray"] + [name for name, _ in marks[1:]]
+    ends = [t for _, t in marks]
+    parts = [f"{name} {end - start:.1f} s" for name, start, end in zip(names, [began] + ends, ends)]
+    return f"{ends[-1] - began:.1f} s ({', '.join(parts)})"
 
 
 def run_serve_config(path: str, address: str | None) -> int:
