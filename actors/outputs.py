@@ -105,6 +105,11 @@ class Pending:
         return self.output is None and self.error is None
 
     @property
+    def tokens(self) -> int:
+        """New tokens waiting (of the choice with most)."""
+        return max((len(c.token_ids) for c in self.output.outputs), default=0) if self.output else 0
+
+    @property
     def ended(self) -> bool:
         """The request is over: finished, or failed."""
         return self.error is not None or (self.output is not None and self.output.finished)

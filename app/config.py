@@ -45,7 +45,12 @@ class DeployOptions:
     app_name: str = "shoal"
     log_level: str = "INFO"
     decode_progress_interval_s: float = 0.0  # > 0: the scheduler logs throughput this often
-    stream_chunks_per_s: float = 100.0  # per replica, under load; 0: every token as it comes
+    # Stream pacing (app/serving/replica.py StreamPacing): a stream's first token leaves at once,
+    # later ones every `stream_interval` tokens (vLLM's and SGLang's --stream-interval), gathered
+    # under load for up to `stream_flush_ms` so a replica sends about `stream_chunks_per_s`.
+    stream_interval: int = 1
+    stream_flush_ms: float = 50.0
+    stream_chunks_per_s: float = 100.0  # per replica; 0: no gathering by time
     routing: str = "load"  # load (Serve's power of two choices) | prefix-aware
     # merged: each replica is the HTTP ingress too; split: an Ingress deployment in front of
     # the LLMServer pool. None: split where it is needed (prefix-aware routing, or
@@ -305,6 +310,10 @@ def _check_resources(config: ShoalConfig) -> None:
         raise ConfigError("--ingress-replicas must be positive")
     if d.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {d.shutdown_timeout}")
+    if d.stream_interval < 1:
+        raise ConfigError(f"--stream-interval must be at least 1, got {d.stream_interval}")
+    if d.stream_flush_ms < 0 or d.stream_chunks_per_s < 0:
+        raise ConfigError("--stream-flush-ms and --stream-chunks-per-s must be >= 0")
 
 
 def split_layout(config: ShoalConfig) -> bool:

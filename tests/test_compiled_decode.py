@@ -60,19 +60,32 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def compiled(request, checkpoint_factory):
-    """(checkpoint, engine decoding compiled, what its first start did while its job ran)."""
+@pytest.fixture(scope="module")
+def first_starts(checkpoint_factory) -> dict:
+    """Both families' engines started at once, so their compile jobs share the wait: family ->
+    (checkpoint, engine, what its first start did while its job ran)."""
     # Gemma 3 with a final soft-cap: windows, local rotary, per-head (1 + w) norms, capped
     # logits and a head size that is not hidden / heads, all inside the traced step
-    path = checkpoint_factory(request.param, **(GEMMA_EVERYTHING if request.param == "gemma3" else {}))
-    llm = compiled_llm(path, wait=False)  # the suite's compile cache is this run's own: no artifact yet
+    starts = {}
+    for family in ("llama", "gemma3"):
+        path = checkpoint_factory(family, **(GEMMA_EVERYTHING if family == "gemma3" else {}))
+        starts[family] = path, compiled_llm(path, wait=False)  # this run's own compile cache: no artifact yet
+    for family, (path, llm) in starts.items():
+        runner = llm.engine.executor.runner
+        job = runner.pending_compile.job
+        prompts = prompts_of([4, 11, 2], seed=5)
+        meanwhile = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        starts[family] = path, llm, dict(
+            graphs=runner.graphs, job_running=job is not None and not job.done(), prompts=prompts,
+            tokens=[o.outputs[0].token_ids for o in meanwhile], replays=runner.graph_replays)
+    return starts
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def compiled(request, first_starts):
+    """(checkpoint, engine decoding compiled, what its first start did while its job ran)."""
+    path, llm, start = first_starts[request.param]
     runner = llm.engine.executor.runner
-    job = runner.pending_compile.job
-    prompts = prompts_of([4, 11, 2], seed=5)
-    meanwhile = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    start = dict(graphs=runner.graphs, job_running=job is not None and not job.done(), prompts=prompts,
-                 tokens=[o.outputs[0].token_ids for o in meanwhile], replays=runner.graph_replays)
     runner.finish_compiling(timeout=600)
     assert type(runner.graphs).__name__ == "CompiledDecode", runner.graphs_off
     return path, llm, start

@@ -12,6 +12,7 @@ of the Ray Serve LLM config: tests/test_model_families.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -84,7 +85,8 @@ def split_url(serve_port, llama_ckpt, base_url):
     from app.serving.builder import build_app
 
     app = build_app({"model_path": str(llama_ckpt), "serve_layout": "split", "shard_cpus": 0.2,
-                     "num_kv_blocks": 256, "num_threads": 1, "speculative_config": SPECULATIVE})
+                     "num_kv_blocks": 256, "num_threads": 1, "speculative_config": SPECULATIVE,
+                     "stream_interval": 3})
     serve.run(app, name="split", route_prefix="/split")
     return wait_ready(f"http://127.0.0.1:{serve_port}/split")
 
@@ -386,6 +388,46 @@ def test_inbox_gives_first_at_once_then_gathers_and_the_end_comes_at_once():
     assert 0.09 < gathered_at < 0.5
     assert last.finished and last.outputs[0].token_ids[-1] == 29 and last_wait < 1.0
     assert str(error) == "the engine died"
+
+
+def test_inbox_waits_for_the_stream_interval_unless_the_request_ends():
+    from actors.outputs import CompletionOutput, RequestOutput
+    from app.serving.replica import Inbox
+
+    def delta(i: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", [1], [CompletionOutput(0, text=str(i), token_ids=[i])], finished=finished)
+
+    async def run():
+        inbox, loop = Inbox(), asyncio.get_running_loop()
+        for i in range(5):  # a token every 10 ms, the fifth finishing the request
+            loop.call_later(0.01 * (i + 1), inbox.put, delta(i, finished=i == 4), None)
+        return [(await inbox.take(0.0, 3))[0].outputs[0].token_ids for _ in range(2)]
+
+    assert asyncio.run(run()) == [[0, 1, 2], [3, 4]]  # the end does not wait for a third token
+
+
+def test_stream_pacing_holds_with_load_up_to_the_flush_interval():
+    from app.serving.replica import StreamPacing
+
+    pacing = StreamPacing(interval=1, flush_ms=50, chunks_per_s=100)
+    assert pacing.hold(1) == pytest.approx(0.01) and pacing.hold(4) == pytest.approx(0.04)
+    assert pacing.hold(64) == pytest.approx(0.05)  # 64 streams: each still sends every 50 ms
+    assert StreamPacing(chunks_per_s=0).hold(64) == 0.0 and StreamPacing(flush_ms=0).hold(64) == 0.0
+
+
+def test_stream_interval_sends_that_many_tokens_a_chunk(split_url):
+    """The split app streams with --stream-interval 3: the first token at once, then chunks
+    of at least 3 (a step with accepted drafts adds more), the last with what is left."""
+    body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True,
+            "logprobs": 1}
+    sizes = []
+    with httpx.stream("POST", f"{split_url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:]).get("choices")
+                if choices and choices[0].get("logprobs"):
+                    sizes.append(len(choices[0]["logprobs"]["tokens"]))
+    assert sum(sizes) == 20 and sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]), sizes
 
 
 # --------------------------------------------------------------------------- shoal serve

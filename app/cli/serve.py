@@ -78,9 +78,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--routing", choices=["load", "prefix-aware"],
         help="replica choice: by load (default), or to the replica likely to hold the prompt's "
              "prefix in its cache, falling back to load when that replica is busy")
+    add("--stream-interval", type=int, metavar="N",
+        help="stream every N tokens (vLLM's and SGLang's option; the first token always at once; "
+             "default 1)")
+    add("--stream-flush-ms", type=float, metavar="MS",
+        help="under load a stream gathers tokens for at most MS ms before sending them "
+             "(default 50)")
     add("--stream-chunks-per-s", type=float, metavar="N",
-        help="under load, gather stream tokens so a replica sends about N chunks/s in all "
-             "(first token always at once; 0: every token at once; default 100)")
+        help="below that cap, gather just enough that a replica sends about N chunks/s in all "
+             "(0: no gathering by time; default 100)")
     add("--shutdown-timeout", type=float, metavar="S",
         help="on SIGTERM/Ctrl-C (and for Serve's graceful shutdown): stop admitting, let requests "
              "in flight finish for up to S seconds, then end the rest with an error (default 30)")

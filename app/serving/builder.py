@@ -17,7 +17,7 @@ from app.serving.ingress import Ingress
 from app.serving.llm_server import LLMServer
 from app.serving.model_server import ModelServer
 from app.serving.ray_llm_config import load_configs
-from app.serving.replica import placement_bundles
+from app.serving.replica import StreamPacing, placement_bundles
 
 
 def build_app(args: dict | None = None) -> serve.Application:
@@ -36,7 +36,7 @@ def models_application(configs: list[ShoalConfig]) -> serve.Application:
         for config in configs:
             check_placement(config)
     pools = [LLMServer.options(name=f"LLMServer:{c.server.served_model_name}", **replica_options(c)).bind(
-        c.engine, c.deploy.log_level, c.deploy.decode_progress_interval_s, c.deploy.stream_chunks_per_s,
+        c.engine, c.deploy.log_level, c.deploy.decode_progress_interval_s, StreamPacing.of(c.deploy),
         c.server.served_model_name) for c in configs]
     return ingress_deployment(configs[0]).bind(pools, [c.server for c in configs], configs[0].deploy.log_level)
 
@@ -53,9 +53,9 @@ def application(config: ShoalConfig, listener: str | None = None) -> serve.Appli
     if not split_layout(config):
         return ModelServer.options(**replica_options(config)).bind(
             config.engine, config.server, d.log_level, d.decode_progress_interval_s,
-            d.stream_chunks_per_s, listener)
+            StreamPacing.of(d), listener)
     llm = LLMServer.options(**replica_options(config)).bind(
-        config.engine, d.log_level, d.decode_progress_interval_s, d.stream_chunks_per_s,
+        config.engine, d.log_level, d.decode_progress_interval_s, StreamPacing.of(d),
         config.server.served_model_name)
     return ingress_deployment(config).bind([llm], [config.server], d.log_level)
 

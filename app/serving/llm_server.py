@@ -23,7 +23,7 @@ from actors.config import EngineConfig
 from actors.errors import EngineDeadError
 from actors.request import EngineRequest
 from app.serving.app_replicas import AppReplicas
-from app.serving.replica import REFUSALS, ReplicaEngine, ReplicaLifecycle, RoutedRequest, unwrap
+from app.serving.replica import REFUSALS, ReplicaEngine, ReplicaLifecycle, RoutedRequest, StreamPacing, unwrap
 
 log = logging.getLogger("shoal.server")
 
@@ -31,11 +31,11 @@ log = logging.getLogger("shoal.server")
 @serve.deployment(name="LLMServer")
 class LLMServer(ReplicaLifecycle):
     async def __init__(self, engine_config: EngineConfig, log_level: str = "INFO",
-                       progress_interval_s: float = 0.0, stream_chunks_per_s: float = 0.0,
+                       progress_interval_s: float = 0.0, pacing: StreamPacing = StreamPacing(),
                        model_name: str | None = None):
         """model_name: the served name, the `model` label of the engine's metrics."""
         self.engine = ReplicaEngine(engine_config, log_level, progress_interval_s,
-                                    stream_chunks_per_s, model_name)
+                                    pacing, model_name)
         self.scheduler = self.engine.scheduler
         self.max_model_len = await self.scheduler.get_max_model_len.remote()  # waits for the model
         log.info("replica %s ready", self.engine.replica)

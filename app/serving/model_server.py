@@ -25,7 +25,7 @@ from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.app_replicas import AppReplicas
 from app.serving.direct_http import DirectHTTP
-from app.serving.replica import ReplicaEngine, ReplicaLifecycle
+from app.serving.replica import ReplicaEngine, ReplicaLifecycle, StreamPacing
 
 log = logging.getLogger("shoal.server")
 
@@ -37,11 +37,11 @@ HTTP_COUNTS_PUSH_S = 1.0
 class ModelServer(ApiHost, ReplicaLifecycle):
     async def __init__(self, engine_config: EngineConfig, settings: ServerSettings,
                        log_level: str = "INFO", progress_interval_s: float = 0.0,
-                       stream_chunks_per_s: float = 0.0,
+                       pacing: StreamPacing = StreamPacing(),
                        listener: str | None = None):
         super().__init__(settings, log_level)
         self.engine = ReplicaEngine(engine_config, log_level, progress_interval_s,
-                                    stream_chunks_per_s, settings.served_model_name)
+                                    pacing, settings.served_model_name)
         # The tokenizer loads while the scheduler actor starts (a cold transformers import is
         # seconds). Then wait for the model: until then Serve routes no request here (a replica
         # added by the autoscaler takes traffic only once it can serve it).

@@ -62,12 +62,33 @@ def placement_bundles(config: EngineConfig, replica_cpus: float) -> list[dict]:
     return [{"CPU": replica_cpus}] + [dict(rank) for _ in range(config.tp_size * config.pp_size)]
 
 
+@dataclass(frozen=True)
+class StreamPacing:
+    """How a replica gathers a stream's tokens into chunks. The first leaves at once; then
+    every `interval` tokens (vLLM's and SGLang's --stream-interval), and under load a stream
+    holds what it has a little: just enough that the replica sends about `chunks_per_s` chunks
+    in all (each costs CPU in every process it crosses), never more than `flush_ms`, so a
+    reader sees text at least that often while tokens come. The last chunk leaves at once."""
+    interval: int = 1
+    flush_ms: float = 50.0
+    chunks_per_s: float = 100.0
+
+    @classmethod
+    def of(cls, deploy) -> "StreamPacing":
+        return cls(deploy.stream_interval, deploy.stream_flush_ms, deploy.stream_chunks_per_s)
+
+    def hold(self, streams: int) -> float:
+        """Seconds a stream gathers before its next chunk, with `streams` in flight."""
+        share = streams / self.chunks_per_s if self.chunks_per_s else 0.0
+        return min(share, self.flush_ms / 1000)
+
+
 class ReplicaEngine:
     """The scheduler actor of the Serve replica this runs in (started in its placement group,
     named so /stats, LoRA calls and `shoal drain` find it from any process)."""
 
     def __init__(self, engine_config: EngineConfig, log_level: str, progress_interval_s: float,
-                 stream_chunks_per_s: float, model_name: str | None):
+                 pacing: StreamPacing, model_name: str | None):
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
         pg = ray.util.get_current_placement_group()  # None only outside Serve's placement
@@ -78,16 +99,15 @@ class ReplicaEngine:
         placement = (pg, FIRST_SHARD_BUNDLE) if pg else None
         self.scheduler = actor.remote(engine_config, log_level, progress_interval_s, placement,
                                       replica_info(ctx, model_name))
-        self.chunk_rate = stream_chunks_per_s
+        self.pacing = pacing
         self.inboxes: dict[str, Inbox] = {}  # requests in flight, by id
         self.link: SocketLink | RayLink | None = None
         self.reader: asyncio.Task | None = None  # reads self.link while it works
         self.linking = asyncio.Lock()
 
     async def stream(self, request: EngineRequest):
-        """The request's outputs: the first at once, later ones gathered so this replica sends
-        about `stream_chunks_per_s` chunks per second in all (every output at once when that
-        is 0), the last as soon as it exists. Raises the engine's refusal of the request, or
+        """The request's outputs, gathered into chunks as `self.pacing` says (the first at
+        once, the last as soon as it exists). Raises the engine's refusal of the request, or
         EngineDeadError when the scheduler died. Closing the iterator before the end (a client
         gone) aborts the request and frees its KV blocks."""
         inbox = self.inboxes[request.request_id] = Inbox()
@@ -100,16 +120,16 @@ class ReplicaEngine:
             except Exception:
                 finished = True  # refused: nothing to abort
                 raise
-            hold = 0.0
+            hold, tokens = 0.0, 1
             while not finished:
-                output, error = await inbox.take(hold)
+                output, error = await inbox.take(hold, tokens)
                 if output is not None:
                     finished = output.finished
                     yield output
                 if error is not None:
                     finished = True  # the engine has dropped it
                     raise error
-                hold = len(self.inboxes) / self.chunk_rate if self.chunk_rate else 0.0
+                hold, tokens = self.pacing.hold(len(self.inboxes)), self.pacing.interval
         finally:
             self.inboxes.pop(request.request_id, None)
             if not finished and link is not None:  # cancelled by the caller, or failed: free its blocks
@@ -220,13 +240,13 @@ class Inbox:
         if self.wake is not None and not self.wake.done() and (self.news.ended or not self.holding):
             self.wake.set_result(None)
 
-    async def take(self, hold: float) -> tuple:
-        """(merged output or None, error or None): after `hold` seconds (sooner if the request
-        ends), whatever has come, waiting for at least one item."""
+    async def take(self, hold: float, tokens: int = 1) -> tuple:
+        """(merged output or None, error or None): after `hold` seconds, whatever has come once
+        it holds `tokens` new tokens; sooner if the request ends."""
         loop = asyncio.get_running_loop()
         if hold > 0 and not self.news.ended:
             await self._wait(loop, holding=True, timeout=hold)
-        while self.news.empty:
+        while self.news.empty or (self.news.tokens < tokens and not self.news.ended):
             await self._wait(loop, holding=False)
         return self.news.take()
 
