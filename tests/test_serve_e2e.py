@@ -168,6 +168,9 @@ def test_speculation_shows_in_stats_and_metrics(split_url):
     for name, key in (("drafts", "drafts"), ("draft_tokens", "draft_tokens"), ("accepted_tokens", "accepted_tokens")):
         line = next(x for x in text.splitlines() if x.startswith(f"shoal_spec_decode_num_{name}_total{{"))
         assert float(line.rsplit(" ", 1)[1]) == spec[key], line
+    per_position = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                    if x.startswith("shoal_spec_decode_num_accepted_tokens_per_pos_total{")]
+    assert per_position == spec["accepted_per_position"] and sum(per_position) == spec["accepted_tokens"], text
 
 
 @pytest.mark.slow

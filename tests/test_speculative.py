@@ -199,8 +199,13 @@ def test_a_busy_batch_proposes_nothing():
         assert float(rate) == round(s.num_accepted_tokens / s.num_draft_tokens, 2) > 0
         assert float(length) == round(1 + s.num_accepted_tokens / s.num_drafts, 2) > 1
         assert llm.engine.stats.decode_tokens - decoded == 2 * 11  # every token after the first
-        snap = llm.engine.metrics.snapshot(llm.engine)["counters"]
+        snapshot = llm.engine.metrics.snapshot(llm.engine)
+        snap = snapshot["counters"]
         assert snap["spec_decode_num_drafts"] == llm.engine.scheduler.speculator.num_drafts
         assert 0 < snap["spec_decode_num_accepted_tokens"] <= snap["spec_decode_num_draft_tokens"]
+        per_position = snapshot["spec_accepted_per_pos"]
+        assert list(per_position) == [str(i) for i in range(s.config.num_speculative_tokens)]
+        assert sum(per_position.values()) == snap["spec_decode_num_accepted_tokens"]
+        assert sorted(per_position.values(), reverse=True) == list(per_position.values())  # a prefix is kept
     finally:
         llm.shutdown()

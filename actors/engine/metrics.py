@@ -34,6 +34,8 @@ COUNTERS = {
 }
 FINISHED = ("requests_finished", "Finished sequences (choices) by finish reason.")
 LORA_REQUESTS = ("lora_requests", "Requests started on each LoRA adapter (lora_name).")
+SPEC_PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos",
+                     "Draft tokens accepted at each draft position (position 0: the first), as vLLM's.")
 GAUGES = {
     "num_requests_running": "Sequences in the running batch.",
     "num_requests_waiting": "Sequences waiting to be scheduled.",
@@ -196,6 +198,7 @@ class EngineMetrics:
                          "prefix_cache_hits": sched.hit_tokens, **_spec_counters(sched.speculator)},
             "finished": dict(self.finished),
             "lora_requests": dict(self.lora_requests),
+            "spec_accepted_per_pos": _spec_per_position(sched.speculator),
             "gauges": {"num_requests_running": len(sched.running),
                        "num_requests_waiting": len(sched.waiting),
                        # Blocks, not a fraction, so GET /metrics can sum them over replicas.
@@ -233,6 +236,11 @@ def _spec_counters(speculator) -> dict:
     names = {"spec_decode_num_drafts": "num_drafts", "spec_decode_num_draft_tokens": "num_draft_tokens",
              "spec_decode_num_accepted_tokens": "num_accepted_tokens"}
     return {name: getattr(speculator, field, 0) for name, field in names.items()}
+
+
+def _spec_per_position(speculator) -> dict:
+    """Position (as a label: "0", "1", ...) -> draft tokens accepted there ({} where it is off)."""
+    return {str(i): n for i, n in enumerate(speculator.accepted_per_pos)} if speculator is not None else {}
 
 
 def _expert_gauges(engine) -> dict:

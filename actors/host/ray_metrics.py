@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from actors.engine.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX
+from actors.engine.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX, SPEC_PER_POSITION
 
 log = logging.getLogger("shoal.metrics")
 
@@ -30,6 +30,8 @@ class RayExporter:
         self.counters = {n: rm.Counter(PREFIX + n, text, TAGS) for n, text in COUNTERS.items()}
         self.finished = rm.Counter(PREFIX + FINISHED[0], FINISHED[1], TAGS + ("finish_reason",))
         self.lora_requests = rm.Counter(PREFIX + LORA_REQUESTS[0], LORA_REQUESTS[1], TAGS + ("lora_name",))
+        self.spec_per_position = rm.Counter(PREFIX + SPEC_PER_POSITION[0], SPEC_PER_POSITION[1],
+                                            TAGS + ("position",))
         self.gauges = {n: rm.Gauge(PREFIX + n, text, TAGS) for n, text in GAUGES.items()}
         local = engine.metrics.hist
         self.histograms = {n: rm.Histogram(PREFIX + n, HISTOGRAMS[n][0], local[n].bounds, TAGS)
@@ -61,6 +63,8 @@ class RayExporter:
             self._inc(self.finished, ("finished", reason), value, {**tags, "finish_reason": reason})
         for name, value in snap["lora_requests"].items():
             self._inc(self.lora_requests, ("lora", name), value, {**tags, "lora_name": name})
+        for position, value in snap["spec_accepted_per_pos"].items():
+            self._inc(self.spec_per_position, ("spec_pos", position), value, {**tags, "position": position})
         self._set_gauges(snap, tags)
         for name, h in snap["histograms"].items():
             self._push_buckets(name, h, tags)

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from actors.engine.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX
+from actors.engine.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX, SPEC_PER_POSITION
 
 log = logging.getLogger("shoal.api")
 
@@ -112,10 +112,10 @@ def combine(snapshots: list[dict]) -> dict | None:
     """Sum replica snapshots: counters, gauges (blocks, not fractions) and bucket counts."""
     if not snapshots:
         return None
-    total = {"counters": defaultdict(float), "finished": defaultdict(float),
-             "gauges": defaultdict(float), "lora_requests": defaultdict(float), "histograms": {}}
+    parts = ("counters", "finished", "gauges", "lora_requests", "spec_accepted_per_pos")
+    total = {**{part: defaultdict(float) for part in parts}, "histograms": {}}
     for snap in snapshots:
-        for part in ("counters", "finished", "gauges", "lora_requests"):
+        for part in parts:
             for name, value in snap.get(part, {}).items():
                 total[part][name] += value
         for name, h in snap["histograms"].items():
@@ -152,6 +152,9 @@ class ShoalCollector:
                        [([m, r], v) for m, e in engines for r, v in sorted(e["finished"].items())])
         yield _counter(LORA_REQUESTS[0], LORA_REQUESTS[1], ["model", "lora_name"],
                        [([m, name], v) for m, e in engines for name, v in sorted(e["lora_requests"].items())])
+        yield _counter(SPEC_PER_POSITION[0], SPEC_PER_POSITION[1], ["model", "position"],
+                       [([m, pos], v) for m, e in engines
+                        for pos, v in sorted(e["spec_accepted_per_pos"].items(), key=lambda kv: int(kv[0]))])
         yield from self._gauges()
         for name in engines[0][1]["histograms"]:
             yield _histogram(name, HISTOGRAMS[name][0], [(m, e["histograms"][name]) for m, e in engines])
