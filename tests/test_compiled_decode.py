@@ -298,3 +298,14 @@ def test_shoal_serve_compiles_decode_by_default(checkpoint_factory, tmp_path):
     text = log.read_text()
     assert "compiling the decode step in the background" in text and "graph=True" in text, text[-3000:]
     assert "sampling defaults from the model's generation_config.json: temperature=0.0, top_p=0.5" in text
+
+
+def test_the_cache_folder_keeps_the_newest_artifacts(tmp_path):
+    from actors.worker.compile_job import prune
+
+    for i in range(5):
+        (tmp_path / f"decode-{i}.bin").write_bytes(b"x")
+        os.utime(tmp_path / f"decode-{i}.bin", (1000 + i, 1000 + i))
+    (tmp_path / "other.txt").write_text("kept")
+    prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-3.bin", "decode-4.bin", "other.txt"]

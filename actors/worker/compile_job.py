@@ -5,7 +5,8 @@ the engine config, the model spec, the block size and the artifact's path. The j
 model without reading its weights (tracing needs only their shapes; the untouched pages cost
 no memory), a KV pool of three blocks, traces, compiles and saves the artifact, at the lowest
 CPU priority and on one thread, so the engine's steps keep the cores. It exits when its parent
-does; the parent kills it when it goes away first.
+does; the parent kills it when it goes away first. It keeps the folder to the KEEP newest
+artifacts.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import weakref
 from pathlib import Path
 
 log = logging.getLogger("shoal.runner")
+KEEP = 16  # compiled steps kept in the cache folder
 
 
 class BackgroundCompile:
@@ -91,6 +93,7 @@ def main(job: str) -> None:
     torch.set_num_threads(1)
     with open(job, "rb") as f:
         config, spec, block_size, path = pickle.load(f)
+    Path(job).unlink(missing_ok=True)  # read: gone even if the engine dies without cleaning up
     device = torch.device("cpu")
     parallel = layout(config, spec.layer_split, 0)  # one rank: compiled decode runs only there
     parallel.device = device
@@ -102,6 +105,15 @@ def main(job: str) -> None:
     start = time.perf_counter()
     compile_to(model, batch, block_size, path)
     print(f"compiled in {time.perf_counter() - start:.1f} s -> {path}", flush=True)
+    prune(path.parent)
+
+
+def prune(folder: Path, keep: int = KEEP) -> None:
+    """Delete all but the `keep` most recently written artifacts (each model, source tree and
+    torch version leaves its own, ~1-5 MB)."""
+    artifacts = sorted(folder.glob("decode-*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in artifacts[keep:]:
+        old.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
