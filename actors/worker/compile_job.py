@@ -88,7 +88,7 @@ def main(job: str) -> None:
     from actors.worker.input_batch import InputBatch
     from actors.worker.kernel_choice import choose
     from actors.worker.loader import build_model
-    from actors.worker.model_runner import bind_kv_cache
+    from actors.worker.kv_pool import bind_kv_cache
 
     torch.set_num_threads(1)
     with open(job, "rb") as f:

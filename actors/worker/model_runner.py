@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 import os
 import time
 
@@ -31,6 +30,7 @@ from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
 from actors.worker.kernel_choice import choose, device_type
+from actors.worker.kv_pool import bind_kv_cache, local_kv_heads
 from actors.worker.loader import build_model
 from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import keep_freed_memory
@@ -137,7 +137,7 @@ class ModelRunner:
         return per_token * len(self.model.model.layers) * self.block_size
 
     def _local_kv_heads(self) -> int:
-        return _local_kv_heads(self.model)
+        return local_kv_heads(self.model)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         c = self.config
@@ -297,31 +297,6 @@ class ModelRunner:
             return None  # a base-model step skips the per-token grouping
         slots = [r.lora_slot for r in output.rows for _ in r.token_ids]
         return lora_batch(slots, self.config.max_loras, self.dtype, self.device)
-
-
-def bind_kv_cache(model, blocks: int | None, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor | None:
-    """A zeroed pool of `blocks` blocks as every layer's cache (None: drop it); returns it.
-    On CPU its pages come from an anonymous mapping, zero until written: the process's memory
-    grows with the blocks in use, not with the pool's size."""
-    layers = model.model.layers
-    pool = None
-    if blocks is not None:
-        shape = (len(layers), 2, blocks * block_size, _local_kv_heads(model), model.args.head_dim)
-        if device.type == "cpu":
-            nbytes = dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
-            pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            pool = torch.frombuffer(pages, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
-        else:
-            pool = torch.zeros(shape, dtype=dtype, device=device)
-    for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        attn.k_cache, attn.v_cache = (None, None) if pool is None else (pool[i, 0], pool[i, 1])
-    return pool
-
-
-def _local_kv_heads(model) -> int:
-    return model.model.layers[0].self_attn.kvh if len(model.model.layers) else 0
 
 
 def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
