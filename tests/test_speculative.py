@@ -92,6 +92,35 @@ def test_a_row_that_keeps_rejecting_backs_off_and_a_busy_batch_does_not_propose(
     assert not s.records
 
 
+def test_drafted_steps_that_cost_more_than_plain_ones_pause_speculation():
+    """The cost check against measured step times: 2 rows decode plainly in 10 ms a step, so 3
+    tokens take plain decoding 15 ms. Drafted steps emitting 3 tokens in 12 ms pay; in 30 ms
+    they do not, and no row proposes for 32 steps, then 64 (longer while it keeps not paying)."""
+    from types import SimpleNamespace
+
+    def step(drafts: list[int]):
+        return [SimpleNamespace(num_tokens=1 + d, draft=[0] * d) for d in drafts]
+
+    s = Speculator(SpeculativeConfig.parse({"method": "ngram"}), max_batch=4)
+    s.observe(step([0, 0, 0]), [1, 1, 1], 0.5)  # 3 rows: another batch size, no bearing on 2
+    s.observe(step([3, 0]), [[1, 2], 1], 0.012)  # the 3-row time stands in for 2 rows' yet
+    for _ in range(3):
+        s.observe(step([0, 0]), [1, 1], 0.010)
+    s.observe([SimpleNamespace(num_tokens=9, draft=[])], [1], 5.0)  # a prompt chunk: not compared
+    for _ in range(15):  # 3 tokens emitted in 12 ms: pays
+        s.observe(step([3, 0]), [[1, 2], 1], 0.012)
+    assert s.active(2) and s.num_pauses == 0
+    for _ in range(8):  # 3 tokens in 30 ms: does not
+        s.observe(step([3, 0]), [[1, 2], 1], 0.030)
+    assert not s.active(2) and s.paused == 32 and s.stats()["cost_pauses"] == 1
+    for _ in range(32):  # paused steps are plain ones
+        s.observe(step([0, 0]), [1, 1], 0.010)
+    assert s.active(2)
+    for _ in range(8):
+        s.observe(step([3, 0]), [[1, 2], 1], 0.030)
+    assert s.paused == 64
+
+
 # ---- the engine -----------------------------------------------------------------------
 
 def test_greedy_equals_transformers_and_log_probs_equal_no_drafts(engines):

@@ -14,7 +14,13 @@ skipped where it would not pay:
   proposes again, so a request whose output does not copy costs next to nothing;
 - per step: with more than `disable_by_batch_size` sequences running, verifying k more tokens
   a row costs more than the accepted ones save (a busy batch is compute-bound), so no row
-  proposes.
+  proposes;
+- by measured cost: the speculator times the steps it sees. Plain decode steps give the time
+  of a step of r rows (decayed, per r); each step with drafts is set against the time plain
+  steps would have taken to emit its tokens (tokens / r plain steps of r rows). When the
+  drafted steps have cost more than that over the last few (a batch whose drafts are mostly
+  rejected, or verifying eagerly against a compiled plain step), no row proposes for 32
+  steps, then 64, ... 1024 while it keeps not paying; the first window that pays resets it.
 """
 from __future__ import annotations
 
@@ -27,6 +33,9 @@ from actors.config import SpeculativeConfig
 # A row that accepted under this share of what it proposed over its recent proposals backs off.
 MIN_ACCEPTANCE = 0.25
 MAX_BACKOFF = 64  # steps
+# The cost check: drafted steps compared before a verdict, and the pause after one that fails.
+COMPARED_STEPS = 8
+FIRST_PAUSE, MAX_PAUSE = 32, 1024  # steps
 
 
 def can_speculate(seq) -> bool:
@@ -77,6 +86,15 @@ class Speculator:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # The cost check (see the top): rows -> a plain decode step's decayed seconds; the drafted
+    # steps' seconds and plain steps' seconds for the same tokens since the last verdict.
+    plain_seconds: dict[int, float] = field(default_factory=dict)
+    drafted_seconds: float = 0.0
+    plain_equivalent: float = 0.0
+    compared: int = 0
+    paused: int = 0  # steps left without proposals
+    pause: int = 0  # the last pause's length
+    num_pauses: int = 0
 
     def __post_init__(self):
         self.accepted_per_pos = [0] * self.config.num_speculative_tokens
@@ -91,7 +109,47 @@ class Speculator:
 
     def active(self, running: int) -> bool:
         """Whether rows may propose in a step with `running` sequences."""
-        return running <= self.max_batch
+        return not self.paused and running <= self.max_batch
+
+    def observe(self, seqs, tokens: list, seconds: float) -> None:
+        """A step that ran: its ScheduledSeqs, what each emitted (a list for a verified row),
+        its wall time. Only steps of one-token decodes and verified rows are compared."""
+        self.paused = max(0, self.paused - 1)
+        rows = len(seqs)
+        if not rows or any(s.num_tokens - len(s.draft) != 1 for s in seqs):
+            return
+        if not any(s.draft for s in seqs):
+            before = self.plain_seconds.get(rows)
+            self.plain_seconds[rows] = seconds if before is None else 0.75 * before + 0.25 * seconds
+            return
+        plain = self._plain_step(rows)
+        if plain is None:
+            return
+        emitted = sum(len(t) if isinstance(t, list) else t is not None for t in tokens)
+        self.drafted_seconds += seconds
+        self.plain_equivalent += emitted / rows * plain
+        self.compared += 1
+        if self.compared < COMPARED_STEPS:
+            return
+        if self.drafted_seconds > self.plain_equivalent:
+            self.pause = min(MAX_PAUSE, max(FIRST_PAUSE, 2 * self.pause))
+            self.paused = self.pause
+            self.num_pauses += 1
+        else:
+            self.pause = 0
+        self.drafted_seconds = self.plain_equivalent = 0.0
+        self.compared = 0
+
+    def _plain_step(self, rows: int) -> float | None:
+        """A plain decode step's seconds at `rows` rows: measured, else the nearest larger batch's
+        (an upper bound), else the nearest smaller one's scaled up by rows; None: none seen."""
+        if rows in self.plain_seconds:
+            return self.plain_seconds[rows]
+        larger = [r for r in self.plain_seconds if r > rows]
+        if larger:
+            return self.plain_seconds[min(larger)]
+        smaller = [r for r in self.plain_seconds if r < rows]
+        return self.plain_seconds[max(smaller)] * rows / max(smaller) if smaller else None
 
     def propose(self, seq_id: int, tokens: list[int], room: int) -> list[int]:
         """Draft tokens for the sequence's next step, at most `room` ([]: none this step)."""
@@ -129,4 +187,5 @@ class Speculator:
                 # tokens a verified row emits: its accepted drafts and the target's own one
                 "mean_acceptance_length": 1 + self.num_accepted_tokens / self.num_drafts
                 if self.num_drafts else 0.0,
-                "accepted_per_position": list(self.accepted_per_pos)}
+                "accepted_per_position": list(self.accepted_per_pos),
+                "cost_pauses": self.num_pauses}

@@ -91,6 +91,8 @@ class LLMEngine:
             self.scheduler.update(output, result.tokens)
         now = time.monotonic()
         self.metrics.record_step(output, result.tokens, self.requests, start, now)
+        if self.scheduler.speculator is not None:  # does speculating pay? (actors/core/speculation.py)
+            self.scheduler.speculator.observe(output.seqs, result.tokens, now - start)
         if ahead or not self.executor.async_scheduling:
             outputs += self.processor.outputs(output, result, now)
         else:
