@@ -4,7 +4,8 @@ processes on 127.0.0.1, answered over HTTP and checked token for token against t
 `shoal serve --tp-size 2 --world-size 2` (no resource flags: the Ray it starts is sized to the
 layout) serves, survives an idle gap longer than --dist-timeout, fails a stream within seconds
 when a shard is SIGKILLed by the pid /stats shows, comes back without an operator, and stops
-on SIGTERM leaving no process behind. `serve run` hosts a pp=2 and a tp=2 expert-parallel app.
+on SIGTERM leaving no process behind. `serve run` hosts a pp=2 and a tp=2 expert-parallel app,
+and a stream on each fails within seconds when its rank 1 is SIGKILLed.
 """
 from __future__ import annotations
 
@@ -158,6 +159,16 @@ def test_serve_run_pp2_and_expert_parallel_apps(checkpoint_factory, tmp_path):
                 assert completion_ids(f"{base}/{name}", ids) == hf_greedy(ckpt, ids, 10), name
         (replica,) = httpx.get(f"{base}/ep/stats", timeout=10).json()["replicas"]
         assert len(replica["ranks"]) == 2 and "experts" in replica
+        # A rank SIGKILLed mid-stream, a pipeline stage's and an expert-parallel one's: the
+        # stream ends with engine_dead within the bound (Serve then replaces the replica, as
+        # the tp=2 test above follows through).
+        for name in ("pp", "ep"):
+            (replica,) = httpx.get(f"{base}/{name}/stats", timeout=10).json()["replicas"]
+            rest, _, detected = kill_mid_stream(f"{base}/{name}", replica["ranks"][1]["pid"], prompts_of([5])[0])
+            errors = stream_errors(rest)
+            assert errors and errors[0]["code"] == "engine_dead", (name, rest[-3:])
+            assert detected < DETECT_BOUND_S, (name, detected)
+            print(f"{name}: rank 1 SIGKILLed, its stream failed after {detected:.1f} s")
     finally:
         code, left = stop_process(proc)
     assert not left, "serve run left processes behind"
