@@ -13,8 +13,10 @@ it logs.
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -61,7 +63,23 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def first_starts(checkpoint_factory) -> dict:
+def failing_start(checkpoint_factory, tmp_path_factory):
+    """An engine whose compile job has no working C++ compiler (inductor's, from CXX), in a
+    compile cache of its own; started with `first_starts`' so the jobs share the wait."""
+    importlib.import_module("torch._inductor.config")  # reads CXX now: the bogus one below is the job's alone
+
+    cache = tmp_path_factory.mktemp("failing-compile")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHOAL_COMPILE_CACHE", str(cache))
+        mp.setenv("CXX", "/nonexistent/c++")
+        mp.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # nothing compiled earlier may be reused
+        mp.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+        path = checkpoint_factory("llama")
+        return path, compiled_llm(path, wait=False), cache
+
+
+@pytest.fixture(scope="module")
+def first_starts(checkpoint_factory, failing_start) -> dict:
     """Both families' engines started at once, so their compile jobs share the wait: family ->
     (checkpoint, engine, what its first start did while its job ran)."""
     # Gemma 3 with a final soft-cap: windows, local rotary, per-head (1 + w) norms, capped
@@ -188,16 +206,12 @@ def test_rows_pad_to_a_few_bucket_sizes(compiled):
     assert CompiledDecode(None, sizes=[1, 2, 4, 8, 10], block_size=4).sizes == [2, 4, 8, 10]
 
 
-def test_a_failed_compile_falls_back_to_eager(checkpoint_factory, tmp_path, monkeypatch, caplog):
+def test_a_failed_compile_falls_back_to_eager(failing_start, first_starts, caplog):
     """No working C++ compiler for the job: the engine says why once and decodes eagerly."""
-    monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", "/nonexistent/c++")  # inductor's compiler, read by the job
-    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # nothing compiled earlier may be reused
-    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
-    path = checkpoint_factory("llama")
+    path, llm, cache = failing_start
     with caplog.at_level(logging.INFO):
-        llm = compiled_llm(path)
-    assert llm.engine.executor.runner.graphs is None and not list(tmp_path.glob("*.bin"))
+        llm.engine.executor.runner.finish_compiling(timeout=600)
+    assert llm.engine.executor.runner.graphs is None and not list(cache.glob("*.bin"))
     (warning,) = [r.getMessage() for r in caplog.records
                   if r.levelno >= logging.WARNING and r.name.startswith("shoal")]
     assert warning.startswith("compiled decode off: compiling failed (exit 1: "), warning
@@ -233,17 +247,19 @@ def test_the_job_dies_with_its_engine(checkpoint_factory, tmp_path, monkeypatch)
     monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path))
     path = checkpoint_factory("llama")
     llm = compiled_llm(path, wait=False)
-    pid = llm.engine.executor.runner.pending_compile.job.proc.pid
+    runner = llm.engine.executor.runner
+    pid = runner.pending_compile.job.proc.pid
     assert alive(pid)
-    del llm
+    job = tmp_path / "job.pkl"  # the same job, for a parent that is then SIGKILLed
+    job.write_bytes(pickle.dumps((runner.config, llm.engine.spec, runner.block_size, tmp_path / "decode-x.bin")))
+    del llm, runner
     gc.collect()
     assert not alive(pid)
 
-    env = {k: v for k, v in os.environ.items() if k != "SHOAL_EAGER_DECODE"}
-    script = ("import sys, time; from actors.engine.llm import LLM; "
-              f"llm = LLM({str(path)!r}, num_kv_blocks=16); "
-              "print(llm.engine.executor.runner.pending_compile.job.proc.pid, flush=True); time.sleep(600)")
-    engine = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    script = ("import os, subprocess, sys, time; "
+              f"job = subprocess.Popen([sys.executable, '-m', 'actors.worker.compile_job', {str(job)!r}, str(os.getpid())]); "
+              "print(job.pid, flush=True); time.sleep(600)")
+    engine = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         pid = int(engine.stdout.readline())
         assert alive(pid)

@@ -1,11 +1,11 @@
 """The background process that compiles a runner's decode step (actors/worker/compiled_decode.py).
 
-`BackgroundCompile` starts `python -m actors.worker.compile_job JOB`, where JOB is a pickle of
+`BackgroundCompile` starts `python -m actors.worker.compile_job JOB PID`, where JOB is a pickle of
 the engine config, the model spec, the block size and the artifact's path. The job builds the
 model without reading its weights (tracing needs only their shapes; the untouched pages cost
 no memory), a KV pool of three blocks, traces, compiles and saves the artifact, at the lowest
 CPU priority and on one thread, so the engine's steps keep the cores. It exits when its parent
-does; the parent kills it when it goes away first. It keeps the folder to the KEEP newest
+(PID) does; the parent kills it when it goes away first. It keeps the folder to the KEEP newest
 artifacts.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class BackgroundCompile:
         with os.fdopen(fd, "wb") as f:
             pickle.dump((config, spec, block_size, path), f)
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "actors.worker.compile_job", self.job],
+        self.proc = subprocess.Popen([sys.executable, "-m", "actors.worker.compile_job", self.job, str(os.getpid())],
                                      stdin=subprocess.DEVNULL, stdout=self.stderr, stderr=subprocess.STDOUT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
         weakref.finalize(self, _stop, self.proc, self.job)  # also at interpreter exit
@@ -68,9 +68,9 @@ def _stop(proc: subprocess.Popen, job: str) -> None:
     Path(job).unlink(missing_ok=True)
 
 
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
+def _exit_with_parent(parent: int) -> None:
+    """Exit once `parent` (the engine's pid, passed in: it may be gone before this runs) is no
+    longer this process's parent."""
     def watch():
         while os.getppid() == parent:
             time.sleep(1.0)
@@ -78,9 +78,9 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def main(job: str) -> None:
+def main(job: str, parent: int) -> None:
     os.nice(19)  # the engine's steps first
-    _exit_with_parent()
+    _exit_with_parent(parent)
     import torch
 
     from actors.distributed.parallel import layout
@@ -118,4 +118,4 @@ def prune(folder: Path, keep: int = KEEP) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))
