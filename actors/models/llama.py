@@ -205,9 +205,12 @@ class LlamaForCausalLM(nn.Module):
         self.fused_norm = triton_fused.enabled()  # the final norm, on steps of the Triton backend
         if self.p.last_stage:
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, self.p)
-        for name, (cos, sin) in rope_tables(args, max_positions).items():
-            self.register_buffer(f"{name}_cos", cos, persistent=False)
-            self.register_buffer(f"{name}_sin", sin, persistent=False)
+        # Room for the rotary tables only: the model is built on the meta device, where
+        # computing them would import torch._dynamo (seconds of start-up); the loader fills them.
+        for name, rope in (("rope", args.rope), ("rope_local", args.local_rope)):
+            if rope:
+                self.register_buffer(f"{name}_cos", torch.empty(max_positions, rope.dim), persistent=False)
+                self.register_buffer(f"{name}_sin", torch.empty(max_positions, rope.dim), persistent=False)
 
     def make_mlp(self, layer: int) -> nn.Module:
         """The feed-forward block of (global) layer `layer`; MoE models put their experts here."""

@@ -52,6 +52,8 @@ class BackgroundCompile:
         """None when the artifact is there, else why not (the job's last output)."""
         if self.proc.returncode == 0 and self.path.exists():
             return None
+        if self.proc.returncode < 0:  # killed: the worker's shutdown, or a user
+            return f"the job was stopped by signal {-self.proc.returncode}"
         self.stderr.seek(0)
         lines = [line for line in self.stderr.read().decode(errors="replace").splitlines() if line.strip()]
         return f"exit {self.proc.returncode}: " + " | ".join(lines[-3:])[-300:]

@@ -41,7 +41,9 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     # once: each weight is read from disk straight into its place (no float32 copy first).
     with torch.device("meta"):
         model = cls(args, max_positions, parallel)
-    model = model.to(dtype).to_empty(device=device)
+    # to_empty's empty_like on meta tensors runs torch's Python reference, which imports sympy
+    # (a second of start-up): torch.empty of each shape does the same in C++.
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()  # to_empty gives each module its own tensor: tie again
     # Rotary tables are not weights: compute them for real after leaving the meta device.
     for name, (cos, sin) in rope_tables(args, max_positions).items():
