@@ -5,7 +5,9 @@ One Ray instance for the module (loopback only, no dashboard) hosts the apps: `s
 routing, 401 and 429 checks), both in the default merged layout (each replica its own
 ingress); `split` at /split (a separate Ingress in front of one LLMServer replica) and
 `routed` at /routed (prefix-aware routing, which is split too); `split` also proposes n-gram
-drafts (speculative decoding), which must change none of its greedy tokens. The `shoal serve` command is
+drafts (speculative decoding), which must change none of its greedy tokens. Serve runs with
+its own direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS): the tests call the proxy on the head
+node, which stays, and each replica answers on its own port as well. The `shoal serve` command is
 exercised in subprocesses (`serve run` of serve_configs/dev.yaml: tests/test_serve_config_drain.py;
 of the Ray Serve LLM config: tests/test_model_families.py).
 """
@@ -33,6 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PAIR_KEY = "sekret"
+# Ray Serve's direct ingress, read by Serve's processes when they start; draining a replica
+# keeps its port 30 s by default (for a load balancer to notice), which only slows the teardown.
+DIRECT_INGRESS = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
 
 
@@ -45,8 +50,17 @@ def serve_port():
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # loopback even if ray was imported before us
-    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
-             logging_level="WARNING")
+    saved = {k: os.environ.get(k) for k in DIRECT_INGRESS}
+    os.environ.update(DIRECT_INGRESS)  # Ray's processes inherit it; later modules must not
+    try:
+        ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
+                 logging_level="WARNING")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
@@ -283,6 +297,36 @@ def test_both_replicas_receive_traffic(pair_url):
         time.sleep(0.5)
     else:
         raise AssertionError(f"/metrics never summed both replicas' responses: {scrapes[-1]}")
+
+
+def test_each_replica_answers_on_its_own_port_under_direct_ingress(pair_url, llama_ckpt):
+    """The Serve controller's target groups (what a load balancer in front, or Serve's HAProxy
+    mode, routes to; the dashboard lists them at /api/serve/applications/) name each replica's
+    own port; a request there is served by that replica alone, as transformers answers it."""
+    import ray
+    from oracle import hf_greedy
+    from ray.serve.context import _get_global_client
+    from test_engine import prompts_of
+
+    groups = ray.get(_get_global_client()._controller.get_target_groups.remote("pair"))
+    urls = sorted(f"http://{t.ip}:{t.port}{g.route_prefix}" for g in groups if g.protocol == "HTTP"
+                  for t in g.targets)  # the app's route prefix holds on the replica's port too
+    assert len(set(urls)) == 2, groups
+    headers = {"Authorization": f"Bearer {PAIR_KEY}"}
+    ids = prompts_of([11])[0]
+    served_by = []
+    for url in urls:
+        before = {r["replica"]: r["generated_tokens"] for r in replica_stats(pair_url, **headers)}
+        r = httpx.post(f"{url}/v1/completions", headers=headers, timeout=60, json={
+            "model": "", "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 6)
+        grew = [s["replica"] for s in replica_stats(pair_url, **headers)
+                if s["generated_tokens"] > before.get(s["replica"], 0)]
+        served_by += grew
+    assert len(served_by) == 2 and len(set(served_by)) == 2, served_by
+    assert httpx.get(f"{urls[0]}/v1/models").status_code == 401  # the replica's own API, key and all
 
 
 def test_missing_api_key_is_401(pair_url):

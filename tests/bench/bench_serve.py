@@ -8,7 +8,11 @@ the same torch thread count. The in-process side streams from an AsyncEngine in 
 process; the HTTP side streams /v1/completions from an aiohttp client in this process
 (token-id prompts, so both see identical prompts) to a ModelServer replica answering HTTP
 itself (`--ingress proxy`: behind Serve's HTTP proxy; `--serve-layout split`: proxy ->
-ingress -> LLMServer replica), which calls its scheduler actor. Both stay up and the two
+ingress -> LLMServer replica; `--ingress ray-direct`: Ray Serve's own direct ingress, each
+replica on its own port), which calls its scheduler actor. `--replicas N` serves N replicas on
+the same cores, each with its share of the threads, against as many engines in this process
+dealt requests in turn; under ray-direct the client deals requests to the replicas' ports in
+turn, as a load balancer in front would. Both stay up and the two
 sides alternate for a few rounds after a full-width warm-up round, so each HTTP round has an
 in-process neighbour that saw the same machine load; the ratio is the median over rounds.
 Prints markdown.
@@ -18,6 +22,7 @@ import asyncio
 import json
 import os
 import socket
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -83,11 +88,13 @@ async def run_all(one, prompts: list, concurrency: int) -> Run:
 
 # --------------------------------------------------------------------------- in-process
 
-def in_process(engine: AsyncEngine, out_len: int):
+def in_process(engines: list[AsyncEngine], out_len: int):
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     counter = iter(range(10**9))
+    turn = itertools.cycle(engines)
 
     async def one(prompt, run: Run):
+        engine = next(turn)
         start, arrivals, tokens = time.perf_counter(), [], 0
         async for out in engine.generate(EngineRequest(f"b{next(counter)}", prompt, params)):
             arrivals.append(time.perf_counter())
@@ -98,8 +105,11 @@ def in_process(engine: AsyncEngine, out_len: int):
 
 # --------------------------------------------------------------------------- HTTP
 
-def over_http(http: aiohttp.ClientSession, url: str, out_len: int):
+def over_http(http: aiohttp.ClientSession, urls: list[str], out_len: int):
+    turn = itertools.cycle(urls)  # one URL, or each replica's in turn (ray-direct)
+
     async def one(prompt, run: Run):
+        url = next(turn)
         body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         start, arrivals, tokens = time.perf_counter(), [], 0
@@ -117,9 +127,11 @@ def over_http(http: aiohttp.ClientSession, url: str, out_len: int):
     return one
 
 
-def start_serve(options: dict, direct: bool = False) -> str:
+def start_serve(options: dict, ingress: str) -> list[str]:
     """The app on a local Ray Serve: behind Serve's HTTP proxy, or (`direct`, what `shoal
-    serve` does for one replica) answering on a socket this process lends its replica."""
+    serve` does for one replica) answering on a socket this process lends its replica, or
+    (`ray-direct`) each replica on the port Ray Serve's direct ingress gives it. The URLs to
+    call."""
     import ray
     from ray import serve
 
@@ -130,19 +142,35 @@ def start_serve(options: dict, direct: bool = False) -> str:
 
     global LISTENER
     ray_settings_for_serving()  # as `shoal serve` starts Ray
+    if ingress == "ray-direct":  # read when Serve's processes start: set before Ray does
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+        os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"  # a quick stop at the end
     ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
              logging_level="WARNING")
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if direct:
+    if ingress == "direct":
         LISTENER = ListeningSocket("127.0.0.1", port)
         serve.start(proxy_location="Disabled")
     else:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(application(load_config(options), LISTENER and LISTENER.path), name="bench",
               route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    if ingress == "ray-direct":
+        return replica_urls("bench")
+    return [f"http://127.0.0.1:{port}"]
+
+
+def replica_urls(app: str) -> list[str]:
+    """Each replica's own port under Ray Serve's direct ingress: the target groups the Serve
+    controller publishes (the dashboard's /api/serve/applications/ lists them too)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    groups = ray.get(_get_global_client()._controller.get_target_groups.remote(app))
+    return [f"http://{t.ip}:{t.port}{g.route_prefix.rstrip('/')}" for g in groups if g.protocol == "HTTP"
+            for t in g.targets]
 
 
 LISTENER = None
@@ -214,19 +242,23 @@ def descendants(root: int) -> dict:
     return found
 
 
-async def measure(options: dict, url: str, prompts: list, args) -> tuple[dict, dict]:
-    engine = AsyncEngine(EngineConfig(**options))
+async def measure(options: dict, urls: list[str], prompts: list, args) -> tuple[dict, dict]:
+    # One engine per replica, each with the replica's threads (an engine's loop thread takes
+    # the count set when it starts).
+    torch.set_num_threads(options["num_threads"])
+    engines = [AsyncEngine(EngineConfig(**options)) for _ in range(args.replicas)]
     # aiohttp, as `shoal bench serve`: the client shares the 2 cores with the server, and
     # httpx's pool costs ~7 ms of CPU per request here (docs/benchmarks.md, "2026-11-27, night").
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as http:
-        batch = {"in-process": in_process(engine, args.output_len),
-                 "HTTP via Ray Serve": over_http(http, url, args.output_len)}
-        lone = {"in-process": in_process(engine, 64), "HTTP via Ray Serve": over_http(http, url, 64)}
+        batch = {"in-process": in_process(engines, args.output_len),
+                 "HTTP via Ray Serve": over_http(http, urls, args.output_len)}
+        lone = {"in-process": in_process(engines, 64), "HTTP via Ray Serve": over_http(http, urls, 64)}
         await alternate(batch, prompts, len(prompts), 1)  # warm-up at full width: compiles every bucket
         many = await alternate(batch, prompts, len(prompts), args.rounds)
         one = await alternate(lone, prompts[:args.single], 1, args.rounds)
-    engine.shutdown()
+    for engine in engines:
+        engine.shutdown()
     return many, one
 
 
@@ -255,7 +287,7 @@ def cpu_per_k(runs: list[Run], kind: str) -> str:
 def report(args, many: dict, one: dict) -> None:
     print(f"{args.requests} requests, prompts of 32-256 tokens, {args.output_len} output tokens, greedy, "
           f"{args.threads} torch threads, --stream-chunks-per-s {args.chunks_per_s:g}, "
-          f"--serve-layout {args.serve_layout}, "
+          f"--serve-layout {args.serve_layout}, --ingress {args.ingress}, {args.replicas} replica(s), "
           f"{args.rounds} alternating rounds; concurrency 1: "
           f"{args.single} requests x 64 tokens per round\n")
     print("| run | output tok/s per round | TTFT p50 / p99 (ms) | time per output token p50 / p99 (ms) "
@@ -275,7 +307,10 @@ def report(args, many: dict, one: dict) -> None:
           f"{' / '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f} (target >= 0.9)")
     taxes = [pct(h.ttft, 50) - pct(i.ttft, 50) for h, i in zip(one["HTTP via Ray Serve"], one["in-process"])]
     print(f"TTFT tax at concurrency 1 (p50 HTTP - p50 in-process), per round: "
-          f"{' / '.join(f'{t:.1f}' for t in taxes)} ms; median {statistics.median(taxes):.1f} ms (target <= 10 ms)")
+          f"{' / '.join(f'{t:.1f}' for t in taxes)} ms; median {statistics.median(taxes):.1f} ms (target <= 5 ms)")
+    slow = [pct(h.ttft, 50) / pct(i.ttft, 50) for h, i in zip(many["HTTP via Ray Serve"], many["in-process"])]
+    print(f"TTFT p50 at concurrency {args.requests}, HTTP / in-process, per round: "
+          f"{' / '.join(f'{r:.2f}' for r in slow)}; median {statistics.median(slow):.2f} (target <= 1.2)")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -288,21 +323,25 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine, both sides")
     ap.add_argument("--chunks-per-s", type=float, default=100.0, help="the server's --stream-chunks-per-s")
     ap.add_argument("--serve-layout", choices=["merged", "split"], default="merged")
-    ap.add_argument("--ingress", choices=["direct", "proxy"], default="direct",
-                    help="merged layout: the replica answers HTTP itself (shoal serve's default "
-                         "for one replica) or behind Serve's proxy")
+    ap.add_argument("--ingress", choices=["direct", "proxy", "ray-direct"], default="direct",
+                    help="merged layout: the replica answers HTTP itself on a socket lent by this "
+                         "process (shoal serve's default for one replica), behind Serve's proxy, or "
+                         "on its own port under Ray Serve's direct ingress")
+    ap.add_argument("--replicas", type=int, default=1, help="model replicas, sharing the threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_checkpoint()
     prompts = workload(args.requests)
-    options = dict(model_path=str(path), num_threads=args.threads, max_num_seqs=args.requests,
+    options = dict(model_path=str(path), num_threads=max(1, args.threads // args.replicas), max_num_seqs=args.requests,
                    kv_cache_memory=1.0, attn_backend="native")
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    url = start_serve({**options, "shard_cpus": args.threads, "stream_chunks_per_s": args.chunks_per_s,
-                       "serve_layout": args.serve_layout},
-                      direct=args.ingress == "direct" and args.serve_layout == "merged")
+    if args.ingress == "direct" and (args.serve_layout != "merged" or args.replicas > 1):
+        ap.error("--ingress direct is for one merged-layout replica (as `shoal serve` uses it)")
+    urls = start_serve({**options, "shard_cpus": args.threads / args.replicas, "num_replicas": args.replicas,
+                        "stream_chunks_per_s": args.chunks_per_s, "serve_layout": args.serve_layout},
+                       args.ingress)
     try:
-        many, one = asyncio.run(measure(options, url, prompts, args))
+        many, one = asyncio.run(measure(options, urls, prompts, args))
     finally:
         stop_serve()
     print(f"load average at the start: {load}")
