@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-DIST_TIMEOUT_S = 20  # also bounds a shard's start: a fresh worker importing torch, 4-10 s here under load
+DIST_TIMEOUT_S = 14  # also bounds a shard's start: a fresh worker importing torch, 3-8 s here under load
 IDLE_GAP_S = DIST_TIMEOUT_S + 4
 DETECT_BOUND_S = 15  # a killed shard ends the streams in flight within this
 

@@ -169,7 +169,7 @@ def test_engine_with_triton_attention_matches_transformers(interpreted, checkpoi
     assert "attention triton-interpreted" in caplog.text and "decode eager (Triton interpreted on CPU)" in caplog.text
     shared = [random.Random(3).randrange(500) for _ in range(12)]
     prompts = [[7, 1, 2], list(range(40, 60)), shared + [1, 2], shared + [5]]
-    tokens = 16 if split_min_keys == 8 else 10  # (the split run needs decode-only steps past 16 keys)
+    tokens = 16 if split_min_keys == 8 else 6  # (the split run needs decode-only steps past 16 keys)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     for ids, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, ids, tokens)
@@ -184,12 +184,12 @@ def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_
     path = checkpoint_factory("llama")
     options = dict(attn_backend="triton", block_size=4, num_kv_blocks=128, max_num_seqs=8)
     prompts = [[3, 1, 4], list(range(9)), list(range(100, 130))]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     eager, graphed = LLM(str(path), **options), LLM(str(path), **options)
     graphs = with_emulated_graphs(graphed, [1, 2, 4, 8], max_seq_len=40, triton=True)
     want, got = eager.generate(prompts, params), graphed.generate(prompts, params)
     assert graphs.replays > 0
-    assert_equals_eager_and_hf(path, prompts, got, want, 12)
+    assert_equals_eager_and_hf(path, prompts, got, want, 8)
 
 
 def test_moe_through_the_fused_kernels_and_graphs(interpreted, checkpoint_factory):
