@@ -44,7 +44,7 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     # to_empty's empty_like on meta tensors runs torch's Python reference, which imports sympy
     # (a second of start-up): torch.empty of each shape does the same in C++.
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    model.tie_weights()  # to_empty gives each module its own tensor: tie again
+    model.tie_weights()  # each module got a tensor of its own above: tie again
     # Rotary tables are not weights: compute them for real after leaving the meta device.
     for name, (cos, sin) in rope_tables(args, max_positions).items():
         setattr(model, f"{name}_cos", cos.to(device, dtype))
