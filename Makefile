@@ -21,8 +21,10 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/shoal serve
 
+# PYTHONFAULTHANDLER: a crash, even in the interpreter's exit after the tests, prints every
+# thread's Python stack.
 test: install chromium
-	$(VENV)/bin/python -m pytest -q
+	PYTHONFAULTHANDLER=1 $(VENV)/bin/python -m pytest -q
 
 # tests/test_web_chat.py drives Debian's headless chromium; without it that test skips, so a
 # machine where apt-get can't install it (not root) still runs the rest.

@@ -62,6 +62,8 @@ class ListeningSocket:
                 socket.send_fds(conn, [b"1"], [self.sock.fileno()])
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes the lending thread's accept (close alone does not)
+            self.lender.shutdown(socket.SHUT_RDWR)
         for sock in (self.lender, self.sock):
             sock.close()
         with contextlib.suppress(OSError):
