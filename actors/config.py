@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -61,7 +61,8 @@ class EngineConfig:
     max_loras: int = 1  # adapter slots: adapters in one batch (more registered ones take turns, LRU)
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
     # Speculative decoding, vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 3,
-    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} (actors/core/speculation.py). None: off
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": PATH, "num_speculative_tokens":
+    # 3} (a draft model; actors/core/speculation.py). None: off
     speculative_config: dict | None = None  # (or its JSON text)
     # Metrics: histogram bucket bounds in seconds ("0.05,0.1,0.5" or a list); None: defaults
     metrics_ttft_buckets: list[float] | None = None  # time to first token
@@ -176,12 +177,14 @@ class EngineConfig:
 @dataclass
 class SpeculativeConfig:
     """--speculative-config, in vLLM's JSON spelling."""
-    method: str = "ngram"
+    method: str = "ngram"  # ngram | draft_model (implied by `model`)
     num_speculative_tokens: int = 3
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     # More running sequences than this: no row proposes (None: the default for the device).
     disable_by_batch_size: int | None = None
+    model: str | None = None  # the draft model's checkpoint (it shares the target's tokenizer)
+    draft_tensor_parallel_size: int = 1  # the draft runs unsharded beside rank 0
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -191,9 +194,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
         value = dict(value)
-        if "model" in value and "method" not in value:
-            raise ValueError("--speculative-config: a draft model is not supported yet; "
-                             "use {\"method\": \"ngram\", ...}")
+        if value.get("model") and "method" not in value:  # vLLM infers the method from the model
+            value["method"] = "draft_model"
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:
@@ -207,6 +209,13 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("--speculative-config: the method draft_model needs \"model\", the draft's checkpoint")
+        if self.method == "ngram" and self.model:
+            raise ValueError("--speculative-config: \"model\" is for a draft model (method draft_model), not ngram")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError("--speculative-config: draft_tensor_parallel_size must be 1 (the draft runs "
+                             "unsharded beside rank 0)")
         # vLLM's defaults: one bound given sets the other; none gives 5 and 5.
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         self.prompt_lookup_min = lo if lo is not None else (hi if hi is not None else 5)

@@ -269,3 +269,40 @@ def _tokenizer():
     if _TOKENIZER is None:
         _TOKENIZER = build_tokenizer()
     return _TOKENIZER
+
+
+def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
+    """A checkpoint of `src` with only the decoder layers `layers` (renumbered), its
+    embeddings, final norm, LM head and tokenizer: a draft model for `src` (speculative
+    decoding; skipping layers is the self-speculative recipe) that shares its vocabulary.
+    Written once per `dst`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if (dst / "config.json").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = len(layers)
+    if config.get("layer_types"):
+        config["layer_types"] = [config["layer_types"][i] for i in layers]
+    renumber = {old: new for new, old in enumerate(layers)}
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            parts = name.split(".")
+            if "layers" in parts:
+                at = parts.index("layers") + 1
+                if int(parts[at]) not in renumber:
+                    continue
+                parts[at] = str(renumber[int(parts[at])])
+            tensors[".".join(parts)] = t
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

@@ -105,12 +105,13 @@ def test_kv_heads_replicated_when_fewer_than_ranks_and_uneven_split(checkpoint_f
     check_layout(path, prompts_of([11, 4]), tp_size=2, pp_size=2, pp_layer_split="2,1")
 
 
-def test_tp2_verifies_drafts_with_one_ranks_tokens():
-    """Speculative decoding at tp=2 (and pp=2): drafts verified as chunks across the shards,
-    transformers' greedy tokens, and the rows that speculated emitted several tokens a step."""
-    from test_speculative import COPY_TEXTS, DEMO, NGRAM
-    for layout in ({"tp_size": 2}, {"pp_size": 2}):
-        llm = LLM(DEMO, dtype="float32", speculative_config=NGRAM, shard_cpus=0.5, **layout)
+def test_tp2_verifies_drafts_with_one_ranks_tokens(tmp_path):
+    """Speculative decoding at tp=2 with a draft model (it runs unsharded beside rank 0) and
+    at pp=2 with n-gram drafts: drafts verified as chunks across the shards, transformers'
+    greedy tokens, and the rows that speculated emitted several tokens a step."""
+    from test_speculative import COPY_TEXTS, DEMO, NGRAM, demo_draft
+    for layout, speculative in (({"tp_size": 2}, demo_draft(tmp_path)), ({"pp_size": 2}, NGRAM)):
+        llm = LLM(DEMO, dtype="float32", speculative_config=speculative, shard_cpus=0.5, **layout)
         try:
             prompts = [llm.encode(t) for t in COPY_TEXTS[:3]]
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

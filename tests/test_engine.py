@@ -11,6 +11,7 @@ from oracle import hf_greedy, hf_logits, hf_prompt_logprobs
 from actors.engine.llm import LLM
 from actors.request import EngineRequest
 from actors.sampling_params import SamplingParams
+from actors.worker.draft_model import DraftModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -24,6 +25,9 @@ def assert_pool_free(llm: LLM):
     assert not llm.engine.has_unfinished()
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     assert all(b.ref_count == 0 for b in llm.engine.blocks.blocks)
+    draft = getattr(llm.engine.scheduler.speculator, "proposer", None)
+    if isinstance(draft, DraftModel):  # the draft model's own pool, too
+        assert not draft.cached and len(draft.free) == draft.runner.num_blocks
 
 
 def assert_matches_hf(path, prompts, outputs, max_tokens=24):

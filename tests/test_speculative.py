@@ -1,14 +1,20 @@
-"""Speculative decoding (n-gram prompt lookup): greedy output is transformers' token for token
-with drafts verified several at a time, sampled output keeps the model's distribution, and the
-features a request combines (stop strings, max_tokens, logprobs, n > 1, chunked prefill,
-prefix caching, preemption) behave as without speculation. The rejection sampler's own
-distribution test is in tests/test_sampling_distributions.py."""
+"""Speculative decoding (n-gram prompt lookup and a draft model): greedy output is
+transformers' token for token with drafts verified several at a time, sampled output keeps the
+model's distribution, and the features a request combines (stop strings, max_tokens,
+logprobs, n > 1, chunked prefill, prefix caching, preemption) behave as without speculation.
+The draft model is the bundled model without its third layer (tests/checkpoints.py
+draft_copy): it shares the tokenizer and agrees with the model about half the time. The
+rejection sampler's own distribution test is in tests/test_sampling_distributions.py."""
 from __future__ import annotations
 
 import re
 
+from types import SimpleNamespace
+
 import pytest
+import regex  # (transformers' dependency) partial matches: a prefix of a match
 import torch
+from checkpoints import draft_copy
 from oracle import hf_greedy, hf_logits
 from test_sampling_distributions import CHI2_CRITICAL, pooled
 from test_engine import assert_pool_free
@@ -17,7 +23,7 @@ from actors.config import EngineConfig, SpeculativeConfig
 from actors.core.speculation import Speculator, ngram_proposal
 from actors.engine.llm import LLM
 from actors.engine.metrics import DecodeProgress
-from actors.sampling_params import SamplingParams
+from actors.sampling_params import SamplingParams, StructuredOutput
 from actors.worker.checkpoint_files import resolve_model_path
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
@@ -35,10 +41,24 @@ COPY_TEXTS = ["Repeat after me: the quick brown fox jumps over the lazy dog. the
               "Say it twice: we meet at noon by the old mill. We meet at noon"]
 
 
+DRAFT_LAYERS = [0, 1, 3, 4]  # the bundled model's five but one
+
+
+def demo_draft(folder) -> dict:
+    """A speculative_config with the bundled model's draft (written under `folder`)."""
+    path = draft_copy(DEMO, folder / "demo-draft", DRAFT_LAYERS)
+    return {"model": str(path), "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+
+
 @pytest.fixture(scope="module")
-def engines():
+def draft_config(tmp_path_factory):
+    return demo_draft(tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def engines(request, draft_config):
     """(with drafts, without): the bundled model and the same pool."""
-    spec = LLM(DEMO, speculative_config=NGRAM, **POOL)
+    spec = LLM(DEMO, speculative_config=NGRAM if request.param == "ngram" else draft_config, **POOL)
     plain = LLM(DEMO, **POOL)
     yield spec, plain
     spec.shutdown()
@@ -63,8 +83,12 @@ def test_config_defaults_and_errors_follow_vllm():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
     assert EngineConfig(speculative_config='{"method": "ngram", "prompt_lookup_min": 2}').speculative.prompt_lookup_max == 2
     assert EngineConfig().speculative is None
-    for bad, why in [({"method": "eagle"}, "method must be one of ngram"),
-                     ({"model": "/some/draft"}, "draft model is not supported yet"),
+    draft = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 4})  # vLLM infers the method
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/some/draft", 4)
+    for bad, why in [({"method": "eagle"}, "method must be one of ngram, draft_model"),
+                     ({"method": "draft_model"}, "draft_model needs \"model\""),
+                     ({"method": "ngram", "model": "/some/draft"}, "\"model\" is for a draft model"),
+                     ({"model": "/some/draft", "draft_tensor_parallel_size": 2}, "must be 1"),
                      ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
                      ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "is above"),
                      ({"method": "ngram", "k": 3}, "unknown key(s) k")]:
@@ -77,15 +101,22 @@ def test_config_defaults_and_errors_follow_vllm():
 def test_a_row_that_keeps_rejecting_backs_off_and_a_busy_batch_does_not_propose():
     s = Speculator(SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 1}), max_batch=4)
     tokens = [1, 2, 1, 2, 1]
-    assert s.propose(7, tokens, 3) == [2, 1, 2]
+
+    def propose():
+        return s.propose([(7, tokens, 3), (8, [5, 6], 3)])  # (sequence 8 has nothing to look up)
+
+    assert propose() == {7: [2, 1, 2]}
+    assert s.propose([(7, tokens, 2)]) == {7: [2, 1]}  # room for 2
     waits = []
     for _ in range(4):  # every proposal rejected: waits of 2, 4, 8, 16 steps
         s.record(7, proposed=3, accepted=0)
-        waits.append(sum(1 for _ in iter(lambda: s.propose(7, tokens, 3), [2, 1, 2])))
+        waits.append(sum(1 for _ in iter(propose, {7: [2, 1, 2]})))
     assert waits == [2, 4, 8, 16]
     s.record(7, proposed=3, accepted=3)  # accepted again: no wait
     s.record(7, proposed=3, accepted=3)
-    assert s.propose(7, tokens, 3) == [2, 1, 2]
+    assert propose() == {7: [2, 1, 2]}
+    assert not s.active(4)  # no plain step timed yet: the next is one
+    s.observe([SimpleNamespace(num_tokens=1, draft=[])], [1], 0.01)
     assert s.active(4) and not s.active(5)
     assert s.stats()["acceptance_rate"] == pytest.approx(6 / 18)
     s.forget(7)
@@ -95,9 +126,8 @@ def test_a_row_that_keeps_rejecting_backs_off_and_a_busy_batch_does_not_propose(
 def test_drafted_steps_that_cost_more_than_plain_ones_pause_speculation():
     """The cost check against measured step times: 2 rows decode plainly in 10 ms a step, so 3
     tokens take plain decoding 15 ms. Drafted steps emitting 3 tokens in 12 ms pay; in 30 ms
-    they do not, and no row proposes for 32 steps, then 64 (longer while it keeps not paying)."""
-    from types import SimpleNamespace
-
+    they do not, and no row proposes for 32 steps, then 64 (longer while it keeps not paying).
+    Every 32nd step is plain, so the plain time stays measured."""
     def step(drafts: list[int]):
         return [SimpleNamespace(num_tokens=1 + d, draft=[0] * d) for d in drafts]
 
@@ -119,6 +149,14 @@ def test_drafted_steps_that_cost_more_than_plain_ones_pause_speculation():
     for _ in range(8):
         s.observe(step([3, 0]), [[1, 2], 1], 0.030)
     assert s.paused == 64
+    s.paused = 0
+    s.observe(step([0, 0]), [1, 1], 0.010)
+    for _ in range(32):  # drafted steps that pay, until a plain one is due
+        assert s.active(2)
+        s.observe(step([3, 0]), [[1, 2], 1], 0.012)
+    assert not s.active(2)
+    s.observe(step([0, 0]), [1, 1], 0.010)
+    assert s.active(2)
 
 
 # ---- the engine -----------------------------------------------------------------------
@@ -147,7 +185,8 @@ def test_greedy_equals_transformers_and_log_probs_equal_no_drafts(engines):
 
 def test_features_behave_as_without_drafts(engines):
     """Chunked prefill, preemption (POOL is too small for all at once), a prefix-cache hit,
-    stop strings and stop tokens, max_tokens, n=2 and min_tokens give the same outputs."""
+    stop strings and stop tokens, max_tokens, n=2, min_tokens and penalties give the same
+    outputs."""
     spec, plain = engines
     prompts = [spec.encode(t) for t in COPY_TEXTS + COPY_TEXTS[:2]]
     greedy = dict(temperature=0, ignore_eos=True)
@@ -158,7 +197,9 @@ def test_features_behave_as_without_drafts(engines):
               SamplingParams(max_tokens=7, **greedy),
               SamplingParams(n=2, max_tokens=30, **greedy),
               SamplingParams(max_tokens=30, min_tokens=20, **greedy),
-              *[SamplingParams(max_tokens=60, **greedy)] * 3]
+              # penalties count a position's drafts before it as output
+              SamplingParams(max_tokens=60, repetition_penalty=1.2, presence_penalty=0.5, **greedy),
+              SamplingParams(max_tokens=60, frequency_penalty=0.4, **greedy), SamplingParams(max_tokens=60, **greedy)]
 
     def run(llm):
         before = llm.engine.scheduler.num_preemptions
@@ -177,11 +218,45 @@ def test_features_behave_as_without_drafts(engines):
     assert_pool_free(spec)
 
 
-def test_sampling_keeps_the_model_distribution():
-    """Temperature 1 with top-k 3 on a prompt whose lookups propose a draft for most
-    requests' second token (some accepted, most rejected): the second token's distribution over 1,500 seeded
-    requests matches transformers' exact one (chi-square at a 1e-3 false-failure rate)."""
-    llm = LLM(DEMO, dtype="float32", max_num_seqs=256, speculative_config={**NGRAM, "disable_by_batch_size": 512})
+def test_structured_outputs_speculate_within_their_grammar(engines):
+    """Rows under a grammar propose too: drafts the grammar refuses are cut off, each verified
+    position is masked by the grammar's state after the drafts before it, and a draft that
+    completes the grammar ends the row. Greedy outputs equal those without drafts; sampled
+    ones all match their grammar."""
+    spec, plain = engines
+    constraints = [(COPY_TEXTS[0], r"(the quick brown fox ){1,2}(jumps|runs) over"),
+                   (COPY_TEXTS[1], r"[A-Za-z ,;.']+"), (COPY_TEXTS[2], r"([a-g] )+[a-g]"),
+                   (COPY_TEXTS[3], r"[a-z]+(, [a-z]+)*")]
+    prompts = [spec.encode(text) for text, _ in constraints]
+
+    def params(**kw):
+        return [SamplingParams(max_tokens=50, structured=StructuredOutput("regex", pattern), **kw)
+                for _, pattern in constraints]
+
+    def run(llm, **kw):
+        return [o.outputs[0] for o in llm.generate(prompts, params(**kw))]
+
+    accepted = spec.engine.scheduler.speculator.num_accepted_tokens
+    got, want = run(spec, temperature=0), run(plain, temperature=0)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert spec.engine.scheduler.speculator.num_accepted_tokens - accepted >= 10
+    assert got[0].finish_reason == "stop"  # the grammar completed (mid-proposal, or on a draft)
+    for i in range(4):  # greedy, then sampled: every token allowed where it was emitted
+        outs = got if i == 0 else run(spec, temperature=1.0, seed=i)
+        for out, (_, pattern) in zip(outs, constraints):
+            # (cut by max_tokens: a prefix of a match)
+            assert regex.fullmatch(pattern, out.text, partial=out.finish_reason == "length"), (pattern, out.text)
+    assert_pool_free(spec)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampling_keeps_the_model_distribution(method, draft_config):
+    """Temperature 1 with top-k 3 on a prompt whose lookups (or the draft model) propose a
+    draft for most requests' second token (some accepted, some rejected): the second token's
+    distribution over 1,500 seeded requests matches transformers' exact one (chi-square at a
+    1e-3 false-failure rate)."""
+    config = NGRAM if method == "ngram" else draft_config
+    llm = LLM(DEMO, dtype="float32", max_num_seqs=256, speculative_config={**config, "disable_by_batch_size": 512})
     prompt = llm.encode(COPY_TEXTS[2])
     try:
         draws = 1500
@@ -238,3 +313,31 @@ def test_a_busy_batch_proposes_nothing():
         assert sorted(per_position.values(), reverse=True) == list(per_position.values())  # a prefix is kept
     finally:
         llm.shutdown()
+
+
+def test_the_draft_model_proposes_its_own_greedy_tokens(draft_config):
+    """A proposal is the draft model's greedy continuation, for a new sequence (its whole
+    prompt computed) and after a verification (what the cache holds of it reused)."""
+    spec = LLM(DEMO, dtype="float32", speculative_config=draft_config)
+    alone = LLM(draft_config["model"], dtype="float32")
+    proposer = spec.engine.scheduler.speculator.proposer
+    try:
+        prompts = [spec.encode(t) for t in COPY_TEXTS]
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for round_ in range(3):
+            want = [o.outputs[0].token_ids for o in alone.generate(prompts, greedy)]
+            got = proposer.propose([(i, ids, 4) for i, ids in enumerate(prompts)])
+            assert [got[i] for i in range(len(prompts))] == want
+            # The target kept `round_` drafts and wrote a token of its own (1: none was kept).
+            prompts = [ids + drafts[:round_] + [1] for ids, drafts in zip(prompts, want)]
+        for i in range(len(prompts)):
+            proposer.forget(i)
+        assert not proposer.cached and len(proposer.free) == proposer.runner.num_blocks
+    finally:
+        spec.shutdown()
+        alone.shutdown()
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(llama_ckpt):
+    with pytest.raises(ValueError, match="different tokenizer from the target's"):
+        LLM(DEMO, speculative_config={"model": str(llama_ckpt)})

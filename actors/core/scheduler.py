@@ -29,7 +29,7 @@ from actors.core.lora_slots import LoraSlots
 from actors.core.sequence import PLACEHOLDER, Sequence, Status
 from actors.core.speculation import Speculator, can_speculate
 from actors.core.step import ScheduledSeq, SchedulerOutput, StepRow
-from actors.core.structured import accept
+from actors.core.structured import accept, grammar_prefix
 
 
 class Scheduler:
@@ -89,7 +89,7 @@ class Scheduler:
 
     def _schedule_running(self, scheduled: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
         preempted, i = False, 0
-        speculate = self.speculating()
+        proposals = self._propose() if self.speculating() else {}
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.pending and self._waits_for_token(seq):
@@ -98,7 +98,7 @@ class Scheduler:
             if self._outgrows_pool(seq):
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            draft = self._draft(seq, budget) if speculate and n == 1 and not seq.pending else []
+            draft = self._draft(seq, budget, proposals) if n == 1 and not seq.pending else []
             if draft:
                 self.blocks.allocate(seq, seq.num_computed_tokens + 1 + len(draft))
                 scheduled.append(_scheduled(seq, 1, draft))
@@ -142,14 +142,23 @@ class Scheduler:
             scheduled.append(_scheduled(seq, n))
             budget -= n
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens for a decoding sequence, within what the step, its limits and the free
-        blocks leave (a draft never preempts: [] where its blocks are not free)."""
-        if not can_speculate(seq):
-            return []
-        room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
-                   self.max_model_len - seq.num_tokens - 1)
-        draft = self.speculator.propose(seq.seq_id, seq.token_ids, room)
+    def _propose(self) -> dict[int, list[int]]:
+        """Drafts for the decoding sequences that may speculate, within their limits (one call:
+        a draft model proposes for every row in the same forwards)."""
+        rows = []
+        for seq in self.running:
+            if seq.pending or seq.num_tokens - seq.num_computed_tokens != 1 or not can_speculate(seq):
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            rows.append((seq.seq_id, seq.token_ids, room))
+        return self.speculator.propose(rows) if rows else {}
+
+    def _draft(self, seq: Sequence, budget: int, proposals: dict[int, list[int]]) -> list[int]:
+        """The sequence's drafts within what the step leaves (a draft never preempts: [] where
+        its blocks are not free)."""
+        draft = proposals.get(seq.seq_id, [])[:budget - 1]
+        if draft and seq.matcher is not None:  # no drafts the grammar refuses
+            draft = grammar_prefix(seq.matcher, draft)
         if draft and not self.blocks.can_allocate(seq, seq.num_computed_tokens + 1 + len(draft), []):
             return []
         return draft
@@ -247,6 +256,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_blocks(seq)
+        if self.speculator is not None:  # (a draft model's cache of it goes too)
+            self.speculator.forget(seq.seq_id)
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
         self.waiting.insert(0, seq)

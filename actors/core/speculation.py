@@ -1,12 +1,17 @@
 """Speculative decoding's host side: which draft tokens a decoding sequence proposes, and when.
 
-n-gram (prompt lookup, vLLM's "ngram"): the sequence's last n tokens (n from
-prompt_lookup_max down to prompt_lookup_min) are looked up earlier in its own tokens, and the
-k tokens that followed the latest match (with k tokens after it) are the proposal. No second
-model: it pays where the output copies the input (edits, quotes, tool-call arguments that
-repeat the request).
+Two proposers:
+- n-gram (prompt lookup, vLLM's "ngram"): the sequence's last n tokens (n from
+  prompt_lookup_max down to prompt_lookup_min) are looked up earlier in its own tokens, and
+  the k tokens that followed the latest match (with k tokens after it) are the proposal. No
+  second model: it pays where the output copies the input (edits, quotes, tool-call arguments
+  that repeat the request).
+- a draft model (vLLM's "draft_model"): a small checkpoint with the target's tokenizer writes
+  the next k tokens greedily, for every proposing row at once (actors/worker/draft_model.py).
+  A greedy proposal is a function of the context alone, like a lookup's, so the same
+  verification keeps the target's distribution.
 
-The scheduler asks `Speculator.propose` for each decoding row; the target model then computes
+The scheduler asks `Speculator.propose` for the decoding rows at the start of a step; the target model then computes
 the row's last token and the drafts in one forward, and the sampler keeps the longest prefix
 the target agrees with plus one token of its own (actors/worker/sampler.py). Proposing is
 skipped where it would not pay:
@@ -16,14 +21,16 @@ skipped where it would not pay:
   a row costs more than the accepted ones save (a busy batch is compute-bound), so no row
   proposes;
 - by measured cost: the speculator times the steps it sees. Plain decode steps give the time
-  of a step of r rows (decayed, per r); each step with drafts is set against the time plain
-  steps would have taken to emit its tokens (tokens / r plain steps of r rows). When the
+  of a step of r rows (decayed, per r; one step in PLAIN_EVERY is left plain to keep this
+  current); each step with drafts, proposing included, is set against the time plain steps
+  would have taken to emit its tokens (tokens / r plain steps of r rows). When the
   drafted steps have cost more than that over the last few (a batch whose drafts are mostly
   rejected, or verifying eagerly against a compiled plain step), no row proposes for 32
   steps, then 64, ... 1024 while it keeps not paying; the first window that pays resets it.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,15 +43,16 @@ MAX_BACKOFF = 64  # steps
 # The cost check: drafted steps compared before a verdict, and the pause after one that fails.
 COMPARED_STEPS = 8
 FIRST_PAUSE, MAX_PAUSE = 32, 1024  # steps
+# One plain step after this many drafted ones keeps the plain time it is measured against
+# current (a draft model proposes for every row, so without these none would be timed).
+PLAIN_EVERY = 32
 
 
 def can_speculate(seq) -> bool:
-    """Whether a sequence's next tokens may be verified several at once: nothing in its
-    sampling depends on the tokens before each position but the model (a grammar's mask, the
-    penalties over its output and the min_tokens ban do), and it generates."""
-    p = seq.params
-    return (seq.matcher is None and seq.pooling is None and seq.num_output_tokens >= p.min_tokens
-            and not p.penalizes_output)
+    """Whether a sequence's next tokens may be verified several at once: it generates. (What
+    else its sampling depends on, its grammar's state, penalties over its output and the
+    min_tokens ban, counts each position's drafts before it: actors/worker/sampler.py.)"""
+    return seq.pooling is None
 
 
 def ngram_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -64,6 +72,25 @@ def ngram_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[in
             start = int(full[-1] if full.size else hits[0]) + n
             return arr[start:start + k].tolist()
     return []
+
+
+class NgramProposer:
+    """Prompt lookup, row by row (see the top)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, rows: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """rows: (seq id, its tokens, at most k drafts) -> seq id: drafts (rows without any left out)."""
+        out = {}
+        for seq_id, tokens, k in rows:
+            draft = ngram_proposal(tokens, k, self.min_n, self.max_n)
+            if draft:
+                out[seq_id] = draft
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        pass
 
 
 @dataclass
@@ -95,33 +122,46 @@ class Speculator:
     paused: int = 0  # steps left without proposals
     pause: int = 0  # the last pause's length
     num_pauses: int = 0
+    proposing_seconds: float = 0.0  # spent in the proposer since the last observed step
+    drafted_since_plain: int = 0  # drafted steps since the last timed plain one
+    # NgramProposer, or the engine's DraftModel: propose(rows) and forget(seq id)
+    proposer: object = None
 
     def __post_init__(self):
         self.accepted_per_pos = [0] * self.config.num_speculative_tokens
+        if self.proposer is None:
+            self.proposer = NgramProposer(self.config)
 
     @classmethod
-    def create(cls, config: SpeculativeConfig | None, device_type: str) -> Speculator | None:
+    def create(cls, config: SpeculativeConfig | None, device_type: str, draft=None) -> Speculator | None:
+        """draft: the draft model's proposer (method draft_model)."""
         if config is None:
             return None
         # On a GPU a batch stays memory-bound far longer than on a CPU's few cores.
         default = 32 if device_type == "cuda" else 4
-        return cls(config, config.disable_by_batch_size or default)
+        return cls(config, config.disable_by_batch_size or default, proposer=draft)
 
     def active(self, running: int) -> bool:
-        """Whether rows may propose in a step with `running` sequences."""
-        return not self.paused and running <= self.max_batch
+        """Whether rows may propose in a step with `running` sequences: not while paused, or
+        over the batch size, or when a plain step is due to be timed."""
+        due = not self.plain_seconds or self.drafted_since_plain >= PLAIN_EVERY
+        return not self.paused and running <= self.max_batch and not due
 
     def observe(self, seqs, tokens: list, seconds: float) -> None:
         """A step that ran: its ScheduledSeqs, what each emitted (a list for a verified row),
-        its wall time. Only steps of one-token decodes and verified rows are compared."""
+        its wall time. Only steps of one-token decodes and verified rows are compared; a
+        drafted step's time includes proposing (a draft model's forwards)."""
         self.paused = max(0, self.paused - 1)
+        seconds, self.proposing_seconds = seconds + self.proposing_seconds, 0.0
         rows = len(seqs)
         if not rows or any(s.num_tokens - len(s.draft) != 1 for s in seqs):
             return
         if not any(s.draft for s in seqs):
             before = self.plain_seconds.get(rows)
             self.plain_seconds[rows] = seconds if before is None else 0.75 * before + 0.25 * seconds
+            self.drafted_since_plain = 0
             return
+        self.drafted_since_plain += 1
         plain = self._plain_step(rows)
         if plain is None:
             return
@@ -151,15 +191,23 @@ class Speculator:
         smaller = [r for r in self.plain_seconds if r < rows]
         return self.plain_seconds[max(smaller)] * rows / max(smaller) if smaller else None
 
-    def propose(self, seq_id: int, tokens: list[int], room: int) -> list[int]:
-        """Draft tokens for the sequence's next step, at most `room` ([]: none this step)."""
-        record = self.records.get(seq_id)
-        if record is not None and record.wait:
-            record.wait -= 1
-            return []
-        c = self.config
-        return ngram_proposal(tokens, min(c.num_speculative_tokens, room), c.prompt_lookup_min,
-                              c.prompt_lookup_max)
+    def propose(self, rows: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """Draft tokens for decoding sequences' next step. rows: (seq id, its tokens, room for
+        at most this many drafts); a sequence backing off skips its turn. Returns seq id ->
+        drafts, for the sequences that got some."""
+        asked, k = [], self.config.num_speculative_tokens
+        for seq_id, tokens, room in rows:
+            record = self.records.get(seq_id)
+            if record is not None and record.wait:
+                record.wait -= 1
+            elif room > 0:
+                asked.append((seq_id, tokens, min(k, room)))
+        if not asked:
+            return {}
+        start = time.monotonic()
+        drafts = self.proposer.propose(asked)
+        self.proposing_seconds += time.monotonic() - start
+        return drafts
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
         """A verified proposal: `accepted` of its `proposed` drafts were kept."""
@@ -178,7 +226,9 @@ class Speculator:
             r.backoff = 0
 
     def forget(self, seq_id: int) -> None:
+        """The sequence left the running batch (finished or preempted)."""
         self.records.pop(seq_id, None)
+        self.proposer.forget(seq_id)
 
     def stats(self) -> dict:
         rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

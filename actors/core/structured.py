@@ -4,7 +4,7 @@ A request's constraint is plain data, `StructuredOutput` (a kind and a string): 
 SamplingParams across Ray from the replica to the scheduler actor and keys the compile
 cache. `Grammars` compiles it against this engine's tokenizer (callers run that off the
 engine loop: a big schema takes milliseconds to seconds) and makes one matcher per
-sequence. Each step the model runner asks `fill_bitmasks` for the constrained rows' token
+sequence. Each step the sampler asks `fill_bitmask_after` for the constrained rows' token
 masks; the engine advances a matcher with every token it accepts.
 """
 from __future__ import annotations
@@ -118,10 +118,37 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def fill_bitmasks(matchers: list, out, rows: list[int]) -> None:
-    """Row rows[i] of `out` ([B, bitmask_width] int32, CPU) gets matchers[i]'s allowed tokens."""
-    for row, matcher in zip(rows, matchers):
+def fill_bitmask_after(matcher, tokens: list[int], out, row: int) -> None:
+    """Row `row` of `out` ([B, bitmask_width] int32, CPU) gets the tokens the matcher allows
+    after `tokens` (a verified row's drafts before this position, else none; the matcher is
+    left as it was). Past a draft the grammar refuses or
+    ends at, the row allows every token: the verification stops before it, so none is kept."""
+    accepted = 0
+    for token in tokens:
+        if not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted == len(tokens) and not matcher.is_terminated():
         matcher.fill_next_token_bitmask(out, row)
+    else:
+        out[row] = -1
+    if accepted:
+        matcher.rollback(accepted)
+
+
+def grammar_prefix(matcher, draft: list[int]) -> list[int]:
+    """The drafts the grammar allows from the matcher's state on, up to the one that
+    completes it (the matcher is left as it was)."""
+    n = 0
+    for token in draft:
+        if not matcher.accept_token(token):
+            break
+        n += 1
+        if matcher.is_terminated():
+            break
+    if n:
+        matcher.rollback(n)
+    return draft[:n]
 
 
 def accept(matcher, token: int) -> bool:

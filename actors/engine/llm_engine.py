@@ -40,6 +40,7 @@ from actors.pooling_params import PoolingParams
 from actors.request import EngineRequest, resolve_max_tokens
 from actors.sampling_params import SamplingParams
 from actors.worker.checkpoint_files import load_tokenizer, resolve_model_path
+from actors.worker.draft_model import DraftModel
 from actors.worker.loader import checkpoint_shapes
 from actors.worker.model_spec import resolve_model
 from actors.worker.process_tuning import freeze_startup_heap
@@ -56,14 +57,17 @@ class LLMEngine:
         self.spec = resolve_model(config, self.tokenizer)
         self.model_path, self.max_model_len, self.eos_ids = self.spec.path, self.spec.max_model_len, self.spec.eos_ids
         self.loras = self._lora_registry(config)  # before the weights: a bad adapter fails at once
+        speculative = config.speculative  # (a draft model that can't serve fails at once too)
+        draft = DraftModel(config, self.tokenizer, self.spec) \
+            if speculative is not None and speculative.method == "draft_model" else None
         torch.manual_seed(config.seed)
-        self.executor = Executor(config, self.spec, placement)
+        self.executor = Executor(config, self.spec, placement, draft.block_bytes() if draft else 0)
         self.rank_infos = self.executor.rank_infos()
         windows = self.spec.args.layer_windows
         self.blocks = BlockManager(self.executor.num_blocks, self.spec.block_size, config.enable_prefix_caching,
                                    sliding_window=max(windows) if windows and all(windows) else None)
-        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids,
-                                   Speculator.create(config.speculative, self.executor.device.type))
+        self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids, Speculator.create(
+            speculative, self.executor.device.type, draft and draft.load(self.executor.num_blocks)))
         self.grammars = Grammars(self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics(config)
         self.stats = self.metrics.stats

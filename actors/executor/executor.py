@@ -25,10 +25,12 @@ log = logging.getLogger("shoal.engine")
 
 
 class Executor:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, placement: tuple | None = None):
-        """placement: (placement group, first bundle for shard rank 1) when the caller reserved one."""
+    def __init__(self, config: EngineConfig, spec: ModelSpec, placement: tuple | None = None,
+                 draft_block_bytes: int = 0):
+        """placement: (placement group, first bundle for shard rank 1) when the caller reserved
+        one; draft_block_bytes: a draft model's KV block, whose pool rank 0's is sized with."""
         start = time.perf_counter()
-        self.runner = ModelRunner(config, spec)
+        self.runner = ModelRunner(config, spec, draft_block_bytes=draft_block_bytes)
         log.info("rank 0 loaded in %.2f s: %s; peak RSS %.0f MiB", time.perf_counter() - start,
                  self.runner.describe_startup(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         self.shards = None

@@ -56,8 +56,11 @@ def pick_device(config: EngineConfig) -> torch.device:
 class ModelRunner:
     """This rank's shard of the model and of the KV pool. Rank 0 also samples."""
 
-    def __init__(self, config: EngineConfig, spec: ModelSpec, rank: int = 0, num_blocks: int | None = None):
-        """num_blocks: the pool size rank 0 chose (the other ranks must match it)."""
+    def __init__(self, config: EngineConfig, spec: ModelSpec, rank: int = 0, num_blocks: int | None = None,
+                 draft_block_bytes: int = 0):
+        """num_blocks: the pool size rank 0 chose (the other ranks must match it);
+        draft_block_bytes: rank 0 with a draft model, whose pool has as many blocks as this one."""
+        self.draft_block_bytes = draft_block_bytes
         self.config = config
         self.device = pick_device(config)
         self.dtype = spec.dtype
@@ -132,9 +135,10 @@ class ModelRunner:
         return f"{phases} ({state})"
 
     def block_bytes(self) -> int:
-        """Bytes of one KV block on this rank (its layers, its KV heads)."""
+        """Bytes of one KV block on this rank (its layers, its KV heads), with the draft
+        model's block beside it (the pools are sized together)."""
         per_token = 2 * self._local_kv_heads() * self.args.head_dim * self.dtype.itemsize
-        return per_token * len(self.model.model.layers) * self.block_size
+        return per_token * len(self.model.model.layers) * self.block_size + self.draft_block_bytes
 
     def _local_kv_heads(self) -> int:
         return local_kv_heads(self.model)

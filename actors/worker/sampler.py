@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from actors.core.step import RunnerOutput, ScheduledSeq
-from actors.core.structured import bitmask_width, fill_bitmasks
+from actors.core.structured import bitmask_width, fill_bitmask_after
 from actors.distributed.pipeline import take_rows
 from kernels.host_copies import to_device
 from kernels.sampling import SamplingBatch, sample, token_logprobs, verify_drafts
@@ -65,7 +65,9 @@ class Sampler:
         drafts = [t for i in rows for t in seqs[i].draft + [-1]]
         scores = take_rows(logits, positions)
         drafted = upload(drafts, torch.int64, self.device)
-        chosen, accepted = verify_drafts(scores, self._sampling_batch(samples, scores.shape[-1]), drafted)
+        # (a position under a grammar follows the row's drafts before it)
+        before = [seqs[i].draft[:j] for i in rows for j in range(seqs[i].num_tokens)]
+        chosen, accepted = verify_drafts(scores, self._sampling_batch(samples, scores.shape[-1], before), drafted)
         emitted = torch.where(accepted, drafted, chosen)  # each position's token if it is reached
         k = max((sq.params.logprobs for sq in samples if sq.params.logprobs is not None), default=None)
         if k is not None:
@@ -93,7 +95,9 @@ class Sampler:
         lp, top = _logprob_lists(*token_logprobs(rows, torch.tensor(targets, device=rows.device), k))
         return [_lp_dict(t, lp[r], top[r], k) for r, t in enumerate(targets)]
 
-    def _sampling_batch(self, seqs, vocab: int) -> SamplingBatch:
+    def _sampling_batch(self, seqs, vocab: int, before: list[list[int]] | None = None) -> SamplingBatch:
+        """before: (verification) the drafts each row's position follows, which its grammar
+        state, penalties and min_tokens count as the row's output."""
         params = [s.params for s in seqs]
         dev = self.device
         f = lambda xs: upload(xs, torch.float32, dev)  # noqa: E731
@@ -107,27 +111,31 @@ class Sampler:
             b.top_k = upload([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64, dev)
         if any(p.min_p > 0 for p in params):
             b.min_p = f([p.min_p for p in params])
-        self._penalties(b, seqs, vocab)
-        b.bias = self._bias(seqs, vocab)
-        self._grammar_masks(b, seqs)
+        before = before or [[]] * len(seqs)
+        self._penalties(b, seqs, vocab, before)
+        b.bias = self._bias(seqs, vocab, before)
+        self._grammar_masks(b, seqs, before)
         return b
 
-    def _grammar_masks(self, b: SamplingBatch, seqs) -> None:
+    def _grammar_masks(self, b: SamplingBatch, seqs, before: list[list[int]]) -> None:
         """Allowed-token bitmasks for the rows under a grammar; other rows stay free."""
         rows = [row for row, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return
+        if len(seqs) > len(self.bitmask):  # a verification's positions (kept for the next)
+            self.bitmask = torch.zeros(len(seqs), self.bitmask.shape[1], dtype=torch.int32)
         masks = self.bitmask[:len(seqs)]  # row r for batch row r; free rows are never read
-        fill_bitmasks([seqs[row].matcher for row in rows], masks, rows)
+        for row in rows:
+            fill_bitmask_after(seqs[row].matcher, before[row], masks, row)
         b.allowed, b.allowed_rows = masks, rows
 
-    def _penalties(self, b: SamplingBatch, seqs, vocab: int) -> None:
+    def _penalties(self, b: SamplingBatch, seqs, vocab: int, before: list[list[int]]) -> None:
         params = [s.params for s in seqs]
         dev = self.device
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             counts = torch.zeros(len(seqs), vocab, device=dev)
             for row, s in enumerate(seqs):
-                out = s.output_token_ids
+                out = s.output_token_ids + before[row]
                 if out:
                     counts[row].index_add_(0, upload(out, torch.int64, dev), torch.ones(len(out), device=dev))
             b.output_counts = counts
@@ -136,14 +144,14 @@ class Sampler:
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
             for row, s in enumerate(seqs):
-                seen[row, upload(s.token_ids, torch.int64, dev)] = True
+                seen[row, upload(s.token_ids + before[row], torch.int64, dev)] = True
             b.seen = seen
             b.repetition = upload([p.repetition_penalty for p in params], torch.float32, dev)
 
-    def _bias(self, seqs, vocab: int) -> torch.Tensor | None:
+    def _bias(self, seqs, vocab: int, before: list[list[int]]) -> torch.Tensor | None:
         """Logit bias and min_tokens bans, as one additive [B, V] tensor."""
         rows = [(row, s) for row, s in enumerate(seqs)
-                if s.params.logit_bias or s.num_output_tokens < s.params.min_tokens]
+                if s.params.logit_bias or s.num_output_tokens + len(before[row]) < s.params.min_tokens]
         if not rows:
             return None
         bias = torch.zeros(len(seqs), vocab, device=self.device)
@@ -154,7 +162,7 @@ class Sampler:
                     bias[row, int(tok)] += float(value)
             # A grammar decides alone when its output ends (banning its only allowed token,
             # the stop token, would leave nothing to sample).
-            if s.num_output_tokens < p.min_tokens and s.matcher is None:
+            if s.num_output_tokens + len(before[row]) < p.min_tokens and s.matcher is None:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
                 bias[row, upload([t for t in banned if 0 <= t < vocab], torch.int64, self.device)] = float("-inf")
         return bias

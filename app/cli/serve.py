@@ -163,6 +163,12 @@ def serve_config_command(args: argparse.Namespace, options: dict) -> int:
 def check_model_path(config: ShoalConfig) -> None:
     from actors.worker.checkpoint_files import resolve_model_path
     resolve_model_path(config.engine.model_path)
+    speculative = config.engine.speculative
+    if speculative is not None and speculative.model:  # a draft model
+        try:
+            resolve_model_path(speculative.model)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"--speculative-config's draft model: {exc}") from None
 
 
 def print_config(config: ShoalConfig) -> int:
@@ -178,7 +184,10 @@ def dry_run(config: ShoalConfig) -> int:
     from actors.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    engine = LLMEngine(config.engine)
+    try:
+        engine = LLMEngine(config.engine)
+    except ValueError as exc:  # settings the checkpoint can't honour
+        sys.exit(f"shoal serve: error: {exc}")
     loaded = time.perf_counter() - start
     request = EngineRequest("dry-run", engine.tokenizer.encode("Hello") or [0],
                             SamplingParams(temperature=0, max_tokens=1))

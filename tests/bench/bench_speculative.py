@@ -1,8 +1,14 @@
-"""n-gram speculative decoding (prompt lookup): output tokens/s with and without it.
+"""Speculative decoding (n-gram prompt lookup, or a draft model): output tokens/s with and
+without it.
 
     .venv/bin/python tests/bench/bench_speculative.py [--model DIR | --demo] [--k 3]
-        [--lookup-max 4] [--lookup-min 2] [--concurrency 1 32] [--requests 4] [--batches 1]
+        [--lookup-max 4] [--lookup-min 2 | --draft DIR | --draft-layers 0,1,3,4]
+        [--concurrency 1 32] [--requests 4] [--batches 1]
         [--max-tokens 128] [--workloads grounded open] [--show N]
+
+`--draft DIR` verifies a draft model's proposals instead of prompt lookups; `--draft-layers`
+builds that draft from the target's own layers (the self-speculative recipe: a copy without
+the others, tests/checkpoints.py draft_copy).
 
 Two in-process engines on the same checkpoint (float32), one plain and one with
 `speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ..,
@@ -81,8 +87,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from smollm2 import smollm2_checkpoint  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from checkpoints import draft_copy  # noqa: E402
+
 from actors.engine.llm import LLM  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.worker.checkpoint_files import resolve_model_path  # noqa: E402
 
 SPEC_STATS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_drafts")
 
@@ -432,6 +442,8 @@ def build_engines(path, args) -> tuple[dict, str | None]:
     engines = {"plain": LLM(path, **common)}
     spec = {"method": "ngram", "num_speculative_tokens": args.k,
             "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
+    if args.draft:
+        spec = {"model": args.draft, "num_speculative_tokens": args.k}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     engines["spec"] = LLM(path, speculative_config=spec, **common)
@@ -471,6 +483,10 @@ def main():
     model.add_argument("--model", help="a chat checkpoint directory (default: SmolLM2-135M-Instruct)")
     model.add_argument("--demo", action="store_true", help="the bundled demo model, LLM(None)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    draft = ap.add_mutually_exclusive_group()
+    draft.add_argument("--draft", help="a draft model's checkpoint instead of n-gram lookup")
+    draft.add_argument("--draft-layers", help="a draft model of the target's own layers, e.g. 0,1,3,4 "
+                                              "(tests/checkpoints.py draft_copy, kept under ~/.cache/shoal/drafts)")
     ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
@@ -493,11 +509,18 @@ def main():
     args.batches = args.batches or (2 if args.demo else 1)
     workloads = args.workloads or (["demo", "demo-arith"] if args.demo else ["grounded", "open"])
     path = None if args.demo else (args.model or str(smollm2_checkpoint()))
+    if args.draft_layers:
+        layers = [int(x) for x in args.draft_layers.split(",")]
+        target = Path(path or resolve_model_path(None))
+        args.draft = str(draft_copy(target, Path.home() / ".cache/shoal/drafts" / f"{target.name}-{'-'.join(map(str, layers))}",
+                                    layers))
 
     print(f"CPU: {cpu_model()}, {args.threads} torch threads; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}{other_load()}")
-    print(f"model: {path or 'bundled demo model'} (float32); speculation: ngram k={args.k}, "
-          f"prompt_lookup {args.lookup_min}..{args.lookup_max}; greedy, max_tokens {args.max_tokens}")
+    how = f"draft model {args.draft}" if args.draft else \
+        f"ngram, prompt_lookup {args.lookup_min}..{args.lookup_max}"
+    print(f"model: {path or 'bundled demo model'} (float32); speculation: {how}, k={args.k}; greedy, "
+          f"max_tokens {args.max_tokens}")
     t = time.perf_counter()
     engines = build_engines(path, args)
     print(f"engines built in {time.perf_counter() - t:.0f} s")

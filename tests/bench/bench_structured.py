@@ -105,11 +105,11 @@ class GrammarClock:
     """Seconds spent in the grammar parts of steps: mask fill, mask apply, matcher advance."""
 
     def __init__(self):
-        import actors.engine.llm_engine
-        import actors.worker.model_runner
+        import actors.core.scheduler
+        import actors.worker.sampler
         import kernels.sampling
         self.seconds = 0.0
-        for module, name in ((actors.worker.model_runner, "fill_bitmasks"), (actors.engine.llm_engine, "accept"),
+        for module, name in ((actors.worker.sampler, "fill_bitmask_after"), (actors.core.scheduler, "accept"),
                              (kernels.sampling, "apply_token_bitmask")):
             setattr(module, name, self.timed(getattr(module, name)))
 
