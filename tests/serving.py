@@ -190,16 +190,16 @@ def check_drain(url: str, start_drain, tokens: int, timeout_s: float, log: Path)
     return streamed, signalled
 
 
-def kill_mid_stream(url: str, victim: int, prompt: list[int]) -> tuple[list[str], float, float]:
-    """Stream a long greedy completion and SIGKILL `victim` once tokens flow: the SSE data
-    lines that came after the kill, the kill's monotonic time, and the seconds from the kill
-    to the stream's end."""
+def kill_mid_stream(url: str, victim: int, prompt: list[int], sig=signal.SIGKILL) -> tuple[list[str], float, float]:
+    """Stream a long greedy completion and send `victim` `sig` (SIGSTOP: it hangs) once tokens
+    flow: the SSE data lines that came after the signal, its monotonic time, and the seconds
+    from it to the stream's end."""
     body = {"model": "", "prompt": prompt, "max_tokens": 480, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         killed = time.monotonic()
         rest = [line for line in lines if line.startswith("data: ")]
     return rest, killed, time.monotonic() - killed

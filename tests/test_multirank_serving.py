@@ -3,12 +3,16 @@ processes on 127.0.0.1, answered over HTTP and checked token for token against t
 
 `shoal serve --tp-size 2 --world-size 2` (no resource flags: the Ray it starts is sized to the
 layout) serves, survives an idle gap longer than --dist-timeout, fails a stream within seconds
-when a shard is SIGKILLed by the pid /stats shows, comes back without an operator, and stops
-on SIGTERM leaving no process behind. `serve run` hosts a pp=2 and a tp=2 expert-parallel app,
+when a shard is SIGKILLed by the pid /stats shows (and within --dist-timeout and seconds when
+it is SIGSTOPped), comes back without an operator, and stops on SIGTERM leaving no process
+behind. `serve run` hosts a pp=2 and a tp=2 expert-parallel app,
 and a stream on each fails within seconds when its rank 1 is SIGKILLed.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +107,29 @@ def test_killed_shard_fails_the_stream_then_the_replica_comes_back(tp2_server, l
     (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
     assert replica["engine_alive"] and replica["ranks"][1]["pid"] != victim
     print(f"dead shard: stream failed after {detected:.1f} s, answered again after {recovered:.1f} s")
+
+
+def test_hung_shard_fails_the_stream_then_the_replica_comes_back(tp2_server, llama_ckpt):
+    """A shard that stops answering (SIGSTOP: a hung process, a frozen node) is caught by the
+    step's collective timing out at --dist-timeout: the stream ends with engine_dead, and the
+    replica is replaced as for a killed shard."""
+    url, _, log = tp2_server
+    (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
+    victim = replica["ranks"][1]["pid"]
+    try:
+        rest, stopped, detected = kill_mid_stream(url, victim, prompts_of([5])[0], signal.SIGSTOP)
+        errors = stream_errors(rest)
+        assert errors and errors[0]["code"] == "engine_dead", rest[-3:]
+        assert detected < DIST_TIMEOUT_S + DETECT_BOUND_S and rest[-1] == "data: [DONE]"
+        ids = prompts_of([13])[0]
+        assert wait_answered(url, ids, 10, log) == hf_greedy(llama_ckpt, ids, 10)
+        recovered = time.monotonic() - stopped
+        (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
+        assert replica["engine_alive"] and replica["ranks"][1]["pid"] != victim
+        print(f"hung shard: stream failed after {detected:.1f} s, answered again after {recovered:.1f} s")
+    finally:  # (Serve kills the old replica's shards; a stopped one that outlived it goes here)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
 
 
 def test_sigterm_stops_every_process(tp2_server):
