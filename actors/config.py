@@ -5,12 +5,14 @@ import json
 from dataclasses import dataclass, fields
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+QUANTIZATIONS = ("int8",)  # kernels/quantization.py
 
 
 @dataclass
 class EngineConfig:
     model_path: str | None = None  # None: the bundled demo model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str | None = None  # int8: weight-only int8 linear layers, online (kernels/quantization.py)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
@@ -125,6 +127,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.attn_backend not in ("auto", "native", "flash", "triton"):
             raise ValueError(f"--attn-backend must be auto, native, flash or triton, got {self.attn_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):

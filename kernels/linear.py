@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from kernels import native
 from kernels.env import flag
+from kernels.quantization import int8_linear
 
 ONEDNN = torch.backends.mkldnn.is_available() and flag("SHOAL_ONEDNN_LINEAR", True)
 
@@ -142,9 +143,12 @@ def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return _cpu_linear(flat, weight, bias)[:n].view(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """The panel kernel or oneDNN on CPU (opaque inside torch.compile), F.linear elsewhere
-    (module docstring)."""
+    (module docstring); with `scale`, `weight` is int8 panels (kernels/quantization.py)."""
+    if scale is not None:
+        return int8_linear(x, weight, scale, bias)
     if ONEDNN and x.dtype in _DTYPES and weight.dtype == x.dtype and x.device.type == "cpu":
         if torch.compiler.is_compiling():
             return torch.ops.shoal.cpu_linear(x, weight, bias)

@@ -84,6 +84,15 @@ def panel_linear_op():
     return torch.ops.shoal_linear.panel_linear.default
 
 
+def int8_linear_op():
+    """`op(out, x, packed, scale, bias, portable)`, or None: weight-only int8 linear layers
+    over weights packed in panels of 16 columns (csrc/int8_linear.cpp,
+    kernels/quantization.py); AVX2 where the CPU has it, else (or with `portable`) a plain loop."""
+    if not enabled() or not _load("int8_linear", ["int8_linear.cpp"]):
+        return None
+    return torch.ops.shoal_int8.int8_linear.default
+
+
 def has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"  # (AMX CPUs report AVX512 too)
 

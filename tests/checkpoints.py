@@ -306,3 +306,37 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
             shutil.copy(f, dst / f.name)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+def int8_reference_copy(src, dst) -> pathlib.Path:
+    """`src` with every weight that --quantization int8 quantizes (the attention and MLP
+    projections, the LM head) replaced by its dequantised value, and the LM head untied from
+    the embedding (whose lookups stay float): transformers on it computes what the int8 model
+    should, in float32. Written once per `dst`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kernels.quantization import dequantize_int8, quantize_int8
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if (dst / "config.json").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    if "lm_head.weight" not in tensors:  # tied: the head gets its own copy
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    config["tie_word_embeddings"] = False
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            tensors[name] = dequantize_int8(*quantize_int8(t)).to(t.dtype)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

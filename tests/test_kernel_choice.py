@@ -36,6 +36,8 @@ def test_the_rules_for_linear_and_decode():
         "panel" if native.panel_linear_op() is not None else "onednn"
     assert linear_kernel(torch.float32, cpu) == want
     assert linear_kernel(torch.float16, cpu) == ("onednn" if linear.supported(torch.float16) else "torch")
+    wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    assert linear_kernel(torch.float32, cpu, "int8") == ("int8-avx2" if wide else "int8-portable")  # (it builds)
     assert KernelChoice("torch", "onednn", "compiled").packs_weights
     assert not KernelChoice("torch", "torch", "cuda-graphs").packs_weights
 

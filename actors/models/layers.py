@@ -22,9 +22,10 @@ class ColumnParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.lora = None  # LoraWeights when adapters are enabled
+        self.register_buffer("weight_scale", None)  # int8 weights' scales (kernels/quantization.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.weight_scale)
         return y if self.lora is None else self.lora.add_delta(x, y)
 
 
@@ -33,12 +34,13 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.p = p
         self.lora = None  # LoraWeights when adapters are enabled
+        self.register_buffer("weight_scale", None)  # int8 weights' scales (kernels/quantization.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.p.tp_size == 1:
-            y = linear(x, self.weight, self.bias)
+            y = linear(x, self.weight, self.bias, self.weight_scale)
             return y if self.lora is None else self.lora.add_delta(x, y)
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, scale=self.weight_scale)
         if self.lora is not None:  # this rank's share of the delta, summed with the product
             y = self.lora.add_delta(x, y)
         y = self.p.all_reduce(y)
@@ -73,7 +75,8 @@ class ParallelLMHead(nn.Module):
         self.p, self.vocab = p, vocab
         _, rows = vocab_shard(vocab, p)
         self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.register_buffer("weight_scale", None)  # int8 weights' scales (kernels/quantization.py)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.p.all_gather_last_dim(linear(hidden, self.weight))
+        logits = self.p.all_gather_last_dim(linear(hidden, self.weight, scale=self.weight_scale))
         return logits[..., :self.vocab]

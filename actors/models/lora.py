@@ -53,8 +53,9 @@ class LoraWeights:
     side by side: one shrink matmul) and per part B [slots, rank, part width]."""
 
     def __init__(self, linear, spans: list[tuple[int, int]], slots: int, rank: int, state: LoraState):
-        in_features = linear.weight.shape[1]
-        kw = dict(dtype=linear.weight.dtype, device=linear.weight.device)
+        in_features = linear.in_features
+        weight = linear.weight if linear.weight_scale is None else linear.weight_scale  # (int8: its float dtype)
+        kw = dict(dtype=weight.dtype, device=weight.device)
         self.a = torch.zeros(slots, in_features, len(spans) * rank, **kw)
         self.b = [torch.zeros(slots, rank, width, **kw) for _, width in spans]
         self.spans, self.rank, self.state = spans, rank, state
@@ -110,7 +111,7 @@ def attach_lora(model, slots: int, rank: int) -> dict[str, LoraWeights]:
 def part_spans(model, name: str, module) -> list[tuple[int, int]]:
     """(first output row, rows) of each fused part on this rank, from the base weights' rules."""
     if isinstance(module, RowParallelLinear):  # one part, every output row
-        return [(0, module.weight.shape[0])]
+        return [(0, module.out_features)]
     layer, block, kind = re.match(r"model\.layers\.(\d+)\.(\w+)\.(\w+)$", name).groups()
     prefix = f"model.layers.{int(layer) + model.first_layer}.{block}"  # the checkpoint's (global) layer
     spans = []

@@ -187,7 +187,7 @@ def artifact_path(spec, kernels, block_size: int) -> Path:
     """Where this model's compiled step is kept: named by a hash of everything it depends on."""
     h = hashlib.sha256()
     parts = [FORMAT, torch.__version__, _cpu(), json.dumps(spec.hf_config, sort_keys=True, default=str),
-             str(spec.dtype), str(spec.weight_dtype), spec.max_model_len, block_size, kernels.attention,
+             str(spec.dtype), str(spec.weight_dtype), spec.quantization, spec.max_model_len, block_size, kernels.attention,
              kernels.linear, [os.environ.get(k) for k in KERNEL_SWITCHES]]
     h.update(repr(parts).encode())
     for name in TRACED_SOURCES:

@@ -9,7 +9,8 @@ line, and the only place that knows the rules.
 - linear: on CPU float32 through shoal's panel kernel on AVX-512 CPUs
   (kernels/csrc/panel_linear.cpp), else oneDNN's inner product (float32, or bf16 where the CPU
   has bf16 matmuls), both on weights packed once here, whatever the decode mode or layout;
-  torch (cuBLAS) on CUDA;
+  torch (cuBLAS) on CUDA; with --quantization int8 shoal's int8 kernel
+  (kernels/csrc/int8_linear.cpp: AVX2 or a portable loop);
 - decode: CUDA graphs on a GPU, torch.compile on CPU (actors/worker/compiled_decode.py), or
   eager, with the reason.
 
@@ -35,7 +36,7 @@ log = logging.getLogger("shoal.runner")
 @dataclass(frozen=True)
 class KernelChoice:
     attention: str  # flash_attn | vllm_flash_attn | cpp-avx512 | cpp-avx2 | cpp-portable | torch
-    linear: str  # panel | onednn | torch
+    linear: str  # panel | onednn | torch | int8-avx2 | int8-portable | int8-dequantised
     decode: str  # cuda-graphs | compiled | eager
     decode_off: str | None = None  # why decode is eager
 
@@ -59,7 +60,8 @@ def choose(config: EngineConfig, spec, device: torch.device, world_size: int, lo
     if off is None and device.type == "cpu" and spec.attn_backend == "triton":
         off = "Triton interpreted on CPU"  # torch.compile can't trace the interpreter
     decode = "eager" if off else ("cuda-graphs" if device.type == "cuda" else "compiled")
-    return KernelChoice(attention_kernel(spec, device), linear_kernel(spec.dtype, device), decode, off)
+    return KernelChoice(attention_kernel(spec, device), linear_kernel(spec.dtype, device, spec.quantization),
+                        decode, off)
 
 
 def attention_kernel(spec, device: torch.device) -> str:
@@ -75,7 +77,11 @@ def attention_kernel(spec, device: torch.device) -> str:
     return "torch"
 
 
-def linear_kernel(dtype: torch.dtype, device: torch.device) -> str:
+def linear_kernel(dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> str:
+    if quantization == "int8":
+        if native.int8_linear_op() is None:  # builds it now
+            return "int8-dequantised"
+        return "int8-avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "int8-portable"
     if device.type != "cpu" or not linear.supported(dtype):
         return "torch"
     if dtype == torch.float32 and native.panel_linear_op() is not None:

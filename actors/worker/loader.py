@@ -12,8 +12,10 @@ from torch import nn
 
 from actors.models import model_class
 from actors.models.args import ModelArgs
+from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from actors.models.llama import rope_tables
 from actors.worker.progress import progress_bar
+from kernels.quantization import quantize_module
 
 log = logging.getLogger("shoal.loader")
 
@@ -30,11 +32,12 @@ def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
 
 def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
                 max_positions: int, parallel=None, weight_dtype: torch.dtype | None = None,
-                read_weights: bool = True) -> nn.Module:
+                read_weights: bool = True, quantization: str | None = None) -> nn.Module:
     """This rank's shard of the model, with only its slices of the weights read from disk.
 
     weight_dtype: round every weight to it on the way in (a 16-bit model computed in float32).
-    read_weights=False leaves them unread (the decode compile job traces shapes only)."""
+    read_weights=False leaves them unread (the decode compile job traces shapes only).
+    quantization: "int8" turns the linear layers' weights to int8 once read (kernels/quantization.py)."""
     args = ModelArgs.from_hf(cfg)
     cls = model_class(args.architecture)
     # Built on the meta device in the target dtype, then given memory on the target device
@@ -52,7 +55,17 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     model.weight_dtype = weight_dtype  # experts re-read later (load_selected) are rounded alike
     if read_weights:
         load_weights(model, path, weight_dtype)
+    if quantization == "int8":
+        quantize_linears(model)
     return model.eval()
+
+
+def quantize_linears(model: nn.Module) -> None:
+    """Every linear layer and the LM head to int8 (a head tied to the embedding gets an int8
+    copy: the embedding's lookups stay float). Experts of MoE models stay float."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            quantize_module(module)
 
 
 def weight_files(path: Path) -> list[Path]:

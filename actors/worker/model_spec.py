@@ -37,6 +37,7 @@ class ModelSpec:
     # CPU without matmul units for it computes in float32 on weights rounded to it (below).
     weight_dtype: torch.dtype | None = None
     pooling: PoolingParams = DEFAULT_POOLING  # embedding requests' defaults (actors/worker/pooling_config.py)
+    quantization: str | None = None  # --quantization: int8 linear layers (kernels/quantization.py)
 
 
 def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
@@ -51,6 +52,8 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     cuda = device_type(config) == "cuda"
     dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
     dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")
+    if config.quantization and cuda:
+        raise ValueError(f"--quantization {config.quantization} runs on CPU only so far (no GPU kernel yet)")
     backend, library = attention_backend(config, dtype, args.head_dim)
     if cuda:
         log.info("attention backend %s%s, dtype %s", backend, f" ({library})" if library else "",
@@ -62,7 +65,7 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
         layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
         attn_backend=backend, flash_library=library,
         block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16),
-        pooling=read_pooling(path))
+        pooling=read_pooling(path), quantization=config.quantization)
 
 
 def gpu_auto_dtype(hf: dict) -> torch.dtype:

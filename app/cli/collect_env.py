@@ -45,7 +45,7 @@ def collect_env_command(args: argparse.Namespace) -> int:
 def collect(ray_address: str | None = None, ray_timeout: float = 20.0) -> dict:
     env = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
     return {"versions": versions(), "system": system(), "torch": torch_info(),
-            "nvidia_smi": nvidia_smi(), "env": env,
+            "quantization": quantization(), "nvidia_smi": nvidia_smi(), "env": env,
             "ray_cluster": ray_cluster(ray_address, ray_timeout)}
 
 
@@ -105,6 +105,18 @@ def torch_info() -> dict:
                                                 / 2**30, 2)}
                            for i in range(torch.cuda.device_count())]
     return info
+
+
+def quantization() -> dict:
+    """Each weight format of docs/quantization.md and how this machine would run it."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return {"int8": f"CPU, {'the AVX2 kernel' if wide else 'the portable loop'} (kernels/csrc/int8_linear.cpp); "
+                    "no GPU kernel yet",
+            "fp8, awq, gptq, fp8 KV cache": "not supported yet"}
 
 
 def nvidia_smi() -> str | None:

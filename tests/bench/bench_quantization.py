@@ -1,0 +1,206 @@
+"""--quantization int8 on CPU: speed and memory against shoal's bfloat16 server and llama.cpp's
+Q8_0, and quality against the unquantized model.
+
+    .venv/bin/python tests/bench/bench_quantization.py speed --llama-server BUILD/bin/llama-server \\
+        --llama-cpp SRC/vendor/llama.cpp [--rounds 3] [--requests 64] [--output-len 32]
+    .venv/bin/python tests/bench/bench_quantization.py quality [--model DIR]
+    .venv/bin/python tests/bench/bench_quantization.py kernel
+
+kernel: the int8 kernel against float32 (shoal's CPU linear: oneDNN, or the panel kernel on
+AVX-512) on the Qwen2.5-0.5B shape's projections, at decode and prefill row counts.
+
+speed: a Qwen2.5-0.5B-shaped checkpoint (24 layers, hidden 896, 14 query / 2 KV heads, MLP
+4,864, vocab 151,936, tied embeddings; random weights: speed does not depend on them), its
+Q8_0 GGUF by llama.cpp's converter, and three servers up at once on 127.0.0.1: `llama-server`
+(Q8_0, f32 KV), `shoal serve --quantization int8` and `shoal serve --dtype bfloat16` (both
+--max-num-seqs 32, 2 torch threads). They take turns on the same requests (random prompts,
+concurrency 32, ignore_eos; tests/bench/bench_llama_cpp.py's client), round after round. Each
+shoal server's resident memory is the sum over its process tree (the CLI, Ray's daemons and
+workers, the engine) after the rounds.
+
+quality: SmolLM2-135M-Instruct (a real trained model; `make smollm2`) in float32 and with
+--quantization int8, teacher-forced on fixed texts: per position, whether the two agree on the
+most likely next token, and |log p(actual next token)| difference.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from bench_llama_cpp import add_workload_args, convert, drive, start_llama_server, start_shoal, stop, wait_ready
+from checkpoints import make_checkpoint
+from common import workload
+
+QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096,
+                tie_word_embeddings=True)
+SEED = 20261128
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants, MiB."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def speed(args) -> None:
+    args.logs = args.root / "logs"
+    args.logs.mkdir(parents=True, exist_ok=True)
+    hf = args.root / "qwen2.5-0.5b-shape"
+    if not (hf / "config.json").exists():
+        make_checkpoint(hf, "qwen2", seed=SEED, init_std=0.02, **QWEN_05B)
+    gguf = convert(hf, args.llama_cpp, "q8_0")
+    prompts = workload(args.requests, args.min_prompt, args.max_prompt, seed=7, vocab=512)
+    base = args.shoal_args
+    servers = {}
+    try:
+        args.dtype = "float32"  # llama-server's KV cache (f32), as shoal's
+        servers["llama-server Q8_0"] = start_llama_server(args.llama_server, gguf, args)
+        args.shoal_args = f"{base} --quantization int8"
+        servers["shoal int8"] = start_shoal(hf, args)
+        args.dtype, args.shoal_args = "bfloat16", base
+        servers["shoal bf16"] = start_shoal(hf, args)
+        for proc, url in servers.values():
+            wait_ready(url, proc, timeout=600)
+        runs = {name: [] for name in servers}
+        for _, url in servers.values():  # warm-up: a batch at full width each
+            asyncio.run(drive(url, prompts[:args.concurrency], args))
+        for i in range(args.rounds):
+            for name, (_, url) in servers.items():
+                run = asyncio.run(drive(url, prompts, args))
+                runs[name].append(run)
+                print(f"round {i + 1} {name}: {run['rate']:.1f} tok/s, load average {run['load']}", flush=True)
+        rss = {name: tree_rss_mib(proc.pid) for name, (proc, _) in servers.items()}
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    print(f"\n{args.requests} requests at concurrency {args.concurrency}, prompts of {args.min_prompt}-"
+          f"{args.max_prompt} tokens, {args.output_len} output tokens; {args.rounds} rounds\n")
+    print("| server | tok/s per round | median | resident memory (MiB, process tree) |")
+    print("| --- | --- | ---: | ---: |")
+    for name, rounds in runs.items():
+        rates = [r["rate"] for r in rounds]
+        print(f"| {name} | {' / '.join(f'{x:.1f}' for x in rates)} | {statistics.median(rates):.1f} | "
+              f"{rss[name]:.0f} |")
+    int8 = runs["shoal int8"]
+    for other, target in (("llama-server Q8_0", 1.5), ("shoal bf16", 1.3)):
+        ratios = [a["rate"] / b["rate"] for a, b in zip(int8, runs[other])]
+        print(f"shoal int8 / {other}: {' / '.join(f'{r:.2f}' for r in ratios)}, median "
+              f"{statistics.median(ratios):.2f}x (target >= {target}x)")
+    print(f"memory shoal int8 / shoal bf16: {rss['shoal int8'] / rss['shoal bf16']:.0%} (target <= 60%)")
+
+
+TEXTS = [
+    "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night "
+    "its keeper climbed the narrow stairs to light the lamp.",
+    "Photosynthesis is the process by which green plants turn sunlight into chemical energy.",
+    "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n",
+    "To reset your password, open the settings page and choose the security tab. Click the button "
+    "labeled change password and enter your current password.",
+    "Honey bees live in colonies that can hold tens of thousands of workers. Each colony has a single "
+    "queen who lays all the eggs.",
+    "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+]
+
+
+def quality(args) -> None:
+    from smollm2 import smollm2_checkpoint
+
+    from actors.engine.llm import LLM
+    from actors.sampling_params import SamplingParams
+
+    path = args.model or str(smollm2_checkpoint())
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
+    results = {}
+    for name, options in (("float32", {}), ("int8", {"quantization": "int8"})):
+        llm = LLM(path, dtype="float32", **options)
+        prompts = [llm.encode(t) for t in TEXTS]
+        results[name] = [o.prompt_logprobs for o in llm.generate(prompts, params)]
+        llm.shutdown()
+    agree = total = 0
+    deltas = []
+    for ref_rows, q_rows, text in zip(results["float32"], results["int8"], TEXTS):
+        for ref, q in zip(ref_rows, q_rows):
+            if ref is None:
+                continue
+            actual = next(iter(ref))  # the prompt's own next token comes first
+            agree += max(ref, key=ref.get) == max(q, key=q.get)
+            total += 1
+            deltas.append(abs(ref[actual] - q[actual]))
+    print(f"model: {path}; {len(TEXTS)} texts, {total} positions")
+    print(f"top-1 agreement int8 vs float32: {agree / total:.1%}; mean |delta log p(next token)|: "
+          f"{statistics.mean(deltas):.4f} (max {max(deltas):.3f})")
+
+
+def kernel(args) -> None:
+    import time
+
+    import torch
+
+    from kernels import linear
+    from kernels.quantization import _int8_linear, quantize_int8
+
+    torch.set_num_threads(2)
+    h, i = QWEN_05B["hidden_size"], QWEN_05B["intermediate_size"]
+    shapes = {"qkv": (h + 2 * 128, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i)}
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, 2 threads; ms per call (median of 15)")
+    print("| projection [N, K] | rows | float32 | int8 | float32 / int8 |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k)
+        packed, scale = quantize_int8(w)
+        for m in (1, 8, 32, 256):
+            x = torch.randn(m, k)
+
+            def timed(fn):
+                fn()
+                times = []
+                for _ in range(15):
+                    start = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - start)
+                return statistics.median(times) * 1e3
+
+            f32, q = timed(lambda: linear.linear(x, w)), timed(lambda: _int8_linear(x, packed, scale, None))
+            print(f"| {name} [{n}, {k}] | {m} | {f32:.3f} | {q:.3f} | {f32 / q:.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("--llama-server", required=True)
+    s.add_argument("--llama-cpp", required=True, type=Path)
+    s.add_argument("--llama-threads", type=int, default=2)
+    add_workload_args(s)
+    s.set_defaults(requests=64, output_len=32, root=Path("/tmp/shoal-bench-int8"))
+    q = sub.add_parser("quality")
+    q.add_argument("--model")
+    sub.add_parser("kernel")
+    args = ap.parse_args()
+    {"speed": speed, "quality": quality, "kernel": kernel}[args.what](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
