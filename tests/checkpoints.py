@@ -340,3 +340,66 @@ def int8_reference_copy(src, dst) -> pathlib.Path:
             shutil.copy(f, dst / f.name)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
+
+
+def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
+    """`src`'s projections in float8 (e4m3) as FP8 checkpoints are written: {"block": the
+    fine-grained layout of transformers (`weight_scale_inv` per `block`, which need not divide
+    the shapes), "channel": compressed-tensors' (`weight_scale` per output channel, with a static
+    `input_scale` beside it), and "reference-block" / "reference-channel": the float
+    checkpoints of the weights each stands for}. Written once per `root`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, root = pathlib.Path(src), pathlib.Path(root)
+    paths = {kind: root / kind for kind in ("block", "channel", "reference-block", "reference-channel")}
+    if (paths["reference-channel"] / "config.json").exists():
+        return paths
+    config = json.loads((src / "config.json").read_text())
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    out = {kind: {} for kind in paths}
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    for name, w in tensors.items():
+        if not name.endswith("_proj.weight"):
+            for kind in paths:
+                out[kind][name] = w
+            continue
+        w = w.float()
+        n, k = w.shape
+        bn, bk = block
+        blocks = torch.zeros(-(-n // bn), -(-k // bk))
+        for i in range(blocks.shape[0]):
+            for j in range(blocks.shape[1]):
+                blocks[i, j] = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().max() / fmax
+        per_block = blocks.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        q_block = (w / per_block).to(torch.float8_e4m3fn)
+        out["block"][name], out["block"][name + "_scale_inv"] = q_block, blocks
+        rows = w.abs().amax(dim=1, keepdim=True) / fmax
+        q_rows = (w / rows).to(torch.float8_e4m3fn)
+        out["channel"][name], out["channel"][name + "_scale"] = q_rows, rows
+        out["channel"][name.removesuffix("weight") + "input_scale"] = torch.tensor([0.05])
+        out["reference-block"][name] = q_block.float() * per_block
+        out["reference-channel"][name] = q_rows.float() * rows
+    quant = {"block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": list(block)},
+             "channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                         "config_groups": {"group_0": {
+                             "targets": ["Linear"],
+                             "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                         "symmetric": True, "dynamic": False},
+                             "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                   "symmetric": True, "dynamic": False}}},
+                         "ignore": ["lm_head"]}}
+    for kind, path in paths.items():
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(out[kind], path / "model.safetensors", metadata={"format": "pt"})
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+                shutil.copy(f, path / f.name)
+        (path / "config.json").write_text(json.dumps({**config, **({"quantization_config": quant[kind]}
+                                                                   if kind in quant else {})}, indent=2))
+    return paths

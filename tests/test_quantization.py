@@ -1,15 +1,17 @@
-"""--quantization int8: weight-only int8 linear layers quantized as the checkpoint loads.
+"""Quantized weights: --quantization int8 (weight-only, quantized as the checkpoint loads) and
+FP8 checkpoints (dequantised as they load).
 
-The kernel (kernels/csrc/int8_linear.cpp) against float64 on the dequantised weights, on its
-AVX2 and portable paths; the engine token for token against transformers on a copy of the
+The int8 kernel (kernels/csrc/int8_linear.cpp) against float64 on the dequantised weights, on
+its AVX2 and portable paths; the engine token for token against transformers on a copy of the
 checkpoint whose quantized weights are replaced by their dequantised values
-(tests/checkpoints.py int8_reference_copy), eager and with compiled decode."""
+(tests/checkpoints.py int8_reference_copy, fp8_copies): every dense family, compiled decode,
+LoRA, and both FP8 layouts."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import int8_reference_copy
+from checkpoints import fp8_copies, int8_reference_copy
 from oracle import hf_greedy
 from test_engine import GREEDY, assert_pool_free, prompts_of
 
@@ -115,3 +117,22 @@ def test_lora_on_int8_weights_equals_peft_on_the_dequantised_weights(adapters, t
             assert out.outputs[0].token_ids == want, lora
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_checkpoints_load_as_their_dequantised_weights(layout, checkpoint_factory, tmp_path_factory):
+    """A fine-grained FP8 checkpoint (transformers': block scales that do not divide the
+    shapes) and a compressed-tensors one (channel scales, static input scales beside them)
+    give transformers' greedy tokens on the float weights they stand for; with
+    --quantization int8 on top, those of the int8 reference of that float checkpoint."""
+    root = tmp_path_factory.mktemp("fp8")
+    paths = fp8_copies(checkpoint_factory("llama"), root)
+    reference = paths[f"reference-{layout}"]
+    prompts = prompts_of([5, 17])
+    for options, oracle in (({}, reference), ({"quantization": "int8"}, int8_reference_copy(reference, root / f"int8-{layout}"))):
+        llm = LLM(str(paths[layout]), dtype="float32", num_kv_blocks=64, **options)
+        try:
+            for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):
+                assert out.outputs[0].token_ids == hf_greedy(oracle, ids, GREEDY.max_tokens), options
+        finally:
+            llm.shutdown()

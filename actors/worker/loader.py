@@ -14,6 +14,7 @@ from actors.models import model_class
 from actors.models.args import ModelArgs
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from actors.models.llama import rope_tables
+from actors.worker import fp8_checkpoint
 from actors.worker.progress import progress_bar
 from kernels.quantization import quantize_module
 
@@ -97,17 +98,43 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
     # By tensor, not by file: a single-file checkpoint shows progress too.
     bar = progress_bar("loading weights", total=count_tensors(files), unit="tensor")
     try:
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    for rule in _rules(model.weight_rule(name)):
-                        loaded.add(_load_slice(params, rule, f.get_slice(name), name, weight_dtype))
-                    bar.update(1)
+        for name, tensor_slice in checkpoint_tensors(path, files):
+            for rule in _rules(model.weight_rule(name)) if tensor_slice is not None else ():
+                loaded.add(_load_slice(params, rule, tensor_slice, name, weight_dtype))
+            bar.update(1)
     finally:
         bar.close()
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
+
+
+def checkpoint_tensors(path: Path, files: list[Path]):
+    """(name, its lazily sliced tensor) for every tensor of the checkpoint, file by file; a
+    float8 weight comes dequantised with its scale (actors/worker/fp8_checkpoint.py), and the
+    scales themselves come as (name, None)."""
+    where = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    block = fp8_checkpoint.block_size(json.loads((path / "config.json").read_text()))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensor_slice = f.get_slice(name)
+                if tensor_slice.get_dtype() in fp8_checkpoint.FP8_DTYPES:
+                    tensor_slice = fp8_checkpoint.dequantize(f.get_tensor(name), _scale_of(name, where), block)
+                elif fp8_checkpoint.is_scale(name):
+                    tensor_slice = None
+                yield name, tensor_slice
+
+
+def _scale_of(name: str, where: dict) -> torch.Tensor:
+    for scale in (f"{name}_scale_inv", f"{name}_scale"):
+        if scale in where:
+            with safe_open(str(where[scale]), framework="pt") as f:
+                return f.get_tensor(scale)
+    raise ValueError(f"the float8 weight {name!r} has no {name}_scale or {name}_scale_inv in the checkpoint")
 
 
 def count_tensors(files: list[Path]) -> int:
@@ -124,13 +151,11 @@ def load_selected(model: nn.Module, path: Path, rule) -> int:
     a re-planned placement moves onto this rank. Returns how many were read."""
     params = dict(model.named_parameters())
     read = 0
-    for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                targets = _rules(rule(name))
-                for target in targets:
-                    _load_slice(params, target, f.get_slice(name), name, getattr(model, "weight_dtype", None))
-                read += bool(targets)
+    for name, tensor_slice in checkpoint_tensors(path, weight_files(path)):
+        targets = _rules(rule(name)) if tensor_slice is not None else []
+        for target in targets:
+            _load_slice(params, target, tensor_slice, name, getattr(model, "weight_dtype", None))
+        read += bool(targets)
     return read
 
 

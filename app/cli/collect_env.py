@@ -116,7 +116,8 @@ def quantization() -> dict:
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     return {"int8": f"CPU, {'the AVX2 kernel' if wide else 'the portable loop'} (kernels/csrc/int8_linear.cpp); "
                     "no GPU kernel yet",
-            "fp8, awq, gptq, fp8 KV cache": "not supported yet"}
+            "fp8 checkpoints": "loaded as float (dequantised as they load); no FP8 matmuls yet",
+            "fp8 online, awq, gptq, fp8 KV cache": "not supported yet"}
 
 
 def nvidia_smi() -> str | None:

@@ -1,0 +1,43 @@
+"""FP8 checkpoints, read as float: each float8 weight is multiplied by its scale as it loads.
+
+Two layouts are read, as their writers write them:
+- transformers' fine-grained FP8 (`quantization_config.quant_method: "fp8"`, DeepSeek-V3's
+  and Qwen3's FP8 releases): `W.weight` in float8 (e4m3) and `W.weight_scale_inv`, one float32
+  per block of `weight_block_size` ([128, 128]) weights;
+- compressed-tensors `float-quantized` (LLM Compressor's FP8 checkpoints): `W.weight` in
+  float8 and `W.weight_scale`, per output channel ([N, 1]) or one per tensor; `input_scale`
+  (static activation scales) and `k_scale` / `v_scale` are not needed to compute in float.
+
+The model then holds the dequantised weights in its compute dtype (and --quantization int8
+quantizes those again). The FP8 matmuls of a Hopper GPU are not used yet.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".k_scale", ".v_scale")
+
+
+def block_size(config: dict) -> tuple[int, int] | None:
+    """weight_block_size of a fine-grained FP8 checkpoint's config (None: not block-wise)."""
+    q = config.get("quantization_config") or {}
+    block = q.get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def is_scale(name: str) -> bool:
+    return name.endswith(SCALE_SUFFIXES)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """A float8 weight [N, K] (or [N]) times its scale: one per block of `block` weights
+    (`weight_scale_inv` [ceil(N / bn), ceil(K / bk)]), one per output channel ([N, 1] or [N]),
+    or one for the tensor."""
+    w, s = weight.float(), scale.float()
+    if s.numel() == 1:
+        return w * s.reshape(())
+    if block is not None and w.dim() == 2 and s.dim() == 2 and s.shape[1] > 1:
+        (bn, bk), (n, k) = block, w.shape
+        return w * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w * s.reshape(w.shape[0], *([1] * (w.dim() - 1)))
