@@ -31,9 +31,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench_llama_cpp import add_workload_args, convert, drive, start_llama_server, start_shoal, stop, wait_ready
-from checkpoints import make_checkpoint
-from common import workload
+from common import workload  # (first: it puts tests/ on sys.path)
+
+from bench_llama_cpp import add_workload_args, convert, drive, start_llama_server, start_shoal, stop, wait_ready  # noqa: E402,I001
+from checkpoints import make_checkpoint  # noqa: E402
 
 QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096,
