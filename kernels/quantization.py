@@ -79,8 +79,15 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     return _int8_linear(x, packed, scale, bias)
 
 
+def int8_rows(ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the dequantised weight, in `dtype`: an int8 embedding's lookup."""
+    return (packed[ids // PANEL, :, ids % PANEL].float() * scale[ids, None]).to(dtype)
+
+
 def quantize_module(module) -> None:
-    """Replace a linear layer's float weight by its int8 panels and scale (`weight_scale`)."""
+    """Replace a layer's float weight by its int8 panels and scale (`weight_scale`);
+    `out_dtype` keeps the dtype an embedding's lookups return."""
+    module.out_dtype = module.weight.dtype
     packed, scale = quantize_int8(module.weight.data)
     module.weight = torch.nn.Parameter(packed, requires_grad=False)
     module.weight_scale = scale

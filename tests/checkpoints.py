@@ -310,8 +310,8 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
 
 def int8_reference_copy(src, dst) -> pathlib.Path:
     """`src` with every weight that --quantization int8 quantizes (the attention and MLP
-    projections, the LM head) replaced by its dequantised value, and the LM head untied from
-    the embedding (whose lookups stay float): transformers on it computes what the int8 model
+    projections, the LM head, the embedding) replaced by its dequantised value (a tied head
+    written out beside the embedding): transformers on it computes what the int8 model
     should, in float32. Written once per `dst`."""
     import json
     import shutil
@@ -332,7 +332,7 @@ def int8_reference_copy(src, dst) -> pathlib.Path:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     config["tie_word_embeddings"] = False
     for name, t in tensors.items():
-        if name.endswith("_proj.weight") or name == "lm_head.weight":
+        if name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight"):
             tensors[name] = dequantize_int8(*quantize_int8(t)).to(t.dtype)
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     for f in src.iterdir():

@@ -11,10 +11,10 @@ Two proposers:
   A greedy proposal is a function of the context alone, like a lookup's, so the same
   verification keeps the target's distribution.
 
-The scheduler asks `Speculator.propose` for the decoding rows at the start of a step; the target model then computes
-the row's last token and the drafts in one forward, and the sampler keeps the longest prefix
-the target agrees with plus one token of its own (actors/worker/sampler.py). Proposing is
-skipped where it would not pay:
+The scheduler asks `Speculator.propose` for the decoding rows at the start of a step; the
+target model then computes each row's last token and its drafts in one forward, and the
+sampler keeps the longest prefix the target agrees with plus one token of its own
+(actors/worker/sampler.py). Proposing is skipped where it would not pay:
 - per sequence: after proposals it mostly rejected, it waits (2, 4, ... 64 steps) before it
   proposes again, so a request whose output does not copy costs next to nothing;
 - per step: with more than `disable_by_batch_size` sequences running, verifying k more tokens

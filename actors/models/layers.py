@@ -14,6 +14,7 @@ from torch import nn
 
 from actors.distributed.parallel import Parallel
 from kernels.linear import linear
+from kernels.quantization import int8_rows
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -58,14 +59,21 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.p = p
         self.start, rows = vocab_shard(vocab, p)
+        self.rows = rows
         self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.register_buffer("weight_scale", None)  # int8 weights' scales (kernels/quantization.py)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.embedding(ids, self.weight)
+        return int8_rows(ids, self.weight, self.weight_scale, self.out_dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.p.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.rows)
+        x = self.lookup(local.masked_fill(outside, 0))
         return self.p.all_reduce(x.masked_fill(outside[:, None], 0.0))
 
 

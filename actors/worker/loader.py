@@ -12,7 +12,7 @@ from torch import nn
 
 from actors.models import model_class
 from actors.models.args import ModelArgs
-from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.llama import rope_tables
 from actors.worker import fp8_checkpoint
 from actors.worker.progress import progress_bar
@@ -62,11 +62,18 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
 
 
 def quantize_linears(model: nn.Module) -> None:
-    """Every linear layer and the LM head to int8 (a head tied to the embedding gets an int8
-    copy: the embedding's lookups stay float). Experts of MoE models stay float."""
+    """Every linear layer, the LM head and the embedding to int8 (a tied head and embedding
+    share one copy). Experts of MoE models stay float."""
+    done = {}  # the float weight's id -> its int8 panels and scale
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            quantize_module(module)
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, VocabParallelEmbedding)):
+            key = id(module.weight)
+            if key in done:  # tied to one quantized already
+                module.out_dtype = module.weight.dtype
+                module.weight, module.weight_scale = done[key]
+            else:
+                quantize_module(module)
+                done[key] = module.weight, module.weight_scale
 
 
 def weight_files(path: Path) -> list[Path]:

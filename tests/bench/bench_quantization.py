@@ -78,10 +78,11 @@ def speed(args) -> None:
     try:
         args.dtype = "float32"  # llama-server's KV cache (f32), as shoal's
         servers["llama-server Q8_0"] = start_llama_server(args.llama_server, gguf, args)
-        args.shoal_args = f"{base} --quantization int8"
-        servers["shoal int8"] = start_shoal(hf, args)
-        args.dtype, args.shoal_args = "bfloat16", base
-        servers["shoal bf16"] = start_shoal(hf, args)
+        for name, dtype, options in (("shoal int8", "float32", "--quantization int8"), ("shoal bf16", "bfloat16", "")):
+            args.dtype, args.shoal_args = dtype, f"{base} {options}"
+            args.logs = args.root / f"logs-{name.split()[1]}"  # (each server's log file of its own)
+            args.logs.mkdir(exist_ok=True)
+            servers[name] = start_shoal(hf, args)
         for proc, url in servers.values():
             wait_ready(url, proc, timeout=600)
         runs = {name: [] for name in servers}
