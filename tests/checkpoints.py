@@ -271,15 +271,30 @@ def _tokenizer():
     return _TOKENIZER
 
 
+def _write_copy(src: pathlib.Path, dst: pathlib.Path, tensors: dict, config: dict) -> pathlib.Path:
+    """A checkpoint at `dst` of these tensors and config, with `src`'s other files (tokenizer,
+    generation config, chat template)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
 def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
     """A checkpoint of `src` with only the decoder layers `layers` (renumbered), its
     embeddings, final norm, LM head and tokenizer: a draft model for `src` (speculative
     decoding; skipping layers is the self-speculative recipe) that shares its vocabulary.
     Written once per `dst`."""
     import json
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if (dst / "config.json").exists():
@@ -300,12 +315,7 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
                     continue
                 parts[at] = str(renumber[int(parts[at])])
             tensors[".".join(parts)] = t
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, dst / f.name)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return _write_copy(src, dst, tensors, config)
 
 
 def int8_reference_copy(src, dst) -> pathlib.Path:
@@ -314,9 +324,8 @@ def int8_reference_copy(src, dst) -> pathlib.Path:
     written out beside the embedding): transformers on it computes what the int8 model
     should, in float32. Written once per `dst`."""
     import json
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from kernels.quantization import dequantize_int8, quantize_int8
 
@@ -334,12 +343,7 @@ def int8_reference_copy(src, dst) -> pathlib.Path:
     for name, t in tensors.items():
         if name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight"):
             tensors[name] = dequantize_int8(*quantize_int8(t)).to(t.dtype)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, dst / f.name)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return _write_copy(src, dst, tensors, config)
 
 
 def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
@@ -349,9 +353,8 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
     `input_scale` beside it), and "reference-block" / "reference-channel": the float
     checkpoints of the weights each stands for}. Written once per `root`."""
     import json
-    import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     src, root = pathlib.Path(src), pathlib.Path(root)
     paths = {kind: root / kind for kind in ("block", "channel", "reference-block", "reference-channel")}
@@ -396,10 +399,5 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
                          "ignore": ["lm_head"]}}
     for kind, path in paths.items():
         path.mkdir(parents=True, exist_ok=True)
-        save_file(out[kind], path / "model.safetensors", metadata={"format": "pt"})
-        for f in src.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-                shutil.copy(f, path / f.name)
-        (path / "config.json").write_text(json.dumps({**config, **({"quantization_config": quant[kind]}
-                                                                   if kind in quant else {})}, indent=2))
+        _write_copy(src, path, out[kind], {**config, **({"quantization_config": quant[kind]} if kind in quant else {})})
     return paths

@@ -90,23 +90,31 @@ def test_answers_after_an_idle_gap_longer_than_dist_timeout(tp2_server, llama_ck
     assert completion_ids(url, ids) == hf_greedy(llama_ckpt, ids, 10)
 
 
-def test_killed_shard_fails_the_stream_then_the_replica_comes_back(tp2_server, llama_ckpt):
-    url, _, log = tp2_server
+def shard_fault(url: str, log, llama_ckpt, sig: int, detect_bound: float) -> str:
+    """Signal rank 1 mid-stream: the stream ends with engine_dead within `detect_bound` s, then
+    Serve's health check replaces the replica (no operator does anything) and it answers like
+    transformers with a new rank 1. Returns the figures' line."""
     (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
     victim = replica["ranks"][1]["pid"]
-    rest, killed, detected = kill_mid_stream(url, victim, prompts_of([5])[0])
-    errors = stream_errors(rest)
-    assert errors and errors[0]["code"] == "engine_dead", rest[-3:]
-    assert detected < DETECT_BOUND_S
-    assert rest[-1] == "data: [DONE]"
+    try:
+        rest, signalled, detected = kill_mid_stream(url, victim, prompts_of([5])[0], sig)
+        errors = stream_errors(rest)
+        assert errors and errors[0]["code"] == "engine_dead", rest[-3:]
+        assert detected < detect_bound and rest[-1] == "data: [DONE]"
+        ids = prompts_of([13])[0]
+        assert wait_answered(url, ids, 10, log) == hf_greedy(llama_ckpt, ids, 10)
+        recovered = time.monotonic() - signalled
+        (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
+        assert replica["engine_alive"] and replica["ranks"][1]["pid"] != victim
+        return f"stream failed after {detected:.1f} s, answered again after {recovered:.1f} s"
+    finally:  # (Serve kills the old replica's shards; a stopped one that outlived it goes here)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
 
-    # Serve's health check replaces the replica; no operator does anything.
-    ids = prompts_of([13])[0]
-    assert wait_answered(url, ids, 10, log) == hf_greedy(llama_ckpt, ids, 10)
-    recovered = time.monotonic() - killed
-    (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
-    assert replica["engine_alive"] and replica["ranks"][1]["pid"] != victim
-    print(f"dead shard: stream failed after {detected:.1f} s, answered again after {recovered:.1f} s")
+
+def test_killed_shard_fails_the_stream_then_the_replica_comes_back(tp2_server, llama_ckpt):
+    url, _, log = tp2_server
+    print("dead shard:", shard_fault(url, log, llama_ckpt, signal.SIGKILL, DETECT_BOUND_S))
 
 
 def test_hung_shard_fails_the_stream_then_the_replica_comes_back(tp2_server, llama_ckpt):
@@ -114,22 +122,7 @@ def test_hung_shard_fails_the_stream_then_the_replica_comes_back(tp2_server, lla
     step's collective timing out at --dist-timeout: the stream ends with engine_dead, and the
     replica is replaced as for a killed shard."""
     url, _, log = tp2_server
-    (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
-    victim = replica["ranks"][1]["pid"]
-    try:
-        rest, stopped, detected = kill_mid_stream(url, victim, prompts_of([5])[0], signal.SIGSTOP)
-        errors = stream_errors(rest)
-        assert errors and errors[0]["code"] == "engine_dead", rest[-3:]
-        assert detected < DIST_TIMEOUT_S + DETECT_BOUND_S and rest[-1] == "data: [DONE]"
-        ids = prompts_of([13])[0]
-        assert wait_answered(url, ids, 10, log) == hf_greedy(llama_ckpt, ids, 10)
-        recovered = time.monotonic() - stopped
-        (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
-        assert replica["engine_alive"] and replica["ranks"][1]["pid"] != victim
-        print(f"hung shard: stream failed after {detected:.1f} s, answered again after {recovered:.1f} s")
-    finally:  # (Serve kills the old replica's shards; a stopped one that outlived it goes here)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
+    print("hung shard:", shard_fault(url, log, llama_ckpt, signal.SIGSTOP, DIST_TIMEOUT_S + DETECT_BOUND_S))
 
 
 def test_sigterm_stops_every_process(tp2_server):

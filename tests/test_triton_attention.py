@@ -223,7 +223,7 @@ def test_moe_decode_graphs_need_the_fused_path(monkeypatch):
     args = SimpleNamespace(moe=object(), norms="pre", residual_scale=1.0)  # ModelArgs' fields
     cuda = torch.device("cuda")
     for backend, graphs in (("triton", True), ("native", False)):
-        spec = SimpleNamespace(args=args, attn_backend=backend, dtype=torch.bfloat16)
+        spec = SimpleNamespace(args=args, attn_backend=backend, dtype=torch.bfloat16, quantization=None)
         choice = kernel_choice.choose(EngineConfig(), spec, cuda, world_size=1, lora=False)
         assert (choice.decode == "cuda-graphs") == graphs, choice
 

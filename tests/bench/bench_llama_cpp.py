@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 
 import httpx
-from checkpoints import make_checkpoint
-from common import workload  # noqa: F401  (sets HF offline, puts tests/ on sys.path)
+from common import workload  # noqa: F401,I001  (first: sets HF offline, puts tests/ on sys.path)
+
+from checkpoints import make_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # ~25M parameters: 8 layers of 2.4M (GQA 8/4 heads, MLP 1024) + 8.2M embedding and LM head.
