@@ -124,6 +124,7 @@ class Speculator:
     num_pauses: int = 0
     proposing_seconds: float = 0.0  # spent in the proposer since the last observed step
     drafted_since_plain: int = 0  # drafted steps since the last timed plain one
+    compared_steps: int = COMPARED_STEPS  # drafted steps set against plain ones per verdict
     # NgramProposer, or the engine's DraftModel: propose(rows) and forget(seq id)
     proposer: object = None
 
@@ -169,7 +170,7 @@ class Speculator:
         self.drafted_seconds += seconds
         self.plain_equivalent += emitted / rows * plain
         self.compared += 1
-        if self.compared < COMPARED_STEPS:
+        if self.compared < self.compared_steps:
             return
         if self.drafted_seconds > self.plain_equivalent:
             self.pause = min(MAX_PAUSE, max(FIRST_PAUSE, 2 * self.pause))
