@@ -98,7 +98,7 @@ class Scheduler:
             if self._outgrows_pool(seq):
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            draft = self._draft(seq, budget, proposals) if n == 1 and not seq.pending else []
+            draft = self._draft(seq, budget, proposals) if proposals and n == 1 and not seq.pending else []
             if draft:
                 self.blocks.allocate(seq, seq.num_computed_tokens + 1 + len(draft))
                 scheduled.append(_scheduled(seq, 1, draft))
