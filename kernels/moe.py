@@ -23,6 +23,32 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights, ids
 
 
+def route_grouped(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str,
+                  group_score: str | None, n_group: int, topk_group: int, score_bias: torch.Tensor | None,
+                  scale: float):
+    """DeepSeek's routing, as transformers computes it: (weights [T, k] float32, expert ids [T, k]).
+
+    Scores are the softmax (V2) or sigmoid (V3) of the float32 logits. With group_score, only the
+    experts of each token's topk_group best groups stay eligible, a group scored by its best
+    expert ("max", V2; the rest masked to 0) or the sum of its best two ("top2", V3; masked to
+    -inf). V3 chooses by score + score_bias but weighs by the score alone. The weights are
+    optionally renormalised, then multiplied by `scale`."""
+    logits = router_logits.float()
+    scores = torch.softmax(logits, -1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if group_score is not None:
+        grouped = choice.view(-1, n_group, choice.shape[-1] // n_group)
+        best = grouped.max(-1).values if group_score == "max" else grouped.topk(2, -1).values.sum(-1)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(topk_group, -1).indices, 1.0).bool()
+        keep = keep[:, :, None].expand_as(grouped).reshape_as(choice)
+        choice = choice.masked_fill(~keep, 0.0 if group_score == "max" else float("-inf"))
+    ids = choice.topk(top_k, -1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def _rank_within_expert(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     """For each assignment, how many earlier assignments (in token order) chose the same expert."""
     order = torch.argsort(flat, stable=True)

@@ -14,7 +14,7 @@ import torch
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4")
+         "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "deepseek_v2", "deepseek_v3")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -147,6 +147,10 @@ def _rope_parameters(cfg: dict) -> dict:
     return rope
 
 
+# (num_key_value_heads: transformers repeats DeepSeek's K/V by heads / it, so it must equal the heads)
+_DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, n_group=4, topk_group=2)
 # Each family's twists, set so they change the output of a tiny model: windows shorter than the
 # test prompts, soft-caps the scores reach, multipliers far from 1, partial rotary.
 FAMILY_DEFAULTS = {
@@ -165,13 +169,22 @@ FAMILY_DEFAULTS = {
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
                     logits_scaling=2.0),
     "glm4": dict(head_dim=16),
+    # V2-Lite's shape scaled down (no query compression, softmax routing over expert groups, a
+    # dense first layer) and V3's (query compression, sigmoid + bias routing, renormalised and
+    # scaled weights). A latent of 32 + a rope key of 16: a 48-wide cache entry per token and layer.
+    # (V2 picks from 1 of 2 groups: with top-2 of the best 2 groups, a group's best expert
+    # scoring it, the pick would be the plain top-2 whatever the groups)
+    "deepseek_v2": dict(**{**_DEEPSEEK, "n_group": 2, "topk_group": 1}, q_lora_rank=None, n_shared_experts=2,
+                        topk_method="group_limited_greedy", routed_scaling_factor=1.5),
+    "deepseek_v3": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
+                        routed_scaling_factor=2.5),
 }
 
 
 def _config(arch: str, vocab_size: int, overrides: dict):
-    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4Config, GraniteConfig, LlamaConfig,
-                              MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4Config,
+                              GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), "vocab_size": vocab_size,
            **overrides}
@@ -200,7 +213,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         cfg.setdefault("head_dim", 32)
         return Qwen3MoeConfig(**common, **cfg)
     families = {"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config,
-                "granite": GraniteConfig, "glm4": Glm4Config}
+                "granite": GraniteConfig, "glm4": Glm4Config, "deepseek_v2": DeepseekV2Config,
+                "deepseek_v3": DeepseekV3Config}
     if arch in families:
         return families[arch](**common, **cfg)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -219,6 +233,9 @@ def _init_weights(model, seed: int, std: float) -> None:
                 param.copy_(0.1 * noise)
             else:
                 param.copy_(std * noise)
+        for name, buffer in sorted(model.named_buffers()):  # DeepSeek-V3's routing bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
 
 
 def make_checkpoint(path, arch: str = "llama", *, sharded: bool = False, seed: int = SEED,

@@ -1,4 +1,5 @@
-"""The families built on the Llama block (actors/models/llama.py) against transformers, float32:
+"""The families built on the Llama block (actors/models/llama.py; DeepSeek's latent attention and
+MoE too, actors/models/deepseek.py) against transformers, float32:
 greedy tokens equal and prompt log-probs within 1e-4, through chunked prefill, a prefix-cache
 hit and prompts and generations longer than the sliding window, at tp=1 (in process) and tp=2
 (Ray shard actors). Each tiny checkpoint turns its family's twists up so they change the
@@ -28,6 +29,8 @@ FAMILIES = {
     "olmo2": {},
     "granite": {},
     "glm4": {},
+    "deepseek_v2": {},  # MLA and DeepSeek's MoE: also tests/test_deepseek.py
+    "deepseek_v3": {},
     # sliding windows the configs of older families carry
     "mistral-window": dict(arch="mistral", sliding_window=8),
     "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
@@ -118,11 +121,18 @@ def local_ray():
 @pytest.mark.parametrize("name,options", [
     ("gemma2", {}), ("gemma3", {}), ("phi3", {}), ("granite", {}), ("glm4", {}),
     ("olmo2", dict(num_key_value_heads=1)),  # its all-heads k norm with the one KV head on both ranks
-], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1"])
+    ("deepseek_v2", {}),  # heads split, the latent cache on both ranks, each routed expert split by width
+], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "deepseek_v2"])
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)
     check(path, tp_size=2, shard_cpus=0.5)
+
+
+@pytest.mark.slow
+def test_deepseek_at_pp2_matches_transformers(local_ray, checkpoint_factory):
+    """Two pipeline stages of DeepSeek-V3's three layers: each stage's latent caches and MoE layers."""
+    check(checkpoint(checkpoint_factory, "deepseek_v3"), pp_size=2, shard_cpus=0.5)
 
 
 def test_a_generation_far_past_the_window_holds_a_window_of_blocks(checkpoint_factory):
@@ -181,8 +191,8 @@ def check_served(url, name, path, ids, answer):
 def test_shoal_serve_runs_the_ray_serve_llm_config_with_every_family_and_an_embedder(
         checkpoint_factory, llama_ckpt, tmp_path):
     """`shoal serve --config serve_configs/ray-serve-llm.yaml` (Ray Serve LLM's llm_configs
-    shape), its one entry turned into six models in one application, one LLMServer pool each
-    behind one ingress: the five families not run through `shoal serve` elsewhere (Gemma 2:
+    shape), its one entry turned into seven models in one application, one LLMServer pool each
+    behind one ingress: the six families not run through `shoal serve` elsewhere (Gemma 2:
     tests/test_compiled_decode.py) and an embedding model (a Llama with mean pooling,
     normalised, as its sentence-transformers files say). A request's `model` picks the pool:
     each family gets check_served's answers (its chat template, generation_config.json's
@@ -202,7 +212,7 @@ def test_shoal_serve_runs_the_ray_serve_llm_config_with_every_family_and_an_embe
     from test_embeddings import reference, write_sentence_transformers
 
     repo = Path(__file__).resolve().parent.parent
-    families = ["gemma3", "phi3", "olmo2", "granite", "glm4"]
+    families = ["gemma3", "phi3", "olmo2", "granite", "glm4", "deepseek_v3"]
     served = {name: served_checkpoint(checkpoint_factory, tmp_path, name) for name in families}
     embedder = shutil.copytree(llama_ckpt, tmp_path / "embedder")
     write_sentence_transformers(embedder, "mean", normalize=True)
@@ -212,7 +222,7 @@ def test_shoal_serve_runs_the_ray_serve_llm_config_with_every_family_and_an_embe
     args = config["applications"][0]["args"]
     entry = args["llm_configs"][0]
     entry["engine_kwargs"].update(max_model_len=256, num_gpu_blocks_override=64)
-    entry["placement_group_config"]["bundles"] = [{"CPU": 0.25}]  # six models on two cores
+    entry["placement_group_config"]["bundles"] = [{"CPU": 0.2}]  # seven models on two cores
     args.update(replica_cpus=0.04, ingress_cpus=0.04)
     models = {**{n: p for n, (p, _, _) in served.items()}, "tiny-embed": embedder}
     args["llm_configs"] = [{**copy.deepcopy(entry), "model_loading_config": {"model_id": name, "model_source": str(p)}}

@@ -1,21 +1,38 @@
 """The shape of a decoder, read from a Hugging Face config (transformers 4.x or 5.x spelling)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a token picks its experts. Defaults: softmax, then the top k (Mixtral, Qwen-MoE)."""
+    scoring: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    # Grouped top-k (DeepSeek): experts come in n_group groups and a token only picks from its
+    # topk_group best groups, a group scored by its best expert ("max", V2) or best two ("top2", V3).
+    group_score: str | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    score_bias: bool = False  # V3: a learned bias steers the choice, not the weights
+    scale: float = 1.0  # routed_scaling_factor: the chosen weights are multiplied by it
 
 
 @dataclass
 class MoeArgs:
-    """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek)."""
     num_experts: int
     top_k: int
     intermediate_size: int  # of each routed expert
-    shared_intermediate_size: int  # Qwen2-MoE's always-on shared expert; 0: none
+    shared_intermediate_size: int  # the always-on shared expert(s) (Qwen2-MoE, DeepSeek); 0: none
     renormalize: bool  # rescale the top-k router weights to sum to 1
     sparse_step: int  # every sparse_step-th layer is a MoE layer ...
     dense_layers: tuple[int, ...]  # ... except these, which keep a dense MLP
+    routing: Routing = Routing()
+    shared_gate: bool = True  # Qwen2-MoE gates its shared expert by a sigmoid; DeepSeek adds it as is
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -25,12 +42,48 @@ class MoeArgs:
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # either spelling, by version
         if arch == "MixtralForCausalLM":  # every layer is sparse; top-k always renormalised
             return cls(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], 0, True, 1, ())
+        if arch in DEEPSEEK_ARCHS:
+            return deepseek_moe(arch, cfg)
         if arch not in MOE_ARCHS:
             return None
         return cls(experts, cfg.get("num_experts_per_tok", 4), cfg["moe_intermediate_size"],
                    cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0,
                    bool(cfg.get("norm_topk_prob", False)), cfg.get("decoder_sparse_step", 1) or 1,
                    tuple(cfg.get("mlp_only_layers") or ()))
+
+
+def deepseek_moe(arch: str, cfg: dict) -> MoeArgs:
+    """DeepSeek's MoE as transformers reads it: the first first_k_dense_replace layers dense, shared
+    experts beside the routed ones; V2 scores by softmax (grouped by each group's best expert
+    under "group_limited_greedy") and never renormalises; V3 by sigmoid, grouped by each group's
+    best two, with a bias on the choice."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
+    routing = Routing(scoring="sigmoid" if v3 else "softmax",
+                      group_score=("top2" if v3 else "max") if grouped else None,
+                      n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1, score_bias=v3,
+                      scale=float(cfg.get("routed_scaling_factor") or 1.0))
+    width, shared = cfg["moe_intermediate_size"], cfg.get("n_shared_experts") or 0
+    return MoeArgs(cfg["n_routed_experts"], cfg["num_experts_per_tok"], width, width * shared,
+                   v3 and bool(cfg.get("norm_topk_prob")), 1, tuple(range(cfg.get("first_k_dense_replace") or 0)),
+                   routing, shared_gate=False)
+
+
+@dataclass(frozen=True)
+class MlaArgs:
+    """DeepSeek's multi-head latent attention. Keys and values are rebuilt per head from one
+    latent vector per token (kv_lora_rank wide) and a rotary key shared by all heads: those two
+    are all the KV cache holds."""
+    q_lora_rank: int | None  # the query's own low-rank step (V3); None: straight from the hidden state
+    kv_lora_rank: int
+    nope_dim: int  # per head: the query/key channels without rotary ...
+    rope_dim: int  # ... and with it
+    v_dim: int
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "MlaArgs":
+        return cls(cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                   cfg["v_head_dim"])
 
 
 DENSE_ARCHS = (
@@ -81,10 +134,18 @@ class ModelArgs:
     logits_divisor: float = 1.0  # Granite: logits / logits_scaling
     activation: str = "silu"  # of the gated MLP: silu | gelu_tanh (Gemma's GeGLU)
     norms: str = "pre"  # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2)
+    mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
+
+    @property
+    def kv_planes(self) -> int:
+        """Tensors cached per layer: K and V, or MLA's one latent (its values are its first channels)."""
+        return 1 if self.mla else 2
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelArgs":
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch in DEEPSEEK_ARCHS:
+            return deepseek_args(arch, cfg)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -127,6 +188,33 @@ class ModelArgs:
             norms="sandwich" if gemma or arch == "Glm4ForCausalLM" else "post" if arch == "Olmo2ForCausalLM"
             else "pre",
         )
+
+
+def deepseek_args(arch: str, cfg: dict) -> ModelArgs:
+    """DeepSeek-V2 / V3: MLA, dense first layers, then MoE with shared experts. The rotary part
+    of each head rotates interleaved pairs (V2 always, V3 unless rope_interleave is off); the
+    score scale is the whole query/key head's, times YaRN's mscale squared."""
+    mla = MlaArgs.from_hf(cfg)
+    rope, _ = ropes(arch, cfg, mla.rope_dim)
+    interleaved = arch == "DeepseekV2ForCausalLM" or cfg.get("rope_interleave", True)
+    scale = (mla.nope_dim + mla.rope_dim) ** -0.5
+    mscale_all_dim = (rope.scaling or {}).get("mscale_all_dim")
+    if rope.scaling and mscale_all_dim:
+        scale *= yarn_mscale(rope.scaling["factor"], mscale_all_dim) ** 2
+    return ModelArgs(
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+        num_heads=cfg["num_attention_heads"], num_kv_heads=1, head_dim=mla.kv_lora_rank + mla.rope_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope=Rope(rope.theta, rope.scaling, rope.dim, bool(interleaved)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=None, mlp_bias=False, moe=MoeArgs.from_hf(arch, cfg), layer_windows=(None,) * cfg["num_hidden_layers"],
+        attn_scale=scale, activation=gated_activation(cfg.get("hidden_act") or "silu"), mla=mla)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def gated_activation(name: str) -> str:

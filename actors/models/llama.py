@@ -144,9 +144,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs, p: Parallel, mlp: nn.Module, layer: int):
+    def __init__(self, a: ModelArgs, p: Parallel, attn: nn.Module, mlp: nn.Module):
         super().__init__()
-        self.self_attn = Attention(a, p, layer)
+        self.self_attn = attn
         self.mlp = mlp
         norm = lambda: RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)  # noqa: E731
         self.input_layernorm = norm() if a.norms != "post" else None
@@ -187,11 +187,11 @@ def _norm(norm, x):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: ModelArgs, p: Parallel, make_mlp):
+    def __init__(self, a: ModelArgs, p: Parallel, make_attention, make_mlp):
         super().__init__()
         if p.first_stage:
             self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, p)
-        self.layers = nn.ModuleList(DecoderLayer(a, p, make_mlp(i), i) for i in p.layers(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, p, make_attention(i), make_mlp(i)) for i in p.layers(a.num_layers))
         if p.last_stage:
             self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
 
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, p: Parallel | None = None):
         super().__init__()
         self.args, self.p = args, p or Parallel()
-        self.model = LlamaModel(args, self.p, self.make_mlp)
+        self.model = LlamaModel(args, self.p, self.make_attention, self.make_mlp)
         self.first_layer = self.p.layers(args.num_layers).start
         self.fused_norm = triton_fused.enabled()  # the final norm, on steps of the Triton backend
         if self.p.last_stage:
@@ -211,6 +211,10 @@ class LlamaForCausalLM(nn.Module):
             if rope:
                 self.register_buffer(f"{name}_cos", torch.empty(max_positions, rope.dim), persistent=False)
                 self.register_buffer(f"{name}_sin", torch.empty(max_positions, rope.dim), persistent=False)
+
+    def make_attention(self, layer: int) -> nn.Module:
+        """The attention of (global) layer `layer`; DeepSeek puts its latent attention here."""
+        return Attention(self.args, self.p, layer)
 
     def make_mlp(self, layer: int) -> nn.Module:
         """The feed-forward block of (global) layer `layer`; MoE models put their experts here."""

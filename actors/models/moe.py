@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE.
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE, and the
+MoE half of DeepSeek (shared experts, grouped routing; its attention: actors/models/deepseek.py).
 
 The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
 Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/models/eplb.py):
@@ -15,12 +16,12 @@ import torch
 from torch import nn
 
 from actors.distributed.parallel import Parallel
-from actors.models.args import ModelArgs
+from actors.models.args import ModelArgs, Routing
 from actors.models.eplb import initial_placement
 from actors.models.llama import LlamaForCausalLM
 from kernels import triton_fused, triton_moe
 from kernels.activation import silu_and_mul
-from kernels.moe import grouped_experts, route, spread_over_replicas
+from kernels.moe import grouped_experts, route, route_grouped, spread_over_replicas
 
 # Checkpoint names of an expert's projections -> which part of our fused weights they fill.
 EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -36,9 +37,17 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(slots, hidden, width))
 
 
+class Router(nn.Linear):
+    """One logit per expert. DeepSeek-V3's bias steers which experts are chosen, not their weights."""
+
+    def __init__(self, hidden: int, experts: int, score_bias: bool):
+        super().__init__(hidden, experts, bias=False)
+        self.register_parameter("e_score_correction_bias", nn.Parameter(torch.empty(experts)) if score_bias else None)
+
+
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's always-on expert, TP-sharded like the dense MLP, but without an all-reduce
-    of its own: its partial sum joins the block's."""
+    """The always-on expert (Qwen2-MoE; DeepSeek's shared experts as one wider one), TP-sharded
+    like the dense MLP, but without an all-reduce of its own: its partial sum joins the block's."""
 
     def __init__(self, hidden: int, width: int):
         super().__init__()
@@ -63,6 +72,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         m, ep = a.moe, p.ep_size
         self.p, self.top_k, self.renormalize, self.num_experts = p, m.top_k, m.renormalize, m.num_experts
+        self.routing = m.routing
         slots = m.num_experts + p.redundant_experts
         if slots % ep or p.redundant_experts > m.num_experts * (ep - 1):
             raise ValueError(f"{m.num_experts} experts + {p.redundant_experts} redundant must split evenly over "
@@ -72,11 +82,12 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"tensor parallel size {p.tp_size} must divide the expert width "
                              f"({m.intermediate_size}) and the shared expert width ({m.shared_intermediate_size})")
         self.width, self.slots_per_rank = m.intermediate_size // tp_width, slots // ep
-        self.gate = nn.Linear(a.hidden_size, m.num_experts, bias=False)  # the router, on every rank
+        self.gate = Router(a.hidden_size, m.num_experts, m.routing.score_bias)  # on every rank
         self.experts = Experts(self.slots_per_rank, a.hidden_size, self.width)
         self.shared_expert = self.shared_expert_gate = None
         if m.shared_intermediate_size:
             self.shared_expert = SharedExpert(a.hidden_size, m.shared_intermediate_size // p.tp_size)
+        if m.shared_intermediate_size and m.shared_gate:
             self.shared_expert_gate = nn.Linear(a.hidden_size, 1, bias=False)
         self.load, self.load_index = None, 0  # an ExpertLoad recorder, attached by the runner
         self.graph_ids: torch.Tensor | None = None  # choices made inside a CUDA graph, recorded after replays
@@ -108,15 +119,26 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """fused (steps of the Triton backend): the experts through kernels/triton_moe.py, which
         never waits for the GPU, so a decode step with this block can be a CUDA graph."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self._route(x)
         if self.load is not None:
             self._record(ids)
         e = self.experts
         experts = triton_moe.grouped_experts if fused else grouped_experts
         y = experts(x, weights, self._local_ids(ids), e.gate_up_proj, e.down_proj)
-        if self.shared_expert is not None:  # the gate is replicated: gating each rank's part is exact
+        if self.shared_expert_gate is not None:  # the gate is replicated: gating each rank's part is exact
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, fused)
+        elif self.shared_expert is not None:
+            y = y + self.shared_expert(x, fused)
         return self.p.all_reduce(y)
+
+    def _route(self, x: torch.Tensor):
+        r = self.routing
+        if r == Routing():
+            return route(self.gate(x), self.top_k, self.renormalize)
+        # DeepSeek's router runs in float32 whatever the model's dtype, as transformers keeps it
+        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
+        return route_grouped(logits, self.top_k, self.renormalize, r.scoring, r.group_score, r.n_group,
+                             r.topk_group, self.gate.e_score_correction_bias, r.scale)
 
     def _record(self, ids: torch.Tensor) -> None:
         """The routed load, for /stats and re-planning. Inside a CUDA graph the choices go to a
@@ -152,7 +174,7 @@ class SparseMoeBlock(nn.Module):
                 return None  # an expert held by another rank
             start = 0 if self.p.expert_parallel else self.p.tp_rank * self.width
             return _ffn_rule("experts.", "", EXPERT_PROJ[m.group(2)], start, self.width, slots[0])
-        m = re.match(r"shared_expert\.(\w+)\.weight$", rest)
+        m = re.match(r"shared_experts?\.(\w+)\.weight$", rest)  # DeepSeek: shared_experts
         if only is not None:
             return None
         if m:

@@ -1,6 +1,7 @@
-"""Every layer's KV cache as views of one pool tensor [layers, 2, blocks x block size, KV
+"""Every layer's KV cache as views of one pool tensor [layers, planes, blocks x block size, KV
 heads, head dim]: allocated once per rank (actors/worker/model_runner.py), and small for the
-decode compile job (actors/worker/compile_job.py)."""
+decode compile job (actors/worker/compile_job.py). Planes: K and V, or MLA's one latent plane
+(ModelArgs.kv_planes), which a layer sees as both its K and its V cache."""
 from __future__ import annotations
 
 import mmap
@@ -16,7 +17,7 @@ def bind_kv_cache(model, blocks: int | None, block_size: int, dtype: torch.dtype
     layers = model.model.layers
     pool = None
     if blocks is not None:
-        shape = (len(layers), 2, blocks * block_size, local_kv_heads(model), model.args.head_dim)
+        shape = (len(layers), model.args.kv_planes, blocks * block_size, local_kv_heads(model), model.args.head_dim)
         if device.type == "cpu":
             nbytes = dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
             pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -25,7 +26,7 @@ def bind_kv_cache(model, blocks: int | None, block_size: int, dtype: torch.dtype
             pool = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        attn.k_cache, attn.v_cache = (None, None) if pool is None else (pool[i, 0], pool[i, 1])
+        attn.k_cache, attn.v_cache = (None, None) if pool is None else (pool[i, 0], pool[i, -1])
     return pool
 
 

@@ -137,7 +137,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one KV block on this rank (its layers, its KV heads), with the draft
         model's block beside it (the pools are sized together)."""
-        per_token = 2 * self._local_kv_heads() * self.args.head_dim * self.dtype.itemsize
+        per_token = self.args.kv_planes * self._local_kv_heads() * self.args.head_dim * self.dtype.itemsize
         return per_token * len(self.model.model.layers) * self.block_size + self.draft_block_bytes
 
     def _local_kv_heads(self) -> int:

@@ -54,6 +54,8 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")
     if config.quantization and cuda:
         raise ValueError(f"--quantization {config.quantization} runs on CPU only so far (no GPU kernel yet)")
+    if config.enable_lora and args.mla:
+        raise ValueError(f"LoRA adapters are not supported for {args.architecture} (latent attention) yet")
     backend, library = attention_backend(config, dtype, args.head_dim)
     if cuda:
         log.info("attention backend %s%s, dtype %s", backend, f" ({library})" if library else "",
