@@ -62,13 +62,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add("--log-requests", type=int, choices=[0, 1, 2, 3],
         help="0: a line per request, 1: + sampling params, 2: + text, 3: + whole text")
     add("--tool-call-parser", metavar="NAME",
-        help="tool-call format: hermes (qwen), llama3_json, mistral, gemma, json "
-             "(default: the one the model's config.json declares, else from the chat template)")
+        help="tool-call format: hermes (qwen), llama3_json, mistral, gemma, json, harmony "
+             "(openai: gpt-oss) (default: the one the model's config.json declares, else from "
+             "the chat template)")
     add("--enable-auto-tool-choice", action="store_true",
         help="accepted for vLLM compatibility: tool_choice \"auto\" is always on")
     add("--reasoning-parser", metavar="NAME",
-        help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1 or none "
-             "(default: the model's config.json, else its family's: Qwen3 -> qwen3)")
+        help="split reasoning into reasoning_content: qwen3, deepseek_r1 (<think>), harmony "
+             "(openai_gptoss: gpt-oss's analysis channel) or none (default: the model's "
+             "config.json, else its family's: Qwen3 -> qwen3, gpt-oss -> harmony)")
     add("--generation-config", choices=list(GENERATION_CONFIG_CHOICES),
         help="auto (default): requests that leave temperature, top_p, top_k, min_p or "
              "repetition_penalty unset get the model's generation_config.json values; vllm: not")

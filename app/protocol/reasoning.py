@@ -12,16 +12,20 @@ gives the same split whatever the chunking.
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
+HARMONY = "harmony"  # gpt-oss's analysis channel: read by app/protocol/harmony.py, not here
+PARSERS = ("qwen3", "deepseek_r1", HARMONY)
+ALIASES = {"openai_gptoss": HARMONY, "gpt_oss": HARMONY, "openai": HARMONY}  # vLLM: openai_gptoss
 
 START, REASONING, CONTENT = "start", "reasoning", "content"
 
 
 def reasoning_parser_name(name: str | None) -> str | None:
-    """The canonical parser name (deepseek-r1 -> deepseek_r1); ValueError for unknown ones."""
+    """The canonical parser name (deepseek-r1 -> deepseek_r1, openai_gptoss -> harmony);
+    ValueError for unknown ones."""
     if not name or name.lower() == "none":  # none: off, even for a model that declares one
         return None
     key = name.lower().replace("-", "_")
+    key = ALIASES.get(key, key)
     if key not in PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}; choose from {', '.join(PARSERS)}")
     return key

@@ -153,7 +153,9 @@ def chat_message(out, plan: OutputPlan | None) -> tuple[ResponseMessage, str | N
     calls = [ToolCall(id=random_id("call_"),
                       function=FunctionCall(name=c.name, arguments=c.arguments))
              for c in parsed.calls]
-    message = ResponseMessage(content=parsed.content or (None if calls else ""),
+    # No content: null beside calls, and for harmony when no final message came (as vLLM).
+    absent = None if calls or plan.channels is not None else ""
+    message = ResponseMessage(content=parsed.content or absent,
                               reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
     return message, ("tool_calls" if calls else out.finish_reason)
 

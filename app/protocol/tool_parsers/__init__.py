@@ -5,7 +5,7 @@ tells: the markup it teaches the model is the markup the model writes.
 """
 from __future__ import annotations
 
-from app.protocol.tool_parsers import gemma, hermes, json_calls, llama3_json, mistral
+from app.protocol.tool_parsers import gemma, harmony, hermes, json_calls, llama3_json, mistral
 from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat
 from app.protocol.tool_parsers.scanner import ScanResult, ToolCallScanner
 
@@ -16,13 +16,14 @@ FORMATS: dict[str, ToolFormat] = {
     "mistral": mistral.FORMAT,
     "gemma": gemma.FORMAT, "pythonic": gemma.FORMAT,
     "json": json_calls.FORMAT, "generic": json_calls.FORMAT,
+    "harmony": harmony.FORMAT, "openai": harmony.FORMAT, "gpt_oss": harmony.FORMAT,
 }
 JSON_FORMAT = json_calls.FORMAT
 
 # Markup in a chat template -> the format its model writes (first match wins).
-TEMPLATE_HINTS = (("<tool_call>", hermes.FORMAT), ("[TOOL_CALLS]", mistral.FORMAT),
-                  ("tool_code", gemma.FORMAT), ("<|python_tag|>", llama3_json.FORMAT),
-                  ("ipython", llama3_json.FORMAT))
+TEMPLATE_HINTS = (("<|channel|>", harmony.FORMAT), ("<tool_call>", hermes.FORMAT),
+                  ("[TOOL_CALLS]", mistral.FORMAT), ("tool_code", gemma.FORMAT),
+                  ("<|python_tag|>", llama3_json.FORMAT), ("ipython", llama3_json.FORMAT))
 
 
 def parser_names() -> list[str]:

@@ -30,6 +30,8 @@ class ToolFormat:
     call_end: str = ""
     separator: str = "\n"  # between forced calls
     wrap: tuple[str, str] = ("", "")  # around all forced calls
+    quote_name: bool = True  # {name} in call_begin as a JSON string; False: as it is (harmony)
+    channels: bool = False  # harmony: the output is channel messages (app/protocol/harmony.py)
 
 
 # Lenient about raw control characters in strings: models (and grammars) let them through.
@@ -98,7 +100,7 @@ def parameters_schema(tool) -> dict:
 
 def forced_calls_tag(fmt: ToolFormat, tools: list, single: bool) -> dict:
     """xgrammar structural tag: one call (single) or one or more, to the given tools only."""
-    tags = [{"type": "tag", "begin": fmt.call_begin.replace("{name}", dumps(t.function.name)),
+    tags = [{"type": "tag", "begin": fmt.call_begin.replace("{name}", _spelled(fmt, t.function.name)),
              "content": {"type": "json_schema", "json_schema": parameters_schema(t)},
              "end": fmt.call_end} for t in tools]
     if len(tags) == 1 and single:
@@ -109,6 +111,10 @@ def forced_calls_tag(fmt: ToolFormat, tools: list, single: bool) -> dict:
     if fmt.wrap != ("", ""):
         body = {"type": "sequence", "elements": [const(fmt.wrap[0]), body, const(fmt.wrap[1])]}
     return {"type": "structural_tag", "format": body}
+
+
+def _spelled(fmt: ToolFormat, name: str) -> str:
+    return dumps(name) if fmt.quote_name else name
 
 
 def const(text: str) -> dict:
