@@ -42,7 +42,7 @@ def chat_prompt(served: Served, body: ChatCompletionRequest) -> tuple[str, list[
     tools = body.tools if tools_in_use(body) else None
     try:
         return render_chat_prompt(served.tokenizer, body.messages, tools,
-                                  body.add_generation_prompt, body.chat_template_kwargs,
+                                  body.add_generation_prompt, body.template_kwargs(),
                                   served.settings.disable_thinking)
     except ValueError as exc:  # the template refused these messages
         raise bad_request(exc, param="messages") from None

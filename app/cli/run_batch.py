@@ -101,7 +101,7 @@ def prompt_ids(llm, item: BatchItem, opts: BatchOptions) -> list[list[int]]:
         text, ids = render_chat_prompt(llm.tokenizer, request.messages,
                                        request.tools if tools_in_use(request) else None,
                                        request.add_generation_prompt,
-                                       request.chat_template_kwargs, opts.disable_thinking)
+                                       request.template_kwargs(), opts.disable_thinking)
         item.plan = plan_output(opts, llm.tokenizer, request, text)
         return [ids]
     return [llm.encode(prompt) for prompt in request.prompts()]

@@ -48,7 +48,8 @@ def _apply(tokenizer, messages, tools, add_generation_prompt, kwargs) -> str:
 
 
 def message_dict(message) -> dict[str, Any]:
-    """A plain dict for the template: text parts joined, tool-call arguments parsed."""
+    """A plain dict for the template: text parts joined, tool-call arguments parsed, reasoning
+    under both names templates use."""
     if hasattr(message, "model_dump"):
         message = message.model_dump(exclude_none=True)
     message = dict(message)
@@ -58,7 +59,20 @@ def message_dict(message) -> dict[str, Any]:
                                        if part.get("type", "text") == "text")
     if message.get("tool_calls"):
         message["tool_calls"] = [_parsed_call(call) for call in message["tool_calls"]]
+    _add_thinking(message)
     return message
+
+
+def _add_thinking(message: dict[str, Any]) -> None:
+    """Earlier reasoning also as `thinking`, the key gpt-oss's template reads (it shows the
+    analysis before a call). That template refuses a call turn with both content and thinking
+    (it takes such content as the analysis), so there the reasoning is left out."""
+    reasoning = message.get("reasoning_content")
+    if not reasoning or "thinking" in message:
+        return
+    if message.get("tool_calls") and message.get("content"):
+        return
+    message["thinking"] = reasoning
 
 
 def _parsed_call(call: dict[str, Any]) -> dict[str, Any]:

@@ -4,8 +4,9 @@ A checkpoint declares them in its config.json, next to the architecture they bel
     "reasoning_parser": "qwen3", "tool_call_parser": "hermes"
 (the bundled demo model does). A checkpoint that declares nothing gets its family's
 reasoning parser: Qwen3 and QwQ think in `<think>` blocks, DeepSeek-R1 distills (Qwen2 or
-Llama by architecture, R1 by name) start inside one. Its tool calls are then read in the
-markup its chat template teaches (app/protocol/tool_parsers). A flag always wins, and
+Llama by architecture, R1 by name) start inside one; gpt-oss (and any checkpoint whose chat
+template writes harmony's channels) gets the harmony parsers. Its tool calls are then read in
+the markup its chat template teaches (app/protocol/tool_parsers). A flag always wins, and
 `--reasoning-parser none` turns the split off.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ import json
 import logging
 from pathlib import Path
 
-from app.protocol.reasoning import reasoning_parser_name
+from app.protocol.harmony import is_harmony_template
+from app.protocol.reasoning import HARMONY, reasoning_parser_name
 from app.protocol.tool_parsers import tool_format
 
 log = logging.getLogger("shoal.api")
@@ -23,11 +25,15 @@ log = logging.getLogger("shoal.api")
 FIELDS = ("reasoning_parser", "tool_call_parser")
 FAMILY_REASONING = {"qwen3": "qwen3", "qwen3_moe": "qwen3"}  # model_type -> parser
 NAME_REASONING = (("deepseek-r1", "deepseek_r1"), ("qwq", "qwen3"))  # in the checkpoint's name
+HARMONY_PARSERS = {"reasoning_parser": HARMONY, "tool_call_parser": HARMONY}  # gpt-oss: both
 
 
-def model_parsers(config: dict, name: str = "") -> dict[str, str]:
-    """What a checkpoint's config.json declares, else what its family implies."""
+def model_parsers(config: dict, name: str = "", chat_template: str = "") -> dict[str, str]:
+    """What a checkpoint's config.json declares, else what its family (or, for harmony, its
+    chat template) implies."""
     found = {f: config[f] for f in FIELDS if isinstance(config.get(f), str) and config[f]}
+    if config.get("model_type") == "gpt_oss" or is_harmony_template(chat_template):
+        return {**HARMONY_PARSERS, **found}
     if "reasoning_parser" not in found:
         names = f"{name} {config.get('_name_or_path', '')}".lower()
         family = FAMILY_REASONING.get(config.get("model_type", ""))
@@ -35,6 +41,21 @@ def model_parsers(config: dict, name: str = "") -> dict[str, str]:
         if by_name or family:
             found["reasoning_parser"] = by_name or family
     return found
+
+
+def chat_template_text(model_dir: Path) -> str:
+    """The checkpoint's chat template as written (chat_template.jinja, or in
+    tokenizer_config.json); "" when it has none."""
+    try:
+        jinja = model_dir / "chat_template.jinja"
+        if jinja.exists():
+            return jinja.read_text()
+        template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return ""
+    if isinstance(template, list):  # several named templates
+        return " ".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    return template if isinstance(template, str) else ""
 
 
 def with_model_parsers(options, model_dir: Path | None):
@@ -46,7 +67,8 @@ def with_model_parsers(options, model_dir: Path | None):
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return options
-    silent = {f: v for f, v in model_parsers(config, Path(model_dir).name).items()
+    found = model_parsers(config, Path(model_dir).name, chat_template_text(Path(model_dir)))
+    silent = {f: v for f, v in found.items()
               if getattr(options, f) is None and known(f, v)}
     if silent:
         log.info("output parsers from the model: %s",

@@ -233,9 +233,17 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # How hard a reasoning model thinks: templates that know it (gpt-oss's) take it as a kwarg.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM extras
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort unless they set it themselves."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @field_validator("top_logprobs")
     @classmethod

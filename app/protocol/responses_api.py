@@ -95,7 +95,7 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    reasoning: dict[str, Any] | None = None  # effort/summary: accepted; a model thinks as trained
+    reasoning: dict[str, Any] | None = None  # effort: the chat's reasoning_effort; summary: accepted
     stream: bool = False
     store: bool = False  # accepted either way: nothing is stored (the response says store false)
     background: bool = False
@@ -137,6 +137,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     chat = dict(messages=chat_messages(body), max_completion_tokens=body.max_output_tokens,
                 temperature=body.temperature, top_p=body.top_p,
                 parallel_tool_calls=body.parallel_tool_calls, user=body.user,
+                reasoning_effort=(body.reasoning or {}).get("effort"),
                 **{k: v for k, v in (body.model_extra or {}).items() if k in PASSTHROUGH})
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"})}
