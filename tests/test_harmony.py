@@ -279,3 +279,16 @@ def test_served_responses_api_items(oai):
     reasoning, call = r.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "Need the weather tool."
     assert (call.type, call.name, call.arguments) == ("function_call", "get_weather", '{"city": "Paris"}')
+
+
+def test_parallel_calls_render_one_per_turn_each_with_its_result():
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": args}}
+             for i, (name, args) in enumerate([("get_weather", '{"city": "Rome"}'), ("add", '{"a": 1}')])]
+    results = [{"role": "tool", "tool_call_id": "c1", "content": "2"},  # out of order: matched by id
+               {"role": "tool", "tool_call_id": "c0", "content": "sunny"}]
+    body = ChatCompletionRequest(model="m", messages=ASK + [{"role": "assistant", "tool_calls": calls}] + results)
+    text = render_chat_text(build_tokenizer(), body.messages)
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>'
+            "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
+            '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1}<|call|>'
+            "<|start|>functions.add to=assistant<|channel|>commentary<|message|>2<|end|>") in text

@@ -6,6 +6,9 @@ from typing import Any
 
 import jinja2
 
+from app.protocol.harmony import is_harmony_template
+from app.protocol.harmony_turns import one_call_per_turn
+
 
 def render_chat_prompt(tokenizer, messages, tools=None, add_generation_prompt: bool = True,
                        chat_template_kwargs: dict[str, Any] | None = None,
@@ -27,7 +30,10 @@ def render_chat_text(tokenizer, messages, tools=None, add_generation_prompt: boo
     if disable_thinking:
         kwargs.setdefault("enable_thinking", False)  # the request's own choice wins
     try:
-        return _apply(tokenizer, [message_dict(m) for m in messages],
+        turns = [message_dict(m) for m in messages]
+        if is_harmony_template(tokenizer.chat_template):
+            turns = one_call_per_turn(turns)  # what gpt-oss's template can show
+        return _apply(tokenizer, turns,
                       [tool_dict(t) for t in tools] if tools else None,
                       add_generation_prompt, kwargs)
     except (jinja2.TemplateError, TypeError, KeyError, IndexError) as exc:
