@@ -94,6 +94,8 @@ def test_bad_output_degrades_to_content():
     long_plain = "word " * 80  # longer than any header: streamed as plain text
     assert parse(long_plain) == ("", long_plain, [])
     assert parse("<|channel|>analysis<|mess") == ("", "", [])  # cut inside a header: hidden
+    assert parse(" to=functions.get_wea") == ("", "", [])
+    assert parse('{"tag": "<|x|>"}') == ("", '{"tag": "<|x|>"}', [])  # response_format JSON: no header
 
 
 def test_switches():
@@ -292,3 +294,10 @@ def test_parallel_calls_render_one_per_turn_each_with_its_result():
             "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
             '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1}<|call|>'
             "<|start|>functions.add to=assistant<|channel|>commentary<|message|>2<|end|>") in text
+
+
+def test_served_json_answer_without_headers_is_content(oai):
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}}
+    choice = chat(oai, response_format=fmt, temperature=1.0, seed=1).choices[0]
+    assert choice.finish_reason == "stop" and getattr(choice.message, "reasoning_content", None) is None
+    assert isinstance(json.loads(choice.message.content)["city"], str)

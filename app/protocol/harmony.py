@@ -94,9 +94,10 @@ class HarmonyScanner:
             self.pos += at + len(MESSAGE)
             return True
         if final:
-            # Cut short in a header (max_tokens): hidden. No markup at all: plain content.
+            # Cut short in a header (max_tokens): hidden. Anything else (text of a model that
+            # ignores the format, JSON of a response_format): content.
             leftover = self._take(len(self.text))
-            if "<|" not in leftover:
+            if not leftover.lstrip().startswith(("<|", "to=")):
                 self._emit(CONTENT, leftover, out)
         return False
 
