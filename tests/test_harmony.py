@@ -169,7 +169,8 @@ def test_follow_up_renders_reasoning_calls_results_and_effort():
             "<|start|>functions.get_weather to=assistant<|channel|>commentary"
             '<|message|>{"temperature": 21}<|end|><|start|>assistant') in text
     own = body.model_copy(update={"chat_template_kwargs": {"reasoning_effort": "low"}})
-    assert "Reasoning: low" in render_chat_text(build_tokenizer(), own.messages, chat_template_kwargs=own.template_kwargs())
+    text = render_chat_text(build_tokenizer(), own.messages, chat_template_kwargs=own.template_kwargs())
+    assert "Reasoning: low" in text  # the request's own chat_template_kwargs win
 
 
 # --------------------------------------------------------------------------- end to end

@@ -2,9 +2,10 @@
 
 The prompt ends in `<|start|>assistant`, so the output is one or more messages such as
     <|channel|>analysis<|message|>thinking<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"a": 1}<|call|>
     <|start|>assistant<|channel|>final<|message|>answer<|return|>
-(the recipient may also stand before the channel: `<|start|>assistant to=functions.x<|channel|>commentary json`).
+(the recipient may also stand before the channel:
+`<|start|>assistant to=functions.x<|channel|>commentary json<|message|>`).
 A header (everything up to `<|message|>`) is never shown. The analysis channel is reasoning, a
 message to `functions.NAME` is a call to NAME, anything else (final, commentary preambles) is
 content; two messages of one kind are joined by a newline. `<|return|>` and `<|call|>` stop
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.protocol.tool_parsers.calls import ParsedCall, dumps, loads
 
@@ -53,7 +54,7 @@ class Channels:
 class Split:
     reasoning: str = ""
     content: str = ""
-    calls: list[ParsedCall] | None = None
+    calls: list[ParsedCall] = field(default_factory=list)
 
 
 class HarmonyScanner:
@@ -69,7 +70,7 @@ class HarmonyScanner:
 
     def feed(self, delta: str, final: bool = False) -> Split:
         self.text += delta
-        out = Split(calls=[])
+        out = Split()
         progressing = True
         while progressing:
             if self.state == HEADER:
