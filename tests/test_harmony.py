@@ -259,6 +259,10 @@ def test_served_stop_markers_end_output_unseen(oai, engine, marker):
     r = chat(oai, logit_bias={str(token): 100}, max_tokens=5)
     choice = r.choices[0]
     assert (choice.finish_reason, choice.message.content, r.usage.completion_tokens) == ("stop", None, 1)
+    # Completions have no output plan (no added stop ids): the stop is the checkpoint's eos
+    # (<|call|> only in generation_config.json).
+    r = oai.completions.create(model="", prompt="Hi", logit_bias={str(token): 100}, max_tokens=5)
+    assert (r.choices[0].finish_reason, r.choices[0].text, r.usage.completion_tokens) == ("stop", "", 1)
 
 
 def test_served_reasoning_effort_reaches_the_template(oai, engine):
