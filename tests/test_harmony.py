@@ -93,6 +93,7 @@ def test_bad_output_degrades_to_content():
     assert parse("no harmony markup at all") == ("", "no harmony markup at all", [])
     long_plain = "word " * 80  # longer than any header: streamed as plain text
     assert parse(long_plain) == ("", long_plain, [])
+    assert parse(REASON_FINAL + "<|end|>" + long_plain)[1] == "It is 4.\n" + long_plain  # junk after
     assert parse("<|channel|>analysis<|mess") == ("", "", [])  # cut inside a header: hidden
     assert parse(" to=functions.get_wea") == ("", "", [])
     assert parse('{"tag": "<|x|>"}') == ("", '{"tag": "<|x|>"}', [])  # response_format JSON: no header
@@ -106,7 +107,7 @@ def test_switches():
 
 
 @pytest.mark.parametrize("text", [REASON_FINAL, REASON_CALL, TWO_CALLS, PREAMBLE_CALL, BAD_JSON,
-                                  ONLY_REASONING])
+                                  ONLY_REASONING, REASON_FINAL + "<|end|>" + "word " * 60])
 def test_every_chunk_boundary_gives_the_same_split(text):
     whole = parse(text)
     for cut in range(1, len(text)):

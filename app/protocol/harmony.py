@@ -88,7 +88,7 @@ class HarmonyScanner:
         rest = self.text[self.pos:]
         at = rest.find(MESSAGE)
         if at > MAX_HEADER or (at < 0 and len(rest) >= MAX_HEADER + len(MESSAGE)):
-            self.state = RAW
+            self.state, self.fresh = RAW, True  # the rest is one more piece of content
             return True
         if at >= 0:
             self._open(rest[:at])
