@@ -136,16 +136,20 @@ def test_parser_names_as_vllm_users_spell_them():
     check_parsers("openai", "openai_gptoss")  # start-up accepts them
 
 
-def test_gpt_oss_and_harmony_templates_pick_harmony():
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()  # trained here: ~1 s, so once
+
+
+def test_gpt_oss_and_harmony_templates_pick_harmony(tokenizer):
     harmony = {"reasoning_parser": "harmony", "tool_call_parser": "harmony"}
     assert model_parsers({"model_type": "gpt_oss"}) == harmony
-    assert model_parsers({"model_type": "llama"}, "", build_tokenizer().chat_template) == harmony
+    assert model_parsers({"model_type": "llama"}, "", tokenizer.chat_template) == harmony
     assert model_parsers({"model_type": "gpt_oss", "tool_call_parser": "hermes"})["tool_call_parser"] == "hermes"
-    assert tool_format(None, build_tokenizer()).channels  # tools read from the template's markup
+    assert tool_format(None, tokenizer).channels  # tools read from the template's markup
 
 
-def test_forced_calls_spelled_as_harmony_and_stops_added():
-    tokenizer = build_tokenizer()
+def test_forced_calls_spelled_as_harmony_and_stops_added(tokenizer):
     body = ChatCompletionRequest(model="m", messages=ASK, tools=TOOLS, stop_token_ids=[7],
                                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
     p = plan_output(ServerSettings(reasoning_parser="harmony"), tokenizer, body, "")
@@ -156,13 +160,13 @@ def test_forced_calls_spelled_as_harmony_and_stops_added():
     assert fields["stop_token_ids"] == [7] + ids and fields["skip_special_tokens"] is False
 
 
-def test_follow_up_renders_reasoning_calls_results_and_effort():
+def test_follow_up_renders_reasoning_calls_results_and_effort(tokenizer):
     turns = ASK + [
         {"role": "assistant", "reasoning_content": "Need the tool.", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 21}'}]
     body = ChatCompletionRequest(model="m", messages=turns, tools=TOOLS, reasoning_effort="high")
-    text = render_chat_text(build_tokenizer(), body.messages, body.tools, chat_template_kwargs=body.template_kwargs())
+    text = render_chat_text(tokenizer, body.messages, body.tools, chat_template_kwargs=body.template_kwargs())
     assert text.startswith("<|start|>system<|message|>Reasoning: high\n")
     assert ("<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>"
             "<|start|>assistant to=functions.get_weather<|channel|>commentary json"
@@ -170,7 +174,7 @@ def test_follow_up_renders_reasoning_calls_results_and_effort():
             "<|start|>functions.get_weather to=assistant<|channel|>commentary"
             '<|message|>{"temperature": 21}<|end|><|start|>assistant') in text
     own = body.model_copy(update={"chat_template_kwargs": {"reasoning_effort": "low"}})
-    text = render_chat_text(build_tokenizer(), own.messages, chat_template_kwargs=own.template_kwargs())
+    text = render_chat_text(tokenizer, own.messages, chat_template_kwargs=own.template_kwargs())
     assert "Reasoning: low" in text  # the request's own chat_template_kwargs win
 
 
@@ -289,13 +293,13 @@ def test_served_responses_api_items(oai):
     assert (call.type, call.name, call.arguments) == ("function_call", "get_weather", '{"city": "Paris"}')
 
 
-def test_parallel_calls_render_one_per_turn_each_with_its_result():
+def test_parallel_calls_render_one_per_turn_each_with_its_result(tokenizer):
     calls = [{"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": args}}
              for i, (name, args) in enumerate([("get_weather", '{"city": "Rome"}'), ("add", '{"a": 1}')])]
     results = [{"role": "tool", "tool_call_id": "c1", "content": "2"},  # out of order: matched by id
                {"role": "tool", "tool_call_id": "c0", "content": "sunny"}]
     body = ChatCompletionRequest(model="m", messages=ASK + [{"role": "assistant", "tool_calls": calls}] + results)
-    text = render_chat_text(build_tokenizer(), body.messages)
+    text = render_chat_text(tokenizer, body.messages)
     assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>'
             "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
             '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1}<|call|>'
