@@ -5,8 +5,8 @@ as gpt-oss ships them (config.json: <|return|>; generation_config.json: <|return
 
 The template writes the layout gpt-oss's template writes (system message with the reasoning
 effort, developer message with instructions and tools, calls as commentary messages to
-functions.NAME, tool results from functions.NAME, earlier reasoning from `thinking`), in
-fewer words: tests only need the format.
+functions.NAME, tool results from functions.NAME, a call turn's analysis from `thinking` or
+its content, refusing both), in fewer words: tests only need the format.
 """
 from __future__ import annotations
 
@@ -41,8 +41,11 @@ CHAT_TEMPLATE = (
     "{%- set last = namespace(call='') -%}"
     "{%- for message in rest -%}"
     "{%- if message.role == 'assistant' and message.tool_calls -%}"
-    "{%- if message.thinking -%}"
-    "<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "{%- if message.content and message.thinking -%}"
+    "{{ raise_exception('a call turn with both content and thinking') }}"
+    "{%- endif -%}"
+    "{%- if message.thinking or message.content -%}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking or message.content }}<|end|>"
     "{%- endif -%}"
     "{%- for call in message.tool_calls -%}"
     "<|start|>assistant to=functions.{{ call.function.name }}<|channel|>commentary json<|message|>"

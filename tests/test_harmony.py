@@ -311,3 +311,12 @@ def test_served_json_answer_without_headers_is_content(oai):
     choice = chat(oai, response_format=fmt, temperature=1.0, seed=1).choices[0]
     assert choice.finish_reason == "stop" and getattr(choice.message, "reasoning_content", None) is None
     assert isinstance(json.loads(choice.message.content)["city"], str)
+
+
+def test_call_turn_text_joins_its_reasoning(tokenizer):
+    call = {"id": "c0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    turn = {"role": "assistant", "content": "Adding.", "reasoning_content": "Use add.", "tool_calls": [call]}
+    body = ChatCompletionRequest(model="m", messages=ASK + [turn, {"role": "tool", "content": "1"}])
+    text = render_chat_text(tokenizer, body.messages)  # gpt-oss's template refuses both: joined
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Use add.\nAdding.<|end|>"
+            "<|start|>assistant to=functions.add<|channel|>commentary json") in text

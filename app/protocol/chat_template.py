@@ -7,7 +7,7 @@ from typing import Any
 import jinja2
 
 from app.protocol.harmony import is_harmony_template
-from app.protocol.harmony_turns import one_call_per_turn
+from app.protocol.harmony_turns import harmony_turns
 
 
 def render_chat_prompt(tokenizer, messages, tools=None, add_generation_prompt: bool = True,
@@ -32,7 +32,7 @@ def render_chat_text(tokenizer, messages, tools=None, add_generation_prompt: boo
     try:
         turns = [message_dict(m) for m in messages]
         if is_harmony_template(tokenizer.chat_template):
-            turns = one_call_per_turn(turns)  # what gpt-oss's template can show
+            turns = harmony_turns(turns)  # what gpt-oss's template can show
         return _apply(tokenizer, turns,
                       [tool_dict(t) for t in tools] if tools else None,
                       add_generation_prompt, kwargs)
@@ -70,15 +70,10 @@ def message_dict(message) -> dict[str, Any]:
 
 
 def _add_thinking(message: dict[str, Any]) -> None:
-    """Earlier reasoning also as `thinking`, the key gpt-oss's template reads (it shows the
-    analysis before a call). That template refuses a call turn with both content and thinking
-    (it takes such content as the analysis), so there the reasoning is left out."""
-    reasoning = message.get("reasoning_content")
-    if not reasoning or "thinking" in message:
-        return
-    if message.get("tool_calls") and message.get("content"):
-        return
-    message["thinking"] = reasoning
+    """Earlier reasoning also as `thinking`, the key gpt-oss's template reads (transformers 5
+    does the same; older versions don't)."""
+    if message.get("reasoning_content") and "thinking" not in message:
+        message["thinking"] = message["reasoning_content"]
 
 
 def _parsed_call(call: dict[str, Any]) -> dict[str, Any]:

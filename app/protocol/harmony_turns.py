@@ -4,12 +4,27 @@ Harmony has one call per assistant message (`<|call|>` ends the turn), and gpt-o
 renders only an assistant turn's first call and names each tool result after the latest call.
 An OpenAI turn with several calls (parallel calls, forced ones) therefore becomes one turn per
 call, each followed by its result: the model sees every call with its own answer.
+The template also shows a call turn's text as its analysis and refuses a turn with both text
+and reasoning, so there the text joins the reasoning.
 """
 from __future__ import annotations
 
 from typing import Any
 
 Message = dict[str, Any]
+
+
+def harmony_turns(messages: list[Message]) -> list[Message]:
+    return one_call_per_turn([_text_in_reasoning(m) for m in messages])
+
+
+def _text_in_reasoning(message: Message) -> Message:
+    reasoning = message.get("reasoning_content") or message.get("thinking")
+    if not (message.get("tool_calls") and message.get("content") and reasoning):
+        return message
+    joined = f"{reasoning}\n{message['content']}"
+    rest = {k: v for k, v in message.items() if k != "content"}
+    return {**rest, "reasoning_content": joined, "thinking": joined}
 
 
 def one_call_per_turn(messages: list[Message]) -> list[Message]:
