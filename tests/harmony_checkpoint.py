@@ -6,7 +6,8 @@ as gpt-oss ships them (config.json: <|return|>; generation_config.json: <|return
 The template writes the layout gpt-oss's template writes (system message with the reasoning
 effort, developer message with instructions and tools, calls as commentary messages to
 functions.NAME, tool results from functions.NAME, a call turn's analysis from `thinking` or
-its content, refusing both), in fewer words: tests only need the format.
+its content, refusing both; an answer without content fails), in fewer words: tests only need
+the format.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ CHAT_TEMPLATE = (
     "{%- set last.call = call.function.name -%}"
     "{%- endfor -%}"
     "{%- elif message.role == 'assistant' -%}"
-    "<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
     "{%- elif message.role == 'tool' -%}"
     "<|start|>functions.{{ last.call }} to=assistant<|channel|>commentary<|message|>"
     "{{ message.content }}<|end|>"

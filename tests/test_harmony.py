@@ -320,3 +320,10 @@ def test_call_turn_text_joins_its_reasoning(tokenizer):
     text = render_chat_text(tokenizer, body.messages)  # gpt-oss's template refuses both: joined
     assert ("<|start|>assistant<|channel|>analysis<|message|>Use add.\nAdding.<|end|>"
             "<|start|>assistant to=functions.add<|channel|>commentary json") in text
+
+
+def test_null_answer_in_history_renders_empty(tokenizer):
+    turns = ASK + [{"role": "assistant", "content": None, "reasoning_content": "Hmm."},
+                   {"role": "user", "content": "Well?"}]
+    text = render_chat_text(tokenizer, ChatCompletionRequest(model="m", messages=turns).messages)
+    assert "<|start|>assistant<|channel|>final<|message|><|end|><|start|>user<|message|>Well?" in text

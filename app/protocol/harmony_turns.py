@@ -5,7 +5,8 @@ renders only an assistant turn's first call and names each tool result after the
 An OpenAI turn with several calls (parallel calls, forced ones) therefore becomes one turn per
 call, each followed by its result: the model sees every call with its own answer.
 The template also shows a call turn's text as its analysis and refuses a turn with both text
-and reasoning, so there the text joins the reasoning.
+and reasoning, so there the text joins the reasoning; and it cannot render a turn without
+content (a null answer), so that gets an empty one.
 """
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ Message = dict[str, Any]
 
 
 def harmony_turns(messages: list[Message]) -> list[Message]:
-    return one_call_per_turn([_text_in_reasoning(m) for m in messages])
+    return one_call_per_turn([_with_content(_text_in_reasoning(m)) for m in messages])
+
+
+def _with_content(message: Message) -> Message:
+    if message.get("tool_calls") or message.get("content") is not None:
+        return message
+    return {**message, "content": ""}
 
 
 def _text_in_reasoning(message: Message) -> Message:
