@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from harmony_checkpoint import build_tokenizer, make_harmony_checkpoint
 from test_api import running
 
@@ -327,3 +329,47 @@ def test_null_answer_in_history_renders_empty(tokenizer):
                    {"role": "user", "content": "Well?"}]
     text = render_chat_text(tokenizer, ChatCompletionRequest(model="m", messages=turns).messages)
     assert "<|start|>assistant<|channel|>final<|message|><|end|><|start|>user<|message|>Well?" in text
+
+
+# --------------------------------------------------------------------------- fuzz
+
+PIECES = ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.add",
+          " <|constrain|>json", "<|message|>", "<|end|>", "<|call|>", "<|return|>", '{"a": 1}', "{", "hi ",
+          "<", "|", "\n"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=30), cuts=st.lists(st.integers(0, 400), max_size=4))
+def test_fuzz_any_chunking_gives_the_one_shot_split(pieces, cuts):
+    text = "".join(pieces)
+    whole = plan(tools=TOOLS).parser().feed(text, final=True)
+    parser, got = plan(tools=TOOLS).parser(), ("", "", [])
+    bounds = [0] + sorted(min(c, len(text)) for c in cuts) + [len(text)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        out = parser.feed(text[a:b], final=i == len(bounds) - 2)
+        got = (got[0] + out.reasoning, got[1] + out.content, got[2] + out.calls)
+    assert got == (whole.reasoning, whole.content, whole.calls)
+
+
+turn = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user"]), "content": st.text(max_size=8)}),
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.one_of(st.none(), st.text(max_size=8)),
+                           "reasoning_content": st.one_of(st.none(), st.text(max_size=8)),
+                           "tool_calls": st.one_of(st.none(), st.lists(st.fixed_dictionaries({
+                               "id": st.sampled_from(["a", "b"]), "type": st.just("function"),
+                               "function": st.fixed_dictionaries({"name": st.sampled_from(["add", "f"]),
+                                                                  "arguments": st.sampled_from(['{"a": 1}', "{", "[]"])})}),
+                               max_size=3))}),
+    st.fixed_dictionaries({"role": st.just("tool"), "content": st.one_of(st.none(), st.text(max_size=8)),
+                           "tool_call_id": st.one_of(st.none(), st.sampled_from(["a", "b", "c"]))}))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(turn, min_size=1, max_size=6))
+def test_fuzz_harmony_rendering_renders_or_refuses(tokenizer, turns):
+    messages = ChatCompletionRequest(model="m", messages=turns).messages
+    try:
+        text = render_chat_text(tokenizer, messages, TOOLS)
+    except ValueError:
+        return  # the route's 400
+    assert text.endswith("<|start|>assistant")
