@@ -123,6 +123,7 @@ def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
         layer = experts["layers"][0]
         assert sum(layer["tokens"]) == (9 + 2) * 2  # prompt + 2 decode steps, top-2
         assert layer["balancedness"] == 1.0 and 0 < layer["expert_balancedness"] < 1
+        assert layer["rank_tokens"] == [22] and experts["rank_tokens"] == [44]  # one rank: all of it
     finally:
         engine.shutdown()
 
@@ -140,7 +141,10 @@ def test_expert_balancedness_is_a_prometheus_metric(checkpoint_factory):
     registry.register(ShoalCollector([("m", combine([llm.engine.metrics.snapshot(llm.engine)]))], {}, "m"))
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     value = families["shoal_expert_balancedness"].samples[0].value
-    assert value == llm.engine.executor.runner.expert_stats()["balancedness"] and 0 < value <= 1
+    stats = llm.engine.executor.runner.expert_stats()
+    assert value == stats["balancedness"] and 0 < value <= 1
+    [rank] = families["shoal_expert_rank_tokens"].samples
+    assert rank.labels == {"model": "m", "ep_rank": "0"} and rank.value == stats["rank_tokens"][0] > 0
 
 
 def test_expert_options_are_validated_in_one_line():
@@ -184,6 +188,10 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
         prompts = prompts_of([5, 30, 13, 2])
         assert_matches_hf(path, prompts, llm.generate(prompts, PARAMS))
         assert expert_params(llm) * 2 == all_expert_params(llm.engine.executor.runner.args)
+        stats = llm.engine.executor.expert_stats()  # each rank's share of the routed tokens
+        routed = sum(sum(layer["tokens"]) for layer in stats["layers"])
+        assert len(stats["rank_tokens"]) == 2 and min(stats["rank_tokens"]) > 0
+        assert sum(stats["rank_tokens"]) == pytest.approx(routed)
         rank0 = sum(p.numel() for p in llm.engine.executor.runner.model.parameters())
         assert [info["parameters"] for info in llm.engine.executor.shards.infos] == [rank0]
         assert_pool_free(llm)

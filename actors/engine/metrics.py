@@ -36,6 +36,9 @@ FINISHED = ("requests_finished", "Finished sequences (choices) by finish reason.
 LORA_REQUESTS = ("lora_requests", "Requests started on each LoRA adapter (lora_name).")
 SPEC_PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos",
                      "Draft tokens accepted at each draft position (position 0: the first), as vLLM's.")
+EXPERT_RANK_TOKENS = ("expert_rank_tokens",
+                      "MoE models: routed tokens each expert-parallel rank (ep_rank) computed over the "
+                      "load window, all MoE layers together.")
 GAUGES = {
     "num_requests_running": "Sequences in the running batch.",
     "num_requests_waiting": "Sequences waiting to be scheduled.",
@@ -199,6 +202,7 @@ class EngineMetrics:
             "finished": dict(self.finished),
             "lora_requests": dict(self.lora_requests),
             "spec_accepted_per_pos": _spec_per_position(sched.speculator),
+            "expert_rank_tokens": _expert_rank_tokens(engine),
             "gauges": {"num_requests_running": len(sched.running),
                        "num_requests_waiting": len(sched.waiting),
                        # Blocks, not a fraction, so GET /metrics can sum them over replicas.
@@ -241,6 +245,12 @@ def _spec_counters(speculator) -> dict:
 def _spec_per_position(speculator) -> dict:
     """Position (as a label: "0", "1", ...) -> draft tokens accepted there ({} where it is off)."""
     return {str(i): n for i, n in enumerate(speculator.accepted_per_pos)} if speculator is not None else {}
+
+
+def _expert_rank_tokens(engine) -> dict:
+    """EP rank (as a label) -> routed tokens it computed over the window ({} for dense models)."""
+    experts = engine.executor.expert_stats()
+    return {str(r): n for r, n in enumerate(experts["rank_tokens"])} if experts else {}
 
 
 def _expert_gauges(engine) -> dict:

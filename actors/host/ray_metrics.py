@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from actors.engine.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX, SPEC_PER_POSITION
+from actors.engine.metrics import (
+    COUNTERS, EXPERT_RANK_TOKENS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX, SPEC_PER_POSITION,
+)
 
 log = logging.getLogger("shoal.metrics")
 
@@ -33,6 +35,7 @@ class RayExporter:
         self.spec_per_position = rm.Counter(PREFIX + SPEC_PER_POSITION[0], SPEC_PER_POSITION[1],
                                             TAGS + ("position",))
         self.gauges = {n: rm.Gauge(PREFIX + n, text, TAGS) for n, text in GAUGES.items()}
+        self.expert_rank_tokens = rm.Gauge(PREFIX + EXPERT_RANK_TOKENS[0], EXPERT_RANK_TOKENS[1], TAGS + ("ep_rank",))
         local = engine.metrics.hist
         self.histograms = {n: rm.Histogram(PREFIX + n, HISTOGRAMS[n][0], local[n].bounds, TAGS)
                            for n in HISTOGRAMS}
@@ -82,6 +85,8 @@ class RayExporter:
         self.gauges["kv_cache_usage"].set(g["kv_blocks_used"] / max(g["kv_blocks_total"], 1), tags)
         if "expert_balancedness" in g:
             self.gauges["expert_balancedness"].set(g["expert_balancedness"], tags)
+        for rank, tokens in snap["expert_rank_tokens"].items():
+            self.expert_rank_tokens.set(tokens, {**tags, "ep_rank": rank})
         queries = c["prefix_cache_queries"]
         self.gauges["prefix_cache_hit_rate"].set(c["prefix_cache_hits"] / queries if queries else 0.0,
                                                  tags)

@@ -65,6 +65,8 @@ class ExpertBalancer:
                   for i, (layer, block) in enumerate(self.blocks)]
         return {
             "ep_size": ep,
+            # routed tokens each expert-parallel rank computed over the window, all layers together
+            "rank_tokens": [round(sum(x["rank_tokens"][r] for x in layers), 2) for r in range(ep)],
             "physical_experts": len(self.blocks[0][1].placement) if self.blocks else 0,
             "window_steps": self.window,
             "rebalances": self.rebalances,
@@ -79,8 +81,10 @@ def _changed_slots(old: list[int], new: list[int]) -> set[int]:
 
 def _layer_stats(layer: int, placement: list[int], tokens: list[int], ep: int) -> dict:
     n = len(placement) // ep
+    per_rank = rank_loads(tokens, placement, ep)
     return {"layer": layer,
             "tokens": tokens,  # per logical expert
-            "balancedness": round(balancedness(rank_loads(tokens, placement, ep)), 4),  # over ranks
+            "rank_tokens": [round(x, 2) for x in per_rank],  # replicas split their expert's tokens evenly
+            "balancedness": round(balancedness(per_rank), 4),  # over ranks
             "expert_balancedness": round(balancedness(tokens), 4),  # over experts, any placement
             "placement": [placement[r * n:(r + 1) * n] for r in range(ep)]}

@@ -23,7 +23,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from actors.engine.metrics import COUNTERS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX, SPEC_PER_POSITION
+from actors.engine.metrics import (
+    COUNTERS, EXPERT_RANK_TOKENS, FINISHED, GAUGES, HISTOGRAMS, LORA_REQUESTS, PREFIX, SPEC_PER_POSITION,
+)
 
 log = logging.getLogger("shoal.api")
 
@@ -112,7 +114,7 @@ def combine(snapshots: list[dict]) -> dict | None:
     """Sum replica snapshots: counters, gauges (blocks, not fractions) and bucket counts."""
     if not snapshots:
         return None
-    parts = ("counters", "finished", "gauges", "lora_requests", "spec_accepted_per_pos")
+    parts = ("counters", "finished", "gauges", "lora_requests", "spec_accepted_per_pos", "expert_rank_tokens")
     total = {**{part: defaultdict(float) for part in parts}, "histograms": {}}
     for snap in snapshots:
         for part in parts:
@@ -156,6 +158,13 @@ class ShoalCollector:
                        [([m, pos], v) for m, e in engines
                         for pos, v in sorted(e["spec_accepted_per_pos"].items(), key=lambda kv: int(kv[0]))])
         yield from self._gauges()
+        rank_tokens = [([m, r], v) for m, e in engines for r, v in sorted(e["expert_rank_tokens"].items())]
+        if rank_tokens:  # replicas of one model add up, rank by rank (combine)
+            name, text = EXPERT_RANK_TOKENS
+            family = GaugeMetricFamily(PREFIX + name, text, labels=["model", "ep_rank"])
+            for labels, value in rank_tokens:
+                family.add_metric(labels, value)
+            yield family
         for name in engines[0][1]["histograms"]:
             yield _histogram(name, HISTOGRAMS[name][0], [(m, e["histograms"][name]) for m, e in engines])
 
