@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3 beyond the family parity of tests/test_model_families.py: the routers
 against transformers' own, the latent KV cache's size, preemption, the other rotary layout,
-and expert parallelism (tests/test_moe.py)."""
+the Triton backend (interpreted) with graphs; expert parallelism and EPLB: tests/test_moe.py."""
 import pytest
 import torch
 from oracle import hf_greedy
@@ -93,3 +93,21 @@ def test_lora_is_refused_at_start_in_one_line(checkpoint_factory):
     path = checkpoint_factory("deepseek_v2")
     with pytest.raises(ValueError, match="LoRA adapters are not supported for DeepseekV2ForCausalLM"):
         resolve_model(EngineConfig(model_path=str(path), enable_lora=True), AutoTokenizer.from_pretrained(path))
+
+
+def test_triton_backend_with_graphs_equals_transformers(checkpoint_factory):
+    """DeepSeek on the GPU path, emulated on CPU (Triton's interpreter): the latent cache through
+    the Triton attention kernel (a 48-wide entry: not a power of two), its experts through the
+    fused MoE kernels, decode steps through the CUDA-graph path."""
+    from kernels import triton_programs
+    from test_gpu_path import with_emulated_graphs
+    if not triton_programs.interpreted():
+        pytest.skip("Triton's interpreter is off (CUDA is here)")
+    path = checkpoint_factory("deepseek_v3")
+    llm = LLM(str(path), attn_backend="triton", block_size=4, num_kv_blocks=128, max_num_seqs=8)
+    graphs = with_emulated_graphs(llm, [1, 2, 4, 8], max_seq_len=40, triton=True)
+    prompts = [[3, 1, 4], list(range(100, 121))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert graphs.replays > 0
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
