@@ -203,13 +203,18 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
 
 
 @pytest.mark.slow
-def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_factory):
-    path = checkpoint_factory("qwen2_moe")
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2"])
+def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_factory, arch):
+    """tp=2: each rank holds half of every expert's width (DeepSeek: and half the heads, the
+    latent cache whole); DeepSeek also through the feature mix."""
+    path = checkpoint_factory(arch)
     llm = LLM(str(path), tp_size=2, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5)
     try:
         prompts = prompts_of([9, 21])
         assert_matches_hf(path, prompts, llm.generate(prompts, PARAMS))
         assert expert_params(llm) * 2 == all_expert_params(llm.engine.executor.runner.args)
+        if arch == "deepseek_v2":
+            check_features_match_one_rank(llm, path)
     finally:
         llm.shutdown()
 
