@@ -1,6 +1,6 @@
 """A real two-node Ray cluster on this machine: the Serve app (ingress, LLMServer replica,
 scheduler actor, shard actor) with TP=2 and one rank per node, and a clear, immediate error
-when a layout cannot be placed."""
+when a layout cannot be placed; last, a node removed mid-stream and one joining again."""
 import json
 import os
 import time
@@ -101,3 +101,72 @@ def test_unplaceable_layout_fails_at_once(two_nodes, llama_ckpt):
     with pytest.raises(PlacementError, match=r"cannot place 2 replica\(s\).*\{CPU: 2\}"):
         build_app({"model_path": str(llama_ckpt), "tp_size": 2, "world_size": 4, "shard_cpus": 1})
     assert time.monotonic() - start < 10
+
+
+def test_a_node_lost_mid_stream_fails_the_stream_and_serving_resumes_when_a_node_joins(two_nodes, llama_ckpt):
+    """tp=2 with one rank per node; the worker node is removed (its raylet and every process on
+    it stop) while a stream is in flight. The stream ends within seconds: an engine_dead error
+    event, or the connection cut when the lost node held the replica itself. The head alone
+    cannot hold the layout again: Serve marks the deployment UNHEALTHY (its controller logs that
+    the new replica's resources are missing; requests wait in its proxy meanwhile). Once a node
+    joins again, Serve places the replica and it answers like transformers. (Runs last: it
+    changes the module's cluster.)"""
+    from ray import serve
+
+    from app.serving.builder import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"model_path": str(llama_ckpt), "tp_size": 2, "shard_cpus": 1.5,
+                             "num_kv_blocks": 32, "dist_timeout": 60}), name="shoal", route_prefix="/")
+        url = wait_ready(f"http://127.0.0.1:{port}", timeout=120)
+        (worker,) = two_nodes.worker_nodes
+        (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
+        assert worker.node_id in [r["node_id"] for r in replica["ranks"]]
+        body = {"model": "", "prompt": prompts_of([5])[0], "max_tokens": 480, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        rest, cut = [], False
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # tokens are flowing
+            removed = time.monotonic()
+            two_nodes.remove_node(worker)
+            try:
+                rest = [line for line in lines if line.startswith("data: ")]
+            except httpx.HTTPError:
+                cut = True
+        ended = time.monotonic() - removed
+        errors = [json.loads(line[6:])["error"] for line in rest if line != "data: [DONE]" and '"error"' in line]
+        assert cut or (errors and errors[0]["code"] == "engine_dead"), rest[-3:]
+        assert ended < 30, f"the stream ran on for {ended:.1f} s after its node was lost"
+        deadline = time.monotonic() + 60
+        while deployment_status("shoal") != "UNHEALTHY":
+            assert time.monotonic() < deadline, f"Serve still says {deployment_status('shoal')}"
+            time.sleep(1)
+        two_nodes.add_node(num_cpus=2)
+        ids = prompts_of([13])[0]
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                r = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                    "model": "", "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True})
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "not serving again after a node joined"
+            time.sleep(1)
+        assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, ids, 10)
+        print(f"node lost: stream ended after {ended:.1f} s ({'cut' if cut else 'engine_dead'}), "
+              f"answered again {time.monotonic() - removed:.0f} s after the loss")
+    finally:
+        serve.shutdown()
+
+
+def deployment_status(app: str) -> str:
+    """Serve's status of an application's (one) deployment, e.g. HEALTHY, UNHEALTHY."""
+    from ray import serve
+    (deployment,) = serve.status().applications[app].deployments.values()
+    return deployment.status.value
