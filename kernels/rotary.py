@@ -1,13 +1,13 @@
 """Rotary position embeddings as Hugging Face computes them: the rotate-half layout (or GLM-4's
 interleaved pairs), over all of a head or its first `dim` channels (partial rotary), with rope
-scaling (linear, llama3, Phi-3's longrope)."""
+scaling (linear, llama3, Phi-3's longrope, YaRN: gpt-oss, DeepSeek-V3)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def _inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -21,6 +21,8 @@ def _inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling)[0]
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
@@ -36,18 +38,58 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention factor) as transformers' _compute_yarn_parameters computes
+    them, operation for operation: the low frequencies interpolated (divided by `factor`), the
+    high ones kept, a linear ramp between the dimensions that turn beta_fast and beta_slow times
+    over the original context; cos and sin are then scaled by the attention factor."""
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or s["max_position_embeddings"] / original  # DeepSeek: the length ratio
+    attention = s.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention = _yarn_mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+    low, high = _yarn_correction_dim(beta_fast, dim, theta, original), _yarn_correction_dim(beta_slow, dim, theta, original)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # 1: the frequency is kept (extrapolated), 0: divided by factor
+    return interpolation * (1 - kept) + extrapolation * kept, attention
+
+
+def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_correction_dim(rotations: float, dim: int, theta: float, original: int) -> float:
+    """The dimension whose frequency turns `rotations` times over the original context."""
+    return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+
 def cos_sin_cache(dim: int, theta: float, scaling: dict | None, max_positions: int,
                   interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position, shape [max_positions, dim], float32.
 
     longrope (Phi-3) scales by its short factors up to original_max_position_embeddings and by
     its long ones past it, position by position (transformers switches the whole sequence once
-    it grows past that length, vLLM the whole batch; below it all three agree), and multiplies
-    cos and sin by its attention factor."""
+    it grows past that length, vLLM the whole batch; below it all three agree); longrope and
+    yarn multiply cos and sin by their attention factor."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     if (scaling or {}).get("rope_type") == "longrope":
         short, long, original, attention = _longrope(dim, theta, scaling)
         freqs = positions[:, None] * torch.where(positions[:, None] < original, short[None, :], long[None, :])
+    elif (scaling or {}).get("rope_type") == "yarn":
+        inv_freq, attention = _yarn(dim, theta, scaling)
+        freqs = positions[:, None] * inv_freq[None, :]
     else:
         freqs, attention = positions[:, None] * _inv_frequencies(dim, theta, scaling)[None, :], 1.0
     emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)

@@ -261,6 +261,12 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
         kind = glob["rope_type"] = "longrope"
         glob.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
         glob["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
+    if kind == "yarn":  # as transformers standardises it: a top-level original length wins
+        glob["rope_type"] = kind
+        glob["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings")
+                                                     or glob.get("original_max_position_embeddings")
+                                                     or cfg.get("max_position_embeddings", 2048))
+        glob["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
     rope = Rope(theta, glob if kind != "default" else None, dim, interleaved=arch == "Glm4ForCausalLM")
     if arch != "Gemma3ForCausalLM":
         return rope, None
