@@ -21,7 +21,10 @@ and the step goes to kernels/triton_attention.py (one launch for the whole step)
 
 Every backend takes a layer's sliding window (a query at position p sees keys p - window < j
 <= p: Mistral, Gemma's local layers) and its score soft-capping (softcap * tanh(s / softcap):
-Gemma 2), since both differ from layer to layer.
+Gemma 2), since both differ from layer to layer. The torch path, the native kernel and Triton
+also take attention sinks (gpt-oss): one learned logit per head that joins the softmax's
+denominator as a key with no value, so a head can attend to "nothing"; flash-attn has no such
+argument, and the backend choice never gives it a model with sinks.
 """
 from __future__ import annotations
 
@@ -75,16 +78,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                    window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, heads, d] -> [T, heads, d]. K/V of this step must already be written; k/v
-    ([T, kv_heads, d], this step's) spare the gather for chunks that start their sequence."""
+    ([T, kv_heads, d], this step's) spare the gather for chunks that start their sequence.
+    sinks: [heads] logits, one per query head (None: no sinks)."""
     if meta.flash is not None:
+        if sinks is not None:
+            raise ValueError("flash-attn has no attention sinks; the triton or native backend has")
         return flash_attention.paged_attention(q, k_cache, v_cache, meta.flash, scale, window, softcap)
     if meta.triton is not None:
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale, window, softcap)
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale, window, softcap, sinks)
     out = q.new_empty(q.shape)
     nd = meta.num_decode_tokens
-    native_extra = (window or 0, softcap or 0.0)
+    # the kernel reads float32 sinks (a handful of numbers per layer)
+    native_extra = (window or 0, softcap or 0.0) + (() if sinks is None else (sinks.float().contiguous(),))
     if nd:
         op = _native_decode_op(q, k_cache, meta)
         if op is not None:
@@ -92,7 +100,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                meta.decode_context_lens, meta.block_size, scale, *native_extra)
         else:
             out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_block_tables,
-                               meta.block_size, _decode_mask(meta, window), scale, softcap).squeeze(1)
+                               meta.block_size, _decode_mask(meta, window), scale, softcap, sinks).squeeze(1)
     chunks = meta.prefill_chunks or []
     todo = range(len(chunks))
     op = _native_decode_op(q, k_cache, meta, prefill=True) if chunks else None
@@ -111,7 +119,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             table = meta.prefill_block_tables[i:i + 1, :nb]
             ki = gather_blocks(k_cache, table, meta.block_size)[0, :start + n]
             vi = gather_blocks(v_cache, table, meta.block_size)[0, :start + n]
-        out[row:row + n] = _causal(q[row:row + n], ki, vi, start, scale, window, softcap)
+        out[row:row + n] = _causal(q[row:row + n], ki, vi, start, scale, window, softcap, sinks)
     return out
 
 
@@ -156,32 +164,42 @@ def _decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor:
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+            window: int | None = None, softcap: float | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One chunk: q [n, h, d] at positions start.. over keys k/v [start + n, kvh, d] -> [n, h, d]."""
     n = q.shape[0]
     q, k, v = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, h, L, d]
-    if start == 0 and not window and not softcap:
+    if start == 0 and not window and not softcap and sinks is None:
         # SDPA maps query head i to kv head i // group, copying nothing
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     else:  # query i sees keys start + i - window < j <= start + i
         mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
         if window:
             mask = mask.triu(start - window + 1)
-        o = _sdpa(q, k, v, mask, scale, softcap)
+        o = _sdpa(q, k, v, mask, scale, softcap, None if sinks is None else sinks[:, None, None])
     return o[0].transpose(0, 1)
 
 
-def _sdpa(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+def _sdpa(q, k, v, mask, scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over [.., heads, L, d] (k/v may have fewer heads, a GQA group each); by hand when the
-    scores are soft-capped, which SDPA can't do."""
+    scores are soft-capped or have sinks (shaped to broadcast over the scores' last column),
+    which SDPA can't do."""
     gqa = k.shape[-3] != q.shape[-3]
-    if not softcap:
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
-    s = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
-    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1).to(v.dtype) @ v
+    if softcap:
+        s = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+    else:
+        s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(s, -1).to(v.dtype) @ v
+    # the sink joins the softmax as one more logit, then is dropped (transformers' gpt-oss eager)
+    s = torch.cat((s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)), -1)
+    return torch.softmax(s - s.amax(-1, keepdim=True), -1)[..., :-1].to(v.dtype) @ v
 
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -204,8 +222,9 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
     return blocks.index_select(0, block_tables.reshape(-1)).view(b, nb * block_size, kvh, d)
 
 
-def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale, softcap=None):
-    """q: [B, 1, h, d] decode rows; block_tables: [B, nb]; mask [B, 1, 1, Lk] -> [B, 1, h, d].
+def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale, softcap=None, sinks=None):
+    """q: [B, 1, h, d] decode rows; block_tables: [B, nb]; mask [B, 1, 1, Lk]; sinks [h] or
+    None -> [B, 1, h, d].
 
     Grouped-query heads are folded into the query axis ([B, kvh, group, d]: query head i reads
     kv head i // group, as repeat_interleave would), so K/V are never copied per query head:
@@ -214,5 +233,7 @@ def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale, softcap=
     k = gather_blocks(k_cache, block_tables, block_size).transpose(1, 2)  # [B, kvh, Lk, d]
     v = gather_blocks(v_cache, block_tables, block_size).transpose(1, 2)
     q = q.reshape(b, k.shape[1], h // k.shape[1], d)
-    o = _sdpa(q, k, v, mask, scale, softcap)
+    if sinks is not None:  # query head i sits at [i // group, i % group], its sink beside it
+        sinks = sinks.reshape(k.shape[1], h // k.shape[1], 1)
+    o = _sdpa(q, k, v, mask, scale, softcap, sinks)
     return o.reshape(b, 1, h, d)

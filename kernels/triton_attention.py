@@ -8,7 +8,9 @@ softmax; each key's slot comes from the block table, so any block size works, an
 gathered or padded. The mask is causal: a query token at position p (its sequence's context
 before the step, plus its index in the chunk) sees keys 0..p, or only p - WINDOW < j <= p for a
 layer with a sliding window (whose earlier tiles are skipped); SOFTCAP > 0 caps scores to
-SOFTCAP * tanh(s / SOFTCAP) (Gemma 2).
+SOFTCAP * tanh(s / SOFTCAP) (Gemma 2). Attention sinks (gpt-oss: a logit per head that joins
+the softmax's denominator) start each row's online softmax as its first "key", one with no
+value; split-KV decode adds them once, where the ranges are combined.
 
 A decode-only step with few rows and long contexts would leave most of the GPU idle (a
 program per row and KV head): it splits each row's keys into SPLITS ranges instead
@@ -96,35 +98,38 @@ def _programs():
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: TritonMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, heads, d] -> [T, heads, d]; this step's K/V already written to the pool
-    ([num_slots, kv_heads, d] per layer)."""
+    ([num_slots, kv_heads, d] per layer). sinks: [heads] logits or None."""
     tokens, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     qpkv = heads // kv_heads
     block_m = 16 if qpkv <= 16 else 1 << (qpkv - 1).bit_length()
     if meta.splits > 1:
-        return _split_decode(q, k_cache, v_cache, meta, scale, window, softcap, qpkv, block_m)
+        return _split_decode(q, k_cache, v_cache, meta, scale, window, softcap, qpkv, block_m, sinks)
     block_q = block_m // qpkv
     out = torch.empty_like(q)
     num_seqs = meta.seq_lens.shape[0]
     launch = DECODE.get(d, MIXED) if tokens == num_seqs else MIXED
     grid = (tokens // block_q + num_seqs, kv_heads)
     _programs().attention[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start, scale, num_seqs,
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start,
+        q if sinks is None else sinks, scale, num_seqs,  # (q: a pointer never read)
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
         QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE=launch.tile,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
-        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), num_warps=launch.num_warps, num_stages=launch.num_stages)
+        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None, num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
     return out
 
 
 def _split_decode(q, k_cache, v_cache, meta: TritonMetadata, scale: float, window, softcap, qpkv: int,
-                  block_m: int) -> torch.Tensor:
+                  block_m: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode-only step with its keys split into meta.splits ranges, then the ranges
-    combined by their log-sum-exps (ranges with no key weigh nothing)."""
+    combined by their log-sum-exps (ranges with no key weigh nothing; a sink is one more
+    range, of no value)."""
     tokens, heads, d = q.shape
     parts = torch.empty(tokens, heads, meta.splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(tokens, heads, meta.splits, dtype=torch.float32, device=q.device)
@@ -134,5 +139,7 @@ def _split_decode(q, k_cache, v_cache, meta: TritonMetadata, scale: float, windo
         QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
         BLOCK_M=block_m, TILE=TILE, PRECISION="ieee" if q.dtype == torch.float32 else None,
         WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), SPLITS=meta.splits)
-    weights = torch.softmax(lse, dim=-1)  # each row's first range always has keys
+    if sinks is not None:
+        lse = torch.cat((lse, sinks.float()[None, :, None].expand(tokens, heads, 1)), dim=-1)
+    weights = torch.softmax(lse, dim=-1)[..., :meta.splits]  # each row's first range always has keys
     return (parts * weights[..., None]).sum(dim=2).to(q.dtype)

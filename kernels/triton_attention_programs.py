@@ -37,12 +37,12 @@ def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, seq, table_stride, k
 # Sizes that change from step to step are not specialised on (Triton would compile a variant
 # for each of: equal to 1, a multiple of 16, anything else) so that no step compiles mid-run.
 @triton.jit(do_not_specialize=["num_seqs"])
-def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, scale, num_seqs,
+def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, sinks_ptr, scale, num_seqs,
               q_stride_t, q_stride_h, kv_stride_s, kv_stride_h, o_stride_t, o_stride_h, table_stride,
               QPKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
               HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
               TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-              SOFTCAP: tl.constexpr):
+              SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     # The sequence whose query blocks hold q_block: sequence s's start at q_start[s] // BLOCK_Q + s.
@@ -74,6 +74,9 @@ def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_pt
         keys = context + tl.minimum((local + 1) * BLOCK_Q, q_len)  # keys this block needs
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink starts the online softmax as a key of weight e^0 and no value
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            l_i = l_i + 1.0
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         lo_key = 0
         if WINDOW > 0:  # the block's first row sees nothing before this tile

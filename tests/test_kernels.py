@@ -358,9 +358,10 @@ def test_short_prefill_chunks_through_the_decode_kernel(op, monkeypatch, chunks,
     torch.testing.assert_close(native_out, torch_path(q, kc, vc, meta, 0.125, monkeypatch), rtol=0, atol=1e-5)
 
 
-def dense_reference(q, k_cache, v_cache, meta, scale, window=None, softcap=None):
+def dense_reference(q, k_cache, v_cache, meta, scale, window=None, softcap=None, sinks=None):
     """Token by token in float64, straight from the definitions: a query at position p sees
-    keys max(0, p - window + 1) .. p; scores soft-capped to softcap * tanh(s / softcap)."""
+    keys max(0, p - window + 1) .. p; scores soft-capped to softcap * tanh(s / softcap); a
+    head's sink is one more logit in its softmax, whose weight goes nowhere."""
     rows = [(i, tables_row, n - 1) for i, (tables_row, n) in
             enumerate(zip(meta.decode_block_tables, meta.decode_context_lens.tolist()))]
     for j, (row, n, start) in enumerate(meta.prefill_chunks or []):
@@ -375,7 +376,10 @@ def dense_reference(q, k_cache, v_cache, meta, scale, window=None, softcap=None)
         s = torch.einsum("hd,khd->hk", q[row].double(), k) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        out[row] = torch.einsum("hk,khd->hd", s.softmax(-1), v).to(q.dtype)
+        if sinks is not None:
+            s = torch.cat((s, sinks.double()[:, None]), -1)
+        p = s.softmax(-1)[:, :k.shape[0]]
+        out[row] = torch.einsum("hk,khd->hd", p, v).to(q.dtype)
     return out
 
 
@@ -401,3 +405,32 @@ def test_sliding_window_and_softcap_on_every_cpu_path(op, monkeypatch, window, s
     portable(out, q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, 16, 0.125,
              window or 0, softcap or 0.0)
     torch.testing.assert_close(out, want[:nd], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)], ids=["mha", "gqa4"])
+def test_attention_sinks_on_every_cpu_path(op, monkeypatch, window, heads, kv_heads):
+    """gpt-oss's sinks: the native kernel (its vector path and its portable loop) and the torch
+    path (SDPA's chunk path, the decode rows' gather) equal the definition, with and without a
+    window; the sinks are large enough that leaving them out changes every row."""
+    chunks = [(20, 0), (5, 37), (17, 50), (3, 0), (16, 100), (2, 290)]
+    q, kc, vc, meta = mixed_step(chunks, heads, kv_heads, 64, 16, decode_lens=(40, 7, 3))
+    sinks = torch.linspace(0.0, 4.0, heads)
+    want = dense_reference(q, kc, vc, meta, 0.125, window, sinks=sinks)
+    assert (want - dense_reference(q, kc, vc, meta, 0.125, window)).abs().amax(dim=(1, 2)).min() > 1e-3
+    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.125, window=window, sinks=sinks), want,
+                               rtol=0, atol=2e-5)
+    meta.short_chunks = None
+    with monkeypatch.context() as m:
+        m.setenv("SHOAL_NATIVE_KERNELS", "0")
+        got = paged_attention(q, kc, vc, meta, 0.125, window=window, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    nd = meta.num_decode_tokens
+    portable = torch.ops.shoal.paged_decode_attention_portable.default
+    out = torch.empty_like(q[:nd])
+    portable(out, q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, 16, 0.125, window or 0, 0.0,
+             sinks)
+    torch.testing.assert_close(out, want[:nd], rtol=0, atol=2e-5)
+    with pytest.raises(RuntimeError, match="sinks must be a contiguous CPU float32"):
+        portable(out, q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, 16, 0.125, 0, 0.0,
+                 sinks[:4])

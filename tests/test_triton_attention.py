@@ -116,6 +116,32 @@ def test_split_kv_decode_matches_the_dense_definition(interpreted, window, softc
     torch.testing.assert_close(got, dense_reference(q, kc, vc, meta, d ** -0.5, window, softcap), rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_sinks(interpreted, window):
+    """gpt-oss's sinks (one more logit per head, of no value) over the dense definition: the
+    one-launch kernel on decodes and chunks, and split-KV decode, where they join the ranges'
+    combination once."""
+    from test_kernels import dense_reference, mixed_step
+
+    sinks = torch.linspace(0.0, 4.0, 8)
+    chunks = [(20, 0), (5, 37), (3, 0)]
+    q, kc, vc, meta = mixed_step(chunks, 8, 2, 64, 16, decode_lens=(40, 7))
+    lens = meta.decode_context_lens.tolist() + [start + n for n, start in chunks]
+    tables = torch.cat([meta.decode_block_tables, meta.prefill_block_tables])
+    tmeta = ta.build_metadata([1] * meta.num_decode_tokens + [n for n, _ in chunks], torch.tensor(lens), tables,
+                              16, "cpu")
+    want = dense_reference(q, kc, vc, meta, 0.125, window, sinks=sinks)
+    assert (want - dense_reference(q, kc, vc, meta, 0.125, window)).abs().max() > 1e-2
+    torch.testing.assert_close(ta.paged_attention(q, kc, vc, tmeta, 0.125, window, sinks=sinks), want,
+                               rtol=0, atol=2e-5)
+    lens = (1100, 37)
+    q, kc, vc, meta = mixed_step([], 8, 2, 64, 16, decode_lens=lens)
+    tmeta = ta.build_metadata([1] * 2, torch.tensor(lens), meta.decode_block_tables, 16, "cpu")
+    assert tmeta.splits == 2
+    torch.testing.assert_close(ta.paged_attention(q, kc, vc, tmeta, 0.125, window, sinks=sinks),
+                               dense_reference(q, kc, vc, meta, 0.125, window, sinks=sinks), rtol=0, atol=2e-5)
+
+
 def test_which_steps_split_their_keys():
     assert ta.key_splits([1] * 8, 16384) == (8, 2048)  # few long rows: SPLIT_ROWS // 8 ranges
     assert ta.key_splits([1] * 2, 1100) == (2, 576)  # ranges of >= SPLIT_MIN_KEYS, TILE-aligned

@@ -5,7 +5,9 @@
 //   K[b, t] = k_cache[block_tables[b, t / block_size] * block_size + t % block_size, h / group]
 //
 // Optionally (Gemma, Mistral, ...): scores soft-capped to cap * tanh(s / cap), and a sliding
-// window, where a row sees only its last `window` keys.
+// window, where a row sees only its last `window` keys. Optionally (gpt-oss) attention sinks:
+// one float32 logit per query head that joins each softmax's max and denominator as a key with
+// no value (out = sum_t e^(s_t - m) v_t / (sum_t e^(s_t - m) + e^(sink - m))).
 //
 // float32 / bfloat16 / float16 caches; all arithmetic is float32. No -ffast-math: the result
 // stays within ~1e-6 of torch's scaled_dot_product_attention.
@@ -34,6 +36,7 @@
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -63,7 +66,20 @@ struct Args {
   float scale;
   int64_t window;  // > 0: each row sees only its last `window` keys
   float softcap;   // > 0: scores become softcap * tanh(score / softcap)
+  const float* sinks;  // [heads] or nullptr
 };
+
+// The sink of query head h, or -inf (no weight) without sinks: the softmax's max starts from it.
+template <typename T>
+SHOAL_INLINE float sink_of(const Args<T>& a, int64_t h) {
+  return a.sinks ? a.sinks[h] : -std::numeric_limits<float>::infinity();
+}
+
+// The sink's share of a softmax denominator whose max is `mx` (0 without sinks).
+template <typename T>
+SHOAL_INLINE float sink_weight(const Args<T>& a, int64_t h, float mx) {
+  return a.sinks ? std::exp(a.sinks[h] - mx) : 0.0f;
+}
 
 // A K/V row as float32: fp32 rows are used in place, 16-bit rows are widened into `buf`.
 SHOAL_INLINE const float* as_float(const float* src, float*, int64_t) { return src; }
@@ -200,9 +216,9 @@ SHOAL_INLINE void attend(const Args<T>& a, int64_t b, int64_t kh0, int64_t kh1, 
   // Softmax per query head, numerically stable: exp(x - max) <= 1.
   for (int64_t h = 0; h < nh; ++h) {
     float* sh = s + h * n;
-    float mx = -std::numeric_limits<float>::infinity();
+    float mx = sink_of(a, h0 + h);
     for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
-    float sum = 0.0f;
+    float sum = sink_weight(a, h0 + h, mx);
     for (int64_t t = 0; t < n; ++t) {
       sh[t] = std::exp(sh[t] - mx);
       sum += sh[t];
@@ -330,7 +346,8 @@ __attribute__((target("avx512f,fma,f16c"))) void avx512_task(const Args<T>& a, i
       const __mmask16 keep = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
       mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, keep, sh + t));
     }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    const float top_value = std::max(_mm512_reduce_max_ps(mx), sink_of(a, h0 + h));
+    const __m512 top = _mm512_set1_ps(top_value);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t += 16) {
       const __mmask16 keep = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
@@ -338,7 +355,7 @@ __attribute__((target("avx512f,fma,f16c"))) void avx512_task(const Args<T>& a, i
       _mm512_mask_storeu_ps(sh + t, keep, e);
       sum = _mm512_add_ps(sum, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    const __m512 inv = _mm512_set1_ps(1.0f / (_mm512_reduce_add_ps(sum) + sink_weight(a, h0 + h, top_value)));
     for (int64_t t = 0; t < n; t += 16) {
       const __mmask16 keep = static_cast<__mmask16>(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
       _mm512_mask_storeu_ps(sh + t, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, sh + t), inv));
@@ -476,7 +493,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_task(const Args<T>& a, int64_
     const int64_t whole = n - n % 8;
     __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t t = 0; t < whole; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sh + t));
-    float top = lane_max(mx);
+    float top = std::max(lane_max(mx), sink_of(a, h0 + h));
     for (int64_t t = whole; t < n; ++t) top = std::max(top, sh[t]);
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 vsum = _mm256_setzero_ps();
@@ -485,7 +502,7 @@ __attribute__((target("avx2,fma,f16c"))) void avx2_task(const Args<T>& a, int64_
       _mm256_storeu_ps(sh + t, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = lane_sum(vsum);
+    float sum = lane_sum(vsum) + sink_weight(a, h0 + h, top);
     for (int64_t t = whole; t < n; ++t) {
       sh[t] = std::exp(sh[t] - top);
       sum += sh[t];
@@ -578,12 +595,12 @@ using torch::headeronly::ScalarType;
 template <typename T>
 void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
             const Tensor& tables, const Tensor& lens, int64_t block_size, double scale,
-            int64_t window, double softcap, int64_t max_len, int64_t widest) {
+            int64_t window, double softcap, const float* sinks, int64_t max_len, int64_t widest) {
   Args<T> a{q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>(),
             out.mutable_data_ptr<T>(), tables.const_data_ptr<int64_t>(), lens.const_data_ptr<int32_t>(),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             tables.stride(0), q.size(1), k_cache.size(1), q.size(2), block_size,
-            static_cast<float>(scale), window, static_cast<float>(softcap)};
+            static_cast<float>(scale), window, static_cast<float>(softcap), sinks};
   // Parallel over (batch row, kv heads): whole rows when there are enough rows to keep every
   // thread busy, else each row's kv heads are split into `splits` ranges (down to one each).
   const int64_t batch = q.size(0);
@@ -608,7 +625,8 @@ void launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v
 
 static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                     const Tensor& block_tables, const Tensor& context_lens, int64_t block_size,
-                    double scale, int64_t window, double softcap, int64_t widest) {
+                    double scale, int64_t window, double softcap, const std::optional<Tensor>& sinks,
+                    int64_t widest) {
   // Shapes, dtypes, layouts and block ids are checked here, before any thread starts, so the
   // task loop can trust raw pointers.
   STD_TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
@@ -634,6 +652,13 @@ static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, 
   STD_TORCH_CHECK(context_lens.is_cpu() && context_lens.scalar_type() == ScalarType::Int &&
                       context_lens.dim() == 1 && context_lens.stride(0) == 1 && context_lens.size(0) == batch,
                   "context_lens must be a CPU int32 [B]");
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    STD_TORCH_CHECK(sinks->is_cpu() && sinks->scalar_type() == ScalarType::Float && sinks->dim() == 1 &&
+                        sinks->size(0) == q.size(1) && sinks->stride(0) == 1,
+                    "sinks must be a contiguous CPU float32 [heads]");
+    sink_ptr = sinks->const_data_ptr<float>();
+  }
   if (batch == 0) return;
   // Every block a row uses must exist: a bad id would read outside the pool.
   const int32_t* lens = context_lens.const_data_ptr<int32_t>();
@@ -653,13 +678,13 @@ static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, 
 
   switch (q.scalar_type()) {
     case ScalarType::Float:
-      return launch<float>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
+      return launch<float>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, sink_ptr, max_len,
                               widest);
     case ScalarType::BFloat16:
-      return launch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
+      return launch<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, sink_ptr, max_len,
                               widest);
     case ScalarType::Half:
-      return launch<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, max_len,
+      return launch<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, sink_ptr, max_len,
                               widest);
     default:
       STD_TORCH_CHECK(false, "paged_decode_attention: unsupported dtype");
@@ -668,35 +693,37 @@ static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, 
 
 void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                             Tensor block_tables, Tensor context_lens, int64_t block_size,
-                            double scale, int64_t window, double softcap) {
-  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, kBest);
+                            double scale, int64_t window, double softcap, std::optional<Tensor> sinks) {
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, sinks,
+                 kBest);
 }
 
 // At most AVX2 + FMA even on an AVX-512 CPU (the AMD EPYCs' path), and the portable loop even
 // where AVX-512 or AVX2 is there: for tests, benchmarks and SHOAL_CPU_ATTENTION.
 void paged_decode_attention_avx2(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                                  Tensor block_tables, Tensor context_lens, int64_t block_size,
-                                 double scale, int64_t window, double softcap) {
-  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, kAvx2);
+                                 double scale, int64_t window, double softcap, std::optional<Tensor> sinks) {
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, sinks,
+                 kAvx2);
 }
 
 void paged_decode_attention_portable(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                                      Tensor block_tables, Tensor context_lens, int64_t block_size,
-                                     double scale, int64_t window, double softcap) {
-  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap,
+                                     double scale, int64_t window, double softcap, std::optional<Tensor> sinks) {
+  checked_launch(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window, softcap, sinks,
                  kPortable);
 }
 
 STABLE_TORCH_LIBRARY(shoal, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window=0, "
-        "float softcap=0.) -> ()");
+        "float softcap=0., Tensor? sinks=None) -> ()");
   m.def("paged_decode_attention_avx2(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window=0, "
-        "float softcap=0.) -> ()");
+        "float softcap=0., Tensor? sinks=None) -> ()");
   m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window=0, "
-        "float softcap=0.) -> ()");
+        "float softcap=0., Tensor? sinks=None) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(shoal, CPU, m) {
