@@ -14,7 +14,7 @@ import torch
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "deepseek_v2", "deepseek_v3")
+         "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -178,13 +178,18 @@ FAMILY_DEFAULTS = {
                         topk_method="group_limited_greedy", routed_scaling_factor=1.5),
     "deepseek_v3": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
                         routed_scaling_factor=2.5),
+    # alternating windows of 8 keys, a SwiGLU limit the tiny experts reach, gpt-oss's YaRN (factor 32 = 512 / 16)
+    "gpt_oss": dict(head_dim=16, sliding_window=8, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                    swiglu_limit=2.0, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                       "original_max_position_embeddings": 16}),
 }
 
 
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4Config,
-                              GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), "vocab_size": vocab_size,
            **overrides}
@@ -214,7 +219,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         return Qwen3MoeConfig(**common, **cfg)
     families = {"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config,
                 "granite": GraniteConfig, "glm4": Glm4Config, "deepseek_v2": DeepseekV2Config,
-                "deepseek_v3": DeepseekV3Config}
+                "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig}
     if arch in families:
         return families[arch](**common, **cfg)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -229,6 +234,8 @@ def _init_weights(model, seed: int, std: float) -> None:
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".sinks"):  # gpt-oss: logits that outweigh some heads' keys
+                param.copy_(2.0 * noise)
             elif name.endswith(".bias"):
                 param.copy_(0.1 * noise)
             else:
@@ -418,3 +425,4 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
         path.mkdir(parents=True, exist_ok=True)
         _write_copy(src, path, out[kind], {**config, **({"quantization_config": quant[kind]} if kind in quant else {})})
     return paths
+

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Routing:
 
 @dataclass
 class MoeArgs:
-    """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek)."""
+    """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, gpt-oss)."""
     num_experts: int
     top_k: int
     intermediate_size: int  # of each routed expert
@@ -33,6 +34,7 @@ class MoeArgs:
     dense_layers: tuple[int, ...]  # ... except these, which keep a dense MLP
     routing: Routing = Routing()
     shared_gate: bool = True  # Qwen2-MoE gates its shared expert by a sigmoid; DeepSeek adds it as is
+    swiglu: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU (alpha, limit); None: SiLU x up
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -40,6 +42,9 @@ class MoeArgs:
     @classmethod
     def from_hf(cls, arch: str, cfg: dict) -> "MoeArgs | None":
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # either spelling, by version
+        if arch == GPT_OSS:  # every layer sparse; softmax over the top-k logits (renormalised by nature)
+            return cls(experts, cfg.get("num_experts_per_tok", 4), cfg["intermediate_size"], 0, True, 1, (),
+                       swiglu=(cfg.get("swiglu_alpha", 1.702), cfg.get("swiglu_limit", 7.0)))
         if arch == "MixtralForCausalLM":  # every layer is sparse; top-k always renormalised
             return cls(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], 0, True, 1, ())
         if arch in DEEPSEEK_ARCHS:
@@ -135,6 +140,7 @@ class ModelArgs:
     activation: str = "silu"  # of the gated MLP: silu | gelu_tanh (Gemma's GeGLU)
     norms: str = "pre"  # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2)
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
 
     @property
     def kv_planes(self) -> int:
@@ -187,6 +193,7 @@ class ModelArgs:
             activation=gated_activation(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
             norms="sandwich" if gemma or arch == "Glm4ForCausalLM" else "post" if arch == "Olmo2ForCausalLM"
             else "pre",
+            attn_sinks=arch == GPT_OSS,
         )
 
 

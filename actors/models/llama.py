@@ -103,6 +103,7 @@ class Attention(nn.Module):
         self.fusable = (a.qk_norm != "all" and rope.dim == self.d and not rope.interleaved
                         and triton_fused.enabled())
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
+        self.sinks = nn.Parameter(torch.empty(self.h)) if a.attn_sinks else None  # gpt-oss: this rank's heads'
         self.k_cache = self.v_cache = None  # views into the engine's KV pool, set at start-up
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
@@ -113,7 +114,7 @@ class Attention(nn.Module):
                 *((self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)),
                 self.eps, self.norm_offset)
             o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, window=self.window,
-                                softcap=self.softcap)
+                                softcap=self.softcap, sinks=self.sinks)
             return self.o_proj(o.reshape(t, self.h * self.d))
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
         if self.q_norm is not None and not self.per_head_norm:
@@ -123,7 +124,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin, self.interleaved)
         write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.window, self.softcap)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.window, self.softcap,
+                            self.sinks)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
@@ -178,8 +180,10 @@ class DecoderLayer(nn.Module):
 
 def fused_block(a: ModelArgs) -> bool:
     """Whether a decoder layer runs its Triton-backend steps through the fused kernels: norms
-    before each sublayer only, so the residual add and the next norm fuse."""
-    return a.norms == "pre" and a.residual_scale == 1.0 and triton_fused.enabled()
+    before each sublayer only, so the residual add and the next norm fuse. Not gpt-oss's
+    experts (biases, clamped SwiGLU), which kernels/triton_moe.py does not compute."""
+    return (a.norms == "pre" and a.residual_scale == 1.0 and triton_fused.enabled()
+            and (a.moe is None or a.moe.swiglu is None))
 
 
 def _norm(norm, x):
@@ -305,6 +309,8 @@ class LlamaForCausalLM(nn.Module):
         if a.qk_norm == "all":  # OLMo 2: this rank's heads' channels
             rules["self_attn.q_norm"] = ("self_attn.q_norm", 0, 0, p.tp_rank * h * d, h * d)
             rules["self_attn.k_norm"] = ("self_attn.k_norm", 0, 0, kv0 * d, kvh * d)
+        if rest == "self_attn.sinks":  # gpt-oss: one per head, split like the heads
+            return (f"{prefix}self_attn.sinks", 0, 0, p.tp_rank * h, h)
         module = rest.rsplit(".", 1)[0]
         if module in rules:
             rule = rules[module]

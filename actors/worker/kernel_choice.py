@@ -120,16 +120,17 @@ def device_type(config: EngineConfig) -> str:
     return config.device
 
 
-def attention_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int) -> tuple[str, str | None]:
+def attention_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int,
+                      sinks: bool = False) -> tuple[str, str | None]:
     """(backend, flash library), for the ModelSpec every rank shares (the flash library sets
     the block size). auto picks flash where it runs, else triton on CUDA, else native, and
     says nothing; an explicit flash or triton that can't run falls back with one warning
-    naming why."""
+    naming why. sinks: the model has attention sinks (gpt-oss), which flash can't take."""
     asked = config.attn_backend
     if asked == "native":
         return "native", None
     if asked in ("auto", "flash"):
-        why = flash_unavailable(config, dtype, head_dim)
+        why = "attention sinks (gpt-oss) are not in its API" if sinks else flash_unavailable(config, dtype, head_dim)
         if why is None:
             library = flash_attention.installed()
             if not config.block_size or config.block_size % flash_attention.block_multiple(library) == 0:

@@ -175,11 +175,15 @@ def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch
     """Copy this rank's slice of one checkpoint tensor into (a row range of) its parameter.
 
     An optional sixth rule field picks one expert slot of a stacked [slots, ...] parameter.
+    `dim` may be a function of the lazily sliced tensor that returns the part this rank needs,
+    already in the parameter's layout (gpt-oss's stacked, transposed experts).
     """
     target, offset, dim, start, size, *slot = rule
     if target not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    if dim is None:
+    if callable(dim):
+        src = dim(tensor_slice)
+    elif dim is None:
         src = tensor_slice[:]
     elif dim == 0:
         src = tensor_slice[start:start + size]

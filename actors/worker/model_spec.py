@@ -56,7 +56,7 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
         raise ValueError(f"--quantization {config.quantization} runs on CPU only so far (no GPU kernel yet)")
     if config.enable_lora and args.mla:
         raise ValueError(f"LoRA adapters are not supported for {args.architecture} (latent attention) yet")
-    backend, library = attention_backend(config, dtype, args.head_dim)
+    backend, library = attention_backend(config, dtype, args.head_dim, sinks=args.attn_sinks)
     if cuda:
         log.info("attention backend %s%s, dtype %s", backend, f" ({library})" if library else "",
                  str(dtype).removeprefix("torch."))

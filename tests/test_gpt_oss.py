@@ -1,0 +1,138 @@
+"""gpt-oss (actors/models/gpt_oss.py) against transformers in float32: greedy tokens equal and
+prompt log-probs within 1e-4, through chunked prefill, preemption and a prefix-cache hit, at
+tp=1 in process and with experts or widths split over two Ray shards; its MXFP4 checkpoints
+load dequantised exactly as transformers dequantises them.
+
+The tiny checkpoint (tests/checkpoints.py FAMILY_DEFAULTS["gpt_oss"]) turns each twist up so
+that leaving it out changes transformers' own output (checked first): sinks of std 2, a window
+of 8 keys on alternate layers, a SwiGLU limit of 2 that the experts reach, YaRN factor 32."""
+import copy
+import json
+import os
+import random
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from oracle import hf_greedy, hf_model, hf_prompt_logprobs  # noqa: E402
+from test_engine import assert_pool_free, prompts_of  # noqa: E402
+
+from actors.engine.llm import LLM  # noqa: E402
+from actors.models.args import ModelArgs  # noqa: E402
+from actors.sampling_params import SamplingParams  # noqa: E402
+
+SHARED = [random.Random(5).randrange(500) for _ in range(12)]
+PROMPTS = prompts_of([5, 30, 13, 26], seed=2)
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+WITH_LOGPROBS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(checkpoint_factory):
+    return checkpoint_factory("gpt_oss")
+
+
+def assert_matches_hf(path, prompts, outs, logprobs: bool = True):
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, MAX_TOKENS), f"prompt of {len(ids)} tokens"
+        if logprobs:
+            ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+            assert ours == pytest.approx(hf_prompt_logprobs(path, ids), abs=1e-4)
+
+
+def test_the_config_is_read(gpt_oss):
+    a = ModelArgs.from_hf(json.loads((gpt_oss / "config.json").read_text()))
+    assert a.attn_sinks and a.qkv_bias and a.o_bias and a.layer_windows == (8, None)
+    assert (a.moe.num_experts, a.moe.top_k, a.moe.intermediate_size, a.moe.swiglu) == (8, 2, 32, (1.702, 2.0))
+    assert a.rope.theta == 150000.0 and a.rope.scaling["rope_type"] == "yarn" and a.rope.scaling["factor"] == 32.0
+
+
+@torch.inference_mode()
+def test_each_twist_changes_transformers_output(gpt_oss):
+    """Leaving out any of the twists changes the oracle's logits, so the parity tests below
+    would catch a model that forgot one."""
+    model = hf_model(gpt_oss)
+    ids = torch.tensor([PROMPTS[1]])
+    want = model(input_ids=ids).logits
+
+    def without(change):
+        m = copy.deepcopy(model)
+        change(m)
+        return (m(input_ids=ids).logits - want).abs().max().item()
+
+    def no_sinks(m):
+        for layer in m.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+
+    def no_window(m):
+        m.config.layer_types = ["full_attention"] * len(m.model.layers)
+
+    def no_limit(m):
+        for layer in m.model.layers:
+            layer.mlp.experts.limit = 1e9
+
+    def no_yarn(m):
+        rotary = m.model.rotary_emb
+        rotary.inv_freq.copy_(1.0 / 150000.0 ** (torch.arange(0, 16, 2).float() / 16))
+        rotary.attention_scaling = 1.0
+
+    for change in (no_sinks, no_window, no_limit, no_yarn):
+        assert without(change) > 1e-2, change.__name__
+
+
+def test_gpt_oss_matches_transformers(gpt_oss):
+    """Chunks of 16 tokens, a pool too small for every row (preemption), then a prompt whose
+    prefix is cached; decode rows and short continuation chunks through the C++ kernel."""
+    llm = LLM(str(gpt_oss), block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
+    try:
+        assert_matches_hf(gpt_oss, PROMPTS, llm.generate(PROMPTS, WITH_LOGPROBS))
+        assert llm.engine.scheduler.num_preemptions > 0
+        first, second = SHARED + [1, 2], SHARED + [7]
+        outs = llm.generate([first], GREEDY) + llm.generate([second], GREEDY)
+        assert_matches_hf(gpt_oss, [first, second], outs, logprobs=False)
+        assert outs[1].num_cached_tokens >= 8
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
+# --------------------------------------------------------------------------- two shards (Ray)
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_expert_parallel_matches_transformers(local_ray, gpt_oss):
+    """ep=2: each rank holds half the experts (their biases with them) and half the heads (their
+    sinks); the o_proj bias and each assignment's down bias are added once. Then the features
+    mix (preemption, a prefix-cache hit, sampling) gives one rank's tokens."""
+    from test_distributed import POOL, check_features_match_one_rank
+
+    llm = LLM(str(gpt_oss), tp_size=2, enable_expert_parallel=True, shard_cpus=0.5, **POOL)
+    try:
+        assert_matches_hf(gpt_oss, PROMPTS[:3], llm.generate(PROMPTS[:3], WITH_LOGPROBS))
+        check_features_match_one_rank(llm, gpt_oss)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_splits_each_expert(local_ray, gpt_oss):
+    """tp=2 without EP: every expert split by width (gate/up columns and their bias by rank),
+    the down bias added by rank 0 only."""
+    from test_distributed import POOL
+
+    llm = LLM(str(gpt_oss), tp_size=2, shard_cpus=0.5, **POOL)
+    try:
+        assert_matches_hf(gpt_oss, PROMPTS[:3], llm.generate(PROMPTS[:3], WITH_LOGPROBS))
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
