@@ -426,3 +426,43 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
         _write_copy(src, path, out[kind], {**config, **({"quantization_config": quant[kind]} if kind in quant else {})})
     return paths
 
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stacked expert weight [E, K, N] (transformers' layout, x @ W[e]) as an MXFP4 checkpoint
+    stores it: (blocks uint8 [E, N, K / 32, 16], scales uint8 [E, N, K / 32]). Each group of 32
+    gets the smallest power-of-two scale that fits its largest value into e2m1's +-6, and each
+    value the nearest e2m1 code; element 2i goes in a byte's low nibble, 2i + 1 in its high one."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = w.float().transpose(1, 2).reshape(w.shape[0], w.shape[2], w.shape[1] // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -126)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    scaled = groups / torch.exp2(exponent)
+    magnitude = (scaled.abs()[..., None] - grid).abs().argmin(-1)
+    codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def mxfp4_copy(src, dst) -> pathlib.Path:
+    """`src` (a gpt_oss checkpoint) with its experts' projections in MXFP4, laid out as
+    gpt-oss's release lays them out (`*_blocks` / `*_scales`, quantization_config mxfp4 that
+    leaves attention, router, embedding and head in float). Written once per `dst`."""
+    import json
+
+    from safetensors.torch import load_file
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if (dst / "config.json").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(t)
+            else:
+                tensors[name] = t
+    return _write_copy(src, dst, tensors, config)

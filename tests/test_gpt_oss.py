@@ -17,6 +17,7 @@ import torch
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from checkpoints import mxfp4_copy  # noqa: E402
 from oracle import hf_greedy, hf_model, hf_prompt_logprobs  # noqa: E402
 from test_engine import assert_pool_free, prompts_of  # noqa: E402
 
@@ -96,6 +97,37 @@ def test_gpt_oss_matches_transformers(gpt_oss):
         assert_matches_hf(gpt_oss, [first, second], outs, logprobs=False)
         assert outs[1].num_cached_tokens >= 8
         assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_mxfp4_checkpoint_loads_as_transformers_dequantises_it(gpt_oss, tmp_path_factory):
+    """The experts in MXFP4 (`*_blocks` / `*_scales`): our dequantisation equals transformers'
+    convert_moe_packed_tensors bit for bit, our experts hold exactly what transformers' loaded
+    model holds (de-interleaved and transposed), and the engine's outputs equal transformers'
+    on the same MXFP4 checkpoint. The quantization is visible (weights differ from the source)."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from actors.worker.mxfp4_checkpoint import dequantize
+
+    path = mxfp4_copy(gpt_oss, tmp_path_factory.mktemp("mxfp4") / "gpt_oss-mxfp4")
+    tensors = load_file(path / "model.safetensors")
+    quantized = [n.removesuffix("_blocks") for n in tensors if n.endswith("_blocks")]
+    assert len(quantized) == 4
+    for name in quantized:
+        blocks, scales = tensors[name + "_blocks"], tensors[name + "_scales"]
+        assert torch.equal(dequantize(blocks, scales), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    try:
+        ours = llm.engine.executor.runner.model.model.layers[0].mlp.experts
+        theirs = hf_model(path).model.layers[0].mlp.experts
+        for e in range(8):
+            w = theirs.gate_up_proj[e]
+            assert torch.equal(ours.gate_up_proj[e], torch.cat((w[:, 0::2], w[:, 1::2]), 1).t())
+            assert torch.equal(ours.down_proj[e], theirs.down_proj[e].t())
+        assert not torch.equal(theirs.down_proj, hf_model(gpt_oss).model.layers[0].mlp.experts.down_proj)
+        assert_matches_hf(path, PROMPTS[:2], llm.generate(PROMPTS[:2], WITH_LOGPROBS))
     finally:
         llm.shutdown()
 

@@ -14,7 +14,7 @@ from actors.models import model_class
 from actors.models.args import ModelArgs
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.llama import rope_tables
-from actors.worker import fp8_checkpoint
+from actors.worker import fp8_checkpoint, mxfp4_checkpoint
 from actors.worker.progress import progress_bar
 from kernels.quantization import quantize_module
 
@@ -118,22 +118,37 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
 
 def checkpoint_tensors(path: Path, files: list[Path]):
     """(name, its lazily sliced tensor) for every tensor of the checkpoint, file by file; a
-    float8 weight comes dequantised with its scale (actors/worker/fp8_checkpoint.py), and the
-    scales themselves come as (name, None)."""
+    float8 weight comes dequantised with its scale (actors/worker/fp8_checkpoint.py), an MXFP4
+    one (`W_blocks`) as W, dequantised expert by expert as it is sliced
+    (actors/worker/mxfp4_checkpoint.py), and the scales themselves come as (name, None)."""
     where = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             where.update(dict.fromkeys(f.keys(), file))
-    block = fp8_checkpoint.block_size(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    block, mxfp4 = fp8_checkpoint.block_size(config), mxfp4_checkpoint.is_mxfp4(config)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor_slice = f.get_slice(name)
-                if tensor_slice.get_dtype() in fp8_checkpoint.FP8_DTYPES:
+                if mxfp4 and name.endswith(mxfp4_checkpoint.SCALES):
+                    tensor_slice = None
+                elif mxfp4 and name.endswith(mxfp4_checkpoint.BLOCKS):
+                    name = name.removesuffix(mxfp4_checkpoint.BLOCKS)
+                    scales = _tensor(name + mxfp4_checkpoint.SCALES, where)
+                    tensor_slice = mxfp4_checkpoint.Dequantized(tensor_slice, scales)
+                elif tensor_slice.get_dtype() in fp8_checkpoint.FP8_DTYPES:
                     tensor_slice = fp8_checkpoint.dequantize(f.get_tensor(name), _scale_of(name, where), block)
                 elif fp8_checkpoint.is_scale(name):
                     tensor_slice = None
                 yield name, tensor_slice
+
+
+def _tensor(name: str, where: dict) -> torch.Tensor:
+    if name not in where:
+        raise ValueError(f"the checkpoint lacks {name!r}")
+    with safe_open(str(where[name]), framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def _scale_of(name: str, where: dict) -> torch.Tensor:
