@@ -203,6 +203,18 @@ def test_engine_with_triton_attention_matches_transformers(interpreted, checkpoi
     assert (max(splits) > 1) == (split_min_keys == 8)
 
 
+@pytest.mark.slow  # ~8 s interpreted; the kernel's sinks are tested above in a second
+def test_gpt_oss_on_the_triton_backend_matches_transformers(interpreted, checkpoint_factory):
+    """gpt-oss's sinks through the Triton kernel in a whole engine (its q/k rotary through the
+    fused kernel, its experts through the torch path), chunked prefill and decodes."""
+    path = checkpoint_factory("gpt_oss")
+    llm = LLM(str(path), attn_backend="triton", block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    prompts = [[7, 1, 2], list(range(40, 62))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
+
+
 def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_factory, monkeypatch):
     """The CUDA-graph path's static buffers feed the kernel (graphs emulated on CPU). The fused
     kernels stay off (3x the interpreter's time): the MoE test below runs them through graphs."""
@@ -246,10 +258,12 @@ def test_moe_decode_graphs_need_the_fused_path(monkeypatch):
     from types import SimpleNamespace
 
     monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)
-    args = SimpleNamespace(moe=object(), norms="pre", residual_scale=1.0)  # ModelArgs' fields
+    args = SimpleNamespace(moe=SimpleNamespace(swiglu=None), norms="pre", residual_scale=1.0)  # ModelArgs' fields
+    gpt_oss = SimpleNamespace(moe=SimpleNamespace(swiglu=(1.702, 7.0)), norms="pre", residual_scale=1.0)
     cuda = torch.device("cuda")
-    for backend, graphs in (("triton", True), ("native", False)):
-        spec = SimpleNamespace(args=args, attn_backend=backend, dtype=torch.bfloat16, quantization=None)
+    # gpt-oss's experts (biases, clamped SwiGLU) have no fused kernel: never graphs yet
+    for a, backend, graphs in ((args, "triton", True), (args, "native", False), (gpt_oss, "triton", False)):
+        spec = SimpleNamespace(args=a, attn_backend=backend, dtype=torch.bfloat16, quantization=None)
         choice = kernel_choice.choose(EngineConfig(), spec, cuda, world_size=1, lora=False)
         assert (choice.decode == "cuda-graphs") == graphs, choice
 
@@ -270,3 +284,12 @@ def test_backend_choice(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert resolve() == ("triton", None)
     assert resolve(attn_backend="native") == ("native", None)
+    # a GPU with flash: a model with attention sinks (gpt-oss) gets Triton, flash has no sinks
+    monkeypatch.setattr(kernel_choice.flash_attention, "installed", lambda: "vllm_flash_attn")
+    monkeypatch.setattr(kernel_choice, "flash_unavailable", lambda *a: None)
+    assert resolve() == ("flash", "vllm_flash_attn")
+    assert kernel_choice.attention_backend(EngineConfig(), torch.bfloat16, 64, sinks=True) == ("triton", None)
+    with caplog.at_level(logging.WARNING):
+        assert kernel_choice.attention_backend(EngineConfig(attn_backend="flash"), torch.bfloat16, 64,
+                                               sinks=True) == ("native", None)
+    assert "--attn-backend flash can't run here (attention sinks (gpt-oss) are not in its API)" in caplog.text
