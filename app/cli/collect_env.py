@@ -117,6 +117,7 @@ def quantization() -> dict:
     return {"int8": f"CPU, {'the AVX2 kernel' if wide else 'the portable loop'} (kernels/csrc/int8_linear.cpp); "
                     "no GPU kernel yet",
             "fp8 checkpoints": "loaded as float (dequantised as they load); no FP8 matmuls yet",
+            "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
             "fp8 online, awq, gptq, fp8 KV cache": "not supported yet"}
 
 
