@@ -62,7 +62,8 @@ def attention_path() -> str:
 
 
 def paged_decode_attention_op(path: str | None = None):
-    """`op(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale)`, or None.
+    """`op(out, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, window=0,
+    softcap=0., sinks=None)`, or None (sinks: float32 [heads], gpt-oss's attention sinks).
 
     Writes decode attention over the paged pool into `out` (see csrc/paged_attention.cpp),
     through the widest vector path the CPU has, or no wider than `path` (default:
