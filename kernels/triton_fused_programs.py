@@ -35,6 +35,16 @@ def silu(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def clamped_swiglu(gate, up, alpha, limit, DTYPE: tl.constexpr):
+    """gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), gate clamped above and up on both
+    sides at limit (float32 in, rounded to DTYPE where kernels/swiglu_moe.py's torch ops round)."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    sig = rounded(1.0 / (1.0 + tl.exp(-rounded(gate * alpha, DTYPE))), DTYPE)
+    return rounded(rounded(up + 1.0, DTYPE) * rounded(gate * sig, DTYPE), DTYPE)
+
+
+@triton.jit
 def rms_norm(x_ptr, add_ptr, w_ptr, out_ptr, sum_ptr, n, x_stride, add_stride, out_stride, sum_stride, eps,
              HAS_ADD: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     """One row: out = RMSNorm(x), or with HAS_ADD, sum = x + add (rounded) and out = RMSNorm(sum)."""
@@ -143,10 +153,12 @@ def expert_block(b, block_cum_ptr, counts_ptr, starts_ptr, num_experts, BM: tl.c
 
 @triton.jit(do_not_specialize=["num_experts", "top_k"])
 def expert_gate_up(x_ptr, w_ptr, out_ptr, order_ptr, block_cum_ptr, counts_ptr, starts_ptr, num_experts, top_k,
-                   hidden, width, x_stride, w_stride_e, w_stride_n, out_stride,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                   hidden, width, x_stride, w_stride_e, w_stride_n, out_stride, bias_ptr, bias_stride_e, alpha,
+                   limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
     """One block of BM assignments of one expert, BN columns of its width: round(silu(x W_gate))
-    x round(x W_up), rounded, into the sorted positions' rows of out."""
+    x round(x W_up), rounded, into the sorted positions' rows of out. HAS_BIAS: the expert's
+    gate and up biases are added first; SWIGLU: gpt-oss's clamped SwiGLU instead."""
     e, pos, ok = expert_block(tl.program_id(0), block_cum_ptr, counts_ptr, starts_ptr, num_experts, BM)
     if e < num_experts:
         token = (tl.load(order_ptr + pos, mask=ok, other=0) // top_k).to(tl.int64)
@@ -165,17 +177,27 @@ def expert_gate_up(x_ptr, w_ptr, out_ptr, order_ptr, block_cum_ptr, counts_ptr, 
             gate = tl.dot(xs, wg, gate, input_precision=PRECISION)
             up = tl.dot(xs, wu, up, input_precision=PRECISION)
         dtype = out_ptr.dtype.element_ty
-        act = rounded(silu(rounded(gate, dtype), dtype) * rounded(up, dtype), dtype)
+        gate, up = rounded(gate, dtype), rounded(up, dtype)
+        if HAS_BIAS:
+            b = bias_ptr + e.to(tl.int64) * bias_stride_e
+            gate = rounded(gate + tl.load(b + offs_n, mask=n_ok, other=0.0).to(tl.float32), dtype)
+            up = rounded(up + tl.load(b + width + offs_n, mask=n_ok, other=0.0).to(tl.float32), dtype)
+        if SWIGLU:
+            act = clamped_swiglu(gate, up, alpha, limit, dtype)
+        else:
+            act = rounded(silu(gate, dtype) * up, dtype)
         tl.store(out_ptr + pos.to(tl.int64)[:, None] * out_stride + offs_n[None, :], act,
                  mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_experts"])
 def expert_down(h_ptr, w_ptr, out_ptr, order_ptr, weights_ptr, block_cum_ptr, counts_ptr, starts_ptr, num_experts,
-                hidden, width, h_stride, w_stride_e, w_stride_n, out_stride,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                hidden, width, h_stride, w_stride_e, w_stride_n, out_stride, bias_ptr, bias_stride_e,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
     """One block of BM assignments of one expert, BN of the hidden columns: round(h W_down)
-    times the assignment's routing weight (rounded), into the assignment's row of out."""
+    (plus the expert's bias, rounded, with HAS_BIAS) times the assignment's routing weight
+    (rounded), into the assignment's row of out."""
     e, pos, ok = expert_block(tl.program_id(0), block_cum_ptr, counts_ptr, starts_ptr, num_experts, BM)
     if e < num_experts:
         assign = tl.load(order_ptr + pos, mask=ok, other=0).to(tl.int64)
@@ -193,5 +215,9 @@ def expert_down(h_ptr, w_ptr, out_ptr, order_ptr, weights_ptr, block_cum_ptr, co
             acc = tl.dot(hs, wd, acc, input_precision=PRECISION)
         dtype = out_ptr.dtype.element_ty
         weight = rounded(tl.load(weights_ptr + assign, mask=ok, other=0.0).to(tl.float32), dtype)
-        y = rounded(rounded(acc, dtype) * weight[:, None], dtype)
+        y = rounded(acc, dtype)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + e.to(tl.int64) * bias_stride_e + offs_n, mask=n_ok, other=0.0)
+            y = rounded(y + bias.to(tl.float32)[None, :], dtype)
+        y = rounded(y * weight[:, None], dtype)
         tl.store(out_ptr + assign[:, None] * out_stride + offs_n[None, :], y, mask=ok[:, None] & n_ok[None, :])

@@ -10,6 +10,8 @@ token are summed. The grid is sized for the worst case (every expert's last bloc
 full), and programs past the last block return at once, so the launch depends only on T.
 Rounding follows the torch path (bf16 products rounded where its matmuls and products
 round); the sum over a token's experts is one float32 sum instead of k rounded adds.
+gpt-oss's experts (biases, clamped SwiGLU: kernels/swiglu_moe.py) are the same two kernels
+with their biases added after each product and the activation switched.
 """
 from __future__ import annotations
 
@@ -27,10 +29,13 @@ def _tile(n: int, most: int) -> int:
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                    gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None,
+                    swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """kernels/moe.py's grouped_experts: sum_k weights[t, k] * FFN_{local_ids[t, k]}(x[t])
     over the experts held here (local_ids < 0: held elsewhere, skipped). x [T, H]; gate_up
-    [L, 2I, H]; down [L, H, I]."""
+    [L, 2I, H]; down [L, H, I]. gpt-oss (kernels/swiglu_moe.py): gate_up_bias [L, 2I],
+    down_bias [L, H] (None: not added here) and swiglu (alpha, limit)."""
     tokens, k = local_ids.shape
     experts, width, hidden = gate_up.shape[0], gate_up.shape[1] // 2, gate_up.shape[2]
     out = torch.zeros(tokens * k, hidden, dtype=x.dtype, device=x.device)
@@ -51,13 +56,19 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Ten
     h = torch.empty(tokens * k, width, dtype=x.dtype, device=x.device)
     bn, bk = _tile(width, 64), _tile(hidden, 64)
     programs = _programs()
+    alpha, limit = swiglu or (0.0, 0.0)
     programs.expert_gate_up[(blocks, -(-width // bn))](
         x, gate_up, h, order, block_cum, counts, starts, experts, k, hidden, width,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BM=bm, BN=bn, BK=bk, PRECISION=precision)
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), *_bias(gate_up_bias, x), alpha, limit,
+        BM=bm, BN=bn, BK=bk, PRECISION=precision, HAS_BIAS=gate_up_bias is not None, SWIGLU=swiglu is not None)
     bn, bk = _tile(hidden, 64), _tile(width, 64)
     programs.expert_down[(blocks, -(-hidden // bn))](
         h, down, out, order, weights.contiguous(), block_cum, counts, starts, experts, hidden, width,
-        h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        BM=bm, BN=bn, BK=bk, PRECISION=precision)
+        h.stride(0), down.stride(0), down.stride(1), out.stride(0), *_bias(down_bias, x),
+        BM=bm, BN=bn, BK=bk, PRECISION=precision, HAS_BIAS=down_bias is not None)
     return out.view(tokens, k, hidden).sum(1)
+
+
+def _bias(bias: torch.Tensor | None, stand_in: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(pointer, stride between experts) of a stacked bias; without one, a pointer never read."""
+    return (stand_in, 0) if bias is None else (bias, bias.stride(0))

@@ -132,3 +132,31 @@ def test_triton_moe_equals_the_torch_experts(device, tokens, k, experts, hidden,
         else:  # one float32 sum over a token's experts instead of rounded adds
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert triton_moe.grouped_experts(x[:0], weights[:0], ids[:0], gate_up, down).shape == (0, hidden)
+
+
+@pytest.mark.parametrize("down_bias", [True, False], ids=["down-bias", "down-bias-elsewhere"])
+def test_triton_moe_equals_gpt_oss_experts(device, down_bias):
+    """kernels/triton_moe.py with gpt-oss's biases and clamped SwiGLU against
+    kernels/swiglu_moe.py: an expert held elsewhere, one no token chose, gate and up values past
+    the limit on both sides, and the down bias left to another rank (tensor parallel)."""
+    from kernels import swiglu_moe, triton_moe
+
+    torch.manual_seed(5)
+    tokens, k, experts, hidden, width, alpha, limit = 9, 2, 5, 48, 24, 1.702, 1.5
+    for dtype in DTYPES if device == "cuda" else [torch.float32]:
+        x = torch.randn(tokens, hidden).to(device, dtype)
+        weights = torch.rand(tokens, k, device=device).to(dtype)
+        ids = torch.randint(0, experts - 1, (tokens, k), device=device)
+        ids[0, -1] = -1
+        gate_up, down = (torch.randn(experts, 2 * width, hidden) * 0.5).to(device, dtype), \
+            (torch.randn(experts, hidden, width) * 0.5).to(device, dtype)
+        gate_up_bias, bias = torch.randn(experts, 2 * width).to(device, dtype), torch.randn(experts, hidden).to(device, dtype)
+        products = torch.nn.functional.linear(x, gate_up[0]).float()
+        assert (products > limit).any() and (products < -limit).any()
+        bias = bias if down_bias else None
+        want = swiglu_moe.grouped_experts(x, weights, ids, gate_up, gate_up_bias, down, bias, alpha, limit)
+        got = triton_moe.grouped_experts(x, weights, ids, gate_up, down, gate_up_bias, bias, (alpha, limit))
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # one float32 sum over a token's experts instead of rounded adds
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

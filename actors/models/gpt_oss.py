@@ -5,7 +5,8 @@
   but flash);
 - sliding and full layers alternating (`layer_types`), q/k/v/o biases, YaRN rotary;
 - a mixture of experts in every layer: a router with a bias whose top-k logits are softmaxed,
-  and experts with biases and a clamped SwiGLU (kernels/swiglu_moe.py).
+  and experts with biases and a clamped SwiGLU (kernels/swiglu_moe.py; on the Triton
+  backend kernels/triton_moe.py).
 
 The checkpoint stacks each layer's experts in one tensor per projection, as transformers lays
 them out for `x @ W`: `experts.gate_up_proj` [E, H, 2I] with gate and up in alternate columns,
@@ -26,7 +27,7 @@ from actors.distributed.parallel import Parallel
 from actors.models.args import ModelArgs
 from actors.models.llama import LlamaForCausalLM
 from actors.models.moe import MoeForCausalLM, SparseMoeBlock
-from kernels.swiglu_moe import grouped_experts, route_top_logits
+from kernels import swiglu_moe, triton_moe
 
 
 class GptOssExperts(nn.Module):
@@ -55,14 +56,19 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.adds_down_bias = p.expert_parallel or p.tp_rank == 0
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """fused is ignored: kernels/triton_moe.py has no biases or clamped SwiGLU (so the
-        layer's Triton-backend steps stay unfused: llama.fused_block)."""
-        weights, ids = route_top_logits(self.router(x), self.top_k)
+        """fused (steps of the Triton backend): the experts through kernels/triton_moe.py, which
+        never waits for the GPU, so a decode step can be a CUDA graph."""
+        weights, ids = swiglu_moe.route_top_logits(self.router(x), self.top_k)
         if self.load is not None:
             self._record(ids)
-        e = self.experts
-        y = grouped_experts(x, weights, self._local_ids(ids), e.gate_up_proj, e.gate_up_proj_bias, e.down_proj,
-                            e.down_proj_bias if self.adds_down_bias else None, self.alpha, self.limit)
+        e, local = self.experts, self._local_ids(ids)
+        down_bias = e.down_proj_bias if self.adds_down_bias else None
+        if fused:
+            y = triton_moe.grouped_experts(x, weights, local, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias,
+                                           down_bias, (self.alpha, self.limit))
+        else:
+            y = swiglu_moe.grouped_experts(x, weights, local, e.gate_up_proj, e.gate_up_proj_bias, e.down_proj,
+                                           down_bias, self.alpha, self.limit)
         return self.p.all_reduce(y)
 
     def weight_rule(self, rest: str, placement: list[int] | None = None, only: set[int] | None = None):

@@ -180,10 +180,8 @@ class DecoderLayer(nn.Module):
 
 def fused_block(a: ModelArgs) -> bool:
     """Whether a decoder layer runs its Triton-backend steps through the fused kernels: norms
-    before each sublayer only, so the residual add and the next norm fuse. Not gpt-oss's
-    experts (biases, clamped SwiGLU), which kernels/triton_moe.py does not compute."""
-    return (a.norms == "pre" and a.residual_scale == 1.0 and triton_fused.enabled()
-            and (a.moe is None or a.moe.swiglu is None))
+    before each sublayer only, so the residual add and the next norm fuse."""
+    return a.norms == "pre" and a.residual_scale == 1.0 and triton_fused.enabled()
 
 
 def _norm(norm, x):
