@@ -132,6 +132,61 @@ def test_mxfp4_checkpoint_loads_as_transformers_dequantises_it(gpt_oss, tmp_path
         llm.shutdown()
 
 
+def test_expert_slots_hold_their_experts_and_reload_after_a_replan(gpt_oss):
+    """Rank 1 of ep=2 with 2 redundant slots (built in process, weights only): each slot holds
+    its expert's de-interleaved, transposed projections and biases, as transformers' model holds
+    them; after a re-plan that swaps the ranks' experts, only the stacked expert tensors are
+    read again, into the slots that changed."""
+    from actors.distributed.parallel import Parallel
+    from actors.worker.loader import build_model, load_selected
+
+    cfg = json.loads((gpt_oss / "config.json").read_text())
+    p = Parallel(tp_size=2, rank=1, expert_parallel=True, redundant_experts=2)
+    model = build_model(gpt_oss, cfg, torch.float32, torch.device("cpu"), 64, p)
+    theirs = [layer.mlp.experts for layer in hf_model(gpt_oss).model.layers]
+
+    def check():
+        for layer, block in enumerate(layer.mlp for layer in model.model.layers):
+            ours, hf = block.experts, theirs[layer]
+            for slot, e in enumerate(block.local_slots()):
+                w, b = hf.gate_up_proj[e], hf.gate_up_proj_bias[e]
+                assert torch.equal(ours.gate_up_proj[slot], torch.cat((w[:, 0::2], w[:, 1::2]), 1).t())
+                assert torch.equal(ours.gate_up_proj_bias[slot], torch.cat((b[0::2], b[1::2])))
+                assert torch.equal(ours.down_proj[slot], hf.down_proj[e].t())
+                assert torch.equal(ours.down_proj_bias[slot], hf.down_proj_bias[e])
+
+    check()
+    blocks = [layer.mlp for layer in model.model.layers]
+    assert blocks[0].slots_per_rank == 5 and blocks[0].adds_down_bias
+    plans = {i: b.placement[5:] + b.placement[:5] for i, b in enumerate(blocks)}
+    assert set(blocks[0].local_slots(plans[0])) != set(blocks[0].local_slots())
+    read = load_selected(model, gpt_oss, model.expert_reload_rule(plans, {i: set(range(5)) for i in plans}))
+    assert read == 2 * 4  # per layer: gate_up, its bias, down, its bias
+    for i, block in enumerate(blocks):
+        block.set_placement(plans[i])
+    check()
+
+
+def test_tensor_parallel_rank_holds_its_slices(gpt_oss):
+    """Rank 1 of tp=2 without EP (built in process, weights only): the second half of every
+    expert's width (gate and up columns, their biases, down's columns), the whole down bias
+    but not adding it (rank 0 does), and its heads' sinks."""
+    from actors.distributed.parallel import Parallel
+    from actors.worker.loader import build_model
+
+    cfg = json.loads((gpt_oss / "config.json").read_text())
+    model = build_model(gpt_oss, cfg, torch.float32, torch.device("cpu"), 64, Parallel(tp_size=2, rank=1))
+    hf = hf_model(gpt_oss).model.layers[0]
+    ours = model.model.layers[0]
+    assert torch.equal(ours.self_attn.sinks, hf.self_attn.sinks[2:])
+    assert not ours.mlp.adds_down_bias
+    for e in range(8):
+        w, b = hf.mlp.experts.gate_up_proj[e][:, 32:], hf.mlp.experts.gate_up_proj_bias[e][32:]  # units 16..31
+        assert torch.equal(ours.mlp.experts.gate_up_proj[e], torch.cat((w[:, 0::2], w[:, 1::2]), 1).t())
+        assert torch.equal(ours.mlp.experts.gate_up_proj_bias[e], torch.cat((b[0::2], b[1::2])))
+        assert torch.equal(ours.mlp.experts.down_proj[e], hf.mlp.experts.down_proj[e][16:].t())
+
+
 # --------------------------------------------------------------------------- two shards (Ray)
 
 @pytest.fixture(scope="module")
