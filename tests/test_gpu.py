@@ -57,7 +57,8 @@ def chosen_logprobs(out) -> list[float]:
     return [d[t] for t, d in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
 
 
-@pytest.mark.parametrize("arch,backend", [("llama", "native"), ("llama", "triton"), ("qwen3_moe", "triton")])
+@pytest.mark.parametrize("arch,backend", [("llama", "native"), ("llama", "triton"), ("qwen3_moe", "triton"),
+                                          ("gpt_oss", "triton")])
 @pytest.mark.parametrize("eager", [False, True])
 def test_float32_native_matches_transformers(checkpoint_factory, eager, arch, backend):
     """(A MoE model's decode steps are graphs on the Triton backend: kernels/triton_moe.py.)"""
