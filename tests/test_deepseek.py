@@ -71,12 +71,19 @@ def test_the_cache_holds_only_the_latent_and_the_rope_key(checkpoint_factory):
     assert tuple(runner.kv_cache.shape) == (3, 1, 16 * 4, 1, 48)
 
 
-@pytest.mark.parametrize("arch,fields", [("deepseek_v2", {}), ("deepseek_v3", dict(rope_interleave=False))],
-                         ids=["v2", "v3-rotate-half"])
+# V3's YaRN as its release sets it (mscale = mscale_all_dim: the rotary tables keep their scale,
+# the softmax scale takes mscale squared), on a small factor
+YARN = {"rope_type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("arch,fields", [("deepseek_v2", {}), ("deepseek_v3", dict(rope_interleave=False)),
+                                         ("deepseek_v3", dict(rope_parameters=YARN))],
+                         ids=["v2", "v3-rotate-half", "v3-yarn"])
 def test_preempted_requests_equal_transformers(checkpoint_factory, arch, fields):
     """Four requests outgrow a pool of 24 blocks of 4: some are preempted and recomputed, and
     every answer still equals transformers'. V3 here with rope_interleave off (the rotate-half
-    layout; the family test covers the interleaved one)."""
+    layout; the family test covers the interleaved one) and with YaRN."""
     path = checkpoint_factory(arch, **fields)
     llm = LLM(str(path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
     prompts = prompts_of([20, 14, 17, 9], seed=5)
