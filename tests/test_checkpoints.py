@@ -111,8 +111,9 @@ def test_chat_template_tools(llama_ckpt):
 def test_arch_loads_and_is_not_degenerate(checkpoint_factory, arch):
     path = checkpoint_factory(arch)
     config = AutoConfig.from_pretrained(path)
-    assert config.num_attention_heads == 4 and config.num_key_value_heads == 2
-    assert config.hidden_size == 64 and config.num_hidden_layers == 2
+    deepseek = arch.startswith("deepseek")  # K/V heads = heads (transformers repeats by the ratio); 3 layers
+    assert config.num_attention_heads == 4 and config.num_key_value_heads == (4 if deepseek else 2)
+    assert config.hidden_size == 64 and config.num_hidden_layers == (3 if deepseek else 2)
     assert config.vocab_size == 512 and config.max_position_embeddings == 512
     assert config.eos_token_id == 507 and config.pad_token_id == 505
     assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
