@@ -79,20 +79,28 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Ten
     x [T, H]; weights, local_ids [T, k] (local_ids < 0: an expert held elsewhere, skipped);
     gate_up [L, 2I, H] (gate rows then up rows); down [L, H, I]. Returns [T, H].
     """
+    def ffn(e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(xs, gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down[e])
+    return grouped(x, weights, local_ids, gate_up.shape[0], ffn)
+
+
+def grouped(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, slots: int, ffn) -> torch.Tensor:
+    """sum_k weights[t, k] * ffn(local_ids[t, k], x[t]) over this rank's `slots` experts:
+    ffn(e, rows) runs expert e on all of its rows at once."""
     k = local_ids.shape[1]
     flat = local_ids.flatten()
     keep = (flat >= 0).nonzero().squeeze(1)
     experts = flat[keep]
     rows = keep[torch.argsort(experts, stable=True)]  # assignments grouped by expert
     tokens = torch.div(rows, k, rounding_mode="floor")
-    counts = torch.bincount(experts, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(experts, minlength=slots).tolist()
     xs = x[tokens]
     ys = torch.empty_like(xs)
     start = 0
     for e, n in enumerate(counts):
         if n:
-            gate, up = F.linear(xs[start:start + n], gate_up[e]).chunk(2, dim=-1)
-            ys[start:start + n] = F.linear(F.silu(gate) * up, down[e])
+            ys[start:start + n] = ffn(e, xs[start:start + n])
             start += n
     ys *= weights.flatten()[rows, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, ys)

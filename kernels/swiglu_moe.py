@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.moe import grouped
+
 
 def route_top_logits(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], expert ids [T, k]): the k largest logits, then a softmax over those k
@@ -36,21 +38,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Ten
     x [T, H]; gate_up [L, 2I, H] (gate rows, then up rows) with gate_up_bias [L, 2I]; down
     [L, H, I] with down_bias [L, H], or None where another rank adds it (tensor parallel
     experts: each rank holds a slice of I, and the bias belongs to the sum)."""
-    k = local_ids.shape[1]
-    flat = local_ids.flatten()
-    keep = (flat >= 0).nonzero().squeeze(1)
-    experts = flat[keep]
-    rows = keep[torch.argsort(experts, stable=True)]  # assignments grouped by expert
-    tokens = torch.div(rows, k, rounding_mode="floor")
-    counts = torch.bincount(experts, minlength=gate_up.shape[0]).tolist()
-    xs = x[tokens]
-    ys = torch.empty_like(xs)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            h = clamped_swiglu(F.linear(xs[start:start + n], gate_up[e]) + gate_up_bias[e], alpha, limit)
-            y = F.linear(h, down[e])
-            ys[start:start + n] = y if down_bias is None else y + down_bias[e]
-            start += n
-    ys *= weights.flatten()[rows, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, ys)
+    def ffn(e: int, xs: torch.Tensor) -> torch.Tensor:
+        y = F.linear(clamped_swiglu(F.linear(xs, gate_up[e]) + gate_up_bias[e], alpha, limit), down[e])
+        return y if down_bias is None else y + down_bias[e]
+    return grouped(x, weights, local_ids, gate_up.shape[0], ffn)

@@ -1,5 +1,5 @@
-"""A tiny checkpoint that speaks harmony (gpt-oss's chat format): tests/checkpoints.py's llama
-with a tokenizer whose special tokens are harmony's and a harmony chat template, and eos ids
+"""A tiny checkpoint that speaks harmony (gpt-oss's chat format): tests/checkpoints.py's gpt-oss
+(or another architecture) with a tokenizer whose special tokens are harmony's and a harmony chat template, and eos ids
 as gpt-oss ships them (config.json: <|return|>; generation_config.json: <|return|>,
 <|endoftext|>, <|call|>).
 
@@ -86,10 +86,10 @@ def build_tokenizer():
     return hf_tok
 
 
-def make_harmony_checkpoint(path, **overrides) -> pathlib.Path:
-    """The llama checkpoint of tests/checkpoints.py with the harmony tokenizer and eos ids."""
+def make_harmony_checkpoint(path, arch: str = "gpt_oss", **overrides) -> pathlib.Path:
+    """The `arch` checkpoint of tests/checkpoints.py with the harmony tokenizer and eos ids."""
     tok = build_tokenizer()
-    path = make_checkpoint(path, "llama", vocab_size=len(tok), **overrides)
+    path = make_checkpoint(path, arch, vocab_size=len(tok), **overrides)
     for stale in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "chat_template.jinja"):
         (path / stale).unlink(missing_ok=True)

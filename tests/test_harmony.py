@@ -1,6 +1,7 @@
 """Harmony (gpt-oss): the channel parser on hand-written outputs, the parser names and their
-choice for a model, rendering, and one server end to end on a tiny checkpoint that speaks
-harmony (tests/harmony_checkpoint.py), its output forced with guided_regex and logit_bias."""
+choice for a model, rendering, and one server end to end on a tiny gpt-oss checkpoint
+(GptOssForCausalLM) that speaks harmony (tests/harmony_checkpoint.py), its output forced with
+guided_regex and logit_bias."""
 from __future__ import annotations
 
 import json

@@ -129,9 +129,11 @@ def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name,
 
 
 @pytest.mark.slow
-def test_deepseek_at_pp2_matches_transformers(local_ray, checkpoint_factory):
-    """Two pipeline stages of DeepSeek-V3's three layers: each stage's latent caches and MoE layers."""
-    check(checkpoint(checkpoint_factory, "deepseek_v3"), pp_size=2, shard_cpus=0.5)
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+def test_pp2_matches_transformers(local_ray, checkpoint_factory, arch):
+    """Two pipeline stages: DeepSeek-V3's latent caches and MoE layers split 2 + 1, gpt-oss's
+    sliding and full layers (and their sinks) one per stage."""
+    check(checkpoint_factory(arch), pp_size=2, shard_cpus=0.5)
 
 
 def test_a_generation_far_past_the_window_holds_a_window_of_blocks(checkpoint_factory):

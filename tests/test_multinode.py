@@ -34,19 +34,25 @@ def two_nodes():
     cluster.shutdown()
 
 
-def test_llm_server_tp2_across_two_nodes(two_nodes, llama_ckpt):
-    """Bundles [replica 0.1, rank 0: 1.5, rank 1: 1.5] on two 2-CPU nodes: PACK must put the
-    two ranks on different nodes."""
+def serve_tp2_across_nodes(llama_ckpt) -> str:
+    """Serve (started here) with the app at tp=2, bundles [replica 0.1, rank 0: 1.5, rank 1: 1.5]:
+    on two 2-CPU nodes PACK must put the two ranks on different nodes. Its URL, once ready."""
     from ray import serve
 
     from app.serving.builder import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model_path": str(llama_ckpt), "tp_size": 2, "shard_cpus": 1.5,
+                         "num_kv_blocks": 32, "dist_timeout": 60}), name="shoal", route_prefix="/")
+    return wait_ready(f"http://127.0.0.1:{port}", timeout=120)
+
+
+def test_llm_server_tp2_across_two_nodes(two_nodes, llama_ckpt):
+    from ray import serve
+
     try:
-        serve.run(build_app({"model_path": str(llama_ckpt), "tp_size": 2, "shard_cpus": 1.5,
-                             "num_kv_blocks": 32, "dist_timeout": 60}), name="shoal", route_prefix="/")
-        url = wait_ready(f"http://127.0.0.1:{port}", timeout=120)
+        url = serve_tp2_across_nodes(llama_ckpt)
         for ids in prompts_of([7, 19]):
             r = httpx.post(f"{url}/v1/completions", timeout=60, json={
                 "model": "", "prompt": ids, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
@@ -113,14 +119,8 @@ def test_a_node_lost_mid_stream_fails_the_stream_and_serving_resumes_when_a_node
     changes the module's cluster.)"""
     from ray import serve
 
-    from app.serving.builder import build_app
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app({"model_path": str(llama_ckpt), "tp_size": 2, "shard_cpus": 1.5,
-                             "num_kv_blocks": 32, "dist_timeout": 60}), name="shoal", route_prefix="/")
-        url = wait_ready(f"http://127.0.0.1:{port}", timeout=120)
+        url = serve_tp2_across_nodes(llama_ckpt)
         (worker,) = two_nodes.worker_nodes
         (replica,) = httpx.get(f"{url}/stats", timeout=10).json()["replicas"]
         assert worker.node_id in [r["node_id"] for r in replica["ranks"]]

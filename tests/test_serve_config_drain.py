@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -196,18 +197,24 @@ def test_serve_run_with_two_replicas_behind_serves_haproxy(llama_ckpt, tmp_path)
         assert any(Path(f"/proc/{pid}/exe").resolve().name == "haproxy" for pid in family if alive(pid))
         tokenizer = AutoTokenizer.from_pretrained(llama_ckpt)
         prompts = [[5, 17, 42, 8 + i] for i in range(6)]
-        for ids in prompts:
+        served = 0  # until both replicas have answered (HAProxy learns of the second one when it is up)
+        for i in range(60):
+            ids = prompts[i % len(prompts)]
             r = httpx.post(f"{url}/v1/completions", timeout=30,
                            json={"model": "", "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == tokenizer.decode(hf_greedy(llama_ckpt, ids, 6))
+            replicas = httpx.get(f"{url}/stats", timeout=30).json()["replicas"]
+            served = sum(r["prompt_tokens"] > 0 for r in replicas)
+            if i >= len(prompts) and served == 2:
+                break
+            time.sleep(0.5)
         with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
                 "model": "", "prompt": prompts[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and '"completion_tokens":24' in events[-2].replace(" ", "")
-        replicas = httpx.get(f"{url}/stats", timeout=30).json()["replicas"]
-        assert len(replicas) == 2 and all(r["prompt_tokens"] > 0 for r in replicas), replicas
+        assert served == 2, replicas
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
