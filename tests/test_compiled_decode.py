@@ -131,7 +131,9 @@ def test_a_later_start_loads_the_artifact_when_idle(compiled):
 
 def test_a_busy_engine_swaps_it_in_once_eager_steps_have_cost_enough(compiled, monkeypatch):
     path, _, _ = compiled
-    monkeypatch.setattr(model_runner, "SWAP_AFTER_S", 0.02)  # ~a few of these tiny eager steps
+    # below any real eager step: the first one costs enough (at 0.02 s, a fast CPU decoded the
+    # whole run in fewer eager seconds and never swapped)
+    monkeypatch.setattr(model_runner, "SWAP_AFTER_S", 1e-4)
     llm = compiled_llm(path, wait=False)
     runner = llm.engine.executor.runner
     prompts = prompts_of([5, 9, 2, 13], seed=7)

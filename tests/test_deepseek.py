@@ -118,3 +118,42 @@ def test_triton_backend_with_graphs_equals_transformers(checkpoint_factory):
     assert graphs.replays > 0
     for ids, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
+
+
+def test_served_with_reasoning_and_a_tool_call_parsed(checkpoint_factory):
+    """DeepSeek-V3 behind the API app over real HTTP, as R1 is served (`--reasoning-parser
+    deepseek_r1`: the answer starts inside its thinking; tool calls in the chat template's
+    markup): an output forced by guided_regex comes back split into reasoning_content and a
+    tool call, streamed or not."""
+    import re
+
+    import openai
+    from test_api import running
+
+    from app.api.app import attach, build_api
+    from app.api.engine_client import LocalEngineClient
+    from app.api.settings import ServerSettings
+
+    path = checkpoint_factory("deepseek_v3", max_position_embeddings=1024)  # the tools' prompt is 416 tokens
+    forced = 'Need the weather.</think><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools, max_tokens=200,
+               extra_body={"guided_regex": re.escape(forced).replace('\\"', '"').replace("\\ ", " ")})
+    engine = LocalEngineClient(EngineConfig(model_path=str(path), num_kv_blocks=128))
+    settings = ServerSettings(model_path=str(path), reasoning_parser="deepseek_r1")
+    try:
+        with running(attach(build_api(settings), engine, engine.tokenizer, settings)) as url:
+            oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            choice = oai.chat.completions.create(**ask).choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Need the weather."
+            (call,) = choice.message.tool_calls
+            assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+            reasoning, names = "", []
+            for chunk in oai.chat.completions.create(**ask, stream=True):
+                for c in chunk.choices:
+                    reasoning += getattr(c.delta, "reasoning_content", None) or ""
+                    names += [d.function.name for d in c.delta.tool_calls or [] if d.function.name]
+            assert (reasoning, names) == ("Need the weather.", ["get_weather"])
+    finally:
+        engine.shutdown()

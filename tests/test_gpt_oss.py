@@ -214,12 +214,13 @@ def test_expert_parallel_matches_transformers(local_ray, gpt_oss):
 @pytest.mark.slow
 def test_tensor_parallel_splits_each_expert(local_ray, gpt_oss):
     """tp=2 without EP: every expert split by width (gate/up columns and their bias by rank),
-    the down bias added by rank 0 only."""
-    from test_distributed import POOL
+    the down bias added by rank 0 only; the features mix too."""
+    from test_distributed import POOL, check_features_match_one_rank
 
     llm = LLM(str(gpt_oss), tp_size=2, shard_cpus=0.5, **POOL)
     try:
         assert_matches_hf(gpt_oss, PROMPTS[:3], llm.generate(PROMPTS[:3], WITH_LOGPROBS))
         assert_pool_free(llm)
+        check_features_match_one_rank(llm, gpt_oss)
     finally:
         llm.shutdown()
