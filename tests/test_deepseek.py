@@ -107,17 +107,11 @@ def test_triton_backend_with_graphs_equals_transformers(checkpoint_factory):
     the Triton attention kernel (a 48-wide entry: not a power of two), its experts through the
     fused MoE kernels, decode steps through the CUDA-graph path."""
     from kernels import triton_programs
-    from test_gpu_path import with_emulated_graphs
+    from test_triton_attention import graphed_triton_matches_hf
     if not triton_programs.interpreted():
         pytest.skip("Triton's interpreter is off (CUDA is here)")
-    path = checkpoint_factory("deepseek_v3")
-    llm = LLM(str(path), attn_backend="triton", block_size=4, num_kv_blocks=128, max_num_seqs=8)
-    graphs = with_emulated_graphs(llm, [1, 2, 4, 8], max_seq_len=40, triton=True)
-    prompts = [[3, 1, 4], list(range(100, 121))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert graphs.replays > 0
-    for ids, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
+    graphed_triton_matches_hf(checkpoint_factory("deepseek_v3"), [[3, 1, 4], list(range(100, 121))],
+                              num_kv_blocks=128, max_num_seqs=8)
 
 
 def test_served_with_reasoning_and_a_tool_call_parsed(checkpoint_factory):

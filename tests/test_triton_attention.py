@@ -203,19 +203,25 @@ def test_engine_with_triton_attention_matches_transformers(interpreted, checkpoi
     assert (max(splits) > 1) == (split_min_keys == 8)
 
 
+def graphed_triton_matches_hf(path, prompts, **options) -> LLM:
+    """An engine on the Triton backend whose decode steps go through the CUDA-graph path
+    (emulated): 6 greedy tokens of each prompt equal transformers', some from graph replays."""
+    llm = LLM(str(path), attn_backend="triton", block_size=4, **options)
+    graphs = with_emulated_graphs(llm, [1, 2, 4, 8], max_seq_len=40, triton=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert graphs.replays > 0
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
+    return llm
+
+
 @pytest.mark.slow  # ~10 s interpreted; the kernels are tested on their own in a few seconds
 def test_gpt_oss_on_the_triton_backend_matches_transformers(interpreted, checkpoint_factory):
     """gpt-oss on the Triton backend: its sinks through the attention kernel, its q/k rotary
     through the fused kernel, its experts (biases, clamped SwiGLU) through kernels/triton_moe.py,
     eagerly in prefill steps and through the graph path (emulated) in decodes."""
-    path = checkpoint_factory("gpt_oss")
-    llm = LLM(str(path), attn_backend="triton", block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
-    graphs = with_emulated_graphs(llm, [1, 2, 4, 8], max_seq_len=40, triton=True)
-    prompts = [[7, 1, 2], list(range(40, 62))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert graphs.replays > 0
-    for ids, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
+    graphed_triton_matches_hf(checkpoint_factory("gpt_oss"), [[7, 1, 2], list(range(40, 62))],
+                              num_kv_blocks=64, max_num_batched_tokens=16)
 
 
 def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_factory, monkeypatch):
@@ -238,14 +244,8 @@ def test_moe_through_the_fused_kernels_and_graphs(interpreted, checkpoint_factor
     its decode steps be CUDA graphs), eagerly in its prefill steps and through the graph path
     (emulated) in its decodes, equal to transformers. A replay's routed load is recorded for its
     real rows only."""
-    path = checkpoint_factory("qwen3_moe")
-    llm = LLM(str(path), attn_backend="triton", block_size=4, num_kv_blocks=128, max_num_seqs=8)
-    graphs = with_emulated_graphs(llm, [1, 2, 4, 8], max_seq_len=40, triton=True)
-    prompts = [[3, 1, 4], list(range(100, 121))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert graphs.replays > 0
-    for ids, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(path, ids, 6)
+    llm = graphed_triton_matches_hf(checkpoint_factory("qwen3_moe"), [[3, 1, 4], list(range(100, 121))],
+                                    num_kv_blocks=128, max_num_seqs=8)
     r = llm.engine.executor.runner
 
     _, block = r.experts.blocks[0]

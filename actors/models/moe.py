@@ -73,6 +73,7 @@ class SparseMoeBlock(nn.Module):
         m, ep = a.moe, p.ep_size
         self.p, self.top_k, self.renormalize, self.num_experts = p, m.top_k, m.renormalize, m.num_experts
         self.routing = m.routing
+        self.plain_routing = m.routing == Routing()  # softmax, top-k (decided once, not per step)
         slots = m.num_experts + p.redundant_experts
         if slots % ep or p.redundant_experts > m.num_experts * (ep - 1):
             raise ValueError(f"{m.num_experts} experts + {p.redundant_experts} redundant must split evenly over "
@@ -132,9 +133,9 @@ class SparseMoeBlock(nn.Module):
         return self.p.all_reduce(y)
 
     def _route(self, x: torch.Tensor):
-        r = self.routing
-        if r == Routing():
+        if self.plain_routing:
             return route(self.gate(x), self.top_k, self.renormalize)
+        r = self.routing
         # DeepSeek's router runs in float32 whatever the model's dtype, as transformers keeps it
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
         return route_grouped(logits, self.top_k, self.renormalize, r.scoring, r.group_score, r.n_group,
