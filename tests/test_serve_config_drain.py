@@ -197,16 +197,19 @@ def test_serve_run_with_two_replicas_behind_serves_haproxy(llama_ckpt, tmp_path)
         assert any(Path(f"/proc/{pid}/exe").resolve().name == "haproxy" for pid in family if alive(pid))
         tokenizer = AutoTokenizer.from_pretrained(llama_ckpt)
         prompts = [[5, 17, 42, 8 + i] for i in range(6)]
-        served = 0  # until both replicas have answered (HAProxy learns of the second one when it is up)
-        for i in range(60):
-            ids = prompts[i % len(prompts)]
-            r = httpx.post(f"{url}/v1/completions", timeout=30,
-                           json={"model": "", "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == tokenizer.decode(hf_greedy(llama_ckpt, ids, 6))
+        # Until both replicas have answered (HAProxy learns of the second one when it is up). Two
+        # completions per look at /stats: leastconn on idle servers is a round robin, so one /stats
+        # per completion would send every completion to the same replica.
+        served = 0
+        for i in range(40):
+            for ids in prompts[(2 * i) % len(prompts):][:2]:
+                r = httpx.post(f"{url}/v1/completions", timeout=30,
+                               json={"model": "", "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == tokenizer.decode(hf_greedy(llama_ckpt, ids, 6))
             replicas = httpx.get(f"{url}/stats", timeout=30).json()["replicas"]
             served = sum(r["prompt_tokens"] > 0 for r in replicas)
-            if i >= len(prompts) and served == 2:
+            if 2 * i >= len(prompts) and served == 2:
                 break
             time.sleep(0.5)
         with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
