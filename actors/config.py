@@ -5,14 +5,14 @@ import json
 from dataclasses import dataclass, fields
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-QUANTIZATIONS = ("int8",)  # kernels/quantization.py
+QUANTIZATIONS = ("int8", "fp8")  # kernels/quantization.py
 
 
 @dataclass
 class EngineConfig:
     model_path: str | None = None  # None: the bundled demo model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str | None = None  # int8: weight-only int8 linear layers, online (kernels/quantization.py)
+    quantization: str | None = None  # int8 | fp8: 8-bit linear layers, online (kernels/quantization.py)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from kernels import native
 from kernels.env import flag
-from kernels.quantization import int8_linear
+from kernels.quantization import quantized_linear
 
 ONEDNN = torch.backends.mkldnn.is_available() and flag("SHOAL_ONEDNN_LINEAR", True)
 
@@ -146,9 +146,9 @@ def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """The panel kernel or oneDNN on CPU (opaque inside torch.compile), F.linear elsewhere
-    (module docstring); with `scale`, `weight` is int8 panels (kernels/quantization.py)."""
+    (module docstring); with `scale`, `weight` is 8-bit (kernels/quantization.py)."""
     if scale is not None:
-        return int8_linear(x, weight, scale, bias)
+        return quantized_linear(x, weight, scale, bias)
     if ONEDNN and x.dtype in _DTYPES and weight.dtype == x.dtype and x.device.type == "cpu":
         if torch.compiler.is_compiling():
             return torch.ops.shoal.cpu_linear(x, weight, bias)

@@ -85,13 +85,15 @@ def panel_linear_op():
     return torch.ops.shoal_linear.panel_linear.default
 
 
-def int8_linear_op():
-    """`op(out, x, packed, scale, bias, portable)`, or None: weight-only int8 linear layers
-    over weights packed in panels of 16 columns (csrc/int8_linear.cpp,
-    kernels/quantization.py); AVX2 where the CPU has it, else (or with `portable`) a plain loop."""
+def int8_linear_op(fp8: bool = False):
+    """`op(out, x, packed, scale, bias, portable)`, or None: weight-only int8 (or, with `fp8`,
+    float8 e4m3 as uint8) linear layers over weights packed in panels of 16 columns
+    (csrc/int8_linear.cpp, kernels/quantization.py); AVX2 where the CPU has it, else (or with
+    `portable`) a plain loop."""
     if not enabled() or not _load("int8_linear", ["int8_linear.cpp"]):
         return None
-    return torch.ops.shoal_int8.int8_linear.default
+    ops = torch.ops.shoal_int8
+    return (ops.fp8_linear if fp8 else ops.int8_linear).default
 
 
 def has_avx512() -> bool:

@@ -1,14 +1,21 @@
-"""Weight-only int8 (--quantization int8): each linear layer's weight as int8 with one float32
-scale per output column (symmetric: max |w| / 127), multiplied by csrc/int8_linear.cpp.
+"""Online 8-bit weights (--quantization int8 | fp8): each linear layer's weight with one float32
+scale per output column (symmetric: max |w| / 127 for int8, max |w| / 448 for float8 e4m3).
 
-A decode step reads every weight once, so its time follows the weights' bytes: int8 is a
+A decode step reads every weight once, so its time follows the weights' bytes: 8 bits are a
 quarter of float32's (the CPU's compute dtype; bfloat16 on a CPU without bf16 matmuls computes
-in float32 too). Activations stay float32, so the only error is the weights' rounding: outputs
-are those of float32 on the dequantised weights (`dequantize_int8`) up to float32 rounding.
+in float32 too) and half of bfloat16's.
 
-Packing: the [N, K] weight becomes [ceil(N / 16), K, 16] panels, 16 output columns of one k
-side by side (the kernel widens them to two 8-float vectors), padding columns zero.
-Inside torch.compile the product is the opaque op `shoal::int8_linear`.
+Where each runs:
+- CPU, both formats: weight-only, in csrc/int8_linear.cpp. Activations stay float32, so the only
+  error is the weights' rounding: outputs are those of float32 on the dequantised weights
+  (`dequantize`) up to float32 rounding. The [N, K] weight is packed in [ceil(N / 16), K, 16]
+  panels, 16 output columns of one k side by side, padding columns zero. Inside torch.compile
+  the product is the opaque op `shoal::quantized_linear`.
+- CUDA, fp8 on a GPU with FP8 matmuls (compute capability 8.9: Ada, Hopper and later): vLLM's
+  dynamic FP8, each row of activations quantized to e4m3 with its own scale as it arrives, and
+  `torch._scaled_mm` multiplies the two (row-wise scales). Weights stay [N, K] rows.
+- CUDA otherwise (int8 anywhere, fp8 on older GPUs): weight-only, in a Triton kernel that widens
+  the 8-bit weights to the activations' dtype in registers (kernels/triton_quantized_programs.py).
 """
 from __future__ import annotations
 
@@ -17,77 +24,146 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, triton_programs
 
 log = logging.getLogger("shoal.kernels")
 
 PANEL = 16
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "fp8")
+FP8 = torch.float8_e4m3fn
+_LIMIT = {"int8": 127.0, "fp8": torch.finfo(FP8).max}  # 448
 _warned = False
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed [ceil(N / 16), K, 16] int8, scale [N] float32) of an [N, K] weight."""
+def quantize(w: torch.Tensor, kind: str, panels: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, scale [N] float32) of an [N, K] weight in `kind`: int8 or float8 e4m3, either
+    packed [ceil(N / 16), K, 16] for the CPU kernel or, without `panels`, [N, K] rows."""
     w = w.detach().float()
     n, k = w.shape
-    scale = w.abs().amax(dim=1) / 127
+    scale = w.abs().amax(dim=1) / _LIMIT[kind]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.int8, device=w.device)
+    scaled = w / scale[:, None]
+    if kind == "int8":
+        q = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
+    else:  # torch's cast rounds to the nearest e4m3 (ties to even); the scale keeps |q| <= 448
+        q = scaled.clamp_(-_LIMIT[kind], _LIMIT[kind]).to(FP8)
+    if not panels:
+        return q.contiguous(), scale.contiguous()
+    count = -(-n // PANEL)
+    padded = torch.zeros(count * PANEL, k, dtype=q.dtype, device=w.device)
     padded[:n] = q
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous(), scale.contiguous()
+    return padded.view(count, PANEL, k).transpose(1, 2).contiguous(), scale.contiguous()
 
 
-def dequantize_int8(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The [N, K] float32 weight a packed one stands for (the reference it computes with)."""
-    k = packed.shape[1]
-    return packed.transpose(1, 2).reshape(-1, k)[:scale.numel()].float() * scale[:, None]
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The [N, K] float32 weight a quantized one (panels or rows) stands for: the reference it
+    computes with."""
+    if weight.dim() == 3:
+        weight = weight.transpose(1, 2).reshape(-1, weight.shape[1])[:scale.numel()]
+    return weight.float() * scale[:, None]
 
 
-def _int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 portable: bool = False) -> torch.Tensor:
+def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                portable: bool = False) -> torch.Tensor:
     global _warned
     flat = x.reshape(-1, x.shape[-1]).float().contiguous()
-    op = native.int8_linear_op()
+    fp8 = packed.dtype == FP8
+    op = native.int8_linear_op(fp8)
     if op is None:  # no compiler: correct, at float32's speed and a float32 copy per call
         if not _warned:
-            log.warning("the int8 linear kernel is unavailable: int8 weights are dequantised on every call")
+            log.warning("the 8-bit linear kernel is unavailable: the weights are dequantised on every call")
             _warned = True
-        out = F.linear(flat, dequantize_int8(packed, scale), bias)
+        out = F.linear(flat, dequantize(packed, scale), bias)
     else:
         out = flat.new_empty((flat.shape[0], scale.numel()))
-        op(out, flat, packed, scale, torch.empty(0) if bias is None else bias.float().contiguous(), portable)
+        op(out, flat, packed.view(torch.uint8) if fp8 else packed, scale,
+           torch.empty(0) if bias is None else bias.float().contiguous(), portable)
     return out.view(*x.shape[:-1], scale.numel()).to(x.dtype)
 
 
+def fp8_matmuls(device: torch.device) -> bool:
+    """Whether `device` multiplies float8 natively (a CUDA GPU of compute capability 8.9+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 activations: each row of [M, K] as e4m3 over its own scale (max |x| / 448),
+    and the scales [M, 1] float32."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12) / _LIMIT["fp8"]
+    return (xf / scale).clamp_(-_LIMIT["fp8"], _LIMIT["fp8"]).to(FP8), scale
+
+
+def fp8_scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T for fp8 rows W [N, K] through FP8 matmuls: activations quantized per row, both
+    scales applied by `torch._scaled_mm` (row-wise scaling takes a bfloat16 output)."""
+    flat = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_rows_fp8(flat)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
+                           out_dtype=torch.bfloat16)
+    out = out.to(x.dtype) if bias is None else (out.float() + bias.float()).to(x.dtype)
+    return out.view(*x.shape[:-1], scale.numel())
+
+
+def triton_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                              bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ (the dequantised rows W [N, K])^T (+ bias): the 8-bit weights widened to x's dtype in
+    the Triton kernel's registers, float32 sums, the scale applied once per output."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    m, k = flat.shape
+    n = scale.numel()
+    out = flat.new_empty((m, n))
+    if m:
+        programs = triton_programs.load("triton_quantized_programs")
+        block_m = 16 if m <= 16 else 64
+        grid = (-(-m // block_m), -(-n // 64))
+        programs.weight_only_matmul[grid](
+            flat, weight.view(torch.uint8) if weight.dtype == FP8 else weight, scale, bias if bias is not None else scale, out, m, n, k,
+            flat.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, FP8=weight.dtype == FP8,
+            FLOAT32_DOT=flat.dtype == torch.float32 or triton_programs.interpreted())
+    return out.view(*x.shape[:-1], n)
+
+
+def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.dtype == FP8 and fp8_matmuls(weight.device):
+        return fp8_scaled_linear(x, weight, scale, bias)
+    return triton_weight_only_linear(x, weight, scale, bias)
+
+
 _library = torch.library.Library("shoal", "FRAGMENT")
-_library.define("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor")
-_library.impl("int8_linear", _int8_linear, "CPU")
+_library.define("quantized_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor")
+_library.impl("quantized_linear", _cpu_linear, "CPU")
 
 
-@torch.library.register_fake("shoal::int8_linear")
+@torch.library.register_fake("shoal::quantized_linear")
 def _(x, packed, scale, bias):
     return x.new_empty((*x.shape[:-1], scale.shape[0]))
 
 
-def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ (the dequantised weight)^T (+ bias), from the packed weight."""
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (the dequantised weight)^T (+ bias): CPU panels through the C++ kernel, CUDA rows
+    through FP8 matmuls or the Triton kernel (module docstring)."""
+    if weight.dim() == 2:
+        return _gpu_linear(x, weight, scale, bias)
     if torch.compiler.is_compiling():
-        return torch.ops.shoal.int8_linear(x, packed, scale, bias)
-    return _int8_linear(x, packed, scale, bias)
+        return torch.ops.shoal.quantized_linear(x, weight, scale, bias)
+    return _cpu_linear(x, weight, scale, bias)
 
 
-def int8_rows(ids: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of the dequantised weight, in `dtype`: an int8 embedding's lookup."""
-    return (packed[ids // PANEL, :, ids % PANEL].float() * scale[ids, None]).to(dtype)
+def quantized_rows(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the dequantised weight, in `dtype`: a quantized embedding's lookup."""
+    q = weight[ids // PANEL, :, ids % PANEL] if weight.dim() == 3 else weight[ids]
+    return (q.float() * scale[ids, None]).to(dtype)
 
 
-def quantize_module(module) -> None:
-    """Replace a layer's float weight by its int8 panels and scale (`weight_scale`);
-    `out_dtype` keeps the dtype an embedding's lookups return."""
+def quantize_module(module, kind: str) -> None:
+    """Replace a layer's float weight by its 8-bit one (panels on CPU, rows on CUDA) and scale
+    (`weight_scale`); `out_dtype` keeps the dtype an embedding's lookups return."""
     module.out_dtype = module.weight.dtype
-    packed, scale = quantize_int8(module.weight.data)
-    module.weight = torch.nn.Parameter(packed, requires_grad=False)
+    weight, scale = quantize(module.weight.data, kind, panels=module.weight.device.type == "cpu")
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
     module.weight_scale = scale

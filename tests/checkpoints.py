@@ -342,16 +342,16 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
     return _write_copy(src, dst, tensors, config)
 
 
-def int8_reference_copy(src, dst) -> pathlib.Path:
-    """`src` with every weight that --quantization int8 quantizes (the attention and MLP
-    projections, the LM head, the embedding) replaced by its dequantised value (a tied head
-    written out beside the embedding): transformers on it computes what the int8 model
-    should, in float32. Written once per `dst`."""
+def quantized_reference_copy(src, dst, kind: str = "int8") -> pathlib.Path:
+    """`src` with every weight that --quantization `kind` quantizes (the attention and MLP
+    projections; for int8 the LM head and the embedding too) replaced by its dequantised value
+    (a tied head written out beside the embedding): transformers on it computes what the
+    quantized model should, in float32. Written once per `dst`."""
     import json
 
     from safetensors.torch import load_file
 
-    from kernels.quantization import dequantize_int8, quantize_int8
+    from kernels.quantization import dequantize, quantize
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if (dst / "config.json").exists():
@@ -365,8 +365,8 @@ def int8_reference_copy(src, dst) -> pathlib.Path:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     config["tie_word_embeddings"] = False
     for name, t in tensors.items():
-        if name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight"):
-            tensors[name] = dequantize_int8(*quantize_int8(t)).to(t.dtype)
+        if name.endswith("_proj.weight") or (kind == "int8" and name in ("lm_head.weight", "model.embed_tokens.weight")):
+            tensors[name] = dequantize(*quantize(t, kind)).to(t.dtype)
     return _write_copy(src, dst, tensors, config)
 
 

@@ -192,3 +192,42 @@ def test_parallel_layouts_on_gpus_match_transformers(checkpoint_factory, local_r
             assert out.outputs[0].token_ids == hf_greedy(path, ids, 12)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_8_bit_weights_on_gpu(checkpoint_factory, tmp_path, kind):
+    """--quantization int8 / fp8 on CUDA, in float32 with CUDA graphs. The Triton weight-only
+    kernel (int8 anywhere, fp8 before compute capability 8.9) multiplies the dequantised weights
+    in float32: greedy tokens equal transformers' on them. Dynamic FP8 (8.9+) also rounds the
+    activations to e4m3: its kernels match their float emulation (test_quantization.py's bounds)
+    and it decodes what eager does."""
+    from checkpoints import quantized_reference_copy
+    from test_quantization import assert_rounding_close
+
+    from kernels.quantization import (dequantize, fp8_matmuls, fp8_scaled_linear, quantize, quantize_rows_fp8,
+                                      triton_weight_only_linear)
+
+    torch.manual_seed(0)
+    w, x, bias = torch.randn(640, 384, device="cuda"), torch.randn(37, 384, device="cuda"), torch.randn(640, device="cuda")
+    rows, scale = quantize(w, kind, panels=False)
+    for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 2.0**-8)):
+        got = triton_weight_only_linear(x.to(dtype), rows, scale, bias.to(dtype))
+        assert_rounding_close(got.float(), x.to(dtype).float(), dequantize(rows, scale), bias.to(dtype).float(), bound)
+    scaled = kind == "fp8" and fp8_matmuls(torch.device("cuda"))
+    if scaled:
+        xq, x_scale = quantize_rows_fp8(x)
+        assert_rounding_close(fp8_scaled_linear(x, rows, scale, bias), xq.float() * x_scale,
+                              dequantize(rows, scale), bias, 2.0**-8)
+
+    path = checkpoint_factory("llama")
+    options = dict(device="cuda", dtype="float32", quantization=kind, max_num_seqs=8,
+                   cuda_graph_sizes=[1, 2, 4, 8], max_seq_len_to_capture=64)
+    graphed, eager = LLM(str(path), **options), LLM(str(path), eager_decode=True, **options)
+    prompts = prompts_of([3, 9, 30, 5])
+    got, want = graphed.generate(prompts, greedy(12)), eager.generate(prompts, greedy(12))
+    assert graphed.engine.executor.runner.graph_replays > 0
+    reference = quantized_reference_copy(path, tmp_path / kind, kind)
+    for ids, g, e in zip(prompts, got, want):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        if not scaled:
+            assert g.outputs[0].token_ids == hf_greedy(reference, ids, 12)

@@ -1,67 +1,134 @@
-"""Quantized weights: --quantization int8 (weight-only, quantized as the checkpoint loads) and
-FP8 checkpoints (dequantised as they load).
+"""Quantized weights: --quantization int8 / fp8 (quantized as the checkpoint loads) and FP8
+checkpoints (dequantised as they load).
 
-The int8 kernel (kernels/csrc/int8_linear.cpp) against float64 on the dequantised weights, on
-its AVX2 and portable paths; the engine token for token against transformers on a copy of the
-checkpoint whose quantized weights are replaced by their dequantised values
-(tests/checkpoints.py int8_reference_copy, fp8_copies): every dense family, compiled decode,
-LoRA, and both FP8 layouts."""
+The CPU kernel (kernels/csrc/int8_linear.cpp) against float64 on the dequantised weights, int8
+and e4m3, on its AVX2 and portable paths; the GPU paths' arithmetic on CPU (the Triton
+weight-only kernel under Triton's interpreter, dynamic FP8 through torch._scaled_mm); the engine
+token for token against transformers on a copy of the checkpoint whose quantized weights are
+replaced by their dequantised values (tests/checkpoints.py quantized_reference_copy,
+fp8_copies): every dense family for int8, three for fp8, compiled decode, LoRA, and both FP8
+checkpoint layouts."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import fp8_copies, int8_reference_copy
+from checkpoints import fp8_copies, quantized_reference_copy
 from oracle import hf_greedy
 from test_engine import GREEDY, assert_pool_free, prompts_of
 
 from actors.config import EngineConfig
 from actors.engine.llm import LLM
 from kernels import native
-from kernels.quantization import _int8_linear, dequantize_int8, quantize_int8
+from kernels.quantization import (FP8, _cpu_linear, dequantize, fp8_scaled_linear, quantize, quantize_rows_fp8,
+                                  triton_weight_only_linear)
 
 # Float32 rounding of sums of K products, relative to the sum of their magnitudes: the kernel
 # measured <= 2.4e-7 (float32's own matmul 2.3e-7) on the 2-core Zen 3.
 ROUNDING = 1e-6
 
 
+def assert_rounding_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias, bound: float):
+    """|got - x @ weight^T (+ bias)| in float64, relative to the sum of the products' magnitudes,
+    below `bound`."""
+    truth = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    size = F.linear(x.abs().double(), weight.abs().double()) + (0 if bias is None else bias.abs().double())
+    assert ((got.double() - truth).abs() / size).max() < bound
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("portable", [False, True])
-def test_kernel_equals_float64_on_the_dequantised_weights(portable):
+def test_kernel_equals_float64_on_the_dequantised_weights(kind, portable):
     if native.int8_linear_op() is None:
-        pytest.fail("the int8 kernel did not build (a compiler is present on every machine we test on)")
+        pytest.fail("the 8-bit kernel did not build (a compiler is present on every machine we test on)")
     torch.manual_seed(0)
     for n, k in [(40, 72), (64, 64), (300, 1000)]:
         w = torch.randn(n, k)
-        packed, scale = quantize_int8(w)
-        ref = dequantize_int8(packed, scale)
-        assert packed.dtype == torch.int8 and packed.shape == (-(-n // 16), k, 16)
-        assert (ref - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding to the nearest step
+        packed, scale = quantize(w, kind)
+        ref = dequantize(packed, scale)
+        assert packed.dtype == {"int8": torch.int8, "fp8": FP8}[kind] and packed.shape == (-(-n // 16), k, 16)
+        if kind == "int8":
+            assert (ref - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding to the nearest step
+        else:  # e4m3 keeps 3 mantissa bits: half a step is 1/16 of the value (subnormals: of 2^-6 * scale)
+            assert ((ref - w).abs() <= torch.maximum(w.abs() / 16, scale[:, None] * 2.0**-10) * 1.0001).all()
+        assert torch.equal(dequantize(*quantize(w, kind, panels=False)), ref)  # the GPU's rows, same values
         bias = torch.randn(n)
         rows = {}
         for m in (1, 5, 6, 7, 33):
             x = torch.randn(m, k)
             for b in (None, bias):
-                got = _int8_linear(x, packed, scale, b, portable)
-                truth = F.linear(x.double(), ref.double(), None if b is None else b.double())
-                size = F.linear(x.abs().double(), ref.abs().double()) + (0 if b is None else b.abs().double())
-                assert ((got.double() - truth).abs() / size).max() < ROUNDING, (n, k, m)
+                got = _cpu_linear(x, packed, scale, b, portable)
+                assert_rounding_close(got, x, ref, b, ROUNDING)
             rows[m] = (x, got)
         # A row's result does not depend on the rows beside it.
         x1, got1 = rows[1]
-        assert torch.equal(_int8_linear(torch.cat([x1, rows[33][0]]), packed, scale, bias, portable)[0], got1[0])
+        assert torch.equal(_cpu_linear(torch.cat([x1, rows[33][0]]), packed, scale, bias, portable)[0], got1[0])
+
+
+def test_fp8_kernel_reads_every_e4m3_value():
+    """Each of the 254 finite e4m3 codes (subnormals included), as the CPU kernel's AVX2 and
+    portable paths and the Triton kernel widen them, equals torch's own float8 conversion: a
+    one-hot input row picks out each."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    weight = finite.view(FP8)[:, None].repeat(1, 16).contiguous()  # [254, 16]: each row one code
+    n = weight.shape[0]
+    panels = torch.zeros(-(-n // 16) * 16, 16, dtype=torch.uint8)
+    panels[:n] = weight.view(torch.uint8)
+    packed = panels.view(FP8).view(-1, 16, 16).transpose(1, 2).contiguous()
+    scale = torch.ones(n)
+    x = torch.eye(16)[:1]
+    for portable in (False, True):
+        assert torch.equal(_cpu_linear(x, packed, scale, None, portable)[0], weight[:, 0].float())
+    assert torch.equal(triton_weight_only_linear(x, weight, scale, None)[0], weight[:, 0].float())  # CUDA's path
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_weight_only_kernel_equals_the_dequantised_weights(kind, dtype):
+    """The Triton kernel of CUDA's 8-bit path, under Triton's interpreter on [N, K] rows:
+    float32 sums of the widened weights, so within the activations' own rounding."""
+    torch.manual_seed(1)
+    for n, k, m in [(40, 72, 3), (130, 200, 17), (64, 64, 70)]:
+        w = torch.randn(n, k)
+        rows, scale = quantize(w, kind, panels=False)
+        x, bias = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype)
+        got = triton_weight_only_linear(x, rows, scale, bias)
+        assert got.dtype == dtype and got.shape == (m, n)
+        bound = ROUNDING if dtype == torch.float32 else 2.0**-8  # bfloat16's output rounding
+        assert_rounding_close(got.float(), x.float(), dequantize(rows, scale), bias.float(), bound)
+
+
+def test_dynamic_fp8_matmul_equals_its_float_emulation():
+    """CUDA's fp8 path on GPUs with FP8 matmuls (compute capability 8.9+), run on CPU (torch's
+    CPU `_scaled_mm` computes the same product): each activation row quantized to e4m3 over its
+    own scale, times the fp8 weight rows, both scales applied; equal to the same quantized values
+    multiplied in float64, up to the bfloat16 output's rounding. Against the float weights and
+    activations it is within e4m3's precision."""
+    torch.manual_seed(2)
+    for n, k, m in [(48, 64, 1), (160, 256, 9)]:
+        w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
+        rows, scale = quantize(w, "fp8", panels=False)
+        got = fp8_scaled_linear(x, rows, scale, bias)
+        xq, x_scale = quantize_rows_fp8(x)
+        assert xq.dtype == FP8 and x_scale.shape == (m, 1)
+        assert_rounding_close(got, xq.float() * x_scale, dequantize(rows, scale), bias, 2.0**-8)
+        assert_rounding_close(got, x, w, bias, 2 * 2.0**-4)  # both operands within half an e4m3 step
 
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4")
 
 
-@pytest.mark.parametrize("arch", DENSE)
-def test_greedy_equals_transformers_on_the_dequantised_weights(arch, checkpoint_factory, tmp_path):
+@pytest.mark.parametrize("kind,arch", [("int8", arch) for arch in DENSE] + [("fp8", "llama"), ("fp8", "qwen3"), ("fp8", "gemma3")])
+def test_greedy_equals_transformers_on_the_dequantised_weights(kind, arch, checkpoint_factory, tmp_path):
     path = checkpoint_factory(arch, tie_word_embeddings=arch in ("qwen3", "gemma2", "gemma3"))
-    reference = int8_reference_copy(path, tmp_path / "int8-reference")
-    llm = LLM(str(path), quantization="int8", dtype="float32", num_kv_blocks=64)
+    reference = quantized_reference_copy(path, tmp_path / f"{kind}-reference", kind)
+    llm = LLM(str(path), quantization=kind, dtype="float32", num_kv_blocks=64)
     try:
-        q_proj = llm.engine.executor.runner.model.model.layers[0].self_attn
-        assert any(p.dtype == torch.int8 for p in q_proj.parameters())
+        model = llm.engine.executor.runner.model
+        q_proj = model.model.layers[0].self_attn
+        assert any(p.dtype == {"int8": torch.int8, "fp8": FP8}[kind] for p in q_proj.parameters())
+        assert (model.model.embed_tokens.weight.dtype == torch.int8) == (kind == "int8")  # fp8: float, as vLLM's
         prompts = prompts_of([5, 17, 33])
         for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):
             assert out.outputs[0].token_ids == hf_greedy(reference, ids, GREEDY.max_tokens)
@@ -71,21 +138,22 @@ def test_greedy_equals_transformers_on_the_dequantised_weights(arch, checkpoint_
 
 
 def test_bad_quantization_is_refused():
-    with pytest.raises(ValueError, match="--quantization must be one of int8, got 'int4'"):
+    with pytest.raises(ValueError, match="--quantization must be one of int8, fp8, got 'int4'"):
         EngineConfig(quantization="int4").validate()
 
 
-def test_compiled_decode_runs_int8_like_eager(checkpoint_factory, tmp_path):
-    """Compiled decode (the default) calls the kernel as the opaque op shoal::int8_linear."""
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_compiled_decode_runs_8_bit_weights_like_eager(kind, checkpoint_factory, tmp_path):
+    """Compiled decode (the default) calls the kernel as the opaque op shoal::quantized_linear."""
     from test_compiled_decode import OPTIONS, compiled_llm
 
     from actors.sampling_params import SamplingParams
     from oracle import assert_equals_eager_and_hf
 
     path = checkpoint_factory("llama")
-    reference = int8_reference_copy(path, tmp_path / "int8-reference")
-    compiled = compiled_llm(path, quantization="int8", dtype="float32")
-    eager = LLM(str(path), quantization="int8", dtype="float32", **OPTIONS)
+    reference = quantized_reference_copy(path, tmp_path / f"{kind}-reference", kind)
+    compiled = compiled_llm(path, quantization=kind, dtype="float32")
+    eager = LLM(str(path), quantization=kind, dtype="float32", **OPTIONS)
     try:
         prompts = prompts_of([3, 9, 30, 1, 5, 14])
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -104,7 +172,7 @@ def test_lora_on_int8_weights_equals_peft_on_the_dequantised_weights(adapters, t
     from actors.sampling_params import SamplingParams
 
     base, paths = adapters("llama")
-    reference = int8_reference_copy(base, tmp_path / "int8-reference")
+    reference = quantized_reference_copy(base, tmp_path / "int8-reference")
     llm = LLM(str(base), quantization="int8", dtype="float32", num_kv_blocks=64, max_loras=2,
               lora_modules=[f"{name}={path}" for name, path in paths.items()])
     try:
@@ -129,7 +197,7 @@ def test_fp8_checkpoints_load_as_their_dequantised_weights(layout, checkpoint_fa
     paths = fp8_copies(checkpoint_factory("llama"), root)
     reference = paths[f"reference-{layout}"]
     prompts = prompts_of([5, 17])
-    for options, oracle in (({}, reference), ({"quantization": "int8"}, int8_reference_copy(reference, root / f"int8-{layout}"))):
+    for options, oracle in (({}, reference), ({"quantization": "int8"}, quantized_reference_copy(reference, root / f"int8-{layout}"))):
         llm = LLM(str(paths[layout]), dtype="float32", num_kv_blocks=64, **options)
         try:
             for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):

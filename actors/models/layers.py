@@ -14,7 +14,7 @@ from torch import nn
 
 from actors.distributed.parallel import Parallel
 from kernels.linear import linear
-from kernels.quantization import int8_rows
+from kernels.quantization import quantized_rows
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -23,7 +23,7 @@ class ColumnParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.lora = None  # LoraWeights when adapters are enabled
-        self.register_buffer("weight_scale", None)  # int8 weights' scales (kernels/quantization.py)
+        self.register_buffer("weight_scale", None)  # 8-bit weights' scales (kernels/quantization.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias, self.weight_scale)
@@ -35,7 +35,7 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.p = p
         self.lora = None  # LoraWeights when adapters are enabled
-        self.register_buffer("weight_scale", None)  # int8 weights' scales (kernels/quantization.py)
+        self.register_buffer("weight_scale", None)  # 8-bit weights' scales (kernels/quantization.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.p.tp_size == 1:
@@ -61,12 +61,12 @@ class VocabParallelEmbedding(nn.Module):
         self.start, rows = vocab_shard(vocab, p)
         self.rows = rows
         self.weight = nn.Parameter(torch.empty(rows, hidden))
-        self.register_buffer("weight_scale", None)  # int8 weights' scales (kernels/quantization.py)
+        self.register_buffer("weight_scale", None)  # 8-bit weights' scales (kernels/quantization.py)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is None:
             return F.embedding(ids, self.weight)
-        return int8_rows(ids, self.weight, self.weight_scale, self.out_dtype)
+        return quantized_rows(ids, self.weight, self.weight_scale, self.out_dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.p.tp_size == 1:
@@ -83,7 +83,7 @@ class ParallelLMHead(nn.Module):
         self.p, self.vocab = p, vocab
         _, rows = vocab_shard(vocab, p)
         self.weight = nn.Parameter(torch.empty(rows, hidden))
-        self.register_buffer("weight_scale", None)  # int8 weights' scales (kernels/quantization.py)
+        self.register_buffer("weight_scale", None)  # 8-bit weights' scales (kernels/quantization.py)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.p.all_gather_last_dim(linear(hidden, self.weight, scale=self.weight_scale))

@@ -54,8 +54,8 @@ class LoraWeights:
 
     def __init__(self, linear, spans: list[tuple[int, int]], slots: int, rank: int, state: LoraState):
         in_features = linear.in_features
-        weight = linear.weight if linear.weight_scale is None else linear.weight_scale  # (int8: its float dtype)
-        kw = dict(dtype=weight.dtype, device=weight.device)
+        # An 8-bit layer's adapters take the dtype its weight had (kernels/quantization.py).
+        kw = dict(dtype=getattr(linear, "out_dtype", linear.weight.dtype), device=linear.weight.device)
         self.a = torch.zeros(slots, in_features, len(spans) * rank, **kw)
         self.b = [torch.zeros(slots, rank, width, **kw) for _, width in spans]
         self.spans, self.rank, self.state = spans, rank, state

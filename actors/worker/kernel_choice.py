@@ -9,8 +9,9 @@ line, and the only place that knows the rules.
 - linear: on CPU float32 through shoal's panel kernel on AVX-512 CPUs
   (kernels/csrc/panel_linear.cpp), else oneDNN's inner product (float32, or bf16 where the CPU
   has bf16 matmuls), both on weights packed once here, whatever the decode mode or layout;
-  torch (cuBLAS) on CUDA; with --quantization int8 shoal's int8 kernel
-  (kernels/csrc/int8_linear.cpp: AVX2 or a portable loop);
+  torch (cuBLAS) on CUDA; with --quantization int8 / fp8 on CPU shoal's 8-bit kernel
+  (kernels/csrc/int8_linear.cpp: AVX2 or a portable loop), on CUDA FP8 matmuls
+  (`torch._scaled_mm`, fp8 on compute capability 8.9+) or shoal's Triton weight-only kernel;
 - decode: CUDA graphs on a GPU, torch.compile on CPU (actors/worker/compiled_decode.py), or
   eager, with the reason.
 
@@ -29,6 +30,7 @@ from actors.config import EngineConfig
 from actors.models.llama import fused_block
 from kernels import flash_attention, linear, native, triton_programs
 from kernels.env import flag
+from kernels.quantization import fp8_matmuls
 
 log = logging.getLogger("shoal.runner")
 
@@ -36,7 +38,7 @@ log = logging.getLogger("shoal.runner")
 @dataclass(frozen=True)
 class KernelChoice:
     attention: str  # flash_attn | vllm_flash_attn | cpp-avx512 | cpp-avx2 | cpp-portable | torch
-    linear: str  # panel | onednn | torch | int8-avx2 | int8-portable | int8-dequantised
+    linear: str  # panel | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm
     decode: str  # cuda-graphs | compiled | eager
     decode_off: str | None = None  # why decode is eager
 
@@ -78,10 +80,13 @@ def attention_kernel(spec, device: torch.device) -> str:
 
 
 def linear_kernel(dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> str:
-    if quantization == "int8":
+    if quantization:
+        if device.type == "cuda":
+            return "fp8-scaled-mm" if quantization == "fp8" and fp8_matmuls(device) else f"{quantization}-triton"
         if native.int8_linear_op() is None:  # builds it now
-            return "int8-dequantised"
-        return "int8-avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "int8-portable"
+            return f"{quantization}-dequantised"
+        wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")  # (fp8 also needs F16C: every such CPU)
+        return f"{quantization}-{'avx2' if wide else 'portable'}"
     if device.type != "cpu" or not linear.supported(dtype):
         return "torch"
     if dtype == torch.float32 and native.panel_linear_op() is not None:

@@ -38,7 +38,8 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
 
     weight_dtype: round every weight to it on the way in (a 16-bit model computed in float32).
     read_weights=False leaves them unread (the decode compile job traces shapes only).
-    quantization: "int8" turns the linear layers' weights to int8 once read (kernels/quantization.py)."""
+    quantization: "int8" or "fp8" turns the linear layers' weights to 8 bits once read
+    (kernels/quantization.py)."""
     args = ModelArgs.from_hf(cfg)
     cls = model_class(args.architecture)
     # Built on the meta device in the target dtype, then given memory on the target device
@@ -56,23 +57,25 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     model.weight_dtype = weight_dtype  # experts re-read later (load_selected) are rounded alike
     if read_weights:
         load_weights(model, path, weight_dtype)
-    if quantization == "int8":
-        quantize_linears(model)
+    if quantization:
+        quantize_linears(model, quantization)
     return model.eval()
 
 
-def quantize_linears(model: nn.Module) -> None:
-    """Every linear layer, the LM head and the embedding to int8 (a tied head and embedding
-    share one copy). Experts of MoE models stay float."""
-    done = {}  # the float weight's id -> its int8 panels and scale
+def quantize_linears(model: nn.Module, kind: str) -> None:
+    """Every linear layer to `kind` (int8 or fp8), and for int8 the LM head and the embedding too
+    (a tied head and embedding share one copy); fp8 leaves those two float, as vLLM's does.
+    Experts of MoE models stay float."""
+    layers = (ColumnParallelLinear, RowParallelLinear) + ((ParallelLMHead, VocabParallelEmbedding) if kind == "int8" else ())
+    done = {}  # the float weight's id -> its 8-bit weight and scale
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead, VocabParallelEmbedding)):
+        if isinstance(module, layers):
             key = id(module.weight)
             if key in done:  # tied to one quantized already
                 module.out_dtype = module.weight.dtype
                 module.weight, module.weight_scale = done[key]
             else:
-                quantize_module(module)
+                quantize_module(module, kind)
                 done[key] = module.weight, module.weight_scale
 
 

@@ -37,7 +37,7 @@ class ModelSpec:
     # CPU without matmul units for it computes in float32 on weights rounded to it (below).
     weight_dtype: torch.dtype | None = None
     pooling: PoolingParams = DEFAULT_POOLING  # embedding requests' defaults (actors/worker/pooling_config.py)
-    quantization: str | None = None  # --quantization: int8 linear layers (kernels/quantization.py)
+    quantization: str | None = None  # --quantization: int8 | fp8 linear layers (kernels/quantization.py)
 
 
 def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
@@ -52,8 +52,6 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     cuda = device_type(config) == "cuda"
     dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
     dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")
-    if config.quantization and cuda:
-        raise ValueError(f"--quantization {config.quantization} runs on CPU only so far (no GPU kernel yet)")
     if config.enable_lora and args.mla:
         raise ValueError(f"LoRA adapters are not supported for {args.architecture} (latent attention) yet")
     backend, library = attention_backend(config, dtype, args.head_dim, sinks=args.attn_sinks)

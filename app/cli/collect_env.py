@@ -114,11 +114,15 @@ def quantization() -> dict:
     except ImportError:
         return {}
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return {"int8": f"CPU, {'the AVX2 kernel' if wide else 'the portable loop'} (kernels/csrc/int8_linear.cpp); "
-                    "no GPU kernel yet",
+    cpu = f"CPU, {'the AVX2 kernel' if wide else 'the portable loop'} (kernels/csrc/int8_linear.cpp)"
+    fp8_gpu = any(torch.cuda.get_device_capability(i) >= (8, 9) for i in range(torch.cuda.device_count()))
+    return {"int8": f"{cpu}; CUDA, shoal's Triton weight-only kernel",
+            "fp8 online": f"{cpu}, weight-only; CUDA, "
+                          + ("FP8 matmuls (torch._scaled_mm)" if fp8_gpu else "FP8 matmuls on compute capability 8.9+, "
+                             "else shoal's Triton weight-only kernel"),
             "fp8 checkpoints": "loaded as float (dequantised as they load); no FP8 matmuls yet",
             "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
-            "fp8 online, awq, gptq, fp8 KV cache": "not supported yet"}
+            "awq, gptq, fp8 KV cache": "not supported yet"}
 
 
 def nvidia_smi() -> str | None:

@@ -1,6 +1,6 @@
-// Weight-only int8 linear layers on CPU (--quantization int8): out[M, N] = (x[M, K] @ Q^T) * scale
-// (+ bias), Q int8 with one float32 scale per output column, packed once into panels of 16
-// columns, each panel [K, 16] contiguous (pack: kernels/quantization.py).
+// Weight-only 8-bit linear layers on CPU (--quantization int8 / fp8): out[M, N] = (x[M, K] @ Q^T)
+// * scale (+ bias), Q int8 or float8 e4m3 with one float32 scale per output column, packed once
+// into panels of 16 columns, each panel [K, 16] contiguous (pack: kernels/quantization.py).
 //
 // Why by hand: a decode step is bound by reading the weights, and int8 weights are a quarter of
 // float32's bytes. torch's own weight-only op (_weight_int8pack_mm) runs float32 activations
@@ -14,13 +14,20 @@
 // the other rows: results do not depend on the batch. Against float32 on the dequantised
 // weights (Q * scale) they differ by rounding alone (~1e-6 relative).
 //
-// AVX2 + FMA (a target attribute, checked at run time), else a portable loop.
+// e4m3 widens through float16: its sign, then its exponent and mantissa shifted into a float16's
+// (4 of the 5 exponent bits, 3 of the 10 mantissa bits) read as the value / 256, subnormals
+// included; the 256 joins the scale. So an fp8 weight costs one more shift-and-or per 16 and
+// F16C's conversion, and the sums are the same chains as int8's.
+//
+// AVX2 + FMA (+ F16C for fp8) (a target attribute, checked at run time), else a portable loop.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -31,6 +38,30 @@ namespace {
 
 constexpr int64_t kCols = 16;  // output columns per panel: 2 vectors of 8
 constexpr int64_t kRows = 6;   // rows per register block: 6 x 2 accumulators
+constexpr float kFp8Unit = 256.0f;  // an e4m3 weight widened through float16 is its value / 256
+
+struct Fp8 {  // one float8 e4m3 (fn: no infinities; 0x7f / 0xff are NaN)
+  uint8_t bits;
+};
+
+// The float16 reading of e4m3 `bits` (its value / 256), for the portable loop.
+float fp8_over_unit(uint8_t bits) {
+  const int exponent = (bits >> 3) & 15, mantissa = bits & 7;
+  float v = exponent ? std::ldexp(1.0f + mantissa / 8.0f, exponent - 7) : std::ldexp(mantissa / 8.0f, -6);
+  if ((bits & 0x7f) == 0x7f) v = NAN;
+  return (bits & 0x80 ? -v : v) / kFp8Unit;
+}
+
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) value[b] = fp8_over_unit(static_cast<uint8_t>(b));
+  }
+};
+const Fp8Table kFp8Table;
+
+inline float weight_value(int8_t q) { return static_cast<float>(q); }
+inline float weight_value(Fp8 q) { return kFp8Table.value[q.bits]; }
 
 // The finished sums of `rows` rows of one panel: times the scale, plus the bias, into the
 // panel's `cols` (<= 16) columns of out.
@@ -42,9 +73,29 @@ inline void finish(const float* sums, int rows, const float* scale, const float*
 }
 
 #ifdef SHOAL_HAS_AVX2_INT8
-#define SHOAL_AVX2 __attribute__((target("avx2,fma")))
+#define SHOAL_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// R rows times one panel. Int8: the panel's weights are widened per k (decode: few rows, so
+// The 16 weights of one k, as two vectors of 8 floats.
+SHOAL_AVX2 inline __attribute__((always_inline)) void widen(const int8_t* p, __m256& w0, __m256& w1) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+}
+
+SHOAL_AVX2 inline __attribute__((always_inline)) void widen(const Fp8* p, __m256& w0, __m256& w1) {
+  const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                                       _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7));
+  w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+  w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+}
+
+SHOAL_AVX2 inline __attribute__((always_inline)) void widen(const float* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(p);
+  w1 = _mm256_loadu_ps(p + 8);
+}
+
+// R rows times one panel. 8-bit: the panel's weights are widened per k (decode: few rows, so
 // the weights' bytes from DRAM are what counts); float: a panel widened once beforehand.
 template <int R, typename W>
 SHOAL_AVX2 inline __attribute__((always_inline)) void block(const float* x, int64_t K, const W* panel,
@@ -54,14 +105,7 @@ SHOAL_AVX2 inline __attribute__((always_inline)) void block(const float* x, int6
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
-    if constexpr (sizeof(W) == 1) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k * kCols));
-      w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-      w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-    } else {
-      w0 = _mm256_loadu_ps(panel + k * kCols);
-      w1 = _mm256_loadu_ps(panel + k * kCols + 8);
-    }
+    widen(panel + k * kCols, w0, w1);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_set1_ps(x[r * K + k]);
@@ -97,28 +141,31 @@ SHOAL_AVX2 void rows_of(const float* x, int64_t M, int64_t K, const W* panel, co
 // One row block: widen as it goes. More: widen the panel once into this thread's buffer
 // (K x 64 bytes, inside L2) and run every block on floats, so the widening is paid once per
 // panel instead of once per block (at 32 rows that was a third of the time).
-SHOAL_AVX2 void panel_rows(const float* x, int64_t M, int64_t K, const int8_t* panel, const float* scale,
+template <typename W>
+SHOAL_AVX2 void panel_rows(const float* x, int64_t M, int64_t K, const W* panel, const float* scale,
                            const float* bias, float* out, int64_t N, int64_t cols) {
   if (M <= kRows) return rows_of(x, M, K, panel, scale, bias, out, N, cols);
   thread_local std::vector<float> wide;
   wide.resize(K * kCols);
   float* w = wide.data();
   for (int64_t k = 0; k < K; ++k) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k * kCols));
-    _mm256_storeu_ps(w + k * kCols, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-    _mm256_storeu_ps(w + k * kCols + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))));
+    __m256 w0, w1;
+    widen(panel + k * kCols, w0, w1);
+    _mm256_storeu_ps(w + k * kCols, w0);
+    _mm256_storeu_ps(w + k * kCols + 8, w1);
   }
   rows_of(x, M, K, static_cast<const float*>(w), scale, bias, out, N, cols);
 }
 #endif
 
-void panel_rows_portable(const float* x, int64_t M, int64_t K, const int8_t* panel, const float* scale,
+template <typename W>
+void panel_rows_portable(const float* x, int64_t M, int64_t K, const W* panel, const float* scale,
                          const float* bias, float* out, int64_t N, int64_t cols) {
   float sums[kCols];
   for (int64_t m = 0; m < M; ++m) {
     std::fill(sums, sums + kCols, 0.0f);
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < kCols; ++c) sums[c] += x[m * K + k] * static_cast<float>(panel[k * kCols + c]);
+      for (int64_t c = 0; c < kCols; ++c) sums[c] += x[m * K + k] * weight_value(panel[k * kCols + c]);
     finish(sums, 1, scale, bias, out + m * N, N, cols);
   }
 }
@@ -126,14 +173,18 @@ void panel_rows_portable(const float* x, int64_t M, int64_t K, const int8_t* pan
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
-void int8_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) {
+template <typename W>
+void weight_only_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) {
+  constexpr bool fp8 = std::is_same_v<W, Fp8>;
   STD_TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 3 && scale.dim() == 1,
                   "x [M, K], out [M, N], packed [P, K, 16], scale [N]");
   for (const Tensor* t : {&out, &x, &scale})
     STD_TORCH_CHECK(t->is_cpu() && t->scalar_type() == ScalarType::Float && t->is_contiguous(),
                     "out, x and scale must be contiguous float32 CPU tensors");
-  STD_TORCH_CHECK(packed.is_cpu() && packed.scalar_type() == ScalarType::Char && packed.is_contiguous(),
-                  "packed must be a contiguous int8 CPU tensor");
+  STD_TORCH_CHECK(packed.is_cpu() && packed.scalar_type() == (fp8 ? ScalarType::Byte : ScalarType::Char) &&
+                      packed.is_contiguous(),
+                  fp8 ? "packed must be a contiguous CPU tensor of e4m3 bytes (uint8)"
+                      : "packed must be a contiguous int8 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), panels = packed.size(0);
   STD_TORCH_CHECK(out.size(0) == M && packed.size(1) == K && packed.size(2) == kCols &&
                       panels == (N + kCols - 1) / kCols && scale.numel() == N,
@@ -144,13 +195,21 @@ void int8_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tensor bias,
                   "bias must be empty or a contiguous float32 [N]");
   if (M == 0) return;
   const float* xp = x.const_data_ptr<float>();
-  const int8_t* wp = packed.const_data_ptr<int8_t>();
+  const W* wp = reinterpret_cast<const W*>(packed.const_data_ptr());
   const float* sp = scale.const_data_ptr<float>();
+  std::vector<float> unit_scale;  // fp8: the scale times 256 (a power of two: exact)
+  if constexpr (fp8) {
+    unit_scale.assign(sp, sp + N);
+    for (float& s : unit_scale) s *= kFp8Unit;
+    sp = unit_scale.data();
+  }
   const float* bp = has_bias ? bias.const_data_ptr<float>() : nullptr;
   float* op = out.mutable_data_ptr<float>();
-  auto rows = panel_rows_portable;
+  auto rows = panel_rows_portable<W>;
 #ifdef SHOAL_HAS_AVX2_INT8
-  if (!portable && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) rows = panel_rows;
+  if (!portable && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      (!fp8 || __builtin_cpu_supports("f16c")))
+    rows = panel_rows<W>;
 #endif
   torch::stable::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
@@ -159,12 +218,22 @@ void int8_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tensor bias,
   });
 }
 
+void int8_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) {
+  weight_only_linear<int8_t>(out, x, packed, scale, bias, portable);
+}
+
+void fp8_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) {
+  weight_only_linear<Fp8>(out, x, packed, scale, bias, portable);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(shoal_int8, m) {
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) -> ()");
+  m.def("fp8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(shoal_int8, CPU, m) {
   m.impl("int8_linear", TORCH_BOX(&int8_linear));
+  m.impl("fp8_linear", TORCH_BOX(&fp8_linear));
 }

@@ -232,6 +232,8 @@ VARIANTS = {  # name -> (label, engine options, environment, decode launches by 
     # The decode launches a sweep on an H200 found fastest per call (docs/benchmarks.md)
     "triton-graphs-tuned": ("shoal triton, CUDA graphs, decode launches by head size", GRAPHS, {},
                             {64: dict(tile=128, num_warps=4, num_stages=3), 128: dict(tile=64, num_warps=4, num_stages=2)}),
+    "triton-graphs-fp8": ("shoal triton, CUDA graphs, --quantization fp8", dict(GRAPHS, quantization="fp8")),
+    "triton-graphs-int8": ("shoal triton, CUDA graphs, --quantization int8", dict(GRAPHS, quantization="int8")),
     "flash-eager": ("shoal flash, eager", dict(attn_backend="flash", eager_decode=True)),
     "flash-graphs": ("shoal flash, CUDA graphs", dict(attn_backend="flash")),
 }

@@ -161,7 +161,7 @@ def kernel(args) -> None:
     import torch
 
     from kernels import linear
-    from kernels.quantization import _int8_linear, quantize_int8
+    from kernels.quantization import _cpu_linear, quantize
 
     torch.set_num_threads(2)
     h, i = QWEN_05B["hidden_size"], QWEN_05B["intermediate_size"]
@@ -171,7 +171,7 @@ def kernel(args) -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k)
-        packed, scale = quantize_int8(w)
+        packed, scale = quantize(w, "int8")
         for m in (1, 8, 32, 256):
             x = torch.randn(m, k)
 
@@ -184,7 +184,7 @@ def kernel(args) -> None:
                     times.append(time.perf_counter() - start)
                 return statistics.median(times) * 1e3
 
-            f32, q = timed(lambda: linear.linear(x, w)), timed(lambda: _int8_linear(x, packed, scale, None))
+            f32, q = timed(lambda: linear.linear(x, w)), timed(lambda: _cpu_linear(x, packed, scale, None))
             print(f"| {name} [{n}, {k}] | {m} | {f32:.3f} | {q:.3f} | {f32 / q:.2f}x |")
 
 
