@@ -342,11 +342,13 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
     return _write_copy(src, dst, tensors, config)
 
 
-def quantized_reference_copy(src, dst, kind: str = "int8") -> pathlib.Path:
+def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathlib.Path:
     """`src` with every weight that --quantization `kind` quantizes (the attention and MLP
     projections; for int8 the LM head and the embedding too) replaced by its dequantised value
     (a tied head written out beside the embedding): transformers on it computes what the
-    quantized model should, in float32. Written once per `dst`."""
+    quantized model should, in float32. At `tp` > 1 each rank quantizes its own shard, so a
+    row-parallel layer's (o_proj, down_proj) input columns are quantized in `tp` parts. Written
+    once per `dst`."""
     import json
 
     from safetensors.torch import load_file
@@ -366,7 +368,8 @@ def quantized_reference_copy(src, dst, kind: str = "int8") -> pathlib.Path:
     config["tie_word_embeddings"] = False
     for name, t in tensors.items():
         if name.endswith("_proj.weight") or (kind == "int8" and name in ("lm_head.weight", "model.embed_tokens.weight")):
-            tensors[name] = dequantize(*quantize(t, kind)).to(t.dtype)
+            parts = t.chunk(tp, dim=1) if name.endswith(("o_proj.weight", "down_proj.weight")) else [t]
+            tensors[name] = torch.cat([dequantize(*quantize(part, kind)) for part in parts], dim=1).to(t.dtype)
     return _write_copy(src, dst, tensors, config)
 
 

@@ -123,6 +123,32 @@ def test_tp2_verifies_drafts_with_one_ranks_tokens(tmp_path):
             llm.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_tp2_quantizes_each_ranks_shard(checkpoint_factory, tmp_path, kind):
+    """--quantization at tp=2: each rank quantizes its own shard, so a row-parallel layer's scales
+    cover the rank's half of the input columns. transformers on the checkpoint dequantised that
+    way gives the same greedy tokens and prompt log-probs (1e-4); the one-rank quantization
+    would not (its log-probs differ), so the test tells the two apart."""
+    from checkpoints import quantized_reference_copy
+    path = checkpoint_factory("llama", num_hidden_layers=3)
+    reference = quantized_reference_copy(path, tmp_path / "tp2", kind, tp=2)
+    one_rank = quantized_reference_copy(path, tmp_path / "tp1", kind)
+    llm = LLM(str(path), **POOL, shard_cpus=0.5, tp_size=2, quantization=kind, dtype="float32")
+    try:
+        prompts = prompts_of([5, 30, 13])
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+        apart = 0.0
+        for ids, out in zip(prompts, llm.generate(prompts, params)):
+            assert out.outputs[0].token_ids == hf_greedy(reference, ids, 12)
+            ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+            assert ours == pytest.approx(hf_prompt_logprobs(reference, ids), abs=1e-4)
+            apart = max(apart, max(abs(a - b) for a, b in zip(ours, hf_prompt_logprobs(one_rank, ids))))
+        assert apart > 1e-3
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_bad_layouts_fail_before_start(checkpoint_factory):
     with pytest.raises(ValueError, match="divide"):
         LLM(str(checkpoint_factory("llama")), tp_size=3)
