@@ -8,8 +8,9 @@ Two layouts are read, as their writers write them:
   float8 and `W.weight_scale`, per output channel ([N, 1]) or one per tensor; `input_scale`
   (static activation scales) and `k_scale` / `v_scale` are not needed to compute in float.
 
-The model then holds the dequantised weights in its compute dtype (and --quantization int8
-quantizes those again). The FP8 matmuls of a Hopper GPU are not used yet.
+The model then holds the dequantised weights in its compute dtype; --quantization int8 or fp8
+quantizes those again (fp8: per output channel, for a GPU's FP8 matmuls; a block-scaled
+checkpoint loses some of its precision there).
 """
 from __future__ import annotations
 
