@@ -16,6 +16,9 @@ Where each runs:
   `torch._scaled_mm` multiplies the two (row-wise scales). Weights stay [N, K] rows.
 - CUDA otherwise (int8 anywhere, fp8 on older GPUs): weight-only, in a Triton kernel that widens
   the 8-bit weights to the activations' dtype in registers (kernels/triton_quantized_programs.py).
+
+SHOAL_FP8_ACTIVATIONS=1 runs fp8 the dynamic way on CPU too (torch's CPU `_scaled_mm`: the same
+arithmetic, 5-15x slower than float32 there), to measure on a CPU the quality a GPU gets.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native, triton_programs
+from kernels.env import flag
 
 log = logging.getLogger("shoal.kernels")
 
@@ -82,7 +86,10 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias
 
 
 def fp8_matmuls(device: torch.device) -> bool:
-    """Whether `device` multiplies float8 natively (a CUDA GPU of compute capability 8.9+)."""
+    """Whether fp8 runs with dynamic FP8 activations on `device`: a CUDA GPU of compute
+    capability 8.9+ (FP8 matmuls), or a CPU with SHOAL_FP8_ACTIVATIONS=1."""
+    if device.type == "cpu":
+        return flag("SHOAL_FP8_ACTIVATIONS", False)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
@@ -161,9 +168,11 @@ def quantized_rows(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def quantize_module(module, kind: str) -> None:
-    """Replace a layer's float weight by its 8-bit one (panels on CPU, rows on CUDA) and scale
-    (`weight_scale`); `out_dtype` keeps the dtype an embedding's lookups return."""
+    """Replace a layer's float weight by its 8-bit one (panels for the CPU kernel, else rows) and
+    scale (`weight_scale`); `out_dtype` keeps the dtype an embedding's lookups return."""
     module.out_dtype = module.weight.dtype
-    weight, scale = quantize(module.weight.data, kind, panels=module.weight.device.type == "cpu")
+    device = module.weight.device
+    panels = device.type == "cpu" and not (kind == "fp8" and fp8_matmuls(device))
+    weight, scale = quantize(module.weight.data, kind, panels=panels)
     module.weight = torch.nn.Parameter(weight, requires_grad=False)
     module.weight_scale = scale

@@ -81,8 +81,10 @@ def attention_kernel(spec, device: torch.device) -> str:
 
 def linear_kernel(dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> str:
     if quantization:
+        if quantization == "fp8" and fp8_matmuls(device):
+            return "fp8-scaled-mm"
         if device.type == "cuda":
-            return "fp8-scaled-mm" if quantization == "fp8" and fp8_matmuls(device) else f"{quantization}-triton"
+            return f"{quantization}-triton"
         if native.int8_linear_op() is None:  # builds it now
             return f"{quantization}-dequantised"
         wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")  # (fp8 also needs F16C: every such CPU)

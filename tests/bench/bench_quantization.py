@@ -3,7 +3,7 @@ Q8_0, and quality against the unquantized model.
 
     .venv/bin/python tests/bench/bench_quantization.py speed --llama-server BUILD/bin/llama-server \\
         --llama-cpp SRC/vendor/llama.cpp [--rounds 3] [--requests 64] [--output-len 32]
-    .venv/bin/python tests/bench/bench_quantization.py quality [--model DIR]
+    .venv/bin/python tests/bench/bench_quantization.py quality [--model DIR] [--formats int8,fp8,fp8-dynamic]
     .venv/bin/python tests/bench/bench_quantization.py kernel
 
 kernel: the int8 kernel against float32 (shoal's CPU linear: oneDNN, or the panel kernel on
@@ -18,9 +18,10 @@ concurrency 32, ignore_eos; tests/bench/bench_llama_cpp.py's client), round afte
 shoal server's resident memory is the sum over its process tree (the CLI, Ray's daemons and
 workers, the engine) after the rounds.
 
-quality: SmolLM2-135M-Instruct (a real trained model; `make smollm2`) in float32 and with
---quantization int8, teacher-forced on fixed texts: per position, whether the two agree on the
-most likely next token, and |log p(actual next token)| difference.
+quality: SmolLM2-135M-Instruct (a real trained model; `make smollm2`) in float32 and in each
+format (FORMATS: int8, fp8 weight-only as on CPU, fp8 with a GPU's dynamic FP8 activations),
+teacher-forced on fixed texts: per position, whether the two agree on the most likely next
+token, and |log p(actual next token)| difference.
 """
 from __future__ import annotations
 
@@ -126,6 +127,14 @@ TEXTS = [
 ]
 
 
+# What each quality row runs: engine options and environment.
+FORMATS = {
+    "int8": ({"quantization": "int8"}, {}),
+    "fp8": ({"quantization": "fp8"}, {}),  # weight-only, as on CPU
+    "fp8-dynamic": ({"quantization": "fp8"}, {"SHOAL_FP8_ACTIVATIONS": "1"}),  # a GPU's per-token FP8 activations
+}
+
+
 def quality(args) -> None:
     from smollm2 import smollm2_checkpoint
 
@@ -134,25 +143,36 @@ def quality(args) -> None:
 
     path = args.model or str(smollm2_checkpoint())
     params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
-    results = {}
-    for name, options in (("float32", {}), ("int8", {"quantization": "int8"})):
-        llm = LLM(path, dtype="float32", **options)
-        prompts = [llm.encode(t) for t in TEXTS]
-        results[name] = [o.prompt_logprobs for o in llm.generate(prompts, params)]
-        llm.shutdown()
-    agree = total = 0
-    deltas = []
-    for ref_rows, q_rows, text in zip(results["float32"], results["int8"], TEXTS):
-        for ref, q in zip(ref_rows, q_rows):
-            if ref is None:
-                continue
-            actual = next(iter(ref))  # the prompt's own next token comes first
-            agree += max(ref, key=ref.get) == max(q, key=q.get)
-            total += 1
-            deltas.append(abs(ref[actual] - q[actual]))
-    print(f"model: {path}; {len(TEXTS)} texts, {total} positions")
-    print(f"top-1 agreement int8 vs float32: {agree / total:.1%}; mean |delta log p(next token)|: "
-          f"{statistics.mean(deltas):.4f} (max {max(deltas):.3f})")
+
+    def score(options: dict, env: dict) -> list:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            llm = LLM(path, dtype="float32", eager_decode=True, **options)
+            prompts = [llm.encode(t) for t in TEXTS]
+            rows = [o.prompt_logprobs for o in llm.generate(prompts, params)]
+            llm.shutdown()
+            return rows
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+    reference = score({}, {})
+    print(f"model: {path}; {len(TEXTS)} texts")
+    print("| format | top-1 agreement with float32 | mean abs delta log p(next token) | max |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in args.formats.split(","):
+        agree = total = 0
+        deltas = []
+        for ref_rows, q_rows in zip(reference, score(*FORMATS[name])):
+            for ref, q in zip(ref_rows, q_rows):
+                if ref is None:
+                    continue
+                actual = next(iter(ref))  # the prompt's own next token comes first
+                agree += max(ref, key=ref.get) == max(q, key=q.get)
+                total += 1
+                deltas.append(abs(ref[actual] - q[actual]))
+        print(f"| {name} | {agree / total:.1%} of {total} | {statistics.mean(deltas):.4f} | {max(deltas):.3f} |")
 
 
 def kernel(args) -> None:
@@ -199,6 +219,7 @@ def main() -> None:
     s.set_defaults(requests=64, output_len=32, root=Path("/tmp/shoal-bench-int8"))
     q = sub.add_parser("quality")
     q.add_argument("--model")
+    q.add_argument("--formats", default=",".join(FORMATS), help="comma-separated names of FORMATS")
     sub.add_parser("kernel")
     args = ap.parse_args()
     {"speed": speed, "quality": quality, "kernel": kernel}[args.what](args)
