@@ -35,6 +35,8 @@ class DeployOptions:
     min_replicas: int | None = None  # autoscaling lower bound (with max_replicas)
     max_replicas: int | None = None  # set to autoscale between min_replicas and this
     target_ongoing_requests: float = 64.0  # autoscaling target per replica
+    upscale_delay_s: float | None = None  # autoscaling: load above target this long adds replicas (Serve: 30)
+    downscale_delay_s: float | None = None  # ... below target this long removes them (Serve: 600)
     max_ongoing_requests: int = 1024  # per replica; above it Serve queues at the router
     replica_cpus: float = 0.1  # the LLMServer replica process (placement bundle 0)
     ingress_replicas: int = 1

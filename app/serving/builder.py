@@ -96,6 +96,8 @@ def replica_options(config: ShoalConfig) -> dict:
             "min_replicas": 1 if d.min_replicas is None else d.min_replicas,
             "max_replicas": d.max_replicas,
             "target_ongoing_requests": d.target_ongoing_requests,
+            **{k: v for k, v in (("upscale_delay_s", d.upscale_delay_s), ("downscale_delay_s", d.downscale_delay_s))
+               if v is not None},
         }
     return options
 

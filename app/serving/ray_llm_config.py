@@ -26,7 +26,8 @@ LLM_CONFIG_KEYS = {"model_loading_config", "engine_kwargs", "deployment_config",
                    "placement_group_config", "llm_engine"}
 DEPLOYMENT_KEYS = {"num_replicas": "num_replicas", "max_ongoing_requests": "max_ongoing_requests"}
 AUTOSCALING_KEYS = {"min_replicas": "min_replicas", "max_replicas": "max_replicas",
-                    "target_ongoing_requests": "target_ongoing_requests"}
+                    "target_ongoing_requests": "target_ongoing_requests", "upscale_delay_s": "upscale_delay_s",
+                    "downscale_delay_s": "downscale_delay_s"}
 
 
 def load_configs(args: dict) -> list[ShoalConfig]:
