@@ -327,3 +327,40 @@ def test_the_cache_folder_keeps_the_newest_artifacts(tmp_path):
     (tmp_path / "other.txt").write_text("kept")
     prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-3.bin", "decode-4.bin", "other.txt"]
+
+
+# The dense families not covered above (llama and the Gemma 3 with every twist): each family's
+# own twists (sliding windows, soft-caps, q/k norms, post-norms, fused projections, partial
+# rotary, scaled residuals) inside the traced step.
+OTHER_DENSE = ("mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "granite", "glm4")
+
+
+@pytest.mark.slow
+def test_every_dense_family_decodes_compiled_like_transformers(checkpoint_factory):
+    """Compiled decode, the CPU default, for every dense family once: greedy tokens equal
+    transformers' and an eager engine's, log-probs within 1e-4 of eager's. The engines start
+    together so their compile jobs overlap. MoE families decode eagerly on CPU by design: the
+    default says so as its reason."""
+    engines = {family: compiled_llm(checkpoint_factory(family, num_hidden_layers=1), wait=False)
+               for family in OTHER_DENSE}
+    try:
+        prompts = prompts_of([3, 9, 30, 1, 5])
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+        for family, llm in engines.items():
+            runner = llm.engine.executor.runner
+            runner.finish_compiling(timeout=600)
+            assert isinstance(runner.graphs, CompiledDecode), (family, runner.graphs_off)
+            eager = LLM(str(llm.engine.model_path), **OPTIONS)
+            before = runner.graph_replays
+            got, want = llm.generate(prompts, params), eager.generate(prompts, params)
+            assert runner.graph_replays > before, family
+            assert_equals_eager_and_hf(llm.engine.model_path, prompts, got, want, 10)
+            eager.shutdown()
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    moe = compiled_llm(checkpoint_factory("qwen3_moe"), wait=False)
+    try:
+        assert moe.engine.executor.runner.graphs_off.startswith("mixture-of-experts layers")
+    finally:
+        moe.shutdown()
