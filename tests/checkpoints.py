@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import re
 
 import torch
 
@@ -342,9 +343,13 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
     return _write_copy(src, dst, tensors, config)
 
 
+FLOAT_UNDER_QUANTIZATION = re.compile(r"\.experts\.|\.shared_experts?\.|kv_b_proj")
+
+
 def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathlib.Path:
-    """`src` with every weight that --quantization `kind` quantizes (the attention and MLP
-    projections; for int8 the LM head and the embedding too) replaced by its dequantised value
+    """`src` with every weight that --quantization `kind` quantizes (the attention and dense MLP
+    projections, not MoE experts nor MLA's kv_b_proj; for int8 the LM head and the embedding
+    too) replaced by its dequantised value
     (a tied head written out beside the embedding): transformers on it computes what the
     quantized model should, in float32. At `tp` > 1 each rank quantizes its own shard, so a
     row-parallel layer's (o_proj, down_proj) input columns are quantized in `tp` parts. Written
@@ -367,7 +372,10 @@ def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathl
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     config["tie_word_embeddings"] = False
     for name, t in tensors.items():
-        if name.endswith("_proj.weight") or (kind == "int8" and name in ("lm_head.weight", "model.embed_tokens.weight")):
+        if FLOAT_UNDER_QUANTIZATION.search(name):  # MoE experts and MLA's absorbed kv_b_proj stay float
+            continue
+        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or (
+                kind == "int8" and name in ("lm_head.weight", "model.embed_tokens.weight")):
             parts = t.chunk(tp, dim=1) if name.endswith(("o_proj.weight", "down_proj.weight")) else [t]
             tensors[name] = torch.cat([dequantize(*quantize(part, kind)) for part in parts], dim=1).to(t.dtype)
     return _write_copy(src, dst, tensors, config)

@@ -6,8 +6,8 @@ and e4m3, on its AVX2 and portable paths; the GPU paths' arithmetic on CPU (the 
 weight-only kernel under Triton's interpreter, dynamic FP8 through torch._scaled_mm); the engine
 token for token against transformers on a copy of the checkpoint whose quantized weights are
 replaced by their dequantised values (tests/checkpoints.py quantized_reference_copy,
-fp8_copies): every dense family for int8, three for fp8, compiled decode, LoRA, and both FP8
-checkpoint layouts."""
+fp8_copies): every dense family for int8, three for fp8, DeepSeek (MLA), gpt-oss and Qwen3-MoE
+(their experts float), compiled decode, LoRA, and both FP8 checkpoint layouts."""
 from __future__ import annotations
 
 import pytest
@@ -119,7 +119,8 @@ def test_dynamic_fp8_matmul_equals_its_float_emulation():
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4")
 
 
-@pytest.mark.parametrize("kind,arch", [("int8", arch) for arch in DENSE] + [("fp8", "llama"), ("fp8", "qwen3"), ("fp8", "gemma3")])
+@pytest.mark.parametrize("kind,arch", [("int8", arch) for arch in DENSE] + [("fp8", "llama"), ("fp8", "qwen3"), ("fp8", "gemma3")]
+                         + [("int8", "deepseek_v3"), ("fp8", "deepseek_v2"), ("int8", "gpt_oss"), ("fp8", "qwen3_moe")])
 def test_greedy_equals_transformers_on_the_dequantised_weights(kind, arch, checkpoint_factory, tmp_path):
     path = checkpoint_factory(arch, tie_word_embeddings=arch in ("qwen3", "gemma2", "gemma3"))
     reference = quantized_reference_copy(path, tmp_path / f"{kind}-reference", kind)
