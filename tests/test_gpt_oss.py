@@ -187,6 +187,21 @@ def test_tensor_parallel_rank_holds_its_slices(gpt_oss):
         assert torch.equal(ours.mlp.experts.down_proj[e], hf.mlp.experts.down_proj[e][16:].t())
 
 
+def test_lora_adapters_on_attention_match_peft(gpt_oss, tmp_path):
+    """LoRA adapters on gpt-oss's attention projections (the biased q/k/v/o beside the sinks; its
+    experts are stacked tensors, which PEFT's LoRA does not target): a batch mixing two adapters
+    and the base model equals transformers + peft."""
+    from lora_adapters import make_adapter
+    from test_lora import check_mixed_batch
+
+    paths = {"a": make_adapter(gpt_oss, tmp_path / "a", targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=1),
+             "b": make_adapter(gpt_oss, tmp_path / "b", targets=("q_proj", "v_proj"), r=4, alpha=8, seed=2,
+                               rslora=True)}
+    outs, loads = check_mixed_batch(gpt_oss, paths)
+    assert loads == 2
+    assert outs[0].outputs[0].token_ids != hf_greedy(gpt_oss, prompts_of([5])[0], 10)  # adapter "a" changes it
+
+
 # --------------------------------------------------------------------------- two shards (Ray)
 
 @pytest.fixture(scope="module")
