@@ -14,7 +14,7 @@ from actors.models import model_class
 from actors.models.args import ModelArgs
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.llama import rope_tables
-from actors.worker import fp8_checkpoint, mxfp4_checkpoint
+from actors.worker import fp8_checkpoint, int4_checkpoint, mxfp4_checkpoint
 from actors.worker.progress import progress_bar
 from kernels.quantization import quantize_module
 
@@ -123,18 +123,25 @@ def checkpoint_tensors(path: Path, files: list[Path]):
     """(name, its lazily sliced tensor) for every tensor of the checkpoint, file by file; a
     float8 weight comes dequantised with its scale (actors/worker/fp8_checkpoint.py), an MXFP4
     one (`W_blocks`) as W, dequantised expert by expert as it is sliced
-    (actors/worker/mxfp4_checkpoint.py), and the scales themselves come as (name, None)."""
+    (actors/worker/mxfp4_checkpoint.py), a GPTQ / AWQ / compressed-tensors packed one (`X.qweight`,
+    `X.weight_packed`) as the float `X.weight` (actors/worker/int4_checkpoint.py), and the
+    scales, zero points and group indices themselves come as (name, None)."""
     where = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             where.update(dict.fromkeys(f.keys(), file))
     config = json.loads((path / "config.json").read_text())
     block, mxfp4 = fp8_checkpoint.block_size(config), mxfp4_checkpoint.is_mxfp4(config)
+    int4 = int4_checkpoint.read_format(config)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor_slice = f.get_slice(name)
-                if mxfp4 and name.endswith(mxfp4_checkpoint.SCALES):
+                if int4 and int4.is_part(name):
+                    weight = int4.weight_of(name)
+                    tensor_slice = None if weight is None else _int4_weight(int4, weight, where)
+                    name = weight or name
+                elif mxfp4 and name.endswith(mxfp4_checkpoint.SCALES):
                     tensor_slice = None
                 elif mxfp4 and name.endswith(mxfp4_checkpoint.BLOCKS):
                     name = name.removesuffix(mxfp4_checkpoint.BLOCKS)
@@ -152,6 +159,15 @@ def _tensor(name: str, where: dict) -> torch.Tensor:
         raise ValueError(f"the checkpoint lacks {name!r}")
     with safe_open(str(where[name]), framework="pt") as f:
         return f.get_tensor(name)
+
+
+def _int4_weight(fmt, weight: str, where: dict) -> torch.Tensor:
+    """The float32 weight of one packed module, read with its scales, zeros and g_idx."""
+    prefix = weight.removesuffix(".weight")
+    parts = {part: _tensor(prefix + part, where) for part in fmt.parts if prefix + part in where}
+    if len(parts) == 1:
+        raise ValueError(f"the packed weight {prefix + fmt.parts[0]!r} has no scales in the checkpoint")
+    return int4_checkpoint.dequantize(fmt, parts)
 
 
 def _scale_of(name: str, where: dict) -> torch.Tensor:

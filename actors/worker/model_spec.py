@@ -12,6 +12,7 @@ from actors.distributed.parallel import parse_layer_split
 from actors.models.args import ModelArgs
 from actors.pooling_params import PoolingParams
 from actors.worker.kernel_choice import attention_backend, device_type
+from actors.worker import int4_checkpoint
 from actors.worker.checkpoint_files import eos_token_ids, read_config, resolve_model_path
 from actors.worker.loader import resolve_dtype
 from actors.worker.pooling_config import DEFAULT as DEFAULT_POOLING
@@ -49,6 +50,7 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
         raise ValueError(f"--max-model-len {config.max_model_len} is over the model's "
                          f"max_position_embeddings {limit}")
     args = ModelArgs.from_hf(hf)
+    int4_checkpoint.read_format(hf)  # a GPTQ / AWQ config it can't read fails here, not mid-load
     cuda = device_type(config) == "cuda"
     dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
     dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")

@@ -1,0 +1,200 @@
+"""GPTQ, AWQ and compressed-tensors `pack-quantized` checkpoints (int4, or int8 where the format
+allows it), read as float: each packed weight is dequantised as it loads, like FP8 checkpoints
+(actors/worker/fp8_checkpoint.py), so the model holds its compute dtype and every family,
+tp / pp sharding and --quantization int8 on top work as with a float checkpoint.
+
+A linear layer's weight W [N, K] (N outputs, K inputs) is w = (q - z) * s, q an unsigned
+`bits`-bit code, z and s the zero point and scale of the input column's group (groups of
+`group_size` input columns; -1: one group, per output channel). Eight 4-bit codes (four 8-bit)
+are packed in an int32, the first in the lowest bits. The layouts, as their writers write them:
+
+- GPTQ (AutoGPTQ / GPTQModel / optimum, `quant_method: "gptq"`): `qweight` int32 [K / 8, N]
+  packed along the input dim; `qzeros` int32 [G, N / 8] packed along the output dim; `scales`
+  fp16 [G, N]; `g_idx` int32 [K], each input column's group (act-order, `desc_act`, makes it a
+  permutation's, not k // group_size). The v1 format (`checkpoint_format` "gptq", the default)
+  stores z - 1 (the code is masked to `bits` first, so a stored 0xF means 16), "gptq_v2" stores z.
+- AWQ GEMM (AutoAWQ, `quant_method: "awq"`, `version: "gemm"`): `qweight` int32 [K, N / 8] and
+  `qzeros` int32 [G, N / 8], both packed along the output dim in AWQ's order: the i-th nibble
+  holds column 8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]; `scales` fp16 [G, N]; no g_idx.
+- compressed-tensors `pack-quantized` (LLM Compressor's W4A16 / W8A16): `weight_packed` int32
+  [N, K / 8] packed along the input dim; codes offset by 2 ** (bits - 1) (q - 8 is the signed
+  value); `weight_scale` [N, G]; `weight_zero_point` (asymmetric only) int32 [N / 8, G] packed
+  along the output dim the same way (older writers: int8 [N, G] unpacked); `weight_shape`
+  [N, K]; `weight_g_idx` [K] with act-order.
+
+Modules left in float (lm_head, `modules_to_not_convert`, compressed-tensors' `ignore`) are
+found by their tensors: only a module with a packed weight is dequantised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ word holds column 8c + AWQ_ORDER[i]
+AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j sits in nibble AWQ_COLUMNS[j]
+
+# Each format's tensors of one module: the packed weight first, then what dequantises it.
+PARTS = {"gptq": (".qweight", ".qzeros", ".scales", ".g_idx"),
+         "awq": (".qweight", ".qzeros", ".scales"),
+         "compressed-tensors": (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape",
+                                ".weight_g_idx")}
+
+
+@dataclass(frozen=True)
+class Int4Format:
+    method: str  # gptq | awq | compressed-tensors
+    bits: int
+    group_size: int  # -1: one group over the whole input dim (per output channel)
+    sym: bool
+    zero_offset: int = 0  # GPTQ v1 stores z - 1
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return PARTS[self.method]
+
+    def weight_of(self, name: str) -> str | None:
+        """The float weight a packed tensor stands for (`X.qweight` -> `X.weight`), else None."""
+        packed = self.parts[0]
+        return name.removesuffix(packed) + ".weight" if name.endswith(packed) else None
+
+    def is_part(self, name: str) -> bool:
+        return name.endswith(self.parts)
+
+
+def read_format(config: dict) -> Int4Format | None:
+    """The checkpoint's packed-integer format from config.json's `quantization_config`, None
+    when it has none of these; ValueError (one line) for one it can't read."""
+    q = config.get("quantization_config") or {}
+    method = q.get("quant_method")
+    if method == "gptq":
+        return _gptq(q)
+    if method == "awq":
+        return _awq(q)
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
+    return None
+
+
+def _bits(method: str, bits, allowed: tuple[int, ...]) -> int:
+    if bits not in allowed:
+        raise ValueError(f"{method} checkpoint with bits {bits!r}: shoal reads "
+                         f"{' and '.join(map(str, allowed))}-bit {method} weights only")
+    return bits
+
+
+def _group(method: str, group) -> int:
+    if not isinstance(group, int) or not (group == -1 or group > 0):
+        raise ValueError(f"{method} checkpoint with group_size {group!r}: expected a positive size or -1")
+    return group
+
+
+def _gptq(q: dict) -> Int4Format:
+    bits = _bits("GPTQ", q.get("bits"), (4, 8))
+    checkpoint_format = q.get("checkpoint_format") or "gptq"
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r}: shoal reads gptq and gptq_v2")
+    return Int4Format("gptq", bits, _group("GPTQ", q.get("group_size", 128)), bool(q.get("sym", True)),
+                      zero_offset=1 if checkpoint_format == "gptq" else 0)
+
+
+def _awq(q: dict) -> Int4Format:
+    bits = _bits("AWQ", q.get("bits", q.get("w_bit")), (4,))
+    version = str(q.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"AWQ version {version!r}: shoal reads the GEMM layout only")
+    if not q.get("zero_point", True):
+        raise ValueError("AWQ checkpoint with zero_point false: shoal reads AWQ's zero-point GEMM layout only")
+    return Int4Format("awq", bits, _group("AWQ", q.get("group_size", q.get("q_group_size", 128))), sym=False)
+
+
+def _compressed_tensors(q: dict) -> Int4Format | None:
+    groups = list((q.get("config_groups") or {}).values())
+    formats = {g.get("format") or q.get("format") for g in groups} or {q.get("format")}
+    if formats != {"pack-quantized"}:
+        return None  # float-quantized is FP8 (fp8_checkpoint.py)
+    schemes = {tuple(sorted((g.get("weights") or {}).items(), key=str)) for g in groups}
+    if len(schemes) != 1:
+        raise ValueError("compressed-tensors pack-quantized checkpoint with several weight schemes: "
+                         "shoal reads one scheme for every quantized layer")
+    weights = groups[0].get("weights") or {}
+    bits = _bits("compressed-tensors pack-quantized", weights.get("num_bits"), (4, 8))
+    if weights.get("type", "int") != "int":
+        raise ValueError(f"compressed-tensors pack-quantized weights of type {weights.get('type')!r}: expected int")
+    strategy = weights.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors pack-quantized strategy {strategy!r}: shoal reads group and channel")
+    group = _group("compressed-tensors", weights.get("group_size")) if strategy == "group" else -1
+    return Int4Format("compressed-tensors", bits, group, bool(weights.get("symmetric", True)))
+
+
+def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The codes (int32, 0 .. 2 ** bits - 1) of int32 words packed along `dim` (0 or 1), the
+    first code of each word in its lowest bits."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    words = packed.to(torch.int32)
+    if dim == 0:
+        codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+        return codes.reshape(words.shape[0] * per, words.shape[1])
+    codes = (words[:, :, None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(words.shape[0], words.shape[1] * per)
+
+
+def _groups(k: int, group_size: int, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """Each input column's group: g_idx where the checkpoint has one (act-order), else k // size."""
+    if g_idx is not None:
+        return g_idx.long()
+    return torch.arange(k) // (k if group_size == -1 else group_size)
+
+
+def dequantize(fmt: Int4Format, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 weight [N, K] of one module from its tensors ({suffix: tensor}, the
+    packed weight's suffix required, the others where the checkpoint has them)."""
+    if fmt.method == "gptq":
+        return _dequantize_gptq(fmt, parts)
+    if fmt.method == "awq":
+        return _dequantize_awq(fmt, parts)
+    return _dequantize_compressed(fmt, parts)
+
+
+def _dequantize_gptq(fmt: Int4Format, parts: dict) -> torch.Tensor:
+    q = unpack(parts[".qweight"], fmt.bits, 0)  # [K, N]
+    k, n = q.shape
+    scales = parts[".scales"].float()
+    if ".qzeros" in parts:
+        zeros = unpack(parts[".qzeros"], fmt.bits, 1)[:, :n] + fmt.zero_offset  # [G, N]
+    else:  # a symmetric checkpoint written without zeros: the midpoint
+        zeros = torch.full_like(scales, 1 << (fmt.bits - 1), dtype=torch.int32)
+    g = _groups(k, fmt.group_size, parts.get(".g_idx"))
+    return ((q - zeros[g]).float() * scales[g]).t()
+
+
+def _dequantize_awq(fmt: Int4Format, parts: dict) -> torch.Tensor:
+    order = torch.tensor(AWQ_COLUMNS)
+
+    def natural(packed):  # [R, C / 8] in AWQ's order -> codes [R, C]
+        codes = unpack(packed, fmt.bits, 1)
+        return codes.view(codes.shape[0], -1, 8)[:, :, order].reshape(codes.shape[0], -1)
+
+    q, zeros = natural(parts[".qweight"]), natural(parts[".qzeros"])  # [K, N], [G, N]
+    g = _groups(q.shape[0], fmt.group_size, None)
+    return ((q - zeros[g]).float() * parts[".scales"].float()[g]).t()
+
+
+def _dequantize_compressed(fmt: Int4Format, parts: dict) -> torch.Tensor:
+    offset = 1 << (fmt.bits - 1)
+    packed = parts[".weight_packed"]
+    if ".weight_shape" in parts:
+        n, k = (int(d) for d in parts[".weight_shape"].tolist())
+    else:
+        n, k = packed.shape[0], packed.shape[1] * (32 // fmt.bits)
+    q = unpack(packed, fmt.bits, 1)[:, :k] - offset  # [N, K], signed
+    scale = parts[".weight_scale"].float().reshape(n, -1)  # [N, G]
+    zero = parts.get(".weight_zero_point")
+    if zero is None or fmt.sym:
+        zero = torch.zeros(scale.shape, dtype=torch.int32)
+    elif zero.dtype == torch.int32:  # packed along the output dim
+        zero = unpack(zero, fmt.bits, 0)[:n] - offset
+    g = _groups(k, fmt.group_size, parts.get(".weight_g_idx"))
+    return (q - zero.to(torch.int32).reshape(n, -1)[:, g]).float() * scale[:, g]
