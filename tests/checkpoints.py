@@ -477,3 +477,124 @@ def mxfp4_copy(src, dst) -> pathlib.Path:
             else:
                 tensors[name] = t
     return _write_copy(src, dst, tensors, config)
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words (held in int64) as the int32 the writers save."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def _pack(codes: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
+    """Codes (0 .. 2 ** bits - 1) packed 32 // bits to an int32 along `dim`, code i of a
+    word in bits [bits * i, bits * (i + 1)); `order[i]`: which of the word's columns goes in
+    slot i (AWQ's interleave), else the i-th."""
+    per = 32 // bits
+    codes = codes.long() if dim == 1 else codes.long().t()
+    rows, cols = codes.shape
+    chunks = codes.view(rows, cols // per, per)
+    if order is not None:
+        chunks = chunks[:, :, list(order)]
+    words = (chunks << (torch.arange(per) * bits)).sum(-1)
+    return _as_int32(words if dim == 1 else words.t()).contiguous()
+
+
+def quantize_int4(w: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx: torch.Tensor,
+                  scale_dtype=torch.float16):
+    """GPTQ's grid for W [N, K]: per (output row, group of input columns) a scale (rounded to
+    `scale_dtype`, as the writers store it) and a zero point; sym puts the zero at 2 ** (bits - 1).
+    Returns (codes [N, K], scales [N, G], zeros [N, G]) and g_idx [K] picks each column's group."""
+    maxq = 2 ** bits - 1
+    groups = int(g_idx.max()) + 1
+    n, k = w.shape
+    scales, zeros = torch.zeros(n, groups), torch.zeros(n, groups, dtype=torch.long)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        lo, hi = cols.min(1).values.clamp(max=0), cols.max(1).values.clamp(min=0)
+        if sym:
+            hi = torch.maximum(lo.abs(), hi)
+            scale, zero = 2 * hi / maxq, torch.full((n,), (maxq + 1) // 2)
+        else:
+            scale = (hi - lo) / maxq
+            zero = torch.round(-lo / scale.clamp(min=1e-8)).long()
+        scales[:, g] = scale.clamp(min=1e-8).to(scale_dtype).float()
+        zeros[:, g] = zero
+    codes = torch.clamp(torch.round(w / scales[:, g_idx]) + zeros[:, g_idx], 0, maxq).long()
+    return codes, scales, zeros
+
+
+def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, sym: bool = True,
+                act_order: bool = False, v2: bool = False, float_modules: tuple = ()) -> dict[str, pathlib.Path]:
+    """`src`'s attention and MLP projections packed as `method` writes them ("gptq": AutoGPTQ /
+    GPTQModel's qweight / qzeros / scales / g_idx, v1 zeros stored minus 1 unless `v2`; "awq":
+    AutoAWQ's GEMM layout; "compressed-tensors": LLM Compressor's pack-quantized), group_size -1
+    per output channel, act_order a random permutation of the columns before grouping (g_idx);
+    `float_modules` (and the LM head and embedding) stay float. Returns {"packed": the
+    checkpoint, "reference": the float checkpoint of the weights it stands for}. Written once
+    per `root`."""
+    import json
+
+    from safetensors.torch import load_file
+
+    src, root = pathlib.Path(src), pathlib.Path(root)
+    paths = {kind: root / kind for kind in ("packed", "reference")}
+    if (paths["reference"] / "config.json").exists():
+        return paths
+    config = json.loads((src / "config.json").read_text())
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    generator = torch.Generator().manual_seed(7)
+    packed, reference = {}, {}
+    awq_order = (0, 2, 4, 6, 1, 3, 5, 7)
+    for name, w in tensors.items():
+        module = name.removesuffix(".weight")
+        if not name.endswith("_proj.weight") or module in float_modules:
+            packed[name] = reference[name] = w
+            continue
+        n, k = w.shape
+        size = k if group_size == -1 else group_size
+        rank = torch.randperm(k, generator=generator) if act_order else torch.arange(k)
+        g_idx = rank // size  # column c is the rank[c]-th one quantized
+        scale_dtype = torch.bfloat16 if method == "compressed-tensors" else torch.float16
+        codes, scales, zeros = quantize_int4(w.float(), bits, group_size, sym, g_idx, scale_dtype)
+        mask = 2 ** bits - 1
+        if method == "gptq":
+            offset = 0 if v2 else 1
+            stored = (zeros - offset) & mask  # v1 stores z - 1 (a zero of 0 reads back as 16)
+            zeros = stored + offset
+            packed[module + ".qweight"] = _pack(codes.t(), bits, 0)  # [K / 8, N]
+            packed[module + ".qzeros"] = _pack(stored.t(), bits, 1)  # [G, N / 8]
+            packed[module + ".scales"] = scales.t().to(torch.float16).contiguous()
+            packed[module + ".g_idx"] = g_idx.to(torch.int32)
+        elif method == "awq":
+            packed[module + ".qweight"] = _pack(codes.t(), bits, 1, awq_order)  # [K, N / 8]
+            packed[module + ".qzeros"] = _pack(zeros.t(), bits, 1, awq_order)  # [G, N / 8]
+            packed[module + ".scales"] = scales.t().to(torch.float16).contiguous()
+        else:
+            packed[module + ".weight_packed"] = _pack(codes, bits, 1)  # [N, K / 8], codes = value + 8
+            packed[module + ".weight_scale"] = scales.to(torch.bfloat16).contiguous()
+            packed[module + ".weight_shape"] = torch.tensor([n, k])
+            if not sym:
+                packed[module + ".weight_zero_point"] = _pack(zeros, bits, 0)  # [N / 8, G]
+            if act_order:
+                packed[module + ".weight_g_idx"] = g_idx.to(torch.int32)
+        reference[name] = ((codes - zeros[:, g_idx]).float() * scales[:, g_idx]).to(w.dtype)
+    if method == "gptq":
+        quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
+                 "sym": sym, "true_sequential": True, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    elif method == "awq":
+        quant = {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
+                 "version": "gemm", "modules_to_not_convert": list(float_modules) or None}
+    else:
+        weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
+                   "strategy": "channel" if group_size == -1 else "group",
+                   "group_size": None if group_size == -1 else group_size,
+                   "actorder": "group" if act_order else None}
+        quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                               "input_activations": None, "format": "pack-quantized"}},
+                 "ignore": ["lm_head", *float_modules]}
+    for kind, out in (("packed", packed), ("reference", reference)):
+        paths[kind].mkdir(parents=True, exist_ok=True)
+        _write_copy(src, paths[kind], out, {**config, **({"quantization_config": quant} if kind == "packed" else {})})
+    return paths

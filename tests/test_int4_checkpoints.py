@@ -1,0 +1,166 @@
+"""GPTQ, AWQ and compressed-tensors pack-quantized checkpoints (actors/worker/int4_checkpoint.py).
+
+The packer (tests/checkpoints.py int4_copies) writes each layout as its writer does; the bit
+orders are pinned here against words worked out by hand from the writers' packing loops
+(AutoGPTQ's `qweight[row] |= intweight[j] << (bits * (j - i))`, AutoAWQ's order_map
+[0, 2, 4, 6, 1, 3, 5, 7], compressed-tensors' `pack_to_int32`: value + 2 ** (bits - 1), first
+element lowest). The engine then gives transformers' greedy tokens (float32) on a copy of the
+checkpoint holding the weights the packed ones stand for: sym and asym, groups of 32 and 64 and
+per channel, act-order g_idx, GPTQ's v1 and v2 zeros, 4 and 8 bits, Llama / Qwen2 (biases) /
+Qwen3, modules left float, --quantization int8 on top; a tp=2 rank holds its slices of those
+weights; a config it can't read is refused at start in one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoints import int4_copies, int8_reference_copy
+from oracle import hf_greedy
+from safetensors.torch import load_file
+from test_engine import GREEDY, assert_pool_free, prompts_of
+
+from actors.engine.llm import LLM
+from actors.worker import int4_checkpoint
+from actors.worker.int4_checkpoint import Int4Format, dequantize, read_format, unpack
+
+
+def test_bit_orders_are_the_writers():
+    """Codes 0..7 of eight adjacent columns (or rows) in one word, as each writer packs them."""
+    seq = torch.tensor([[0x76543210]], dtype=torch.int32)  # GPTQ, compressed-tensors: element i in nibble i
+    assert unpack(seq, 4, 0)[:, 0].tolist() == list(range(8))
+    assert unpack(seq, 4, 1)[0].tolist() == list(range(8))
+    # AWQ: nibble i holds column (0, 2, 4, 6, 1, 3, 5, 7)[i], so columns 0..7 = codes 0..7 read 0x75316420
+    awq = Int4Format("awq", 4, -1, sym=False)
+    parts = {".qweight": torch.tensor([[0x75316420]], dtype=torch.int32),
+             ".qzeros": torch.zeros(1, 1, dtype=torch.int32), ".scales": torch.ones(1, 8, dtype=torch.float16)}
+    assert dequantize(awq, parts)[:, 0].tolist() == list(range(8))
+    # a negative int32 (top nibble >= 8) is the same bits: 0xF7654321
+    top = torch.tensor([[0xF7654321 - 2 ** 32]], dtype=torch.int32)
+    assert unpack(top, 4, 1)[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 15]
+    assert unpack(torch.tensor([[0x80FF017F - 2 ** 32]], dtype=torch.int32), 8, 1)[0].tolist() == [127, 1, 255, 128]
+    # GPTQ v1 stores z - 1: a stored 0xF is a zero point of 16
+    gptq = Int4Format("gptq", 4, -1, sym=False, zero_offset=1)
+    parts = {".qweight": torch.zeros(1, 8, dtype=torch.int32), ".scales": torch.ones(1, 8, dtype=torch.float16),
+             ".qzeros": torch.tensor([[0x0000000F]], dtype=torch.int32)}
+    assert dequantize(gptq, parts)[:, 0].tolist() == [-16, -1, -1, -1, -1, -1, -1, -1]
+    # compressed-tensors: codes are value + 8, a packed zero point too
+    ct = Int4Format("compressed-tensors", 4, -1, sym=False)
+    parts = {".weight_packed": torch.tensor([[0x76543210]], dtype=torch.int32),
+             ".weight_scale": torch.ones(1, 1), ".weight_shape": torch.tensor([1, 8]),
+             ".weight_zero_point": torch.tensor([[0x9]], dtype=torch.int32)}  # row 0's zero: 9 - 8 = 1
+    assert dequantize(ct, parts)[0].tolist() == [v - 8 - 1 for v in range(8)]
+
+
+CASES = {
+    "gptq-sym-g32": ("llama", "gptq", dict(sym=True)),
+    "gptq-asym-actorder": ("qwen2", "gptq", dict(sym=False, act_order=True)),
+    "gptq-8bit-channel-v2": ("qwen3", "gptq", dict(bits=8, group_size=-1, sym=False, v2=True)),
+    "awq-g32-float-module": ("llama", "awq", dict(sym=False, float_modules=("model.layers.0.mlp.down_proj",))),
+    "awq-g64": ("qwen3", "awq", dict(sym=False, group_size=64)),
+    "ct-sym-g32": ("llama", "compressed-tensors", dict(sym=True)),
+    "ct-asym-actorder": ("qwen2", "compressed-tensors", dict(sym=False, act_order=True)),
+    "ct-asym-channel": ("qwen3", "compressed-tensors", dict(sym=False, group_size=-1)),
+}
+
+
+@pytest.fixture(scope="module")
+def copies(checkpoint_factory, tmp_path_factory):
+    root = tmp_path_factory.mktemp("int4")
+    return lambda case: int4_copies(checkpoint_factory(CASES[case][0]), root / case, CASES[case][1],
+                                    **CASES[case][2])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dequantised_weights_are_those_the_checkpoint_stands_for(case, copies):
+    """Every projection the loader reads equals the reference's weight exactly, and the packed
+    checkpoint holds no float copy of it."""
+    from actors.worker.loader import checkpoint_tensors, weight_files
+
+    paths = copies(case)
+    reference = load_file(paths["reference"] / "model.safetensors")
+    seen = {}
+    for name, tensor in checkpoint_tensors(paths["packed"], weight_files(paths["packed"])):
+        if tensor is not None:
+            seen[name] = tensor[:]
+    assert set(seen) == set(reference)
+    for name, w in reference.items():
+        assert torch.equal(seen[name].to(w.dtype), w), name
+    names = set(load_file(paths["packed"] / "model.safetensors"))
+    float_modules = CASES[case][2].get("float_modules", ())
+    assert not {n for n in names if n.endswith("_proj.weight") and n.removesuffix(".weight") not in float_modules}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_equals_transformers_on_the_dequantised_weights(case, copies):
+    paths = copies(case)
+    llm = LLM(str(paths["packed"]), dtype="float32", num_kv_blocks=64)
+    try:
+        prompts = prompts_of([5, 17])
+        for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert out.outputs[0].token_ids == hf_greedy(paths["reference"], ids, GREEDY.max_tokens)
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_int8_on_top_equals_the_int8_reference(copies, tmp_path):
+    """--quantization int8 quantizes the dequantised weights again."""
+    paths = copies("gptq-asym-actorder")
+    oracle = int8_reference_copy(paths["reference"], tmp_path / "int8")
+    llm = LLM(str(paths["packed"]), dtype="float32", num_kv_blocks=64, quantization="int8")
+    try:
+        attention = llm.engine.executor.runner.model.model.layers[0].self_attn
+        assert any(p.dtype == torch.int8 for p in attention.parameters())
+        prompts = prompts_of([9])
+        for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert out.outputs[0].token_ids == hf_greedy(oracle, ids, GREEDY.max_tokens)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("case", ["gptq-asym-actorder", "awq-g64", "ct-asym-channel"])
+def test_tensor_parallel_ranks_hold_their_slices(case, copies):
+    """tp=2, built in process: each rank's parameters from the packed checkpoint equal those
+    it builds from the reference (column- and row-parallel slices of the dequantised weights)."""
+    from actors.distributed.parallel import Parallel
+    from actors.worker.loader import build_model
+
+    paths = copies(case)
+    cfg = json.loads((paths["reference"] / "config.json").read_text())
+    for rank in (0, 1):
+        models = [build_model(paths[kind], cfg, torch.float32, torch.device("cpu"), 64, Parallel(tp_size=2, rank=rank))
+                  for kind in ("packed", "reference")]
+        got, want = (dict(m.named_parameters()) for m in models)
+        assert set(got) == set(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (rank, name)
+
+
+@pytest.mark.parametrize("quant, message", [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ checkpoint with bits 3: shoal reads 4 and 8-bit"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "GPTQ checkpoint with group_size 0"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "GPTQ checkpoint_format 'marlin'"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv': shoal reads the GEMM layout only"),
+    ({"quant_method": "awq", "bits": 8}, "AWQ checkpoint with bits 8"),
+])
+def test_a_config_it_cannot_read_is_refused(quant, message):
+    with pytest.raises(ValueError, match=message):
+        read_format({"quantization_config": quant})
+    assert read_format({"quantization_config": {"quant_method": "fp8"}}) is None
+    assert read_format({}) is None
+
+
+def test_malformed_checkpoint_is_refused_at_start(copies, tmp_path):
+    """bits 3 in a GPTQ config: one line, before any weight is read."""
+    import shutil
+
+    path = tmp_path / "bits3"
+    shutil.copytree(copies("gptq-sym-g32")["packed"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["bits"] = 3
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPTQ checkpoint with bits 3") as raised:
+        LLM(str(path), dtype="float32", num_kv_blocks=64)
+    assert "\n" not in str(raised.value)
+    assert int4_checkpoint.read_format(json.loads((copies("gptq-sym-g32")["packed"] / "config.json").read_text()))
