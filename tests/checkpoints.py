@@ -522,6 +522,41 @@ def quantize_int4(w: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx:
     return codes, scales, zeros
 
 
+def pack_int4(method: str, w: torch.Tensor, *, bits: int = 4, group_size: int = 32, sym: bool = True,
+              act_order: bool = False, v2: bool = False, generator=None) -> tuple[dict, torch.Tensor]:
+    """One weight W [N, K] as `method` writes it (see int4_copies): ({suffix: tensor} of the
+    module, the weight those stand for, in W's dtype)."""
+    n, k = w.shape
+    size = k if group_size == -1 else group_size
+    rank = torch.randperm(k, generator=generator) if act_order else torch.arange(k)
+    g_idx = rank // size  # column c is the rank[c]-th one quantized
+    scale_dtype = torch.bfloat16 if method == "compressed-tensors" else torch.float16
+    codes, scales, zeros = quantize_int4(w.float(), bits, group_size, sym, g_idx, scale_dtype)
+    mask, parts = 2 ** bits - 1, {}
+    if method == "gptq":
+        offset = 0 if v2 else 1
+        stored = (zeros - offset) & mask  # v1 stores z - 1 (a zero of 0 reads back as 16)
+        zeros = stored + offset
+        parts[".qweight"] = _pack(codes.t(), bits, 0)  # [K / 8, N]
+        parts[".qzeros"] = _pack(stored.t(), bits, 1)  # [G, N / 8]
+        parts[".scales"] = scales.t().to(torch.float16).contiguous()
+        parts[".g_idx"] = g_idx.to(torch.int32)
+    elif method == "awq":
+        awq_order = (0, 2, 4, 6, 1, 3, 5, 7)
+        parts[".qweight"] = _pack(codes.t(), bits, 1, awq_order)  # [K, N / 8]
+        parts[".qzeros"] = _pack(zeros.t(), bits, 1, awq_order)  # [G, N / 8]
+        parts[".scales"] = scales.t().to(torch.float16).contiguous()
+    else:
+        parts[".weight_packed"] = _pack(codes, bits, 1)  # [N, K / 8], codes = value + 8
+        parts[".weight_scale"] = scales.to(torch.bfloat16).contiguous()
+        parts[".weight_shape"] = torch.tensor([n, k])
+        if not sym:
+            parts[".weight_zero_point"] = _pack(zeros, bits, 0)  # [N / 8, G]
+        if act_order:
+            parts[".weight_g_idx"] = g_idx.to(torch.int32)
+    return parts, ((codes - zeros[:, g_idx]).float() * scales[:, g_idx]).to(w.dtype)
+
+
 def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, sym: bool = True,
                 act_order: bool = False, v2: bool = False, float_modules: tuple = ()) -> dict[str, pathlib.Path]:
     """`src`'s attention and MLP projections packed as `method` writes them ("gptq": AutoGPTQ /
@@ -545,40 +580,14 @@ def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, 
         tensors.update(load_file(f))
     generator = torch.Generator().manual_seed(7)
     packed, reference = {}, {}
-    awq_order = (0, 2, 4, 6, 1, 3, 5, 7)
     for name, w in tensors.items():
         module = name.removesuffix(".weight")
         if not name.endswith("_proj.weight") or module in float_modules:
             packed[name] = reference[name] = w
             continue
-        n, k = w.shape
-        size = k if group_size == -1 else group_size
-        rank = torch.randperm(k, generator=generator) if act_order else torch.arange(k)
-        g_idx = rank // size  # column c is the rank[c]-th one quantized
-        scale_dtype = torch.bfloat16 if method == "compressed-tensors" else torch.float16
-        codes, scales, zeros = quantize_int4(w.float(), bits, group_size, sym, g_idx, scale_dtype)
-        mask = 2 ** bits - 1
-        if method == "gptq":
-            offset = 0 if v2 else 1
-            stored = (zeros - offset) & mask  # v1 stores z - 1 (a zero of 0 reads back as 16)
-            zeros = stored + offset
-            packed[module + ".qweight"] = _pack(codes.t(), bits, 0)  # [K / 8, N]
-            packed[module + ".qzeros"] = _pack(stored.t(), bits, 1)  # [G, N / 8]
-            packed[module + ".scales"] = scales.t().to(torch.float16).contiguous()
-            packed[module + ".g_idx"] = g_idx.to(torch.int32)
-        elif method == "awq":
-            packed[module + ".qweight"] = _pack(codes.t(), bits, 1, awq_order)  # [K, N / 8]
-            packed[module + ".qzeros"] = _pack(zeros.t(), bits, 1, awq_order)  # [G, N / 8]
-            packed[module + ".scales"] = scales.t().to(torch.float16).contiguous()
-        else:
-            packed[module + ".weight_packed"] = _pack(codes, bits, 1)  # [N, K / 8], codes = value + 8
-            packed[module + ".weight_scale"] = scales.to(torch.bfloat16).contiguous()
-            packed[module + ".weight_shape"] = torch.tensor([n, k])
-            if not sym:
-                packed[module + ".weight_zero_point"] = _pack(zeros, bits, 0)  # [N / 8, G]
-            if act_order:
-                packed[module + ".weight_g_idx"] = g_idx.to(torch.int32)
-        reference[name] = ((codes - zeros[:, g_idx]).float() * scales[:, g_idx]).to(w.dtype)
+        parts, reference[name] = pack_int4(method, w, bits=bits, group_size=group_size, sym=sym,
+                                           act_order=act_order, v2=v2, generator=generator)
+        packed.update({module + suffix: t for suffix, t in parts.items()})
     if method == "gptq":
         quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
                  "sym": sym, "true_sequential": True, "checkpoint_format": "gptq_v2" if v2 else "gptq"}

@@ -198,3 +198,55 @@ def _dequantize_compressed(fmt: Int4Format, parts: dict) -> torch.Tensor:
         zero = unpack(zero, fmt.bits, 0)[:n] - offset
     g = _groups(k, fmt.group_size, parts.get(".weight_g_idx"))
     return (q - zero.to(torch.int32).reshape(n, -1)[:, g]).float() * scale[:, g]
+
+
+def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """`unpack`'s inverse: codes [R, C] packed 32 // bits to an int32 along `dim`."""
+    per = 32 // bits
+    codes = codes.to(torch.int64) if dim == 1 else codes.to(torch.int64).t()
+    words = (codes.reshape(codes.shape[0], -1, per) << torch.arange(0, 32, bits)).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return (words if dim == 1 else words.t()).contiguous()
+
+
+def to_kernel_layout(fmt: Int4Format, parts: dict[str, torch.Tensor]) -> dict:
+    """One module's tensors in kernels/int4_linear.py's layout (GPTQ's): qweight [K / per, N],
+    qzeros [G, N / per], scales [G, N], g_idx [K], bits and zero_offset, the same weight."""
+    if fmt.method == "gptq":
+        k, n = parts[".qweight"].shape[0] * (32 // fmt.bits), parts[".qweight"].shape[1]
+        scales = parts[".scales"]
+        if ".qzeros" in parts:
+            qzeros, offset = parts[".qzeros"], fmt.zero_offset
+        else:
+            qzeros, offset = pack(torch.full(scales.shape, 1 << (fmt.bits - 1)), fmt.bits, 1), 0
+        g_idx = _groups(k, fmt.group_size, parts.get(".g_idx"))
+        return dict(qweight=parts[".qweight"], qzeros=qzeros, scales=scales, g_idx=g_idx.to(torch.int32),
+                    bits=fmt.bits, zero_offset=offset)
+    if fmt.method == "awq":
+        order = torch.tensor(AWQ_COLUMNS)
+
+        def natural(packed):
+            codes = unpack(packed, fmt.bits, 1)
+            return codes.view(codes.shape[0], -1, 8)[:, :, order].reshape(codes.shape[0], -1)
+
+        q = natural(parts[".qweight"])  # [K, N]
+        return dict(qweight=pack(q, fmt.bits, 0), qzeros=pack(natural(parts[".qzeros"]), fmt.bits, 1),
+                    scales=parts[".scales"], g_idx=_groups(q.shape[0], fmt.group_size, None).to(torch.int32),
+                    bits=fmt.bits, zero_offset=0)
+    offset = 1 << (fmt.bits - 1)
+    packed = parts[".weight_packed"]
+    n, k = (int(d) for d in parts[".weight_shape"].tolist()) if ".weight_shape" in parts else \
+        (packed.shape[0], packed.shape[1] * (32 // fmt.bits))
+    if (32 // fmt.bits) * packed.shape[1] != k:
+        raise ValueError(f"compressed-tensors weight of {k} input columns is not a whole number of words")
+    scale = parts[".weight_scale"].reshape(n, -1)
+    zero = parts.get(".weight_zero_point")
+    if zero is None or fmt.sym:
+        zero = torch.full(scale.shape, offset, dtype=torch.int32)  # code 8 is the value 0
+    elif zero.dtype == torch.int32:
+        zero = unpack(zero, fmt.bits, 0)[:n]
+    else:
+        zero = zero.to(torch.int32).reshape(n, -1) + offset
+    return dict(qweight=packed.t().contiguous(), qzeros=pack(zero.t(), fmt.bits, 1), scales=scale.t().contiguous(),
+                g_idx=_groups(k, fmt.group_size, parts.get(".weight_g_idx")).to(torch.int32),
+                bits=fmt.bits, zero_offset=0)
