@@ -164,3 +164,24 @@ def test_malformed_checkpoint_is_refused_at_start(copies, tmp_path):
         LLM(str(path), dtype="float32", num_kv_blocks=64)
     assert "\n" not in str(raised.value)
     assert int4_checkpoint.read_format(json.loads((copies("gptq-sym-g32")["packed"] / "config.json").read_text()))
+
+
+def test_lora_adapters_on_a_gptq_checkpoint_equal_peft_on_the_dequantised_weights(adapters, tmp_path):
+    """Adapters are checked against the float shapes the packed weights stand for, and their
+    deltas join the dequantised weights' products (base rows and adapter rows in one batch)."""
+    from actors.sampling_params import SamplingParams
+    from actors.worker.loader import checkpoint_shapes
+
+    base, paths = adapters("llama")
+    copies = int4_copies(base, tmp_path / "gptq", "gptq", sym=False, act_order=True)
+    assert checkpoint_shapes(copies["packed"]) == checkpoint_shapes(copies["reference"])
+    llm = LLM(str(copies["packed"]), dtype="float32", num_kv_blocks=64, max_loras=2,
+              lora_modules=[f"{name}={path}" for name, path in paths.items()])
+    try:
+        prompts = prompts_of([5, 9, 12])
+        loras = [None, "a", "b"]
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        for ids, lora, out in zip(prompts, loras, llm.generate(prompts, params, lora=loras)):
+            assert out.outputs[0].token_ids == hf_greedy(copies["reference"], ids, 10, adapter=paths.get(lora)), lora
+    finally:
+        llm.shutdown()

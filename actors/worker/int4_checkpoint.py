@@ -61,6 +61,16 @@ class Int4Format:
     def is_part(self, name: str) -> bool:
         return name.endswith(self.parts)
 
+    def weight_shape(self, packed_shape: tuple) -> tuple[int, int]:
+        """The float weight's [N, K] from its packed weight's shape (what LoRA adapters are
+        checked against)."""
+        per = 32 // self.bits
+        if self.method == "gptq":
+            return packed_shape[1], packed_shape[0] * per
+        if self.method == "awq":
+            return packed_shape[1] * per, packed_shape[0]
+        return packed_shape[0], packed_shape[1] * per
+
 
 def read_format(config: dict) -> Int4Format | None:
     """The checkpoint's packed-integer format from config.json's `quantization_config`, None

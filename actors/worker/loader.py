@@ -91,11 +91,19 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple]:
-    """Every weight's shape (from the files' headers): what adapters are checked against."""
+    """Every weight's shape (from the files' headers): what adapters are checked against. A
+    packed int4 weight counts as the float weight it stands for."""
     shapes = {}
+    int4 = int4_checkpoint.read_format(json.loads((path / "config.json").read_text()))
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+            for name in f.keys():
+                shape = tuple(f.get_slice(name).get_shape())
+                if int4 and int4.is_part(name):  # a packed weight: the float one it stands for
+                    if not int4.weight_of(name):
+                        continue
+                    name, shape = int4.weight_of(name), int4.weight_shape(shape)
+                shapes[name] = shape
     return shapes
 
 
