@@ -7,7 +7,7 @@ orders are pinned here against words worked out by hand from the writers' packin
 element lowest). The engine then gives transformers' greedy tokens (float32) on a copy of the
 checkpoint holding the weights the packed ones stand for: sym and asym, groups of 32 and 64 and
 per channel, act-order g_idx, GPTQ's v1 and v2 zeros, 4 and 8 bits, Llama / Qwen2 (biases) /
-Qwen3, modules left float, --quantization int8 on top; a tp=2 rank holds its slices of those
+Qwen3 / Qwen3-MoE (each expert packed), modules left float, LoRA adapters, --quantization int8 on top; a tp=2 rank holds its slices of those
 weights; a config it can't read is refused at start in one line."""
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ CASES = {
     "ct-sym-g32": ("llama", "compressed-tensors", dict(sym=True)),
     "ct-asym-actorder": ("qwen2", "compressed-tensors", dict(sym=False, act_order=True)),
     "ct-asym-channel": ("qwen3", "compressed-tensors", dict(sym=False, group_size=-1)),
+    "gptq-moe-experts": ("qwen3_moe", "gptq", dict(sym=True, act_order=True)),  # each expert packed
 }
 
 

@@ -122,7 +122,10 @@ def quantization() -> dict:
                              "else shoal's Triton weight-only kernel"),
             "fp8 checkpoints": "loaded as float (dequantised as they load); no FP8 matmuls yet",
             "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
-            "awq, gptq, fp8 KV cache": "not supported yet"}
+            "gptq / awq / compressed-tensors int4 checkpoints":
+                "loaded as float (dequantised as they load); the Triton w4a16 kernel "
+                "(kernels/int4_linear.py) is not called by the model yet",
+            "fp8 KV cache": "not supported yet"}
 
 
 def nvidia_smi() -> str | None:
