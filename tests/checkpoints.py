@@ -528,6 +528,8 @@ def pack_int4(method: str, w: torch.Tensor, *, bits: int = 4, group_size: int = 
     module, the weight those stand for, in W's dtype)."""
     n, k = w.shape
     size = k if group_size == -1 else group_size
+    if act_order == "shared":  # one permutation per input width, as GPTQ's (from the input's Hessian)
+        generator = torch.Generator().manual_seed(k)
     rank = torch.randperm(k, generator=generator) if act_order else torch.arange(k)
     g_idx = rank // size  # column c is the rank[c]-th one quantized
     scale_dtype = torch.bfloat16 if method == "compressed-tensors" else torch.float16
@@ -562,7 +564,8 @@ def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, 
     """`src`'s attention and MLP projections packed as `method` writes them ("gptq": AutoGPTQ /
     GPTQModel's qweight / qzeros / scales / g_idx, v1 zeros stored minus 1 unless `v2`; "awq":
     AutoAWQ's GEMM layout; "compressed-tensors": LLM Compressor's pack-quantized), group_size -1
-    per output channel, act_order a random permutation of the columns before grouping (g_idx);
+    per output channel, act_order a random permutation of the columns before grouping (g_idx;
+    "shared": one per input width, so q/k/v and gate/up share theirs as GPTQ's do);
     `float_modules` (and the LM head and embedding) stay float. Returns {"packed": the
     checkpoint, "reference": the float checkpoint of the weights it stands for}. Written once
     per `root`."""

@@ -21,8 +21,12 @@ from safetensors.torch import load_file
 from test_engine import GREEDY, assert_pool_free, prompts_of
 
 from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams
 from actors.worker import int4_checkpoint
 from actors.worker.int4_checkpoint import Int4Format, dequantize, read_format, unpack
+
+
+SHORT = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # Triton's interpreter is slow
 
 
 def test_bit_orders_are_the_writers():
@@ -62,6 +66,7 @@ CASES = {
     "ct-asym-actorder": ("qwen2", "compressed-tensors", dict(sym=False, act_order=True)),
     "ct-asym-channel": ("qwen3", "compressed-tensors", dict(sym=False, group_size=-1)),
     "gptq-moe-experts": ("qwen3_moe", "gptq", dict(sym=True, act_order=True)),  # each expert packed
+    "gptq-actorder-shared": ("llama", "gptq", dict(sym=False, act_order="shared")),  # q/k/v share a g_idx
 }
 
 
@@ -170,7 +175,6 @@ def test_malformed_checkpoint_is_refused_at_start(copies, tmp_path):
 def test_lora_adapters_on_a_gptq_checkpoint_equal_peft_on_the_dequantised_weights(adapters, tmp_path):
     """Adapters are checked against the float shapes the packed weights stand for, and their
     deltas join the dequantised weights' products (base rows and adapter rows in one batch)."""
-    from actors.sampling_params import SamplingParams
     from actors.worker.loader import checkpoint_shapes
 
     base, paths = adapters("llama")
@@ -186,3 +190,62 @@ def test_lora_adapters_on_a_gptq_checkpoint_equal_peft_on_the_dequantised_weight
             assert out.outputs[0].token_ids == hf_greedy(copies["reference"], ids, 10, adapter=paths.get(lora)), lora
     finally:
         llm.shutdown()
+
+
+# ------------------------------------------------------------- weights kept packed (SHOAL_INT4_KERNEL)
+
+def interpreter_or_skip():
+    from kernels import triton_programs
+    if not triton_programs.available() or not triton_programs.interpreted():
+        pytest.skip("needs Triton's interpreter (CUDA is here)")
+
+
+@pytest.mark.parametrize("case", ["gptq-sym-g32", "awq-g64", "ct-asym-channel", "gptq-asym-actorder",
+                                  "gptq-actorder-shared"])
+def test_kept_packed_the_triton_kernel_gives_transformers_tokens(case, copies, monkeypatch):
+    """SHOAL_INT4_KERNEL=1 (Triton's interpreter on CPU): the linear layers keep the packed
+    weights, fused q/k/v and gate/up put side by side, and multiply through
+    kernels/int4_linear.py; greedy tokens equal transformers' on the dequantised weights. Where
+    act-order gives q, k and v different g_idx (a random one per module here; GPTQ's own are
+    one permutation per input) the fused layer is dequantised instead."""
+    interpreter_or_skip()
+    monkeypatch.setenv("SHOAL_INT4_KERNEL", "1")
+    paths = copies(case)
+    llm = LLM(str(paths["packed"]), dtype="float32", num_kv_blocks=64)
+    try:
+        layer = llm.engine.executor.runner.model.model.layers[0]
+        attention, mlp = layer.self_attn, layer.mlp
+        assert attention.o_proj.int4 is not None and attention.o_proj.weight.numel() == 0
+        fused_packed = case != "gptq-asym-actorder"  # its q/k/v and gate/up g_idx differ
+        assert (attention.qkv_proj.int4 is not None) == fused_packed
+        assert (mlp.gate_up_proj.int4 is not None) == fused_packed
+        prompts = prompts_of([5, 17])
+        for ids, out in zip(prompts, llm.generate(prompts, SHORT)):
+            assert out.outputs[0].token_ids == hf_greedy(paths["reference"], ids, SHORT.max_tokens)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("case", ["gptq-actorder-shared", "awq-g64", "ct-asym-channel"])
+def test_kept_packed_tensor_parallel_ranks_hold_their_slices(case, copies, monkeypatch):
+    """tp=2, built in process with SHOAL_INT4_KERNEL=1: each rank's packed layers (column
+    slices of fused q/k/v and gate/up, row-parallel input slices with their g_idx) stand for
+    exactly the float slices it builds from the reference."""
+    from actors.distributed.parallel import Parallel
+    from actors.worker.loader import build_model
+    from kernels.int4_linear import dequantize as dequantize_layout
+
+    interpreter_or_skip()
+    monkeypatch.setenv("SHOAL_INT4_KERNEL", "1")
+    paths = copies(case)
+    cfg = json.loads((paths["reference"] / "config.json").read_text())
+    for rank in (0, 1):
+        packed, reference = (build_model(paths[kind], cfg, torch.float32, torch.device("cpu"), 64,
+                                         Parallel(tp_size=2, rank=rank)) for kind in ("packed", "reference"))
+        want = dict(reference.named_modules())
+        kept = 0
+        for name, module in packed.named_modules():
+            if getattr(module, "int4", None) is not None:
+                assert torch.equal(dequantize_layout(**module.int4), want[name].weight), (rank, name)
+                kept += 1
+        assert kept == 4 * cfg["num_hidden_layers"], kept  # qkv, o, gate_up, down

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.distributed.parallel import Parallel
+from kernels.int4_linear import int4_linear
 from kernels.linear import linear
 from kernels.quantization import quantized_rows
 
@@ -24,9 +25,10 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.lora = None  # LoraWeights when adapters are enabled
         self.register_buffer("weight_scale", None)  # 8-bit weights' scales (kernels/quantization.py)
+        self.int4 = None  # a packed checkpoint's weight kept packed (actors/worker/loader.py _keep_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.weight_scale)
+        y = product(self, x, self.bias)
         return y if self.lora is None else self.lora.add_delta(x, y)
 
 
@@ -36,16 +38,24 @@ class RowParallelLinear(nn.Linear):
         self.p = p
         self.lora = None  # LoraWeights when adapters are enabled
         self.register_buffer("weight_scale", None)  # 8-bit weights' scales (kernels/quantization.py)
+        self.int4 = None  # a packed checkpoint's weight kept packed (actors/worker/loader.py _keep_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.p.tp_size == 1:
-            y = linear(x, self.weight, self.bias, self.weight_scale)
+            y = product(self, x, self.bias)
             return y if self.lora is None else self.lora.add_delta(x, y)
-        y = linear(x, self.weight, scale=self.weight_scale)
+        y = product(self, x, None)
         if self.lora is not None:  # this rank's share of the delta, summed with the product
             y = self.lora.add_delta(x, y)
         y = self.p.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def product(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x times a linear layer's weight (+ bias): float, 8-bit (weight_scale) or packed int4."""
+    if layer.int4 is not None:
+        return int4_linear(x, **layer.int4, bias=bias)
+    return linear(x, layer.weight, bias, layer.weight_scale)
 
 
 def vocab_shard(vocab: int, p: Parallel) -> tuple[int, int]:

@@ -260,3 +260,69 @@ def to_kernel_layout(fmt: Int4Format, parts: dict[str, torch.Tensor]) -> dict:
     return dict(qweight=packed.t().contiguous(), qzeros=pack(zero.t(), fmt.bits, 1), scales=scale.t().contiguous(),
                 g_idx=_groups(k, fmt.group_size, parts.get(".weight_g_idx")).to(torch.int32),
                 bits=fmt.bits, zero_offset=0)
+
+
+class PackedWeight:
+    """A packed module's weight [N, K] in kernels/int4_linear.py's layout, sliced the way the
+    loader's rules slice a float weight: `t[a:b]` (output rows) and `t[:, a:b]` (input columns)
+    give the packed parts of that slice where it falls on whole int32 words, else the float
+    slice (`dequantized`)."""
+
+    def __init__(self, layout: dict):
+        self.layout = layout
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.layout["qweight"].shape[1], self.layout["g_idx"].numel()
+
+    def dequantized(self) -> torch.Tensor:
+        from kernels.int4_linear import dequantize as dequantize_layout
+        return dequantize_layout(**self.layout)
+
+    def __getitem__(self, key):
+        rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        n, k = self.shape
+        r0, r1, _ = rows.indices(n)
+        c0, c1, _ = cols.indices(k)
+        per = 32 // self.layout["bits"]
+        if any(i % per for i in (r0, r1, c0, c1)):  # not on word boundaries: float
+            return self.dequantized()[r0:r1, c0:c1]
+        t = self.layout
+        return PackedWeight({**t, "qweight": t["qweight"][c0 // per:c1 // per, r0:r1],
+                             "qzeros": t["qzeros"][:, r0 // per:r1 // per], "scales": t["scales"][:, r0:r1],
+                             "g_idx": t["g_idx"][c0:c1]})
+
+
+def join(pieces: list[tuple[int, PackedWeight]], rows: int, columns: int) -> dict | None:
+    """One layout from the pieces (row offset, packed slice) the loader put into a fused
+    parameter of [rows, columns], side by side along the output dim; None when they can't be
+    one (gaps, another width, different bits or g_idx: act-order's differ between modules that
+    do not share an input)."""
+    pieces = sorted(pieces, key=lambda p: p[0])
+    first = pieces[0][1].layout
+    at = 0
+    for offset, piece in pieces:
+        t = piece.layout
+        if offset != at or piece.shape[1] != columns or t["bits"] != first["bits"] or \
+                t["zero_offset"] != first["zero_offset"] or t["scales"].shape[0] != first["scales"].shape[0] or \
+                not torch.equal(t["g_idx"], first["g_idx"]):
+            return None
+        at += piece.shape[0]
+    if at != rows:
+        return None
+    layouts = [p.layout for _, p in pieces]
+    return {"qweight": torch.cat([t["qweight"] for t in layouts], 1), "qzeros": torch.cat([t["qzeros"] for t in layouts], 1),
+            "scales": torch.cat([t["scales"] for t in layouts], 1), "g_idx": first["g_idx"],
+            "bits": first["bits"], "zero_offset": first["zero_offset"]}
+
+
+def keeps_packed(device: torch.device) -> bool:
+    """Whether packed weights stay packed on `device` (multiplied by kernels/int4_linear.py):
+    SHOAL_INT4_KERNEL=1 asks for it (off by default: the kernel has not run on a GPU yet); it
+    runs on CUDA, and on CPU only through Triton's interpreter (the tests)."""
+    from kernels import triton_programs
+    from kernels.env import flag
+
+    if not triton_programs.available():
+        return False
+    return flag("SHOAL_INT4_KERNEL", False) and (device.type == "cuda" or triton_programs.interpreted())

@@ -70,6 +70,8 @@ def quantize_linears(model: nn.Module, kind: str) -> None:
     done = {}  # the float weight's id -> its 8-bit weight and scale
     for module in model.modules():
         if isinstance(module, layers):
+            if getattr(module, "int4", None) is not None:  # kept packed (int4 already)
+                continue
             key = id(module.weight)
             if key in done:  # tied to one quantized already
                 module.out_dtype = module.weight.dtype
@@ -113,27 +115,50 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
         param.data.zero_()
     loaded: set[str] = set()
     files = weight_files(path)
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    packed = {} if int4_checkpoint.keeps_packed(device) else None  # param -> [(row offset, PackedWeight)]
     # By tensor, not by file: a single-file checkpoint shows progress too.
     bar = progress_bar("loading weights", total=count_tensors(files), unit="tensor")
     try:
-        for name, tensor_slice in checkpoint_tensors(path, files):
+        for name, tensor_slice in checkpoint_tensors(path, files, packed=packed is not None):
             for rule in _rules(model.weight_rule(name)) if tensor_slice is not None else ():
-                loaded.add(_load_slice(params, rule, tensor_slice, name, weight_dtype))
+                loaded.add(_load_slice(params, rule, tensor_slice, name, weight_dtype, packed))
             bar.update(1)
     finally:
         bar.close()
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
+    if packed:
+        _keep_packed(model, params, packed, weight_dtype)
 
 
-def checkpoint_tensors(path: Path, files: list[Path]):
+def _keep_packed(model: nn.Module, params: dict, packed: dict, weight_dtype: torch.dtype | None) -> None:
+    """Each linear layer whose weight came whole from packed pieces keeps them, in one layout
+    (`module.int4`, kernels/int4_linear.py), and drops its float weight; any other target of a
+    packed piece gets it dequantised (act-order g_idx that differ inside a fused layer, say)."""
+    for target, pieces in packed.items():
+        param = params[target]
+        module = model.get_submodule(target.rpartition(".")[0])
+        layout = None
+        if target.endswith(".weight") and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            layout = int4_checkpoint.join(pieces, *param.shape)
+        if layout is None:
+            for offset, piece in pieces:
+                _copy_rows(param, offset, piece.dequantized(), weight_dtype)
+            continue
+        module.int4 = {key: v.to(param.device) if isinstance(v, torch.Tensor) else v for key, v in layout.items()}
+        module.weight = nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), requires_grad=False)
+
+
+def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
     """(name, its lazily sliced tensor) for every tensor of the checkpoint, file by file; a
     float8 weight comes dequantised with its scale (actors/worker/fp8_checkpoint.py), an MXFP4
     one (`W_blocks`) as W, dequantised expert by expert as it is sliced
     (actors/worker/mxfp4_checkpoint.py), a GPTQ / AWQ / compressed-tensors packed one (`X.qweight`,
     `X.weight_packed`) as the float `X.weight` (actors/worker/int4_checkpoint.py), and the
-    scales, zero points and group indices themselves come as (name, None)."""
+    scales, zero points and group indices themselves come as (name, None). packed: a packed
+    weight comes as an int4_checkpoint.PackedWeight instead (kept packed on the GPU)."""
     where = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -147,7 +172,7 @@ def checkpoint_tensors(path: Path, files: list[Path]):
                 tensor_slice = f.get_slice(name)
                 if int4 and int4.is_part(name):
                     weight = int4.weight_of(name)
-                    tensor_slice = None if weight is None else _int4_weight(int4, weight, where)
+                    tensor_slice = None if weight is None else _int4_weight(int4, weight, where, packed)
                     name = weight or name
                 elif mxfp4 and name.endswith(mxfp4_checkpoint.SCALES):
                     tensor_slice = None
@@ -169,12 +194,15 @@ def _tensor(name: str, where: dict) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def _int4_weight(fmt, weight: str, where: dict) -> torch.Tensor:
-    """The float32 weight of one packed module, read with its scales, zeros and g_idx."""
+def _int4_weight(fmt, weight: str, where: dict, packed: bool = False):
+    """The float32 weight of one packed module, read with its scales, zeros and g_idx (packed:
+    those in the kernel's layout, as a PackedWeight)."""
     prefix = weight.removesuffix(".weight")
     parts = {part: _tensor(prefix + part, where) for part in fmt.parts if prefix + part in where}
     if len(parts) == 1:
         raise ValueError(f"the packed weight {prefix + fmt.parts[0]!r} has no scales in the checkpoint")
+    if packed:
+        return int4_checkpoint.PackedWeight(int4_checkpoint.to_kernel_layout(fmt, parts))
     return int4_checkpoint.dequantize(fmt, parts)
 
 
@@ -213,7 +241,8 @@ def _rules(rule) -> list:
     return [] if rule is None else rule if isinstance(rule, list) else [rule]
 
 
-def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch.dtype | None = None) -> str:
+def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch.dtype | None = None,
+                packed: dict | None = None) -> str:
     """Copy this rank's slice of one checkpoint tensor into (a row range of) its parameter.
 
     An optional sixth rule field picks one expert slot of a stacked [slots, ...] parameter.
@@ -223,6 +252,8 @@ def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch
     target, offset, dim, start, size, *slot = rule
     if target not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    if isinstance(tensor_slice, int4_checkpoint.PackedWeight) and (callable(dim) or slot or packed is None):
+        tensor_slice = tensor_slice.dequantized()  # stacked experts and the like: float
     if callable(dim):
         src = dim(tensor_slice)
     elif dim is None:
@@ -231,9 +262,15 @@ def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch
         src = tensor_slice[start:start + size]
     else:
         src = tensor_slice[:, start:start + size]
-    param = params[target][slot[0]] if slot else params[target]
+    if isinstance(src, int4_checkpoint.PackedWeight):  # put together once every piece is read
+        packed.setdefault(target, []).append((offset, src))
+        return target
+    _copy_rows(params[target][slot[0]] if slot else params[target], offset, src, weight_dtype)
+    return target
+
+
+def _copy_rows(param: torch.Tensor, offset: int, src: torch.Tensor, weight_dtype: torch.dtype | None) -> None:
     if weight_dtype is not None:
         src = src.to(weight_dtype)  # copy_ widens it back exactly
     with torch.no_grad():
         param[offset:offset + src.shape[0]].copy_(src)
-    return target

@@ -88,7 +88,8 @@ class ModelRunner:
         self.kernels = choose(config, spec, self.device, self.p.world_size, lora=bool(self.lora_layers))
         if self.kernels.packs_weights:
             linear.prepack([m.weight for m in self.model.modules()
-                            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))],
+                            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
+                            and getattr(m, "int4", None) is None],
                            config.max_num_seqs)
         self.block_size = spec.block_size
         self.flash_ops = flash_attention.load(spec.flash_library) if spec.attn_backend == "flash" else None
