@@ -12,9 +12,10 @@ The layout (GPTQ's, with the zero points stored as themselves plus `zero_offset`
   (act-order permutes them; without it k // group_size).
 w[n, k] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n], rounded to x's dtype before the product.
 
-On CPU the kernel runs only under Triton's interpreter (TRITON_INTERPRET=1, how the suite
-checks it); the engine dequantises these checkpoints at load on every device for now, so the
-model never calls this kernel yet (docs/quantization.md).
+The model's linear layers call it when they keep a checkpoint's packed weights
+(SHOAL_INT4_KERNEL=1, actors/worker/loader.py); otherwise those are dequantised at load. On CPU
+it runs only under Triton's interpreter (TRITON_INTERPRET=1, how the suite checks it); it has
+not run on a GPU yet (docs/quantization.md).
 """
 from __future__ import annotations
 

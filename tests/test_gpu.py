@@ -231,3 +231,51 @@ def test_8_bit_weights_on_gpu(checkpoint_factory, tmp_path, kind):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         if not scaled:
             assert g.outputs[0].token_ids == hf_greedy(reference, ids, 12)
+
+
+# --------------------------------------------------------------------------- int4 checkpoints kept packed
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("method, options", [("gptq", dict(sym=False, act_order=True)), ("awq", dict(sym=False)),
+                                             ("compressed-tensors", dict(sym=True, group_size=-1))])
+def test_int4_kernel_equals_the_dequantised_product(method, options, dtype):
+    """kernels/int4_linear.py compiled on the GPU (tests/test_int4_linear.py checks it
+    interpreted): within the activations' dtype's rounding of the float64 product."""
+    from checkpoints import pack_int4
+
+    from actors.worker.int4_checkpoint import read_format, to_kernel_layout
+    from kernels.int4_linear import int4_linear
+
+    quant = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "gptq"},
+             "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"},
+             "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                    "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                                                        "strategy": "channel", "symmetric": True}}}}}
+    fmt = read_format({"quantization_config": quant[method]})
+    generator = torch.Generator().manual_seed(0)
+    parts, reference = pack_int4(method, torch.randn(384, 512, generator=generator), generator=generator, **options)
+    layout = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in to_kernel_layout(fmt, parts).items()}
+    w = reference.to(dtype).double().cuda()
+    for m in (1, 16, 100):
+        x = torch.randn(m, 512, generator=generator).to(dtype).cuda()
+        got = int4_linear(x, **layout).double()
+        truth, size = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+        assert ((got - truth).abs() / size).max().item() < torch.finfo(dtype).eps, m
+
+
+@pytest.mark.parametrize("case", ["gptq-actorder-shared", "awq-g64"])
+def test_int4_checkpoint_kept_packed_matches_transformers(case, checkpoint_factory, tmp_path, monkeypatch):
+    """SHOAL_INT4_KERNEL=1 on CUDA, float32, decode steps as CUDA graphs: greedy tokens equal
+    transformers' on the weights the checkpoint stands for."""
+    from checkpoints import int4_copies
+    from test_int4_checkpoints import CASES
+
+    monkeypatch.setenv("SHOAL_INT4_KERNEL", "1")
+    arch, method, options = CASES[case]
+    paths = int4_copies(checkpoint_factory(arch), tmp_path / case, method, **options)
+    llm = LLM(str(paths["packed"]), device="cuda", dtype="float32", max_num_batched_tokens=32)
+    assert llm.engine.executor.runner.model.model.layers[0].mlp.down_proj.int4 is not None
+    prompts = prompts_of([3, 17, 40])
+    for ids, out in zip(prompts, llm.generate(prompts, greedy(16))):
+        assert out.outputs[0].token_ids == hf_greedy(paths["reference"], ids, 16)
+    assert llm.engine.executor.runner.graph_replays > 0

@@ -123,8 +123,8 @@ def quantization() -> dict:
             "fp8 checkpoints": "loaded as float (dequantised as they load); no FP8 matmuls yet",
             "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
             "gptq / awq / compressed-tensors int4 checkpoints":
-                "loaded as float (dequantised as they load); the Triton w4a16 kernel "
-                "(kernels/int4_linear.py) is not called by the model yet",
+                "loaded as float (dequantised as they load); SHOAL_INT4_KERNEL=1 keeps them packed "
+                "for the Triton w4a16 kernel (kernels/int4_linear.py; not yet run on a GPU)",
             "fp8 KV cache": "not supported yet"}
 
 
