@@ -126,17 +126,25 @@ def test_int8_on_top_equals_the_int8_reference(copies, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["gptq-asym-actorder", "awq-g64", "ct-asym-channel"])
-def test_tensor_parallel_ranks_hold_their_slices(case, copies):
-    """tp=2, built in process: each rank's parameters from the packed checkpoint equal those
-    it builds from the reference (column- and row-parallel slices of the dequantised weights)."""
+@pytest.mark.parametrize("layout", [dict(tp_size=2), dict(pp_size=2)])
+def test_parallel_ranks_hold_their_slices(case, layout, copies, monkeypatch):
+    """tp=2 and pp=2, built in process: each rank's parameters from the packed checkpoint equal
+    those it builds from the reference (column- and row-parallel slices of the dequantised
+    weights; a stage's own layers), and a stage dequantises only its own layers."""
     from actors.distributed.parallel import Parallel
-    from actors.worker.loader import build_model
+    from actors.worker import loader
 
     paths = copies(case)
     cfg = json.loads((paths["reference"] / "config.json").read_text())
+    read = []
+    dequantize = int4_checkpoint.dequantize
+    monkeypatch.setattr(int4_checkpoint, "dequantize", lambda fmt, parts: read.append(1) or dequantize(fmt, parts))
     for rank in (0, 1):
-        models = [build_model(paths[kind], cfg, torch.float32, torch.device("cpu"), 64, Parallel(tp_size=2, rank=rank))
-                  for kind in ("packed", "reference")]
+        read.clear()
+        models = [loader.build_model(paths[kind], cfg, torch.float32, torch.device("cpu"), 64,
+                                     Parallel(rank=rank, **layout)) for kind in ("packed", "reference")]
+        projections = 7 * cfg["num_hidden_layers"]  # q, k, v, o, gate, up, down
+        assert len(read) == (projections if "tp_size" in layout else projections // 2), len(read)
         got, want = (dict(m.named_parameters()) for m in models)
         assert set(got) == set(want)
         for name in want:

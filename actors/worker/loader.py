@@ -172,7 +172,7 @@ def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
                 tensor_slice = f.get_slice(name)
                 if int4 and int4.is_part(name):
                     weight = int4.weight_of(name)
-                    tensor_slice = None if weight is None else _int4_weight(int4, weight, where, packed)
+                    tensor_slice = None if weight is None else _Int4Weight(int4, weight, where, packed)
                     name = weight or name
                 elif mxfp4 and name.endswith(mxfp4_checkpoint.SCALES):
                     tensor_slice = None
@@ -194,16 +194,27 @@ def _tensor(name: str, where: dict) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def _int4_weight(fmt, weight: str, where: dict, packed: bool = False):
-    """The float32 weight of one packed module, read with its scales, zeros and g_idx (packed:
-    those in the kernel's layout, as a PackedWeight)."""
-    prefix = weight.removesuffix(".weight")
-    parts = {part: _tensor(prefix + part, where) for part in fmt.parts if prefix + part in where}
-    if len(parts) == 1:
-        raise ValueError(f"the packed weight {prefix + fmt.parts[0]!r} has no scales in the checkpoint")
-    if packed:
-        return int4_checkpoint.PackedWeight(int4_checkpoint.to_kernel_layout(fmt, parts))
-    return int4_checkpoint.dequantize(fmt, parts)
+class _Int4Weight:
+    """One packed module's weight, read (with its scales, zeros and g_idx) and dequantised to
+    float32 only when a rule slices it: a pipeline stage skips the other stages' layers
+    unread. packed: sliced as a PackedWeight in the kernel's layout instead."""
+
+    def __init__(self, fmt, weight: str, where: dict, packed: bool):
+        self.fmt, self.prefix, self.where, self.packed = fmt, weight.removesuffix(".weight"), where, packed
+        self.tensor = None
+
+    def read(self):
+        if self.tensor is None:
+            fmt, prefix = self.fmt, self.prefix
+            parts = {part: _tensor(prefix + part, self.where) for part in fmt.parts if prefix + part in self.where}
+            if len(parts) == 1:
+                raise ValueError(f"the packed weight {prefix + fmt.parts[0]!r} has no scales in the checkpoint")
+            self.tensor = int4_checkpoint.PackedWeight(int4_checkpoint.to_kernel_layout(fmt, parts)) \
+                if self.packed else int4_checkpoint.dequantize(fmt, parts)
+        return self.tensor
+
+    def __getitem__(self, key):
+        return self.read()[key]
 
 
 def _scale_of(name: str, where: dict) -> torch.Tensor:
@@ -252,6 +263,8 @@ def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch
     target, offset, dim, start, size, *slot = rule
     if target not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    if isinstance(tensor_slice, _Int4Weight):
+        tensor_slice = tensor_slice.read()
     if isinstance(tensor_slice, int4_checkpoint.PackedWeight) and (callable(dim) or slot or packed is None):
         tensor_slice = tensor_slice.dequantized()  # stacked experts and the like: float
     if callable(dim):
