@@ -180,14 +180,14 @@ def _dequantize_gptq(fmt: Int4Format, parts: dict) -> torch.Tensor:
     return ((q - zeros[g]).float() * scales[g]).t()
 
 
+def awq_codes(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's words [R, C / 8] -> the codes [R, C] in column order."""
+    codes = unpack(packed, 4, 1)
+    return codes.view(codes.shape[0], -1, 8)[:, :, list(AWQ_COLUMNS)].reshape(codes.shape[0], -1)
+
+
 def _dequantize_awq(fmt: Int4Format, parts: dict) -> torch.Tensor:
-    order = torch.tensor(AWQ_COLUMNS)
-
-    def natural(packed):  # [R, C / 8] in AWQ's order -> codes [R, C]
-        codes = unpack(packed, fmt.bits, 1)
-        return codes.view(codes.shape[0], -1, 8)[:, :, order].reshape(codes.shape[0], -1)
-
-    q, zeros = natural(parts[".qweight"]), natural(parts[".qzeros"])  # [K, N], [G, N]
+    q, zeros = awq_codes(parts[".qweight"]), awq_codes(parts[".qzeros"])  # [K, N], [G, N]
     g = _groups(q.shape[0], fmt.group_size, None)
     return ((q - zeros[g]).float() * parts[".scales"].float()[g]).t()
 
@@ -233,14 +233,8 @@ def to_kernel_layout(fmt: Int4Format, parts: dict[str, torch.Tensor]) -> dict:
         return dict(qweight=parts[".qweight"], qzeros=qzeros, scales=scales, g_idx=g_idx.to(torch.int32),
                     bits=fmt.bits, zero_offset=offset)
     if fmt.method == "awq":
-        order = torch.tensor(AWQ_COLUMNS)
-
-        def natural(packed):
-            codes = unpack(packed, fmt.bits, 1)
-            return codes.view(codes.shape[0], -1, 8)[:, :, order].reshape(codes.shape[0], -1)
-
-        q = natural(parts[".qweight"])  # [K, N]
-        return dict(qweight=pack(q, fmt.bits, 0), qzeros=pack(natural(parts[".qzeros"]), fmt.bits, 1),
+        q = awq_codes(parts[".qweight"])  # [K, N]
+        return dict(qweight=pack(q, fmt.bits, 0), qzeros=pack(awq_codes(parts[".qzeros"]), fmt.bits, 1),
                     scales=parts[".scales"], g_idx=_groups(q.shape[0], fmt.group_size, None).to(torch.int32),
                     bits=fmt.bits, zero_offset=0)
     offset = 1 << (fmt.bits - 1)

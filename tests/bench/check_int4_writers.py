@@ -27,11 +27,11 @@ def check_awq(n=64, k=128, group=32):
     from awq.modules.linear.gemm import WQLinear_GEMM
     from awq.utils.packing_utils import dequantize_gemm
 
-    from actors.worker.int4_checkpoint import AWQ_COLUMNS, unpack
+    from actors.worker.int4_checkpoint import awq_codes
 
     generator = torch.Generator().manual_seed(0)
     parts, reference = pack_int4("awq", torch.randn(n, k, generator=generator), sym=False, group_size=group)
-    zeros = unpack(parts[".qzeros"], 4, 1).view(-1, n // 8, 8)[:, :, list(AWQ_COLUMNS)].reshape(-1, n)  # [G, N]
+    zeros = awq_codes(parts[".qzeros"])  # [G, N]
     linear = torch.nn.Linear(k, n, bias=False)
     linear.weight.data = reference.clone()  # from_linear rounds (w + z s) / s back to the codes
     written = WQLinear_GEMM.from_linear(linear, 4, group, scales=parts[".scales"], zeros=zeros)
