@@ -19,9 +19,10 @@ shoal server's resident memory is the sum over its process tree (the CLI, Ray's 
 workers, the engine) after the rounds.
 
 quality: SmolLM2-135M-Instruct (a real trained model; `make smollm2`) in float32 and in each
-format (FORMATS: int8, fp8 weight-only as on CPU, fp8 with a GPU's dynamic FP8 activations),
-teacher-forced on fixed texts: per position, whether the two agree on the most likely next
-token, and |log p(actual next token)| difference.
+format (FORMATS: int8, fp8 weight-only as on CPU, fp8 with a GPU's dynamic FP8 activations, and
+GPTQ / AWQ / compressed-tensors int4 checkpoints written from it by round to nearest, no
+calibration), teacher-forced on fixed texts: per position, whether each agrees with float32 on
+the most likely next token, and |log p(actual next token)| difference.
 """
 from __future__ import annotations
 
@@ -127,15 +128,24 @@ TEXTS = [
 ]
 
 
-# What each quality row runs: engine options and environment.
+# What each quality row runs: (an int4 checkpoint written from the float model by
+# tests/checkpoints.py int4_copies, or None), engine options, environment. The int4 copies round
+# to nearest on GPTQ's grid (no calibration: what GPTQ / AWQ add on top is not measured here), in
+# each writer's layout; SmolLM2's hidden size 576 is not a multiple of 128: groups of 64.
 FORMATS = {
-    "int8": ({"quantization": "int8"}, {}),
-    "fp8": ({"quantization": "fp8"}, {}),  # weight-only, as on CPU
-    "fp8-dynamic": ({"quantization": "fp8"}, {"SHOAL_FP8_ACTIVATIONS": "1"}),  # a GPU's per-token FP8 activations
+    "int8": (None, {"quantization": "int8"}, {}),
+    "fp8": (None, {"quantization": "fp8"}, {}),  # weight-only, as on CPU
+    "fp8-dynamic": (None, {"quantization": "fp8"}, {"SHOAL_FP8_ACTIVATIONS": "1"}),  # a GPU's per-token FP8 activations
+    "gptq-int4-g64-sym": (("gptq", dict(group_size=64, sym=True)), {}, {}),
+    "awq-int4-g64": (("awq", dict(group_size=64, sym=False)), {}, {}),
+    "compressed-tensors-int4-channel": (("compressed-tensors", dict(group_size=-1, sym=True)), {}, {}),
 }
 
 
 def quality(args) -> None:
+    import tempfile
+
+    from checkpoints import int4_copies
     from smollm2 import smollm2_checkpoint
 
     from actors.engine.llm import LLM
@@ -144,11 +154,11 @@ def quality(args) -> None:
     path = args.model or str(smollm2_checkpoint())
     params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0)
 
-    def score(options: dict, env: dict) -> list:
+    def score(where: str, options: dict, env: dict) -> list:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            llm = LLM(path, dtype="float32", eager_decode=True, **options)
+            llm = LLM(where, dtype="float32", eager_decode=True, **options)
             prompts = [llm.encode(t) for t in TEXTS]
             rows = [o.prompt_logprobs for o in llm.generate(prompts, params)]
             llm.shutdown()
@@ -157,14 +167,18 @@ def quality(args) -> None:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
-    reference = score({}, {})
+    reference = score(path, {}, {})
     print(f"model: {path}; {len(TEXTS)} texts")
     print("| format | top-1 agreement with float32 | mean abs delta log p(next token) | max |")
     print("| --- | ---: | ---: | ---: |")
     for name in args.formats.split(","):
+        written, options, env = FORMATS[name]
+        with tempfile.TemporaryDirectory(prefix="shoal-quality-") as tmp:  # an int4 copy: ~0.5 GB
+            where = path if written is None else str(int4_copies(path, Path(tmp), written[0], **written[1])["packed"])
+            rows = score(where, options, env)
         agree = total = 0
         deltas = []
-        for ref_rows, q_rows in zip(reference, score(*FORMATS[name])):
+        for ref_rows, q_rows in zip(reference, rows):
             for ref, q in zip(ref_rows, q_rows):
                 if ref is None:
                     continue
