@@ -257,3 +257,35 @@ def test_kept_packed_tensor_parallel_ranks_hold_their_slices(case, copies, monke
                 assert torch.equal(dequantize_layout(**module.int4), want[name].weight), (rank, name)
                 kept += 1
         assert kept == 4 * cfg["num_hidden_layers"], kept  # qkv, o, gate_up, down
+
+
+def test_kept_packed_layers_never_hold_a_float_weight(copies, monkeypatch):
+    """The weights that stay packed are built on the meta device (no float copy at load); a
+    fused layer that can't stay packed (q/k/v with different act-order g_idx) gets memory and
+    its dequantised weight."""
+    from actors.worker.loader import build_model, packed_targets
+
+    interpreter_or_skip()
+    monkeypatch.setenv("SHOAL_INT4_KERNEL", "1")
+    paths = copies("gptq-asym-actorder")
+    cfg = json.loads((paths["packed"] / "config.json").read_text())
+    allocated = []  # the shapes the loader gives memory (torch.empty(shape, dtype=, device=))
+    empty = torch.empty
+
+    def spy(*args, **kwargs):
+        if kwargs.get("device") == torch.device("cpu") and args and isinstance(args[0], torch.Size):
+            allocated.append(tuple(args[0]))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    model = build_model(paths["packed"], cfg, torch.float32, torch.device("cpu"), 64)
+    monkeypatch.setattr(torch, "empty", empty)
+    assert (cfg["vocab_size"], 64) in allocated  # (the spy sees the loader's: the embedding's is one)
+    layer = model.model.layers[0]
+    targets = packed_targets(model, paths["packed"], cfg, torch.device("cpu"))
+    assert "model.layers.0.mlp.down_proj.weight" in targets and "model.layers.0.self_attn.qkv_proj.weight" in targets
+    assert (64, 128) not in allocated  # down_proj [hidden, intermediate] never had float memory
+    assert layer.mlp.down_proj.int4 is not None and layer.self_attn.qkv_proj.int4 is None
+    reference = build_model(paths["reference"], cfg, torch.float32, torch.device("cpu"), 64)
+    assert torch.equal(layer.self_attn.qkv_proj.weight, reference.model.layers[0].self_attn.qkv_proj.weight)
+    assert not any(p.is_meta for p in model.parameters())

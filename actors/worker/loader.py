@@ -47,8 +47,12 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = cls(args, max_positions, parallel)
     # to_empty's empty_like on meta tensors runs torch's Python reference, which imports sympy
-    # (a second of start-up): torch.empty of each shape does the same in C++.
-    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    # (a second of start-up): torch.empty of each shape does the same in C++. Weights that will
+    # stay packed (SHOAL_INT4_KERNEL) stay on the meta device: no float copy of them is made.
+    model = model.to(dtype)
+    kept = packed_targets(model, path, cfg, device) if read_weights else set()
+    kept = {id(p) for name, p in model.named_parameters() if name in kept}
+    model = model._apply(lambda t: t if id(t) in kept else torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()  # each module got a tensor of its own above: tie again
     # Rotary tables are not weights: compute them for real after leaving the meta device.
     for name, (cos, sin) in rope_tables(args, max_positions).items():
@@ -109,14 +113,35 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple]:
     return shapes
 
 
+def packed_targets(model: nn.Module, path: Path, cfg: dict, device: torch.device) -> set[str]:
+    """The linear layers' weights that a packed checkpoint's weights go to whole, where they
+    stay packed on `device` (int4_checkpoint.keeps_packed): built on the meta device, they get
+    memory only if they end up float after all (_keep_packed)."""
+    fmt = int4_checkpoint.read_format(cfg)
+    if fmt is None or not int4_checkpoint.keeps_packed(device):
+        return set()
+    modules = dict(model.named_modules())
+    targets = set()
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            weights = [fmt.weight_of(name) for name in f.keys()]
+        for rule in (r for weight in weights if weight for r in _rules(model.weight_rule(weight))):
+            target, dim = rule[0], rule[2]
+            owner = modules.get(target.rpartition(".")[0])
+            if len(rule) == 5 and not callable(dim) and isinstance(owner, (ColumnParallelLinear, RowParallelLinear)):
+                targets.add(target)
+    return targets
+
+
 def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None = None) -> None:
     params = dict(model.named_parameters())
     for param in params.values():  # vocab padding rows (tensor parallel) stay zero
         param.data.zero_()
     loaded: set[str] = set()
     files = weight_files(path)
-    device = next(iter(params.values())).device if params else torch.device("cpu")
-    packed = {} if int4_checkpoint.keeps_packed(device) else None  # param -> [(row offset, PackedWeight)]
+    device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
+    # param -> [(row offset, PackedWeight or float slice)]: what is put together at the end
+    packed = {} if int4_checkpoint.keeps_packed(device) else None
     # By tensor, not by file: a single-file checkpoint shows progress too.
     bar = progress_bar("loading weights", total=count_tensors(files), unit="tensor")
     try:
@@ -130,25 +155,33 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
     if packed:
-        _keep_packed(model, params, packed, weight_dtype)
+        _keep_packed(model, params, packed, weight_dtype, device)
 
 
-def _keep_packed(model: nn.Module, params: dict, packed: dict, weight_dtype: torch.dtype | None) -> None:
+def _keep_packed(model: nn.Module, params: dict, packed: dict, weight_dtype: torch.dtype | None,
+                 device: torch.device) -> None:
     """Each linear layer whose weight came whole from packed pieces keeps them, in one layout
-    (`module.int4`, kernels/int4_linear.py), and drops its float weight; any other target of a
-    packed piece gets it dequantised (act-order g_idx that differ inside a fused layer, say)."""
+    (`module.int4`, kernels/int4_linear.py), and holds no float weight; any other target of a
+    piece gets memory if it has none and the pieces dequantised (act-order g_idx that differ
+    inside a fused layer, a slice off the packed words, say)."""
     for target, pieces in packed.items():
         param = params[target]
-        module = model.get_submodule(target.rpartition(".")[0])
+        module_name, _, attr = target.rpartition(".")
+        module = model.get_submodule(module_name)
         layout = None
-        if target.endswith(".weight") and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if all(isinstance(p, int4_checkpoint.PackedWeight) for _, p in pieces) and \
+                isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and attr == "weight":
             layout = int4_checkpoint.join(pieces, *param.shape)
-        if layout is None:
-            for offset, piece in pieces:
-                _copy_rows(param, offset, piece.dequantized(), weight_dtype)
+        if layout is not None:
+            module.int4 = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in layout.items()}
+            module.weight = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device), requires_grad=False)
             continue
-        module.int4 = {key: v.to(param.device) if isinstance(v, torch.Tensor) else v for key, v in layout.items()}
-        module.weight = nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), requires_grad=False)
+        if param.is_meta:
+            param = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+            setattr(module, attr, param)
+        for offset, piece in pieces:
+            src = piece.dequantized() if isinstance(piece, int4_checkpoint.PackedWeight) else piece
+            _copy_rows(param, offset, src, weight_dtype)
 
 
 def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
@@ -275,8 +308,8 @@ def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch
         src = tensor_slice[start:start + size]
     else:
         src = tensor_slice[:, start:start + size]
-    if isinstance(src, int4_checkpoint.PackedWeight):  # put together once every piece is read
-        packed.setdefault(target, []).append((offset, src))
+    if packed is not None and not slot and (isinstance(src, int4_checkpoint.PackedWeight) or params[target].is_meta):
+        packed.setdefault(target, []).append((offset, src))  # put together once every piece is read
         return target
     _copy_rows(params[target][slot[0]] if slot else params[target], offset, src, weight_dtype)
     return target
