@@ -173,7 +173,8 @@ def _keep_packed(model: nn.Module, params: dict, packed: dict, weight_dtype: tor
                 isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and attr == "weight":
             layout = int4_checkpoint.join(pieces, *param.shape)
         if layout is not None:
-            module.int4 = {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in layout.items()}
+            module.int4 = {key: v.to(device).contiguous() if isinstance(v, torch.Tensor) else v
+                           for key, v in layout.items()}
             module.weight = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device), requires_grad=False)
             continue
         if param.is_meta:
