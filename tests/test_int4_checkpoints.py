@@ -54,6 +54,14 @@ def test_bit_orders_are_the_writers():
              ".weight_scale": torch.ones(1, 1), ".weight_shape": torch.tensor([1, 8]),
              ".weight_zero_point": torch.tensor([[0x9]], dtype=torch.int32)}  # row 0's zero: 9 - 8 = 1
     assert dequantize(ct, parts)[0].tolist() == [v - 8 - 1 for v in range(8)]
+    # older compressed-tensors writers: the zero point unpacked, int8 [N, G], signed
+    assert torch.equal(dequantize(ct, {**parts, ".weight_zero_point": torch.tensor([[1]], dtype=torch.int8)}),
+                       dequantize(ct, parts))
+    # a symmetric GPTQ module written without qzeros: the midpoint 2 ** (bits - 1)
+    sym = Int4Format("gptq", 4, -1, sym=True, zero_offset=1)
+    parts = {".qweight": torch.full((1, 8), 0x76543210, dtype=torch.int32),  # 8 columns of k = 0..7
+             ".scales": torch.ones(1, 8, dtype=torch.float16)}
+    assert dequantize(sym, parts)[0].tolist() == [v - 8 for v in range(8)]
 
 
 CASES = {
