@@ -24,6 +24,11 @@ are packed in an int32, the first in the lowest bits. The layouts, as their writ
 
 Modules left in float (lm_head, `modules_to_not_convert`, compressed-tensors' `ignore`) are
 found by their tensors: only a module with a packed weight is dequantised.
+
+With SHOAL_INT4_KERNEL=1 (`keeps_packed`) the linear layers keep the weights packed instead:
+`to_kernel_layout` brings each format to kernels/int4_linear.py's layout (GPTQ's), a
+`PackedWeight` is sliced by the loader's rules as a float weight would be, and `join` puts a
+fused layer's pieces (q/k/v, gate/up) side by side (actors/worker/loader.py _keep_packed).
 """
 from __future__ import annotations
 
