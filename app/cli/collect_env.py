@@ -120,7 +120,7 @@ def quantization() -> dict:
             "fp8 online": f"{cpu}, weight-only; CUDA, "
                           + ("FP8 matmuls (torch._scaled_mm)" if fp8_gpu else "FP8 matmuls on compute capability 8.9+, "
                              "else shoal's Triton weight-only kernel"),
-            "fp8 checkpoints": "loaded as float (dequantised as they load); no FP8 matmuls yet",
+            "fp8 checkpoints": "loaded as float (dequantised as they load); FP8 matmuls with --quantization fp8",
             "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
             "gptq / awq / compressed-tensors int4 checkpoints":
                 "loaded as float (dequantised as they load); SHOAL_INT4_KERNEL=1 keeps them packed "
