@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from checkpoints import int4_copies, int8_reference_copy
+from checkpoints import int4_copies, quantized_reference_copy
 from oracle import hf_greedy
 from safetensors.torch import load_file
 from test_engine import GREEDY, assert_pool_free, prompts_of
@@ -121,7 +121,7 @@ def test_greedy_equals_transformers_on_the_dequantised_weights(case, copies):
 def test_int8_on_top_equals_the_int8_reference(copies, tmp_path):
     """--quantization int8 quantizes the dequantised weights again."""
     paths = copies("gptq-asym-actorder")
-    oracle = int8_reference_copy(paths["reference"], tmp_path / "int8")
+    oracle = quantized_reference_copy(paths["reference"], tmp_path / "int8")
     llm = LLM(str(paths["packed"]), dtype="float32", num_kv_blocks=64, quantization="int8")
     try:
         attention = llm.engine.executor.runner.model.model.layers[0].self_attn
