@@ -25,6 +25,12 @@ Gemma 2), since both differ from layer to layer. The torch path, the native kern
 also take attention sinks (gpt-oss): one learned logit per head that joins the softmax's
 denominator as a key with no value, so a head can attend to "nothing"; flash-attn has no such
 argument, and the backend choice never gives it a model with sinks.
+
+With --kv-cache-dtype fp8 the pool holds float8 e4m3 (kernels/kv_quant.py): `write_kv`
+quantises with the layer's K / V scale, and every path here reads stored * scale (the torch
+path dequantises what it gathers, the native kernel and Triton convert as they load). Every
+chunk then reads its keys from the pool, the ones it has just written included, so all rows
+see the same rounded K/V. flash-attn can't read this pool (the backend choice never gives it one).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import flash_attention, native, triton_attention
+from kernels import flash_attention, kv_quant, native, triton_attention
 
 
 @dataclass
@@ -69,30 +75,47 @@ class ShortChunks:
     rest: list[int]  # indexes of the chunks left to the per-chunk loop
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor | None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """This step's K/V into their slots (v_cache None: MLA's one plane, k only); into an fp8
+    pool quantised with the layer's scales."""
+    for cache, x, s in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        if cache is None:
+            continue
+        if kv_quant.is_fp8(cache):  # (index_copy_ has no float8 kernel on CPU: copy the bytes)
+            cache.view(torch.uint8).index_copy_(0, slots, kv_quant.quantize(x, s).view(torch.uint8))
+        else:
+            cache.index_copy_(0, slots, x)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                     window: int | None = None, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, heads, d] -> [T, heads, d]. K/V of this step must already be written; k/v
     ([T, kv_heads, d], this step's) spare the gather for chunks that start their sequence.
-    sinks: [heads] logits, one per query head (None: no sinks)."""
+    sinks: [heads] logits, one per query head (None: no sinks). k_scale / v_scale: an fp8
+    pool's scales (ignored for a float pool)."""
+    fp8 = kv_quant.is_fp8(k_cache)
     if meta.flash is not None:
         if sinks is not None:
             raise ValueError("flash-attn has no attention sinks; the triton or native backend has")
+        if fp8:
+            raise ValueError("flash-attn can't read an fp8 KV cache; the triton or native backend can")
         return flash_attention.paged_attention(q, k_cache, v_cache, meta.flash, scale, window, softcap)
     if meta.triton is not None:
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale, window, softcap, sinks)
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale, window, softcap, sinks,
+                                                k_scale, v_scale)
+    if fp8:  # every chunk reads its keys back from the pool, rounded as the decodes see them
+        k = v = None
+    scales = (k_scale, v_scale) if fp8 else (1.0, 1.0)
     out = q.new_empty(q.shape)
     nd = meta.num_decode_tokens
     # the kernel reads float32 sinks (a handful of numbers per layer)
-    native_extra = (window or 0, softcap or 0.0) + (() if sinks is None else (sinks.float().contiguous(),))
+    native_extra = (window or 0, softcap or 0.0, None if sinks is None else sinks.float().contiguous()) + \
+        ((k_scale, v_scale) if fp8 else ())
     if nd:
         op = _native_decode_op(q, k_cache, meta)
         if op is not None:
@@ -100,7 +123,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                meta.decode_context_lens, meta.block_size, scale, *native_extra)
         else:
             out[:nd] = _attend(q[:nd].unsqueeze(1), k_cache, v_cache, meta.decode_block_tables,
-                               meta.block_size, _decode_mask(meta, window), scale, softcap, sinks).squeeze(1)
+                               meta.block_size, _decode_mask(meta, window), scale, softcap, sinks,
+                               scales).squeeze(1)
     chunks = meta.prefill_chunks or []
     todo = range(len(chunks))
     op = _native_decode_op(q, k_cache, meta, prefill=True) if chunks else None
@@ -117,8 +141,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             nb = -(-(start + n) // meta.block_size)
             table = meta.prefill_block_tables[i:i + 1, :nb]
-            ki = gather_blocks(k_cache, table, meta.block_size)[0, :start + n]
-            vi = gather_blocks(v_cache, table, meta.block_size)[0, :start + n]
+            ki = gather_blocks(k_cache, table, meta.block_size, q.dtype, scales[0])[0, :start + n]
+            vi = gather_blocks(v_cache, table, meta.block_size, q.dtype, scales[1])[0, :start + n]
         out[row:row + n] = _causal(q[row:row + n], ki, vi, start, scale, window, softcap, sinks)
     return out
 
@@ -207,22 +231,28 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _native_decode_op(q, k_cache, meta: AttentionMetadata, prefill: bool = False):
     """The native decode kernel when it applies here (CPU, a supported dtype), else None."""
-    if (q.device.type != "cpu" or q.dtype not in _NATIVE_DTYPES or k_cache.dtype != q.dtype
+    if (q.device.type != "cpu" or q.dtype not in _NATIVE_DTYPES
+            or k_cache.dtype not in (q.dtype, kv_quant.FP8)
             or q.stride(-1) != 1 or k_cache.stride(-1) != 1
             or (meta.prefill_block_tables if prefill else meta.decode_context_lens) is None):
         return None
     return native.paged_decode_attention_op()  # builds or loads it on first use
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[num_slots, kvh, d] pool -> [B, nb * block_size, kvh, d], whole blocks at a time."""
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                  dtype: torch.dtype | None = None, kv_scale: float = 1.0) -> torch.Tensor:
+    """[num_slots, kvh, d] pool -> [B, nb * block_size, kvh, d], whole blocks at a time; an
+    fp8 pool's blocks come dequantised (times kv_scale) to `dtype`."""
     b, nb = block_tables.shape
     _, kvh, d = cache.shape
-    blocks = cache.view(-1, block_size * kvh * d)
-    return blocks.index_select(0, block_tables.reshape(-1)).view(b, nb * block_size, kvh, d)
+    fp8 = kv_quant.is_fp8(cache)
+    blocks = (cache.view(torch.uint8) if fp8 else cache).view(-1, block_size * kvh * d)
+    out = blocks.index_select(0, block_tables.reshape(-1)).view(b, nb * block_size, kvh, d)
+    return kv_quant.dequantize(out.view(kv_quant.FP8), kv_scale, dtype or torch.float32) if fp8 else out
 
 
-def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale, softcap=None, sinks=None):
+def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale, softcap=None, sinks=None,
+            scales=(1.0, 1.0)):
     """q: [B, 1, h, d] decode rows; block_tables: [B, nb]; mask [B, 1, 1, Lk]; sinks [h] or
     None -> [B, 1, h, d].
 
@@ -230,8 +260,8 @@ def _attend(q, k_cache, v_cache, block_tables, block_size, mask, scale, softcap=
     kv head i // group, as repeat_interleave would), so K/V are never copied per query head:
     on a GPU that copy was ~70% of a decode step (docs/gpu.md)."""
     b, _, h, d = q.shape
-    k = gather_blocks(k_cache, block_tables, block_size).transpose(1, 2)  # [B, kvh, Lk, d]
-    v = gather_blocks(v_cache, block_tables, block_size).transpose(1, 2)
+    k = gather_blocks(k_cache, block_tables, block_size, q.dtype, scales[0]).transpose(1, 2)  # [B, kvh, Lk, d]
+    v = gather_blocks(v_cache, block_tables, block_size, q.dtype, scales[1]).transpose(1, 2)
     q = q.reshape(b, k.shape[1], h // k.shape[1], d)
     if sinks is not None:  # query head i sits at [i // group, i % group], its sink beside it
         sinks = sinks.reshape(k.shape[1], h // k.shape[1], 1)

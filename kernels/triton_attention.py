@@ -22,6 +22,10 @@ Which sequence a program serves is found in the kernel (a binary search over the
 query offsets, as vLLM's unified attention does), so a step needs no per-program table from
 the host: the metadata is the query offsets, each row's key count and the block tables.
 
+An fp8 pool (--kv-cache-dtype fp8, kernels/kv_quant.py) is passed as its bytes (uint8): the
+kernels turn each loaded e4m3 byte into float32 by bit arithmetic (no FP8 instructions, so any
+GPU and the interpreter run it), times the layer's K or V scale, in q's dtype.
+
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors (numpy): that is how the suite
 checks it on machines without a GPU (kernels/triton_programs.py).
 """
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import triton_programs
+from kernels import kv_quant, triton_programs
 from kernels.host_copies import to_device
 
 TILE = 32  # keys per inner iteration (a power of two, >= 16 for tl.dot)
@@ -98,15 +102,23 @@ def _programs():
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: TritonMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, heads, d] -> [T, heads, d]; this step's K/V already written to the pool
-    ([num_slots, kv_heads, d] per layer). sinks: [heads] logits or None."""
+    ([num_slots, kv_heads, d] per layer). sinks: [heads] logits or None. k_scale / v_scale:
+    an fp8 pool's scales (ignored for a float pool)."""
+    fp8 = kv_quant.is_fp8(k_cache)
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = 1.0
     tokens, heads, d = q.shape
     kv_heads = k_cache.shape[1]
     qpkv = heads // kv_heads
     block_m = 16 if qpkv <= 16 else 1 << (qpkv - 1).bit_length()
     if meta.splits > 1:
-        return _split_decode(q, k_cache, v_cache, meta, scale, window, softcap, qpkv, block_m, sinks)
+        return _split_decode(q, k_cache, v_cache, meta, scale, window, softcap, qpkv, block_m, sinks,
+                             (float(k_scale), float(v_scale)) if fp8 else None)
     block_q = block_m // qpkv
     out = torch.empty_like(q)
     num_seqs = meta.seq_lens.shape[0]
@@ -116,17 +128,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start,
         q if sinks is None else sinks, scale, num_seqs,  # (q: a pointer never read)
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.stride(0),
+        meta.block_tables.stride(0), float(k_scale), float(v_scale),
         QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE=launch.tile,
         PRECISION="ieee" if q.dtype == torch.float32 else None,  # float32: no TF32 rounding
-        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None, num_warps=launch.num_warps,
+        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None, KV_FP8=fp8, num_warps=launch.num_warps,
         num_stages=launch.num_stages)
     return out
 
 
 def _split_decode(q, k_cache, v_cache, meta: TritonMetadata, scale: float, window, softcap, qpkv: int,
-                  block_m: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  block_m: int, sinks: torch.Tensor | None = None,
+                  fp8_scales: tuple[float, float] | None = None) -> torch.Tensor:
     """A decode-only step with its keys split into meta.splits ranges, then the ranges
     combined by their log-sum-exps (ranges with no key weigh nothing; a sink is one more
     range, of no value)."""
@@ -136,9 +149,10 @@ def _split_decode(q, k_cache, v_cache, meta: TritonMetadata, scale: float, windo
     _programs().decode_split[(tokens, k_cache.shape[1], meta.splits)](
         q, k_cache, v_cache, parts, lse, meta.block_tables, meta.seq_lens, scale, meta.keys_per_split,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), meta.block_tables.stride(0),
-        QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
+        *(fp8_scales or (1.0, 1.0)), QPKV=qpkv, BLOCK_SIZE=meta.block_size, HEAD_DIM=d, HEAD_PAD=max(16, 1 << (d - 1).bit_length()),
         BLOCK_M=block_m, TILE=TILE, PRECISION="ieee" if q.dtype == torch.float32 else None,
-        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), SPLITS=meta.splits)
+        WINDOW=window or 0, SOFTCAP=float(softcap or 0.0), SPLITS=meta.splits,
+        KV_FP8=fp8_scales is not None)
     if sinks is not None:
         lse = torch.cat((lse, sinks.float()[None, :, None].expand(tokens, heads, 1)), dim=-1)
     weights = torch.softmax(lse, dim=-1)[..., :meta.splits]  # each row's first range always has keys

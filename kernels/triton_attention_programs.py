@@ -5,20 +5,34 @@ import triton.language as tl
 
 
 @triton.jit
+def fp8_to_float(bits):
+    """float8 e4m3 bytes (uint8) -> float32: the byte's exponent and mantissa are placed where a
+    float16's go (exponent bias 15 instead of 7), which is exact, subnormals included, then
+    scaled by 2^8. (NaN, 0x7f / 0xff, is never stored: writes saturate.)"""
+    b = bits.to(tl.uint16)
+    half = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+    return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
 def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, seq, table_stride, kv_head, kv_stride_s,
-                kv_stride_h, first, keys, sees, offs_d, d_ok, scale, BLOCK_SIZE: tl.constexpr,
+                kv_stride_h, first, keys, sees, offs_d, d_ok, scale, k_scale, v_scale, BLOCK_SIZE: tl.constexpr,
                 TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr):
     """Keys first..first+TILE (those below `keys`) of one sequence and KV head, folded into
-    the rows' online softmax (m_i, l_i, acc); row r sees keys up to sees[r]."""
+    the rows' online softmax (m_i, l_i, acc); row r sees keys up to sees[r]. KV_FP8: the pool
+    holds e4m3 bytes, read as stored * k_scale / v_scale in q's dtype."""
     offs_t = first + tl.arange(0, TILE)
     t_ok = offs_t < keys
     block = tl.load(tables_ptr + seq * table_stride + offs_t // BLOCK_SIZE, mask=t_ok, other=0)
     slot = block.to(tl.int64) * BLOCK_SIZE + offs_t % BLOCK_SIZE
     k = tl.load(k_ptr + slot[None, :] * kv_stride_s + kv_head * kv_stride_h + offs_d[:, None],
-                mask=t_ok[None, :] & d_ok[:, None], other=0.0)
+                mask=t_ok[None, :] & d_ok[:, None], other=0)
     v = tl.load(v_ptr + slot[:, None] * kv_stride_s + kv_head * kv_stride_h + offs_d[None, :],
-                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+                mask=t_ok[:, None] & d_ok[None, :], other=0)
+    if KV_FP8:
+        k = (fp8_to_float(k) * k_scale).to(q.dtype)
+        v = (fp8_to_float(v) * v_scale).to(q.dtype)
     s = tl.dot(q, k, input_precision=PRECISION) * scale
     if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends
         s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
@@ -39,10 +53,11 @@ def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, seq, table_stride, k
 @triton.jit(do_not_specialize=["num_seqs"])
 def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, sinks_ptr, scale, num_seqs,
               q_stride_t, q_stride_h, kv_stride_s, kv_stride_h, o_stride_t, o_stride_h, table_stride,
+              k_scale, v_scale,
               QPKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
               HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
               TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-              SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
+              SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     # The sequence whose query blocks hold q_block: sequence s's start at q_start[s] // BLOCK_Q + s.
@@ -84,18 +99,18 @@ def attention(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_pt
         for first in range(lo_key, keys, TILE):
             m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, seq, table_stride, kv_head,
                                         kv_stride_s, kv_stride_h, first, keys, sees, offs_d, d_ok, scale,
-                                        BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP)
+                                        k_scale, v_scale, BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP, KV_FP8)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] * o_stride_t + head[:, None] * o_stride_h + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 @triton.jit(do_not_specialize=["keys_per_split"])
 def decode_split(q_ptr, k_ptr, v_ptr, part_ptr, lse_ptr, tables_ptr, seq_lens_ptr, scale, keys_per_split,
-                 q_stride_t, q_stride_h, kv_stride_s, kv_stride_h, table_stride,
+                 q_stride_t, q_stride_h, kv_stride_s, kv_stride_h, table_stride, k_scale, v_scale,
                  QPKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
                  PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                 SPLITS: tl.constexpr):
+                 SPLITS: tl.constexpr, KV_FP8: tl.constexpr):
     """One decode row (its token is row `seq` of q), one KV head with its query heads,
     one range of keys: the range's normalised output and log-sum-exp per query head."""
     seq = tl.program_id(0)
@@ -121,7 +136,7 @@ def decode_split(q_ptr, k_ptr, v_ptr, part_ptr, lse_ptr, tables_ptr, seq_lens_pt
     for first in range(lo_key, hi_key, TILE):
         m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, seq, table_stride, kv_head,
                                     kv_stride_s, kv_stride_h, first, hi_key, sees_rows, offs_d, d_ok, scale,
-                                    BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP)
+                                    k_scale, v_scale, BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP, KV_FP8)
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
     heads = tl.num_programs(1) * QPKV
