@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATIONS = ("int8", "fp8")  # kernels/quantization.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp8 means e4m3 (kernels/kv_quant.py)
 
 
 @dataclass
@@ -24,6 +25,9 @@ class EngineConfig:
     # CUDA (vLLM's meaning): this fraction of the device's total memory is this rank's for weights,
     # activations (measured by a profiling forward), CUDA graphs and the KV cache, which gets the rest.
     gpu_memory_utilization: float = 0.9
+    # auto: K/V cached in the model's dtype; fp8 / fp8_e4m3: one byte per element, float8 e4m3
+    # with one K and one V scale per layer (the checkpoint's k_scale / v_scale, else 1.0)
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # Scheduling
     max_num_batched_tokens: int = 2048
@@ -129,6 +133,9 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.attn_backend not in ("auto", "native", "flash", "triton"):
             raise ValueError(f"--attn-backend must be auto, native, flash or triton, got {self.attn_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -24,7 +24,7 @@ from actors.distributed.parallel import Parallel
 from actors.models.args import ModelArgs
 from actors.models.layers import ColumnParallelLinear, RowParallelLinear
 from actors.models.moe import MoeForCausalLM
-from kernels.attention import AttentionMetadata, paged_attention
+from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.norms import RMSNorm
 from kernels.rotary import apply_rotary
 
@@ -53,6 +53,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj.weight = nn.Parameter(torch.empty(self.h * (m.nope_dim + m.v_dim), m.kv_lora_rank))
         self.o_proj = RowParallelLinear(self.h * m.v_dim, a.hidden_size, a.o_bias, p)
         self.k_cache = self.v_cache = None  # one plane of the engine's KV pool (both names, one tensor)
+        self.k_scale = self.v_scale = 1.0  # an fp8 pool's scale: one plane, so k_scale serves both
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.m.q_lora_rank:
@@ -65,12 +66,13 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.rope_dim], -1)
         q_rope, k_rope = apply_rotary(q_rope, k_rope.view(t, 1, m.rope_dim), cos, sin, self.interleaved)
         entry = torch.cat([self.kv_a_layernorm(latent).view(t, 1, m.kv_lora_rank), k_rope], -1)  # [t, 1, d]
-        self.k_cache.index_copy_(0, meta.slot_mapping, entry)
+        write_kv(self.k_cache, None, meta.slot_mapping, entry, None, self.k_scale)
         w_uk, w_uv = self.kv_b_proj.weight.view(h, m.nope_dim + m.v_dim, m.kv_lora_rank).split(
             [m.nope_dim, m.v_dim], 1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [t, h, kv_lora_rank]
         q = torch.cat([q_latent, q_rope], -1)
-        o = paged_attention(q, self.k_cache, self.k_cache, meta, self.scale, entry, entry)
+        o = paged_attention(q, self.k_cache, self.k_cache, meta, self.scale, entry, entry,
+                            k_scale=self.k_scale, v_scale=self.k_scale)
         o = torch.bmm(o[..., :m.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))  # [h, t, v_dim]
         return self.o_proj(o.transpose(0, 1).reshape(t, h * m.v_dim))
 

@@ -25,7 +25,7 @@ from actors.models.args import ModelArgs
 from actors.models.layers import (
     ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard,
 )
-from kernels import triton_fused
+from kernels import kv_quant, triton_fused
 from kernels.activation import gated_activation
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.norms import RMSNorm
@@ -105,10 +105,13 @@ class Attention(nn.Module):
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
         self.sinks = nn.Parameter(torch.empty(self.h)) if a.attn_sinks else None  # gpt-oss: this rank's heads'
         self.k_cache = self.v_cache = None  # views into the engine's KV pool, set at start-up
+        # An fp8 pool's scales (a stored 1.0 means this much): the checkpoint's, else 1.0
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         t = x.shape[0]
-        if meta.triton is not None and self.fusable:
+        # (the fused kernel writes float K/V: an fp8 pool is written by write_kv below)
+        if meta.triton is not None and self.fusable and not kv_quant.is_fp8(self.k_cache):
             q = triton_fused.qk_rope_write(
                 self.qkv_proj(x), self.h, self.kvh, cos, sin, meta.slot_mapping, self.k_cache, self.v_cache,
                 *((self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)),
@@ -123,9 +126,9 @@ class Attention(nn.Module):
         if self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin, self.interleaved)
-        write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+        write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v, self.k_scale, self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.window, self.softcap,
-                            self.sinks)
+                            self.sinks, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 

@@ -102,7 +102,7 @@ def main(job: str, parent: int) -> None:
     model = build_model(spec.path, spec.hf_config, spec.dtype, device, spec.max_model_len, parallel,
                         spec.weight_dtype, read_weights=False, quantization=spec.quantization)
     choose(config, spec, device, 1, lora=False)  # builds or loads the native kernels the model calls
-    bind_kv_cache(model, MIN_BLOCKS + 1, block_size, spec.dtype, device)
+    bind_kv_cache(model, MIN_BLOCKS + 1, block_size, spec.kv_dtype, device)
     batch = InputBatch(MIN_BLOCKS, MIN_BLOCKS, block_size, pad_block=MIN_BLOCKS)
     start = time.perf_counter()
     compile_to(model, batch, block_size, path)

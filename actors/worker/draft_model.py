@@ -64,7 +64,7 @@ class DraftModel:
     def block_bytes(self) -> int:
         """Bytes of one block of the draft's pool (rank 0 sizes its own pool with room for it)."""
         a = self.spec.args
-        return a.kv_planes * a.num_kv_heads * a.head_dim * self.spec.dtype.itemsize * a.num_layers * self.block_size
+        return a.kv_planes * a.num_kv_heads * a.head_dim * self.spec.kv_dtype.itemsize * a.num_layers * self.block_size
 
     def load(self, num_blocks: int) -> DraftModel:
         """The weights and a pool of `num_blocks` blocks (the target's pool size)."""

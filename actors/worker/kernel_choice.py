@@ -54,11 +54,14 @@ class KernelChoice:
 
 def choose(config: EngineConfig, spec, device: torch.device, world_size: int, lora: bool) -> KernelChoice:
     """This rank's kernels (`spec`: the ModelSpec, whose attention backend rank 0 resolved)."""
+    fp8_kv = spec.kv_cache_dtype is not None
     # MoE layers wait for the GPU to split tokens by expert, except on the Triton backend's
     # fused path (kernels/triton_moe.py).
     moe = spec.args.moe is not None and not (spec.attn_backend == "triton" and fused_block(spec.args))
     off = graphs_off_reason(device_type=device.type, eager_decode=config.eager_decode or eager_by_environment(),
                             world_size=world_size, lora=lora, moe=moe)
+    if off is None and device.type == "cpu" and fp8_kv:  # the compile job traces with scales of 1
+        off = "fp8 KV cache (the compiled CPU step doesn't take checkpoint KV scales yet)"
     if off is None and device.type == "cpu" and spec.attn_backend == "triton":
         off = "Triton interpreted on CPU"  # torch.compile can't trace the interpreter
     decode = "eager" if off else ("cuda-graphs" if device.type == "cuda" else "compiled")
@@ -128,16 +131,22 @@ def device_type(config: EngineConfig) -> str:
 
 
 def attention_backend(config: EngineConfig, dtype: torch.dtype, head_dim: int,
-                      sinks: bool = False) -> tuple[str, str | None]:
+                      sinks: bool = False, fp8_kv: bool = False) -> tuple[str, str | None]:
     """(backend, flash library), for the ModelSpec every rank shares (the flash library sets
     the block size). auto picks flash where it runs, else triton on CUDA, else native, and
     says nothing; an explicit flash or triton that can't run falls back with one warning
-    naming why. sinks: the model has attention sinks (gpt-oss), which flash can't take."""
+    naming why. sinks: the model has attention sinks (gpt-oss), which flash can't take.
+    fp8_kv: --kv-cache-dtype fp8, whose pool flash-attn can't read: auto passes flash over,
+    an explicit --attn-backend flash is refused."""
     asked = config.attn_backend
     if asked == "native":
         return "native", None
+    if asked == "flash" and fp8_kv:
+        raise ValueError("--attn-backend flash can't read an fp8 KV cache (--kv-cache-dtype fp8): "
+                         "use --attn-backend triton (GPU) or native, or auto, which picks triton on a GPU")
     if asked in ("auto", "flash"):
-        why = "attention sinks (gpt-oss) are not in its API" if sinks else flash_unavailable(config, dtype, head_dim)
+        why = ("attention sinks (gpt-oss) are not in its API" if sinks else
+               "it can't read an fp8 KV cache" if fp8_kv else flash_unavailable(config, dtype, head_dim))
         if why is None:
             library = flash_attention.installed()
             if not config.block_size or config.block_size % flash_attention.block_multiple(library) == 0:

@@ -1,7 +1,10 @@
 """Every layer's KV cache as views of one pool tensor [layers, planes, blocks x block size, KV
 heads, head dim]: allocated once per rank (actors/worker/model_runner.py), and small for the
 decode compile job (actors/worker/compile_job.py). Planes: K and V, or MLA's one latent plane
-(ModelArgs.kv_planes), which a layer sees as both its K and its V cache."""
+(ModelArgs.kv_planes), which a layer sees as both its K and its V cache.
+
+`dtype` is the pool's: the model's, or float8 e4m3 with --kv-cache-dtype fp8 (one byte an
+element; the layers' k_scale / v_scale say what a stored 1.0 means, kernels/kv_quant.py)."""
 from __future__ import annotations
 
 import mmap

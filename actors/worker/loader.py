@@ -61,6 +61,7 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
     model.weight_dtype = weight_dtype  # experts re-read later (load_selected) are rounded alike
     if read_weights:
         load_weights(model, path, weight_dtype)
+        load_kv_scales(model, path)
     if quantization:
         quantize_linears(model, quantization)
     return model.eval()
@@ -183,6 +184,22 @@ def _keep_packed(model: nn.Module, params: dict, packed: dict, weight_dtype: tor
         for offset, piece in pieces:
             src = piece.dequantized() if isinstance(piece, int4_checkpoint.PackedWeight) else piece
             _copy_rows(param, offset, src, weight_dtype)
+
+
+def load_kv_scales(model: nn.Module, path: Path) -> None:
+    """This rank's layers' KV cache scales from the checkpoint (fp8_checkpoint.kv_scales): the
+    attention layers' k_scale / v_scale (1.0 where the checkpoint has none), which an fp8 KV
+    pool reads with; a float pool ignores them."""
+    found = {}
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            names = [n for n in f.keys() if n.endswith(("_scale", ".output_scale"))]
+            found.update(fp8_checkpoint.kv_scales((n, lambda n=n: f.get_tensor(n)) for n in names))
+    first = getattr(model, "first_layer", 0)
+    for i, layer in enumerate(model.model.layers):
+        scales = found.get(first + i, {})
+        attn = layer.self_attn
+        attn.k_scale, attn.v_scale = scales.get("k", 1.0), scales.get("v", 1.0)
 
 
 def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):

@@ -64,6 +64,7 @@ class ModelRunner:
         self.config = config
         self.device = pick_device(config)
         self.dtype = spec.dtype
+        self.kv_dtype = spec.kv_dtype  # the KV pool's: dtype, or float8 e4m3 (--kv-cache-dtype fp8)
         self.p = layout(config, spec.layer_split, rank)
         self.p.device = self.device  # tensors that cross ranks live here
         if config.num_threads:
@@ -138,7 +139,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one KV block on this rank (its layers, its KV heads), with the draft
         model's block beside it (the pools are sized together)."""
-        per_token = self.args.kv_planes * self._local_kv_heads() * self.args.head_dim * self.dtype.itemsize
+        per_token = self.args.kv_planes * self._local_kv_heads() * self.args.head_dim * self.kv_dtype.itemsize
         return per_token * len(self.model.model.layers) * self.block_size + self.draft_block_bytes
 
     def _local_kv_heads(self) -> int:
@@ -160,12 +161,12 @@ class ModelRunner:
         # With CUDA graphs or compiled decode one spare block past the pool takes the padding
         # rows' writes.
         self.bind_kv_cache(self.num_blocks + (self.kernels.decode != "eager"))
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                 self.kv_cache.numel() * self.dtype.itemsize / 2**20)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", self.num_blocks, self.block_size,
+                 self.kv_cache.numel() * self.kv_dtype.itemsize / 2**20, str(self.kv_dtype).removeprefix("torch."))
 
     def bind_kv_cache(self, blocks: int | None) -> None:
         """A zeroed pool of `blocks` blocks as every layer's cache (None: drop it)."""
-        self.kv_cache = bind_kv_cache(self.model, blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = bind_kv_cache(self.model, blocks, self.block_size, self.kv_dtype, self.device)
 
     def _capture_graphs(self) -> None:
         self.graphs = DecodeGraphs(

@@ -17,7 +17,7 @@ from actors.worker.checkpoint_files import eos_token_ids, read_config, resolve_m
 from actors.worker.loader import resolve_dtype
 from actors.worker.pooling_config import DEFAULT as DEFAULT_POOLING
 from actors.worker.pooling_config import read_pooling
-from kernels import flash_attention
+from kernels import flash_attention, kv_quant
 
 log = logging.getLogger("shoal.engine")
 
@@ -39,6 +39,12 @@ class ModelSpec:
     weight_dtype: torch.dtype | None = None
     pooling: PoolingParams = DEFAULT_POOLING  # embedding requests' defaults (actors/worker/pooling_config.py)
     quantization: str | None = None  # --quantization: int8 | fp8 linear layers (kernels/quantization.py)
+    kv_cache_dtype: torch.dtype | None = None  # the KV pool's (--kv-cache-dtype fp8: float8 e4m3); None: dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV pool holds: --kv-cache-dtype's, or the compute dtype."""
+        return self.kv_cache_dtype or self.dtype
 
 
 def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
@@ -56,10 +62,12 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")
     if config.enable_lora and args.mla:
         raise ValueError(f"LoRA adapters are not supported for {args.architecture} (latent attention) yet")
-    backend, library = attention_backend(config, dtype, args.head_dim, sinks=args.attn_sinks)
+    kv_dtype = kv_quant.kv_cache_dtype(config.kv_cache_dtype, dtype)
+    backend, library = attention_backend(config, dtype, args.head_dim, sinks=args.attn_sinks,
+                                         fp8_kv=kv_dtype == kv_quant.FP8)
     if cuda:
-        log.info("attention backend %s%s, dtype %s", backend, f" ({library})" if library else "",
-                 str(dtype).removeprefix("torch."))
+        log.info("attention backend %s%s, dtype %s, KV cache %s", backend, f" ({library})" if library else "",
+                 str(dtype).removeprefix("torch."), str(kv_dtype).removeprefix("torch."))
     return ModelSpec(
         path=path, hf_config=hf, args=args, dtype=dtype, weight_dtype=weight_dtype,
         max_model_len=config.max_model_len or limit,
@@ -67,7 +75,8 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
         layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
         attn_backend=backend, flash_library=library,
         block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16),
-        pooling=read_pooling(path), quantization=config.quantization)
+        pooling=read_pooling(path), quantization=config.quantization,
+        kv_cache_dtype=kv_dtype if kv_dtype != dtype else None)
 
 
 def gpu_auto_dtype(hf: dict) -> torch.dtype:

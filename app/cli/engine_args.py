@@ -73,6 +73,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="CUDA: fraction of each GPU's total memory this engine may use for weights, "
              "activations (measured by a profiling forward), CUDA graphs and the KV cache, "
              "which gets what is left, as in vLLM (default 0.9)")
+    add("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"],
+        help="auto: cache K/V in the model's dtype (default); fp8 (= fp8_e4m3): one byte per "
+             "element, float8 e4m3 with one K and one V scale per layer, read from the checkpoint "
+             "(k_scale / v_scale) or 1.0: about twice the blocks of bf16 in the same memory "
+             "(docs/quantization.md)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         help="reuse KV blocks of shared prompt prefixes (default: on)")
     add("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step")
