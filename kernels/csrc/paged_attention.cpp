@@ -697,8 +697,7 @@ static void checked_launch(Tensor& out, const Tensor& q, const Tensor& k_cache, 
   const bool fp8 = k_cache.scalar_type() == ScalarType::Float8_e4m3fn;
   for (const Tensor* t : {static_cast<const Tensor*>(&out), &q, &k_cache, &v_cache}) {
     const bool is_cache = t == &k_cache || t == &v_cache;
-    STD_TORCH_CHECK(t->is_cpu() && (t->scalar_type() == q.scalar_type() ||
-                                    (is_cache && fp8 && t->scalar_type() == ScalarType::Float8_e4m3fn)),
+    STD_TORCH_CHECK(t->is_cpu() && t->scalar_type() == (is_cache && fp8 ? ScalarType::Float8_e4m3fn : q.scalar_type()),
                     "q, out and the caches must be CPU tensors of one dtype (or float8_e4m3fn caches)");
     STD_TORCH_CHECK(t->stride(2) == 1, "the head_dim axis must be contiguous");
   }
