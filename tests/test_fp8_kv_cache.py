@@ -181,6 +181,20 @@ def test_flash_attn_is_refused_and_auto_passes_it_over():
         ("native", None)
 
 
+def test_cpu_decode_stays_eager_with_fp8_and_cuda_graphs_stay_on(monkeypatch):
+    """The compiled CPU step is traced by a job that reads no weights (scales of 1 baked in), so
+    an fp8 pool decodes eagerly on CPU; CUDA graphs capture after the scales load."""
+    from types import SimpleNamespace
+    monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)
+    args = SimpleNamespace(moe=None, norms="pre", residual_scale=1.0)
+    for fp8, device, decode in ((True, "cpu", "eager"), (False, "cpu", "compiled"), (True, "cuda", "cuda-graphs")):
+        spec = SimpleNamespace(args=args, attn_backend="triton" if device == "cuda" else "native",
+                               dtype=torch.float32, quantization=None,
+                               kv_cache_dtype=kv_quant.FP8 if fp8 else None)
+        choice = kernel_choice.choose(EngineConfig(), spec, torch.device(device), world_size=1, lora=False)
+        assert choice.decode == decode and (decode != "eager" or "fp8 KV cache" in choice.decode_off)
+
+
 def test_a_bad_value_is_refused_at_start(tmp_path):
     from app.config import ConfigError, load_config
     from test_option_aliases import from_cli
