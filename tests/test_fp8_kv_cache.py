@@ -15,6 +15,7 @@ prefix-cache hits and preemption; the pool really holds one byte an element.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 
@@ -361,3 +362,25 @@ def test_gpt_oss_sinks_over_fp8_blocks(checkpoint_factory):
     llm = LLM(str(path), kv_cache_dtype="fp8", block_size=4, num_kv_blocks=32)
     check_against_round_tripped_hf(path, llm, prompts_of([9, 21], seed=6))
     assert_pool_free(llm)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_stages_each_read_their_layers_scales(llama_scaled):
+    """pp=2 (Ray actors, gloo): each stage holds its layers' fp8 blocks and their checkpoint
+    scales (stage 1's first layer is the checkpoint's layer 1); what crosses stages is hidden
+    states, so the outputs are one rank's."""
+    import ray
+    path, scales = llama_scaled
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    try:
+        llm = LLM(str(path), kv_cache_dtype="fp8", pp_size=2, shard_cpus=0.5, block_size=4, num_kv_blocks=64,
+                  max_num_batched_tokens=24)
+        try:
+            check_against_round_tripped_hf(path, llm, prompts_of([5, 30, 13], seed=8), max_tokens=12, scales=scales)
+            assert_pool_free(llm)
+        finally:
+            llm.shutdown()
+    finally:
+        ray.shutdown()
