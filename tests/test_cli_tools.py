@@ -236,6 +236,7 @@ def test_collect_env(monkeypatch, capsys):
     assert isinstance(report["torch"]["cuda_available"], bool)
     assert report["quantization"]["int8"].startswith("CPU, the ")
     assert "dequantised as they load" in report["quantization"]["gptq / awq / compressed-tensors int4 checkpoints"]
+    assert report["quantization"]["fp8 KV cache"].startswith("--kv-cache-dtype fp8")
     assert report["ray_cluster"] == {"status": "unreachable", "address": "127.0.0.1:9"}
     assert main(["collect-env", "--ray-address", "none"]) == 0
     text = capsys.readouterr().out

@@ -384,3 +384,21 @@ def test_pipeline_parallel_stages_each_read_their_layers_scales(llama_scaled):
             llm.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_a_draft_model_caches_in_fp8_too(checkpoint_factory, tmp_path):
+    """Speculative decoding with a draft model: both pools hold fp8 (the draft's sized at one byte
+    an element beside the target's), and greedy tokens stay the round-tripped oracle's."""
+    from checkpoints import draft_copy
+    path = checkpoint_factory("llama")
+    draft = draft_copy(path, tmp_path / "draft", [0])
+    llm = LLM(str(path), kv_cache_dtype="fp8", block_size=4, num_kv_blocks=48,
+              speculative_config={"model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": 64})
+    proposer = llm.engine.scheduler.speculator.proposer
+    proposer_pool = proposer.runner.kv_cache
+    assert proposer_pool.dtype == torch.float8_e4m3fn and proposer_pool.element_size() == 1
+    assert proposer.block_bytes() == proposer.runner.block_bytes()  # what rank 0 set aside for it
+    llm.engine.scheduler.speculator.compared_steps = 10**9  # keep drafting (this test is not about speed)
+    check_against_round_tripped_hf(path, llm, prompts_of([9, 20], seed=9), logprobs=False)
+    assert llm.engine.scheduler.speculator.num_draft_tokens > 0
+    assert_pool_free(llm)

@@ -125,7 +125,9 @@ def quantization() -> dict:
             "gptq / awq / compressed-tensors int4 checkpoints":
                 "loaded as float (dequantised as they load); SHOAL_INT4_KERNEL=1 keeps them packed "
                 "for the Triton w4a16 kernel (kernels/int4_linear.py; not yet run on a GPU)",
-            "fp8 KV cache": "not supported yet"}
+            "fp8 KV cache": "--kv-cache-dtype fp8 (e4m3, per-layer scales): CPU through "
+                            f"{'the C++ kernel' if wide else 'the C++ portable loop'} or torch, CUDA through Triton "
+                            "(not flash-attn)"}
 
 
 def nvidia_smi() -> str | None:
