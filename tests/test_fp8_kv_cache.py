@@ -174,6 +174,29 @@ def test_triton_kernels_on_fp8_equal_float_on_round_tripped_kv(interpreted, monk
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split-kv"])
+def test_triton_kernels_compiled_on_cuda(monkeypatch, dtype, split):
+    """The same comparison compiled on a GPU (not run on the CPU machines): bf16 queries read
+    the round-tripped values rounded to bf16 on both sides."""
+    from kernels import triton_attention as ta
+    heads, kv_heads, d, bs = 8, 2, 128, 16
+    rows = [(1, 700), (1, 90)] if split else [(1, 9), (1, 400), (37, 0), (5, 60)]
+    q, kc, vc, _, lens, tables = mixed_step([], heads, kv_heads, d, bs, decode_lens=[s + n for n, s in rows])
+    q = torch.randn(sum(n for n, _ in rows), heads, d, generator=torch.Generator().manual_seed(1))
+    if split:
+        monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 64)
+    k8, v8, kf, vf = (t.cuda() for t in fp8_pools(kc, vc, 0.37, 1.9))
+    meta = ta.build_metadata([n for n, _ in rows], torch.tensor(lens), tables, bs, "cuda")
+    assert (meta.splits > 1) == split
+    q, sinks = q.cuda().to(dtype), torch.randn(heads, device="cuda")
+    got = ta.paged_attention(q, k8, v8, meta, 0.1, sinks=sinks, k_scale=0.37, v_scale=1.9)
+    want = ta.paged_attention(q, kf.to(dtype), vf.to(dtype), meta, 0.1, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL if dtype == torch.float32 else 1e-2)
+
+
 def test_flash_attn_is_refused_and_auto_passes_it_over():
     with pytest.raises(ValueError, match="flash can't read an fp8 KV cache"):
         kernel_choice.attention_backend(EngineConfig(attn_backend="flash", kv_cache_dtype="fp8"),
@@ -349,18 +372,27 @@ def test_triton_backend_engine_over_fp8_blocks(interpreted, checkpoint_factory):
     assert_pool_free(llm)
 
 
-def test_deepseek_latent_cache_in_fp8(checkpoint_factory):
+def backend_options(backend, request) -> dict:
+    if backend == "triton":
+        request.getfixturevalue("interpreted")
+    return {"attn_backend": backend}
+
+
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_deepseek_latent_cache_in_fp8(checkpoint_factory, backend, request):
     path = checkpoint_factory("deepseek_v3", rope_interleave=False)
-    llm = LLM(str(path), kv_cache_dtype="fp8", block_size=4, num_kv_blocks=32)
-    assert pool_of(llm).shape[1] == 1  # MLA's one latent plane, in fp8
-    check_against_round_tripped_hf(path, llm, prompts_of([9, 21], seed=5))
+    llm = LLM(str(path), kv_cache_dtype="fp8", block_size=4, num_kv_blocks=32, **backend_options(backend, request))
+    assert pool_of(llm).shape[1] == 1 and llm.engine.spec.attn_backend == backend  # MLA's one latent plane
+    check_against_round_tripped_hf(path, llm, prompts_of([9, 21], seed=5), max_tokens=8)
     assert_pool_free(llm)
 
 
-def test_gpt_oss_sinks_over_fp8_blocks(checkpoint_factory):
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_gpt_oss_sinks_over_fp8_blocks(checkpoint_factory, backend, request):
     path = checkpoint_factory("gpt_oss")
-    llm = LLM(str(path), kv_cache_dtype="fp8", block_size=4, num_kv_blocks=32)
-    check_against_round_tripped_hf(path, llm, prompts_of([9, 21], seed=6))
+    llm = LLM(str(path), kv_cache_dtype="fp8", block_size=4, num_kv_blocks=32, **backend_options(backend, request))
+    assert llm.engine.spec.attn_backend == backend
+    check_against_round_tripped_hf(path, llm, prompts_of([9, 21], seed=6), max_tokens=8)
     assert_pool_free(llm)
 
 
@@ -402,3 +434,22 @@ def test_a_draft_model_caches_in_fp8_too(checkpoint_factory, tmp_path):
     check_against_round_tripped_hf(path, llm, prompts_of([9, 20], seed=9), logprobs=False)
     assert llm.engine.scheduler.speculator.num_draft_tokens > 0
     assert_pool_free(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_on_cuda_with_graphs(checkpoint_factory, monkeypatch):
+    """On a GPU (not run on the CPU machines): auto picks Triton (never flash-attn) for the fp8
+    pool, CUDA graphs capture the quantising write, and float32 outputs are the round-tripped
+    oracle's (log-probs within 1e-3: GPU against CPU float32 reductions, as tests/test_gpu.py)."""
+    monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)  # (the suite's: graphs are tested here)
+    path = checkpoint_factory("llama")
+    llm = LLM(str(path), device="cuda", dtype="float32", kv_cache_dtype="fp8", block_size=16, num_kv_blocks=64)
+    assert llm.engine.spec.attn_backend == "triton" and llm.engine.executor.runner.kernels.decode == "cuda-graphs"
+    prompts = prompts_of([3, 17, 40], seed=10)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0))
+    with hf_round_trips_kv():
+        for ids, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(path, ids, 16)
+            ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+            assert ours == pytest.approx(hf_prompt_logprobs(path, ids), abs=1e-3)
