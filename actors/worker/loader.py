@@ -193,7 +193,7 @@ def load_kv_scales(model: nn.Module, path: Path) -> None:
     found = {}
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
-            names = [n for n in f.keys() if n.endswith(("_scale", ".output_scale"))]
+            names = [n for n in f.keys() if n.endswith("_scale")]
             found.update(fp8_checkpoint.kv_scales((n, lambda n=n: f.get_tensor(n)) for n in names))
     first = getattr(model, "first_layer", 0)
     for i, layer in enumerate(model.model.layers):
