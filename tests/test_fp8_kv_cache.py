@@ -205,18 +205,27 @@ def test_flash_attn_is_refused_and_auto_passes_it_over():
         ("native", None)
 
 
-def test_cpu_decode_stays_eager_with_fp8_and_cuda_graphs_stay_on(monkeypatch):
-    """The compiled CPU step is traced by a job that reads no weights (scales of 1 baked in), so
-    an fp8 pool decodes eagerly on CPU; CUDA graphs capture after the scales load."""
-    from types import SimpleNamespace
-    monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)
-    args = SimpleNamespace(moe=None, norms="pre", residual_scale=1.0)
-    for fp8, device, decode in ((True, "cpu", "eager"), (False, "cpu", "compiled"), (True, "cuda", "cuda-graphs")):
-        spec = SimpleNamespace(args=args, attn_backend="triton" if device == "cuda" else "native",
-                               dtype=torch.float32, quantization=None,
-                               kv_cache_dtype=kv_quant.FP8 if fp8 else None)
-        choice = kernel_choice.choose(EngineConfig(), spec, torch.device(device), world_size=1, lora=False)
-        assert choice.decode == decode and (decode != "eager" or "fp8 KV cache" in choice.decode_off)
+def test_compiled_cpu_decode_over_fp8_blocks(llama_scaled, tmp_path, monkeypatch):
+    """CPU's compiled decode step (traced by a job that reads no weights but does read the KV
+    scales, which the step holds as constants; the artifact is named by them): its tokens and
+    log-probs are the eager fp8 engine's, which are the round-tripped oracle's."""
+    from test_compiled_decode import compiled_llm
+    path, scales = llama_scaled
+    monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path / "compiled"))
+    options = dict(kv_cache_dtype="fp8", block_size=4, num_kv_blocks=64, max_num_seqs=4)
+    compiled = compiled_llm(path, **options)
+    runner = compiled.engine.executor.runner
+    assert runner.kernels.decode == "compiled" and runner.graphs is not None
+    prompts = prompts_of([5, 12, 9], seed=11)
+    got = check_against_round_tripped_hf(path, compiled, prompts, scales=scales, logprobs=False)
+    assert runner.graphs.replays > 0
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    eager = LLM(str(path), **options).generate(prompts, params)
+    for g, w in zip(compiled.generate(prompts, params), eager):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert max(abs(lg[t] - lw[t]) for t in lw) < 1e-4
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in eager]
 
 
 def test_a_bad_value_is_refused_at_start(tmp_path):

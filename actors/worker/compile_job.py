@@ -89,7 +89,7 @@ def main(job: str, parent: int) -> None:
     from actors.worker.compiled_decode import MIN_BLOCKS, compile_to
     from actors.worker.input_batch import InputBatch
     from actors.worker.kernel_choice import choose
-    from actors.worker.loader import build_model
+    from actors.worker.loader import build_model, load_kv_scales
     from actors.worker.kv_pool import bind_kv_cache
 
     torch.set_num_threads(1)
@@ -101,6 +101,7 @@ def main(job: str, parent: int) -> None:
     parallel.device = device
     model = build_model(spec.path, spec.hf_config, spec.dtype, device, spec.max_model_len, parallel,
                         spec.weight_dtype, read_weights=False, quantization=spec.quantization)
+    load_kv_scales(model, spec.path)  # an fp8 KV cache's scales are constants of the traced step
     choose(config, spec, device, 1, lora=False)  # builds or loads the native kernels the model calls
     bind_kv_cache(model, MIN_BLOCKS + 1, block_size, spec.kv_dtype, device)
     batch = InputBatch(MIN_BLOCKS, MIN_BLOCKS, block_size, pad_block=MIN_BLOCKS)

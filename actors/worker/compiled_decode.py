@@ -25,8 +25,9 @@ inductor take 15-45 s of Python on 2 cores, and a compiling thread would hold th
 the engine's (an eager step ran ~75x slower beside a busy thread), so:
 - the compiled step is an artifact on disk (`torch.compile(...).aot_compile`, saved with the
   model as external data and no guards), named by a hash of everything it depends on
-  (`artifact_path`): the model's config, dtype, block size, kernels, this CPU, torch, and
-  shoal's model and kernel sources;
+  (`artifact_path`): the model's config, dtype, KV cache dtype (and, for an fp8 cache, the
+  checkpoint's KV scales, which the traced step holds as constants), block size, kernels, this
+  CPU, torch, and shoal's model and kernel sources;
 - without one, a process of its own compiles it at the lowest CPU priority
   (actors/worker/compile_job.py: the model built without reading its weights) while the engine
   decodes eagerly; the job dies with the engine;
@@ -53,6 +54,7 @@ import torch
 from actors.core.step import SchedulerOutput
 from actors.worker.cuda_graphs import padded_size
 from actors.worker.input_batch import InputBatch, PaddedDecode, PendingTokens
+from actors.worker.loader import checkpoint_kv_scales
 from kernels.attention import AttentionMetadata
 
 log = logging.getLogger("shoal.runner")
@@ -189,6 +191,8 @@ def artifact_path(spec, kernels, block_size: int) -> Path:
     parts = [FORMAT, torch.__version__, _cpu(), json.dumps(spec.hf_config, sort_keys=True, default=str),
              str(spec.dtype), str(spec.weight_dtype), spec.quantization, spec.max_model_len, block_size, kernels.attention,
              kernels.linear, [os.environ.get(k) for k in KERNEL_SWITCHES]]
+    if spec.kv_cache_dtype is not None:  # (parts unchanged for a float cache: its artifacts stay valid)
+        parts += [str(spec.kv_cache_dtype), sorted(checkpoint_kv_scales(spec.path).items())]
     h.update(repr(parts).encode())
     for name in TRACED_SOURCES:
         root = REPO / name

@@ -186,15 +186,21 @@ def _keep_packed(model: nn.Module, params: dict, packed: dict, weight_dtype: tor
             _copy_rows(param, offset, src, weight_dtype)
 
 
-def load_kv_scales(model: nn.Module, path: Path) -> None:
-    """This rank's layers' KV cache scales from the checkpoint (fp8_checkpoint.kv_scales): the
-    attention layers' k_scale / v_scale (1.0 where the checkpoint has none), which an fp8 KV
-    pool reads with; a float pool ignores them."""
+def checkpoint_kv_scales(path: Path) -> dict[int, dict[str, float]]:
+    """The checkpoint's KV cache scales by layer (fp8_checkpoint.kv_scales; {} without any)."""
     found = {}
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             names = [n for n in f.keys() if n.endswith("_scale")]
             found.update(fp8_checkpoint.kv_scales((n, lambda n=n: f.get_tensor(n)) for n in names))
+    return found
+
+
+def load_kv_scales(model: nn.Module, path: Path) -> None:
+    """This rank's layers' KV cache scales from the checkpoint: the attention layers' k_scale /
+    v_scale (1.0 where the checkpoint has none), which an fp8 KV pool reads with; a float pool
+    ignores them. (Also called by the decode compile job, which reads no weights.)"""
+    found = checkpoint_kv_scales(path)
     first = getattr(model, "first_layer", 0)
     for i, layer in enumerate(model.model.layers):
         scales = found.get(first + i, {})
