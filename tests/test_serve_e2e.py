@@ -464,8 +464,10 @@ def test_stream_pacing_holds_with_load_up_to_the_flush_interval():
 
 
 def test_stream_interval_sends_that_many_tokens_a_chunk(split_url):
-    """The split app streams with --stream-interval 3: the first token at once, then chunks
-    of at least 3 (a step with accepted drafts adds more), the last with what is left."""
+    """The split app streams with --stream-interval 3: the first token at once (the first chunk
+    is not held for 3; on a loaded machine the next token may have arrived by the time it goes
+    out), then chunks of at least 3 (a step with accepted drafts adds more), the last with what
+    is left."""
     body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True,
             "logprobs": 1}
     sizes = []
@@ -475,7 +477,7 @@ def test_stream_interval_sends_that_many_tokens_a_chunk(split_url):
                 choices = json.loads(line[6:]).get("choices")
                 if choices and choices[0].get("logprobs"):
                     sizes.append(len(choices[0]["logprobs"]["tokens"]))
-    assert sum(sizes) == 20 and sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]), sizes
+    assert sum(sizes) == 20 and sizes[0] < 3 and all(n >= 3 for n in sizes[1:-1]), sizes
 
 
 # --------------------------------------------------------------------------- shoal serve
