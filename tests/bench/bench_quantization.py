@@ -19,10 +19,10 @@ shoal server's resident memory is the sum over its process tree (the CLI, Ray's 
 workers, the engine) after the rounds.
 
 quality: SmolLM2-135M-Instruct (a real trained model; `make smollm2`) in float32 and in each
-format (FORMATS: int8, fp8 weight-only as on CPU, fp8 with a GPU's dynamic FP8 activations, and
-GPTQ / AWQ / compressed-tensors int4 checkpoints written from it by round to nearest, no
-calibration), teacher-forced on fixed texts: per position, whether each agrees with float32 on
-the most likely next token, and |log p(actual next token)| difference.
+format (FORMATS: int8, fp8 weight-only as on CPU, fp8 with a GPU's dynamic FP8 activations, an
+fp8 KV cache, and GPTQ / AWQ / compressed-tensors int4 checkpoints written from it by round to
+nearest, no calibration), teacher-forced on fixed texts: per position, whether each agrees with
+float32 on the most likely next token, and |log p(actual next token)| difference.
 """
 from __future__ import annotations
 
@@ -136,6 +136,7 @@ FORMATS = {
     "int8": (None, {"quantization": "int8"}, {}),
     "fp8": (None, {"quantization": "fp8"}, {}),  # weight-only, as on CPU
     "fp8-dynamic": (None, {"quantization": "fp8"}, {"SHOAL_FP8_ACTIVATIONS": "1"}),  # a GPU's per-token FP8 activations
+    "kv-fp8": (None, {"kv_cache_dtype": "fp8"}, {}),  # weights float, the KV cache e4m3 (scales 1.0)
     "gptq-int4-g64-sym": (("gptq", dict(group_size=64, sym=True)), {}, {}),
     "awq-int4-g64": (("awq", dict(group_size=64, sym=False)), {}, {}),
     "compressed-tensors-int4-channel": (("compressed-tensors", dict(group_size=-1, sym=True)), {}, {}),
