@@ -6,8 +6,9 @@ Q8_0, and quality against the unquantized model.
     .venv/bin/python tests/bench/bench_quantization.py quality [--model DIR] [--formats int8,fp8,fp8-dynamic]
     .venv/bin/python tests/bench/bench_quantization.py kernel
 
-kernel: the int8 kernel against float32 (shoal's CPU linear: oneDNN, or the panel kernel on
-AVX-512) on the Qwen2.5-0.5B shape's projections, at decode and prefill row counts.
+kernel: the 8-bit kernel (int8 and fp8 weights) against float32 (shoal's CPU linear: oneDNN, or
+the panel kernel on AVX-512) on the Qwen2.5-0.5B shape's projections, at decode and prefill row
+counts.
 
 speed: a Qwen2.5-0.5B-shaped checkpoint (24 layers, hidden 896, 14 query / 2 KV heads, MLP
 4,864, vocab 151,936, tied embeddings; random weights: speed does not depend on them), its
@@ -202,25 +203,26 @@ def kernel(args) -> None:
     h, i = QWEN_05B["hidden_size"], QWEN_05B["intermediate_size"]
     shapes = {"qkv": (h + 2 * 128, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i)}
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, 2 threads; ms per call (median of 15)")
-    print("| projection [N, K] | rows | float32 | int8 | float32 / int8 |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| projection [N, K] | rows | float32 | int8 | fp8 | float32 / int8 | float32 / fp8 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+    def timed(fn):
+        fn()
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k)
-        packed, scale = quantize(w, "int8")
+        int8, fp8 = quantize(w, "int8"), quantize(w, "fp8")
         for m in (1, 8, 32, 256):
             x = torch.randn(m, k)
-
-            def timed(fn):
-                fn()
-                times = []
-                for _ in range(15):
-                    start = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - start)
-                return statistics.median(times) * 1e3
-
-            f32, q = timed(lambda: linear.linear(x, w)), timed(lambda: _cpu_linear(x, packed, scale, None))
-            print(f"| {name} [{n}, {k}] | {m} | {f32:.3f} | {q:.3f} | {f32 / q:.2f}x |")
+            f32 = timed(lambda: linear.linear(x, w))
+            q8, f8 = (timed(lambda: _cpu_linear(x, *q, None)) for q in (int8, fp8))
+            print(f"| {name} [{n}, {k}] | {m} | {f32:.3f} | {q8:.3f} | {f8:.3f} | {f32 / q8:.2f}x | {f32 / f8:.2f}x |")
 
 
 def main() -> None:
