@@ -3,17 +3,7 @@ use, after the choice between Triton's compiler and its interpreter is made."""
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def rounded(x, DTYPE: tl.constexpr):
-    """x (float32) rounded to nearest even in DTYPE, kept in float32 (bf16 written out: Triton's
-    interpreter truncates its cast)."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(DTYPE).to(tl.float32)
+from kernels.triton_fused_programs import rounded  # x rounded to a dtype, bf16 rounded to nearest even
 
 
 @triton.jit

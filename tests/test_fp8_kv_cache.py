@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 
 import pytest
@@ -24,13 +23,14 @@ import torch
 from oracle import hf_greedy, hf_prompt_logprobs
 from safetensors.torch import save_file
 from test_engine import assert_pool_free, prompts_of
+from test_kernels import mixed_step as kernels_step
 
 from actors.config import EngineConfig
 from actors.engine.llm import LLM
 from actors.sampling_params import SamplingParams
 from actors.worker import kernel_choice
 from kernels import kv_quant, native, triton_programs
-from kernels.attention import AttentionMetadata, paged_attention
+from kernels.attention import paged_attention
 
 ATOL = 1e-6
 CPU_PATHS = ["portable"] + {"AVX512": ["avx2", "best"], "AVX2": ["best"]}.get(
@@ -58,30 +58,11 @@ def fp8_pools(k_cache, v_cache, k_scale, v_scale):
 
 
 def mixed_step(chunks, heads, kv_heads, d, block_size, decode_lens=(40, 7), seed=0):
-    """Decode rows then prefill chunks ((tokens, first position) each) over one scattered pool
-    (K spread wider than V, so the scales matter), as the model runner lays a step out."""
-    lens = list(decode_lens) + [start + n for n, start in chunks]
-    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    used = [-(-n // block_size) for n in lens]
-    ids = list(range(sum(used) + 3))
-    rng.shuffle(ids)
-    tables = torch.zeros(len(lens), max(used) + 1, dtype=torch.long)
-    for row, k in enumerate(used):
-        tables[row, :k] = torch.tensor([ids.pop() for _ in range(k)])
-    slots = (sum(used) + 3) * block_size
-    k_cache = torch.randn(slots, kv_heads, d, generator=g) * 4
-    v_cache = torch.randn(slots, kv_heads, d, generator=g)
-    nd = len(decode_lens)
-    q = torch.randn(nd + sum(n for n, _ in chunks), heads, d, generator=g)
-    row, spans = nd, []
-    for n, start in chunks:
-        spans.append((row, n, start))
-        row += n
-    meta = AttentionMetadata(slot_mapping=torch.zeros(len(q), dtype=torch.long), num_decode_tokens=nd,
-                             block_size=block_size, decode_block_tables=tables[:nd],
-                             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32),
-                             prefill_chunks=spans, prefill_block_tables=tables[nd:])
-    return q, k_cache, v_cache, meta, lens, tables
+    """test_kernels' step (decode rows then prefill chunks over one scattered pool, as the model
+    runner lays a step out) with K spread wider than V, so the scales matter; and its decode
+    rows' context lengths and block tables."""
+    q, k_cache, v_cache, meta = kernels_step(chunks, heads, kv_heads, d, block_size, decode_lens, seed)
+    return q, k_cache * 4, v_cache, meta, meta.decode_context_lens, meta.decode_block_tables
 
 
 def through_entry(q, k, v, meta, **kw):
@@ -165,7 +146,7 @@ def test_triton_kernels_on_fp8_equal_float_on_round_tripped_kv(interpreted, monk
     q = torch.randn(sum(n for n, _ in rows), heads, d, generator=torch.Generator().manual_seed(1))
     if split:
         monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 8)
-    meta = ta.build_metadata([n for n, _ in rows], torch.tensor(lens), tables, bs, "cpu")
+    meta = ta.build_metadata([n for n, _ in rows], lens.clone(), tables, bs, "cpu")
     assert (meta.splits > 1) == split
     k8, v8, kf, vf = fp8_pools(kc, vc, 0.37, 1.9)
     extra = dict(window=window, softcap=softcap, sinks=torch.randn(heads) if sinks else None)
@@ -189,7 +170,7 @@ def test_triton_kernels_compiled_on_cuda(monkeypatch, dtype, split):
     if split:
         monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 64)
     k8, v8, kf, vf = (t.cuda() for t in fp8_pools(kc, vc, 0.37, 1.9))
-    meta = ta.build_metadata([n for n, _ in rows], torch.tensor(lens), tables, bs, "cuda")
+    meta = ta.build_metadata([n for n, _ in rows], lens.clone(), tables, bs, "cuda")
     assert (meta.splits > 1) == split
     q, sinks = q.cuda().to(dtype), torch.randn(heads, device="cuda")
     got = ta.paged_attention(q, k8, v8, meta, 0.1, sinks=sinks, k_scale=0.37, v_scale=1.9)
