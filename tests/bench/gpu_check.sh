@@ -8,7 +8,7 @@
 #   bash tests/bench/gpu_check.sh            # from the repository root, on the GPU machine
 #   PARTS=tests,moe VARIANTS=triton-graphs bash tests/bench/gpu_check.sh    # some parts only
 #   PARTS=spec bash tests/bench/gpu_check.sh     # speculative decoding (issue 48), not in the default
-#   PARTS=quant bash tests/bench/gpu_check.sh    # --quantization fp8 / int8 against bf16 (issue 49)
+#   PARTS=quant bash tests/bench/gpu_check.sh    # quantized weights and KV on CUDA, fp8 / int8 against bf16 (issue 49)
 #
 # The device tool's machine has torch, triton and transformers but no Ray, FastAPI or
 # xgrammar: only the offline engine runs here. Everything also goes to $OUT/gpu_check.log,
@@ -55,8 +55,9 @@ part() { [[ ",$PARTS," == *",$1,"* ]]; }
     timeout 130 "$PY" tests/bench/bench_gpu.py --variants "$VARIANTS" 2>&1 | tee "$DIR/gpu_llama.log" | tail -7
   fi
   if part quant; then
-    echo "== 8-bit weights: the CUDA tests, then fp8 / int8 against bf16 on nano-vllm's workload (target fp8 >= 1.3x)"
-    timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_gpu.py -k 8_bit 2>&1 | tee "$DIR/gpu_quant_tests.log" | tail -8
+    echo "== quantization: the CUDA tests (8-bit weights, int4 kept packed, the fp8 KV cache), then fp8 / int8 against bf16 on nano-vllm's workload (target fp8 >= 1.3x)"
+    timeout 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/test_fp8_kv_cache.py \
+      tests/test_gpu.py -k "8_bit or int4 or fp8_kv or compiled_on_cuda or engine_on_cuda" 2>&1 | tee "$DIR/gpu_quant_tests.log" | tail -8
     timeout 300 "$PY" tests/bench/bench_gpu.py --workload nano-vllm --variants triton-graphs,triton-graphs-fp8,triton-graphs-int8 2>&1 \
       | tee "$DIR/gpu_quant.log" | tail -7
   fi
