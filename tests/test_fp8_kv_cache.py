@@ -135,20 +135,27 @@ def interpreted():
         pytest.skip("Triton's interpreter is off (CUDA is here)")
 
 
+def triton_step(monkeypatch, rows, split, heads, kv_heads, d, block_size, split_min_keys, device):
+    """A Triton step of `rows` ((tokens, first position) each) on `device`: its queries, its
+    metadata (split-KV forced with `split`), and fp8_pools' four pools (scales 0.37 and 1.9)."""
+    from kernels import triton_attention as ta
+    _, kc, vc, _, lens, tables = mixed_step([], heads, kv_heads, d, block_size, decode_lens=[s + n for n, s in rows])
+    q = torch.randn(sum(n for n, _ in rows), heads, d, generator=torch.Generator().manual_seed(1))
+    if split:
+        monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", split_min_keys)
+    meta = ta.build_metadata([n for n, _ in rows], lens.clone(), tables, block_size, device)
+    assert (meta.splits > 1) == split
+    return q.to(device), meta, tuple(t.to(device) for t in fp8_pools(kc, vc, 0.37, 1.9))
+
+
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (7, 2.5, True)], ids=["plain", "all"])
 @pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split-kv"])
 def test_triton_kernels_on_fp8_equal_float_on_round_tripped_kv(interpreted, monkeypatch, window, softcap, sinks,
                                                                split):
     from kernels import triton_attention as ta
-    heads, kv_heads, d, bs = 4, 2, 16, 4
+    heads = 4
     rows = [(1, 40), (1, 9)] if split else [(1, 9), (1, 40), (5, 0), (3, 11)]
-    q, kc, vc, _, lens, tables = mixed_step([], heads, kv_heads, d, bs, decode_lens=[s + n for n, s in rows])
-    q = torch.randn(sum(n for n, _ in rows), heads, d, generator=torch.Generator().manual_seed(1))
-    if split:
-        monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 8)
-    meta = ta.build_metadata([n for n, _ in rows], lens.clone(), tables, bs, "cpu")
-    assert (meta.splits > 1) == split
-    k8, v8, kf, vf = fp8_pools(kc, vc, 0.37, 1.9)
+    q, meta, (k8, v8, kf, vf) = triton_step(monkeypatch, rows, split, heads, 2, 16, 4, 8, "cpu")
     extra = dict(window=window, softcap=softcap, sinks=torch.randn(heads) if sinks else None)
     got = ta.paged_attention(q, k8, v8, meta, 0.25, k_scale=0.37, v_scale=1.9, **extra)
     want = ta.paged_attention(q, kf, vf, meta, 0.25, **extra)
@@ -163,16 +170,10 @@ def test_triton_kernels_compiled_on_cuda(monkeypatch, dtype, split):
     """The same comparison compiled on a GPU (not run on the CPU machines): bf16 queries read
     the round-tripped values rounded to bf16 on both sides."""
     from kernels import triton_attention as ta
-    heads, kv_heads, d, bs = 8, 2, 128, 16
+    heads = 8
     rows = [(1, 700), (1, 90)] if split else [(1, 9), (1, 400), (37, 0), (5, 60)]
-    q, kc, vc, _, lens, tables = mixed_step([], heads, kv_heads, d, bs, decode_lens=[s + n for n, s in rows])
-    q = torch.randn(sum(n for n, _ in rows), heads, d, generator=torch.Generator().manual_seed(1))
-    if split:
-        monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 64)
-    k8, v8, kf, vf = (t.cuda() for t in fp8_pools(kc, vc, 0.37, 1.9))
-    meta = ta.build_metadata([n for n, _ in rows], lens.clone(), tables, bs, "cuda")
-    assert (meta.splits > 1) == split
-    q, sinks = q.cuda().to(dtype), torch.randn(heads, device="cuda")
+    q, meta, (k8, v8, kf, vf) = triton_step(monkeypatch, rows, split, heads, 2, 128, 16, 64, "cuda")
+    q, sinks = q.to(dtype), torch.randn(heads, device="cuda")
     got = ta.paged_attention(q, k8, v8, meta, 0.1, sinks=sinks, k_scale=0.37, v_scale=1.9)
     want = ta.paged_attention(q, kf.to(dtype), vf.to(dtype), meta, 0.1, sinks=sinks)
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL if dtype == torch.float32 else 1e-2)

@@ -383,6 +383,26 @@ def dense_reference(q, k_cache, v_cache, meta, scale, window=None, softcap=None,
     return out
 
 
+def assert_every_cpu_path(monkeypatch, q, kc, vc, meta, want, window=None, softcap=None, sinks=None):
+    """paged_attention with the native kernel, then with the torch path (short chunks through
+    SDPA), then the kernel's portable decode loop alone, each equal to `want`; returns (the
+    portable op, its output, the decode rows) for further checks."""
+    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.125, window=window, softcap=softcap, sinks=sinks),
+                               want, rtol=0, atol=2e-5)
+    meta.short_chunks = None
+    with monkeypatch.context() as m:
+        m.setenv("SHOAL_NATIVE_KERNELS", "0")
+        got = paged_attention(q, kc, vc, meta, 0.125, window=window, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    nd = meta.num_decode_tokens
+    portable = torch.ops.shoal.paged_decode_attention_portable.default
+    out = torch.empty_like(q[:nd])
+    portable(out, q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, 16, 0.125, window or 0,
+             softcap or 0.0, *(() if sinks is None else (sinks,)))
+    torch.testing.assert_close(out, want[:nd], rtol=0, atol=2e-5)
+    return portable, out, nd
+
+
 @pytest.mark.parametrize("window,softcap", [(5, None), (20, None), (None, 3.0), (7, 2.5)])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)], ids=["mha", "gqa4"])
 def test_sliding_window_and_softcap_on_every_cpu_path(op, monkeypatch, window, softcap, heads, kv_heads):
@@ -392,19 +412,7 @@ def test_sliding_window_and_softcap_on_every_cpu_path(op, monkeypatch, window, s
     chunks = [(20, 0), (5, 37), (17, 50), (3, 0), (16, 100), (2, 290)]
     q, kc, vc, meta = mixed_step(chunks, heads, kv_heads, 64, 16, decode_lens=(40, 7, 3))
     want = dense_reference(q, kc, vc, meta, 0.125, window, softcap)
-    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.125, window=window, softcap=softcap), want,
-                               rtol=0, atol=2e-5)
-    meta.short_chunks = None
-    with monkeypatch.context() as m:
-        m.setenv("SHOAL_NATIVE_KERNELS", "0")
-        got = paged_attention(q, kc, vc, meta, 0.125, window=window, softcap=softcap)
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
-    nd = meta.num_decode_tokens
-    portable = torch.ops.shoal.paged_decode_attention_portable.default
-    out = torch.empty_like(q[:nd])
-    portable(out, q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, 16, 0.125,
-             window or 0, softcap or 0.0)
-    torch.testing.assert_close(out, want[:nd], rtol=0, atol=2e-5)
+    assert_every_cpu_path(monkeypatch, q, kc, vc, meta, want, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("window", [None, 7])
@@ -418,19 +426,7 @@ def test_attention_sinks_on_every_cpu_path(op, monkeypatch, window, heads, kv_he
     sinks = torch.linspace(0.0, 4.0, heads)
     want = dense_reference(q, kc, vc, meta, 0.125, window, sinks=sinks)
     assert (want - dense_reference(q, kc, vc, meta, 0.125, window)).abs().amax(dim=(1, 2)).min() > 1e-3
-    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.125, window=window, sinks=sinks), want,
-                               rtol=0, atol=2e-5)
-    meta.short_chunks = None
-    with monkeypatch.context() as m:
-        m.setenv("SHOAL_NATIVE_KERNELS", "0")
-        got = paged_attention(q, kc, vc, meta, 0.125, window=window, sinks=sinks)
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
-    nd = meta.num_decode_tokens
-    portable = torch.ops.shoal.paged_decode_attention_portable.default
-    out = torch.empty_like(q[:nd])
-    portable(out, q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, 16, 0.125, window or 0, 0.0,
-             sinks)
-    torch.testing.assert_close(out, want[:nd], rtol=0, atol=2e-5)
+    portable, out, nd = assert_every_cpu_path(monkeypatch, q, kc, vc, meta, want, window=window, sinks=sinks)
     with pytest.raises(RuntimeError, match="sinks must be a contiguous CPU float32"):
         portable(out, q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, 16, 0.125, 0, 0.0,
                  sinks[:4])
