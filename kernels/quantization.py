@@ -22,6 +22,7 @@ arithmetic, 5-15x slower than float32 there), to measure on a CPU the quality a 
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -90,7 +91,12 @@ def fp8_matmuls(device: torch.device) -> bool:
     capability 8.9+ (FP8 matmuls), or a CPU with SHOAL_FP8_ACTIVATIONS=1."""
     if device.type == "cpu":
         return flag("SHOAL_FP8_ACTIVATIONS", False)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index or 0) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:  # asked on every fp8 call: once per GPU
+    return torch.cuda.get_device_capability(index)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
