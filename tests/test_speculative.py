@@ -102,26 +102,30 @@ def test_config_defaults_and_errors_follow_vllm():
 
 
 def test_a_row_that_keeps_rejecting_backs_off_and_a_busy_batch_does_not_propose():
-    s = Speculator(SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 1}), max_batch=4)
-    tokens = [1, 2, 1, 2, 1]
+    s = Speculator(SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}),
+                   max_batch=4)
+    tokens = [1, 2, 3, 1]  # only its last token recurs
 
     def propose():
         return s.propose([(7, tokens, 3), (8, [5, 6], 3)])  # (sequence 8 has nothing to look up)
 
-    assert propose() == {7: [2, 1, 2]}
-    assert s.propose([(7, tokens, 2)]) == {7: [2, 1]}  # room for 2
+    assert propose() == {7: [2, 3, 1]}
+    assert s.propose([(7, tokens, 2)]) == {7: [2, 3]}  # room for 2
     waits = []
     for _ in range(4):  # every proposal rejected: waits of 2, 4, 8, 16 steps
         s.record(7, proposed=3, accepted=0)
-        waits.append(sum(1 for _ in iter(propose, {7: [2, 1, 2]})))
+        waits.append(sum(1 for _ in iter(propose, {7: [2, 3, 1]})))
     assert waits == [2, 4, 8, 16]
+    s.record(7, proposed=3, accepted=0)  # waiting again, but a 2-token match still proposes
+    assert s.propose([(7, [1, 2, 3, 1, 2], 3)]) == {7: [3, 1, 2]}
+    assert propose() == {}
     s.record(7, proposed=3, accepted=3)  # accepted again: no wait
     s.record(7, proposed=3, accepted=3)
-    assert propose() == {7: [2, 1, 2]}
+    assert propose() == {7: [2, 3, 1]}
     assert not s.active(4)  # no plain step timed yet: the next is one
     s.observe([SimpleNamespace(num_tokens=1, draft=[])], [1], 0.01)
     assert s.active(4) and not s.active(5)
-    assert s.stats()["acceptance_rate"] == pytest.approx(6 / 18)
+    assert s.stats()["acceptance_rate"] == pytest.approx(6 / 21)
     s.forget(7)
     assert not s.records
 

@@ -16,7 +16,10 @@ target model then computes each row's last token and its drafts in one forward, 
 sampler keeps the longest prefix the target agrees with plus one token of its own
 (actors/worker/sampler.py). Proposing is skipped where it would not pay:
 - per sequence: after proposals it mostly rejected, it waits (2, 4, ... 64 steps) before it
-  proposes again, so a request whose output does not copy costs next to nothing;
+  proposes again, so a request whose output does not copy costs next to nothing. A waiting
+  n-gram row still proposes where its suffix recurs at least prompt_lookup_min + 1 tokens
+  long: an answer that starts in its own words and then copies (a rewritten paragraph, a
+  function after its explanation) would otherwise spend the copy waiting;
 - per step: with more than `disable_by_batch_size` sequences running, verifying k more tokens
   a row costs more than the accepted ones save (a busy batch is compute-bound), so no row
   proposes;
@@ -82,9 +85,17 @@ class NgramProposer:
 
     def propose(self, rows: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """rows: (seq id, its tokens, at most k drafts) -> seq id: drafts (rows without any left out)."""
+        return self._lookup(rows, self.min_n)
+
+    def confident(self, rows: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """As `propose`, from matches at least one token longer than prompt_lookup_min (for rows
+        that are backing off)."""
+        return self._lookup(rows, self.min_n + 1) if self.min_n < self.max_n else {}
+
+    def _lookup(self, rows, min_n: int) -> dict[int, list[int]]:
         out = {}
         for seq_id, tokens, k in rows:
-            draft = ngram_proposal(tokens, k, self.min_n, self.max_n)
+            draft = ngram_proposal(tokens, k, min_n, self.max_n)
             if draft:
                 out[seq_id] = draft
         return out
@@ -194,19 +205,25 @@ class Speculator:
 
     def propose(self, rows: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """Draft tokens for decoding sequences' next step. rows: (seq id, its tokens, room for
-        at most this many drafts); a sequence backing off skips its turn. Returns seq id ->
-        drafts, for the sequences that got some."""
-        asked, k = [], self.config.num_speculative_tokens
+        at most this many drafts); a sequence backing off skips its turn, unless a longer n-gram
+        match vouches for it. Returns seq id -> drafts, for the sequences that got some."""
+        asked, waiting, k = [], [], self.config.num_speculative_tokens
         for seq_id, tokens, room in rows:
             record = self.records.get(seq_id)
             if record is not None and record.wait:
                 record.wait -= 1
+                if room > 0:
+                    waiting.append((seq_id, tokens, min(k, room)))
             elif room > 0:
                 asked.append((seq_id, tokens, min(k, room)))
-        if not asked:
+        if not isinstance(self.proposer, NgramProposer):  # (a draft model has no match length)
+            waiting = []
+        if not asked and not waiting:
             return {}
         start = time.monotonic()
-        drafts = self.proposer.propose(asked)
+        drafts = self.proposer.confident(waiting) if waiting else {}
+        if asked:
+            drafts.update(self.proposer.propose(asked))
         self.proposing_seconds += time.monotonic() - start
         return drafts
 
@@ -223,8 +240,8 @@ class Speculator:
         if r.accepted < MIN_ACCEPTANCE * r.proposed:
             r.backoff = min(MAX_BACKOFF, max(2, 2 * r.backoff))
             r.wait = r.backoff
-        elif accepted:
-            r.backoff = 0
+        elif accepted:  # (a waiting row's confident proposal that paid ends its wait)
+            r.backoff = r.wait = 0
 
     def forget(self, seq_id: int) -> None:
         """The sequence left the running batch (finished or preempted)."""
