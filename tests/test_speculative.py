@@ -20,7 +20,7 @@ from test_sampling_distributions import CHI2_CRITICAL, pooled
 from test_engine import assert_pool_free
 
 from actors.config import EngineConfig, SpeculativeConfig
-from actors.core.speculation import Speculator, ngram_proposal
+from actors.core.speculation import RecentOutputs, Speculator, ngram_proposal
 from actors.engine.llm import LLM
 from actors.engine.metrics import DecodeProgress
 from actors.sampling_params import SamplingParams, StructuredOutput
@@ -128,6 +128,29 @@ def test_a_row_that_keeps_rejecting_backs_off_and_a_busy_batch_does_not_propose(
     assert s.stats()["acceptance_rate"] == pytest.approx(6 / 21)
     s.forget(7)
     assert not s.records
+
+
+def test_rows_without_a_match_of_their_own_look_up_outputs_finished_lately():
+    """A tool call's shape is in other answers, not in the request: a row whose own tokens have
+    no match of 2+ tokens proposes what followed its suffix in an output finished before."""
+    s = Speculator(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                            "prompt_lookup_min": 1, "prompt_lookup_max": 3}), max_batch=4)
+    call = [50, 51, 52, 53, 54, 55]  # <tool_call> { "name": ... in another request's answer
+    assert s.propose([(1, [9, 8, 50, 51], 4)]) == {}
+    s.forget(2, call)  # finished
+    assert s.propose([(1, [9, 8, 50, 51], 4)]) == {1: [52, 53, 54, 55]}
+    assert s.propose([(1, [9, 50, 51, 52, 53], 4)]) == {1: [54, 55]}  # the longest match: 51 52 53
+    # Its own match of 2+ tokens comes first; then the others' outputs; then a 1-token match.
+    assert s.propose([(1, [7, 50, 51, 60, 7, 50, 51], 4)]) == {1: [60, 7, 50, 51]}
+    assert s.propose([(1, [7, 9, 3, 7], 4)]) == {1: [9, 3, 7]}
+    s.forget(3, [3, 7, 40, 41])
+    assert s.propose([(1, [7, 9, 3, 7], 4)]) == {1: [40, 41]}
+    s.forget(4)  # preempted: nothing learned
+    assert len(s.proposer.recent.table) == 7 + 3  # the n-grams with a token after them, 2 and 3 long
+    small = RecentOutputs(k=2, max_n=2, capacity=3)
+    small.learn([1, 2, 3, 4, 5, 6])
+    assert list(small.table) == [(2, 3), (3, 4), (4, 5)]  # the oldest went
+    assert small.lookup([0, 4, 5], 2, 1) == [6] and small.lookup([1, 2], 2, 1) == []
 
 
 def test_drafted_steps_that_cost_more_than_plain_ones_pause_speculation():

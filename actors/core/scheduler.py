@@ -274,7 +274,7 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if self.speculator is not None:
-            self.speculator.forget(seq.seq_id)
+            self.speculator.forget(seq.seq_id, seq.output_token_ids)
         for child in seq.children:
             if not child.finished:
                 self.finish(child, reason)

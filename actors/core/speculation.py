@@ -5,7 +5,10 @@ Two proposers:
   prompt_lookup_max down to prompt_lookup_min) are looked up earlier in its own tokens, and
   the k tokens that followed the latest match (with k tokens after it) are the proposal. No
   second model: it pays where the output copies the input (edits, quotes, tool-call arguments
-  that repeat the request).
+  that repeat the request). Where a sequence's own tokens have no match of 2+ tokens, the
+  outputs of requests finished lately are looked up too (SGLang's n-gram cache does the same):
+  answers of one shape (tool calls, JSON, a reasoning model's tags) share their structure,
+  which a request's own prompt does not spell. Verification keeps outputs exact either way.
 - a draft model (vLLM's "draft_model"): a small checkpoint with the target's tokenizer writes
   the next k tokens greedily, for every proposing row at once (actors/worker/draft_model.py).
   A greedy proposal is a function of the context alone, like a lookup's, so the same
@@ -34,12 +37,16 @@ sampler keeps the longest prefix the target agrees with plus one token of its ow
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from actors.config import SpeculativeConfig
 
+# Of a finished output, the first tokens join the recent outputs looked up (an answer's shape
+# is at its start; ~1 ms of host time a request).
+LEARNED_TOKENS = 512
 # A row that accepted under this share of what it proposed over its recent proposals backs off.
 MIN_ACCEPTANCE = 0.25
 MAX_BACKOFF = 64  # steps
@@ -77,11 +84,42 @@ def ngram_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[in
     return []
 
 
+class RecentOutputs:
+    """n-grams of recently finished outputs (2 to max_n tokens long) -> the up to k tokens that
+    followed the latest of them (the latest with k after it, else the longest seen); the oldest
+    n-grams go past `capacity`."""
+
+    def __init__(self, k: int, max_n: int, capacity: int = 1 << 16):
+        self.k, self.max_n, self.capacity = k, max_n, capacity
+        self.table: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+
+    def learn(self, output: list[int]) -> None:
+        table, k = self.table, self.k
+        output = output[:LEARNED_TOKENS]
+        for n in range(2, self.max_n + 1):
+            for end in range(n, len(output)):
+                key, after = tuple(output[end - n:end]), output[end:end + k]
+                held = table.get(key)
+                if held is None or len(after) >= len(held):
+                    table[key] = after
+                    table.move_to_end(key)
+        while len(table) > self.capacity:
+            table.popitem(last=False)
+
+    def lookup(self, tokens: list[int], k: int, min_n: int) -> list[int]:
+        for n in range(min(self.max_n, len(tokens)), max(min_n, 2) - 1, -1):
+            after = self.table.get(tuple(tokens[-n:]))
+            if after:
+                return after[:k]
+        return []
+
+
 class NgramProposer:
     """Prompt lookup, row by row (see the top)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.recent = RecentOutputs(config.num_speculative_tokens, self.max_n)
 
     def propose(self, rows: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """rows: (seq id, its tokens, at most k drafts) -> seq id: drafts (rows without any left out)."""
@@ -93,12 +131,19 @@ class NgramProposer:
         return self._lookup(rows, self.min_n + 1) if self.min_n < self.max_n else {}
 
     def _lookup(self, rows, min_n: int) -> dict[int, list[int]]:
-        out = {}
+        """Its own tokens' matches of 2+ tokens first, then recent outputs', then a 1-token one."""
+        out, strong = {}, max(min_n, 2)
         for seq_id, tokens, k in rows:
-            draft = ngram_proposal(tokens, k, min_n, self.max_n)
+            draft = ngram_proposal(tokens, k, strong, self.max_n) or self.recent.lookup(tokens, k, strong)
+            if not draft and min_n < strong:
+                draft = ngram_proposal(tokens, k, min_n, min_n)
             if draft:
                 out[seq_id] = draft
         return out
+
+    def learn(self, output: list[int]) -> None:
+        """A request finished: its output joins the recent outputs looked up."""
+        self.recent.learn(output)
 
     def forget(self, seq_id: int) -> None:
         pass
@@ -243,10 +288,12 @@ class Speculator:
         elif accepted:  # (a waiting row's confident proposal that paid ends its wait)
             r.backoff = r.wait = 0
 
-    def forget(self, seq_id: int) -> None:
-        """The sequence left the running batch (finished or preempted)."""
+    def forget(self, seq_id: int, output: list[int] | None = None) -> None:
+        """The sequence left the running batch: preempted, or finished with `output`."""
         self.records.pop(seq_id, None)
         self.proposer.forget(seq_id)
+        if output and isinstance(self.proposer, NgramProposer):
+            self.proposer.learn(output)
 
     def stats(self) -> dict:
         rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
