@@ -6,7 +6,8 @@ transformers' token for token, log-probs equal an eager engine's, on mixed batch
 contexts cross blocks (a batch of one decodes eagerly, by design). They follow the compiled
 step's life: an engine decodes eagerly while its job compiles, swaps the artifact in, a later
 engine loads it from disk (when idle, or mid-run once eager steps have cost enough), a job dies
-with its engine, and a failed compile or a broken artifact leaves eager decoding. The slow test
+with its engine, and a failed compile or a broken artifact leaves eager decoding. Other options
+decode compiled like their eager engines: 8-bit weights, an fp8 KV cache, bfloat16. The slow test
 starts `shoal serve` the way a user does (compiled is the default) and reads the progress line
 it logs.
 """
@@ -78,10 +79,58 @@ def failing_start(checkpoint_factory, tmp_path_factory):
         return path, compiled_llm(path, wait=False), cache
 
 
+# The compiled checks of other options, their engines started beside first_starts' so that
+# every compile job of this module's fixtures shares one wait (each job alone leaves a core
+# idle): 8-bit weights (tests/test_quantization.py's quantized engines), an fp8 KV cache with
+# checkpoint scales (tests/test_fp8_kv_cache.py's), bfloat16. case -> engine options.
+VARIANTS = {
+    "int8": dict(quantization="int8", dtype="float32"),
+    "fp8": dict(quantization="fp8", dtype="float32"),
+    "fp8-kv": dict(kv_cache_dtype="fp8", block_size=4, num_kv_blocks=64, max_num_seqs=4),
+    "bf16": dict(dtype="bfloat16"),
+}
+BF16_MATMULS = pytest.mark.skipif(not cpu_has_matmul(torch.bfloat16),
+                                  reason="no bf16 matmuls on this CPU: bf16 computes in float32")
+
+
 @pytest.fixture(scope="module")
-def first_starts(checkpoint_factory, failing_start) -> dict:
-    """Both families' engines started at once, so their compile jobs share the wait: family ->
-    (checkpoint, engine, what its first start did while its job ran)."""
+def variant_starts(checkpoint_factory, tmp_path_factory) -> dict:
+    """VARIANTS' engines, compiling in the background: case -> (checkpoint, engine; for fp8-kv
+    also its KV scales). The fp8 KV one compiles into a cache of its own (its artifact is
+    named by the scales)."""
+    from test_fp8_kv_cache import KV_SCALES, with_kv_scales
+
+    starts = {}
+    for case, options in VARIANTS.items():
+        if case == "bf16" and not cpu_has_matmul(torch.bfloat16):
+            continue
+        with pytest.MonkeyPatch.context() as mp:
+            if case == "fp8-kv":
+                path = with_kv_scales(checkpoint_factory("llama"), tmp_path_factory.mktemp("fp8kv") / "llama", KV_SCALES)
+                mp.setenv("SHOAL_COMPILE_CACHE", str(tmp_path_factory.mktemp("fp8kv-compiled")))
+            else:
+                path = checkpoint_factory("qwen3" if case == "bf16" else "llama")
+            starts[case] = path, compiled_llm(path, wait=False, **options)
+    return starts
+
+
+@pytest.fixture(scope="module")
+def variant(variant_starts):
+    """`variant(case) -> (checkpoint, engine decoding compiled)`."""
+    def get(case):
+        path, llm = variant_starts[case]
+        runner = llm.engine.executor.runner
+        runner.finish_compiling(timeout=600)
+        assert isinstance(runner.graphs, CompiledDecode), (case, runner.graphs_off)
+        return path, llm
+    return get
+
+
+@pytest.fixture(scope="module")
+def first_starts(checkpoint_factory, failing_start, variant_starts) -> dict:
+    """Both families' engines started at once (beside failing_start's and variant_starts'), so
+    their compile jobs share the wait: family -> (checkpoint, engine, what its first start did
+    while its job ran)."""
     # Gemma 3 with a final soft-cap: windows, local rotary, per-head (1 + w) norms, capped
     # logits and a head size that is not hidden / heads, all inside the traced step
     starts = {}
@@ -162,15 +211,13 @@ def test_compiled_decode_equals_transformers_and_eager(compiled):
     assert "graph=False" in progress.line()  # nothing decoded since
 
 
-@pytest.mark.skipif(not cpu_has_matmul(torch.bfloat16), reason="no bf16 matmuls on this CPU: bf16 computes in float32")
-def test_compiled_bfloat16_decode_follows_eager_bfloat16(checkpoint_factory):
+@BF16_MATMULS
+def test_compiled_bfloat16_decode_follows_eager_bfloat16(variant):
     """bf16 compiled decode multiplies in oneDNN's packed bf16 kernels (AMX where there is one);
     eager bf16 is held to transformers bf16 in tests/test_bf16.py. Until the two first choose
     differently (close calls at this precision), each chosen token's log-prob agrees within
     bf16's error. (float32 compiled decode equals transformers token for token, above.)"""
-    path = checkpoint_factory("qwen3")
-    llm = compiled_llm(path, dtype="bfloat16")
-    assert isinstance(llm.engine.executor.runner.graphs, CompiledDecode), llm.engine.executor.runner.graphs_off
+    path, llm = variant("bf16")
     eager = LLM(str(path), dtype="bfloat16", **OPTIONS)
     prompts = prompts_of([3, 9, 30, 1, 5, 14], seed=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -185,6 +232,49 @@ def test_compiled_bfloat16_decode_follows_eager_bfloat16(checkpoint_factory):
             assert abs(lp[tok] - wlp[tok]) <= 0.1, (lp[tok], wlp[tok])
             compared += 1
     assert compared >= 36  # half of the 72 tokens at least
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_compiled_decode_runs_8_bit_weights_like_eager(kind, variant, tmp_path):
+    """(From tests/test_quantization.py.) Compiled decode (the default) calls the 8-bit kernel
+    as the opaque op shoal::quantized_linear: tokens equal transformers' on the dequantised
+    weights and the eager quantized engine's, log-probs within 1e-4 of eager's."""
+    from checkpoints import quantized_reference_copy
+
+    path, compiled = variant(kind)
+    reference = quantized_reference_copy(path, tmp_path / f"{kind}-reference", kind)
+    eager = LLM(str(path), **{**OPTIONS, **VARIANTS[kind]})
+    try:
+        prompts = prompts_of([3, 9, 30, 1, 5, 14])
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+        before = compiled.engine.executor.runner.graph_replays
+        got, want = compiled.generate(prompts, params), eager.generate(prompts, params)
+        assert compiled.engine.executor.runner.graph_replays > before
+        assert_equals_eager_and_hf(reference, prompts, got, want, 16)
+    finally:
+        eager.shutdown()
+
+
+def test_compiled_cpu_decode_over_fp8_blocks(variant):
+    """(From tests/test_fp8_kv_cache.py.) CPU's compiled decode step (traced by a job that reads
+    no weights but does read the KV scales, which the step holds as constants; the artifact is
+    named by them): its tokens and log-probs are the eager fp8 engine's, which are the
+    round-tripped oracle's."""
+    from test_fp8_kv_cache import KV_SCALES, check_against_round_tripped_hf
+
+    path, compiled = variant("fp8-kv")
+    runner = compiled.engine.executor.runner
+    assert runner.kernels.decode == "compiled" and runner.graphs is not None
+    prompts = prompts_of([5, 12, 9], seed=11)
+    got = check_against_round_tripped_hf(path, compiled, prompts, scales=KV_SCALES, logprobs=False)
+    assert runner.graphs.replays > 0
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    eager = LLM(str(path), **VARIANTS["fp8-kv"]).generate(prompts, params)
+    for g, w in zip(compiled.generate(prompts, params), eager):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert max(abs(lg[t] - lw[t]) for t in lw) < 1e-4
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in eager]
 
 
 def test_two_requests_compile_one_runs_eagerly_and_blocks_come_back(compiled):

@@ -10,7 +10,8 @@ of the order of operations (atol 1e-6; measured 0 on the 2-core EPYC).
 Engine: against the oracle, transformers float32 whose attention sees K/V round-tripped
 through e4m3 with the same scales (after rotary; DeepSeek's latent and rotary key before the
 up-projection): greedy tokens equal and prompt log-probs within 1e-4, with checkpoint scales,
-prefix-cache hits and preemption; the pool really holds one byte an element.
+prefix-cache hits and preemption; the pool really holds one byte an element. (CPU's compiled
+decode over fp8 blocks: tests/test_compiled_decode.py, its compile job beside the others.)
 """
 from __future__ import annotations
 
@@ -187,29 +188,6 @@ def test_flash_attn_is_refused_and_auto_passes_it_over():
         ("native", None)
 
 
-def test_compiled_cpu_decode_over_fp8_blocks(llama_scaled, tmp_path, monkeypatch):
-    """CPU's compiled decode step (traced by a job that reads no weights but does read the KV
-    scales, which the step holds as constants; the artifact is named by them): its tokens and
-    log-probs are the eager fp8 engine's, which are the round-tripped oracle's."""
-    from test_compiled_decode import compiled_llm
-    path, scales = llama_scaled
-    monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path / "compiled"))
-    options = dict(kv_cache_dtype="fp8", block_size=4, num_kv_blocks=64, max_num_seqs=4)
-    compiled = compiled_llm(path, **options)
-    runner = compiled.engine.executor.runner
-    assert runner.kernels.decode == "compiled" and runner.graphs is not None
-    prompts = prompts_of([5, 12, 9], seed=11)
-    got = check_against_round_tripped_hf(path, compiled, prompts, scales=scales, logprobs=False)
-    assert runner.graphs.replays > 0
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
-    eager = LLM(str(path), **options).generate(prompts, params)
-    for g, w in zip(compiled.generate(prompts, params), eager):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            assert max(abs(lg[t] - lw[t]) for t in lw) < 1e-4
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in eager]
-
-
 def test_a_bad_value_is_refused_at_start(tmp_path):
     from app.config import ConfigError, load_config
     from test_option_aliases import from_cli
@@ -298,12 +276,14 @@ def pool_of(llm):
     return llm.engine.executor.runner.kv_cache
 
 
+KV_SCALES = {0: (0.03125, 0.0078125), 1: (0.046875, 0.01171875)}  # exact in float32, as stored
+
+
 @pytest.fixture(scope="module")
 def llama_scaled(checkpoint_factory, tmp_path_factory):
     """A Llama checkpoint with LLM Compressor's per-layer KV scales (2 layers)."""
-    scales = {0: (0.03125, 0.0078125), 1: (0.046875, 0.01171875)}  # exact in float32, as stored
-    path = with_kv_scales(checkpoint_factory("llama"), tmp_path_factory.mktemp("fp8kv") / "llama", scales)
-    return path, scales
+    path = with_kv_scales(checkpoint_factory("llama"), tmp_path_factory.mktemp("fp8kv") / "llama", KV_SCALES)
+    return path, KV_SCALES
 
 
 def test_llama_with_checkpoint_scales_equals_the_round_tripped_oracle(llama_scaled):
