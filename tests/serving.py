@@ -106,7 +106,7 @@ def wait_process_ready(url: str, proc: subprocess.Popen, log: Path, timeout: flo
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise TimeoutError(f"{url} not ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
@@ -114,7 +114,7 @@ def outliving(family: set[int], wait: float = 30) -> set[int]:
     """The processes of `family` still alive after up to `wait` seconds."""
     deadline = time.monotonic() + wait
     while any(alive(p) for p in family) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)  # /proc reads only
     return {p for p in family if alive(p)}
 
 

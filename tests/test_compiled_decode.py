@@ -387,7 +387,7 @@ def test_shoal_serve_compiles_decode_by_default(checkpoint_factory, tmp_path):
         deadline = time.monotonic() + 600
         while "compiled decode ready: loaded" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
+            time.sleep(0.2)
         prompts = prompts_of([7, 19])
 
         def complete(ids):
