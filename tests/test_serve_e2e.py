@@ -69,53 +69,41 @@ def serve_port():
     ray.shutdown()
 
 
-def app_args(llama_ckpt) -> dict:
-    """The module's apps: name -> (route prefix, build_app's arguments)."""
-    common = {"model_path": str(llama_ckpt), "num_threads": 1}
-    return {
-        "shoal": ("/", {**common, "num_kv_blocks": 256}),
-        "pair": ("/pair", {**common, "world_size": 2, "shard_cpus": 0.5, "api_key": PAIR_KEY, "max_num_seqs": 2,
-                           "max_queued_requests": 2, "num_kv_blocks": 64}),
-        "split": ("/split", {**common, "serve_layout": "split", "shard_cpus": 0.2, "num_kv_blocks": 256,
-                             "speculative_config": SPECULATIVE, "stream_interval": 3}),
-        "routed": ("/routed", {**common, "world_size": 2, "shard_cpus": 0.5, "routing": "prefix-aware",
-                               "num_kv_blocks": 64, "block_size": 4}),
-    }
-
-
 @pytest.fixture(scope="module")
-def app_urls(serve_port, llama_ckpt) -> dict:
-    """Every app deployed in one go (Serve starts their replicas side by side: one after
-    another they took ~12-16 s each), then each waited for: name -> its URL."""
+def base_url(serve_port, llama_ckpt):
     from ray import serve
 
     from app.serving.builder import build_app
 
-    apps = app_args(llama_ckpt)
-    serve.run_many([serve.RunTarget(build_app(args), name=name, route_prefix=prefix)
-                    for name, (prefix, args) in apps.items()])
-    root = f"http://127.0.0.1:{serve_port}"
-    return {name: wait_ready(root + prefix.rstrip("/")) for name, (prefix, _) in apps.items()}
+    app = build_app({"model_path": str(llama_ckpt), "num_kv_blocks": 256, "num_threads": 1})
+    serve.run(app, name="shoal", route_prefix="/")
+    return wait_ready(f"http://127.0.0.1:{serve_port}")
 
 
 @pytest.fixture(scope="module")
-def base_url(app_urls):
-    return app_urls["shoal"]
+def pair_url(serve_port, llama_ckpt, base_url):
+    from ray import serve
+
+    from app.serving.builder import build_app
+
+    app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,
+                     "api_key": PAIR_KEY, "max_num_seqs": 2, "max_queued_requests": 2,
+                     "num_kv_blocks": 64, "num_threads": 1})
+    serve.run(app, name="pair", route_prefix="/pair")
+    return wait_ready(f"http://127.0.0.1:{serve_port}/pair")
 
 
 @pytest.fixture(scope="module")
-def pair_url(app_urls):
-    return app_urls["pair"]
+def split_url(serve_port, llama_ckpt, base_url):
+    from ray import serve
 
+    from app.serving.builder import build_app
 
-@pytest.fixture(scope="module")
-def split_url(app_urls):
-    return app_urls["split"]
-
-
-@pytest.fixture(scope="module")
-def routed_url(app_urls):
-    return app_urls["routed"]
+    app = build_app({"model_path": str(llama_ckpt), "serve_layout": "split", "shard_cpus": 0.2,
+                     "num_kv_blocks": 256, "num_threads": 1, "speculative_config": SPECULATIVE,
+                     "stream_interval": 3})
+    serve.run(app, name="split", route_prefix="/split")
+    return wait_ready(f"http://127.0.0.1:{serve_port}/split")
 
 
 @pytest.fixture(scope="module")
@@ -364,6 +352,18 @@ def test_queue_full_is_429_with_retry_after(pair_url):
     assert refused and {r.status_code for r in responses} <= {200, 429}
     assert refused[0].headers["retry-after"]
     assert refused[0].json()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.fixture(scope="module")
+def routed_url(serve_port, llama_ckpt, pair_url):
+    from ray import serve
+
+    from app.serving.builder import build_app
+
+    app = build_app({"model_path": str(llama_ckpt), "world_size": 2, "shard_cpus": 0.5,
+                     "routing": "prefix-aware", "num_kv_blocks": 64, "block_size": 4, "num_threads": 1})
+    serve.run(app, name="routed", route_prefix="/routed")
+    return wait_ready(f"http://127.0.0.1:{serve_port}/routed")
 
 
 @pytest.mark.slow
