@@ -517,19 +517,37 @@ def test_bad_combination_fails_with_one_line(llama_ckpt):
     assert "--speculative-config's draft model: model '/no/draft' is neither" in done.stderr
 
 
-def test_dry_run_loads_the_model(llama_ckpt):
-    done = shoal("--model-path", str(llama_ckpt), "--dry-run", "--num-kv-blocks", "16",
-                 env=loopback_env())
+@pytest.fixture(scope="module")
+def dry_runs(llama_ckpt, tmp_path_factory) -> dict:
+    """Both `--dry-run` starts at once (each is one Python process importing torch and
+    transformers on one core): "plain" and "draft" (a draft model, the checkpoint's first
+    layer) -> (the finished process, the draft's path)."""
+    draft = draft_copy(llama_ckpt, tmp_path_factory.mktemp("draft") / "draft", [0])
+    common = ["--model-path", str(llama_ckpt), "--dry-run", "--num-kv-blocks", "16"]
+    speculative = ["--speculative-config", json.dumps({"model": str(draft), "num_speculative_tokens": 2})]
+    runs = {name: subprocess.Popen([sys.executable, "-m", "app.cli", "serve", *common, *extra], cwd=REPO,
+                                   env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name, extra in (("plain", []), ("draft", speculative))}
+    done = {}
+    for name, proc in runs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), draft
+    return done
+
+
+def test_dry_run_loads_the_model(dry_runs):
+    done, _ = dry_runs["plain"]
     assert done.returncode == 0, done.stderr
     assert "dry run ok" in done.stdout and "max_model_len 512" in done.stdout
 
 
-def test_dry_run_loads_a_draft_model(llama_ckpt, tmp_path):
+def test_dry_run_loads_a_draft_model(dry_runs):
     """(A draft with another tokenizer is refused before anything loads:
     tests/test_speculative.py.)"""
-    draft = draft_copy(llama_ckpt, tmp_path / "draft", [0])  # the checkpoint's first layer
-    done = shoal("--model-path", str(llama_ckpt), "--dry-run", "--num-kv-blocks", "16",
-                 "--speculative-config", json.dumps({"model": str(draft), "num_speculative_tokens": 2}),
-                 env=loopback_env())
+    done, draft = dry_runs["draft"]
     assert done.returncode == 0, done.stderr
     assert "dry run ok" in done.stdout and f"draft model {draft} loaded" in done.stderr
