@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, fields
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-QUANTIZATIONS = ("int8", "fp8")  # kernels/quantization.py
+QUANTIZATIONS = ("int8", "fp8", "w8a8_int8")  # kernels/quantization.py
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp8 means e4m3 (kernels/kv_quant.py)
 
 
@@ -13,7 +13,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp
 class EngineConfig:
     model_path: str | None = None  # None: the bundled demo model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str | None = None  # int8 | fp8: 8-bit linear layers, online (kernels/quantization.py)
+    quantization: str | None = None  # int8 | fp8 | w8a8_int8: 8-bit linear layers, online (kernels/quantization.py)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings

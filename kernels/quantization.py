@@ -1,5 +1,6 @@
-"""Online 8-bit weights (--quantization int8 | fp8): each linear layer's weight with one float32
-scale per output column (symmetric: max |w| / 127 for int8, max |w| / 448 for float8 e4m3).
+"""Online 8-bit weights (--quantization int8 | fp8 | w8a8_int8): each linear layer's weight with
+one float32 scale per output column (symmetric: max |w| / 127 for int8, max |w| / 448 for float8
+e4m3).
 
 A decode step reads every weight once, so its time follows the weights' bytes: 8 bits are a
 quarter of float32's (the CPU's compute dtype; bfloat16 on a CPU without bf16 matmuls computes
@@ -16,6 +17,25 @@ Where each runs:
   `torch._scaled_mm` multiplies the two (row-wise scales). Weights stay [N, K] rows.
 - CUDA otherwise (int8 anywhere, fp8 on older GPUs): weight-only, in a Triton kernel that widens
   the 8-bit weights to the activations' dtype in registers (kernels/triton_quantized_programs.py).
+
+w8a8_int8 (SGLang's spelling): int8 weights as int8's, times int8 activations, each row
+quantized as it arrives over its own scale (max |x_row| / 127, symmetric); out = (int32 dot) *
+x_scale[row] * w_scale[col] (+ bias). Weights stay [N, K] rows and the scale is kept as a row
+[1, N] (the shape the epilogue broadcasts; it is also what tells this format from int8's rows
+on CUDA). The int8 x int8 -> int32 product is `torch._int_mm`: on CPU oneDNN's s8s8s32 gemm
+(measured 2.5-3x faster than the weight-only kernel at 32 rows on AVX-512 VNNI,
+docs/benchmarks.md), on CUDA cuBLASLt (rows padded past 16, K and N multiples of 8; not yet run
+on a GPU). int32 sums are exact, and the quantization and the epilogue are per row and per
+element, so a row's output depends on that row alone, whatever M or the thread count. Inside
+torch.compile it is the opaque op `shoal::w8a8_linear`.
+
+Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's gemm is not exact: it shifts the
+activations to u8 and multiplies with vpmaddubsw, whose 16-bit sums of two products saturate
+(255 * 127 * 2 > 32767); forced to AVX2 it got 3-5% of outputs wrong on Gaussian data.
+`int_mm_exact` probes for that once, and where it fails each weight is kept as two halves of
+|w| <= 64 stacked [2N, K] (255 * 64 * 2 fits), multiplied in one call and summed: exact, at
+twice the multiplies and the weight bytes (on such CPUs --quantization int8 is the faster
+choice).
 
 SHOAL_FP8_ACTIVATIONS=1 runs fp8 the dynamic way on CPU too (torch's CPU `_scaled_mm`: the same
 arithmetic, 5-15x slower than float32 there), to measure on a CPU the quality a GPU gets.
@@ -34,9 +54,9 @@ from kernels.env import flag
 log = logging.getLogger("shoal.kernels")
 
 PANEL = 16
-QUANTIZATIONS = ("int8", "fp8")
+QUANTIZATIONS = ("int8", "fp8", "w8a8_int8")
 FP8 = torch.float8_e4m3fn
-_LIMIT = {"int8": 127.0, "fp8": torch.finfo(FP8).max}  # 448
+_LIMIT = {"int8": 127.0, "w8a8_int8": 127.0, "fp8": torch.finfo(FP8).max}  # 448
 _warned = False
 
 
@@ -48,7 +68,7 @@ def quantize(w: torch.Tensor, kind: str, panels: bool = True) -> tuple[torch.Ten
     scale = w.abs().amax(dim=1) / _LIMIT[kind]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
     scaled = w / scale[:, None]
-    if kind == "int8":
+    if kind in ("int8", "w8a8_int8"):
         q = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
     else:  # torch's cast rounds to the nearest e4m3 (ties to even); the scale keeps |q| <= 448
         q = scaled.clamp_(-_LIMIT[kind], _LIMIT[kind]).to(FP8)
@@ -65,7 +85,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     computes with."""
     if weight.dim() == 3:
         weight = weight.transpose(1, 2).reshape(-1, weight.shape[1])[:scale.numel()]
-    return weight.float() * scale[:, None]
+    elif weight.shape[0] == 2 * scale.numel():  # w8a8_int8's halves
+        weight = w8a8_rows(weight, scale.numel())
+    return weight.float() * scale.view(-1, 1)
 
 
 def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -146,9 +168,73 @@ def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return triton_weight_only_linear(x, weight, scale, bias)
 
 
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic int8 activations: each row of [M, K] rounded to the nearest step of its own scale
+    (max |x_row| / 127; an all-zero row gets scale 1 and stays zero), and the scales [M, 1]."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+@functools.cache
+def int_mm_exact() -> bool:
+    """Whether `torch._int_mm` on CPU sums int8 x int8 exactly here: products that saturate a
+    u8 x s8 pair sum (module docstring), at a few row counts (oneDNN picks kernels by shape)."""
+    for m in (1, 5, 33, 200):
+        x = torch.full((m, 96), 127, dtype=torch.int8)
+        x[:, 1::3] = -127
+        w = torch.full((40, 96), 127, dtype=torch.int8)
+        w[::2, ::2] = -127
+        if not torch.equal(torch._int_mm(x, w.t()).long(), x.long() @ w.long().t()):
+            return False
+    return True
+
+
+def w8a8_weight(q: torch.Tensor, split: bool) -> torch.Tensor:
+    """int8 rows [N, K] as w8a8_linear_impl reads them: as they are, or with `split` two halves
+    of |w| <= 64 stacked [2N, K] (for a saturating int8 gemm; module docstring)."""
+    if not split:
+        return q.contiguous()
+    half = torch.div(q, 2, rounding_mode="floor")  # q = (q - half) + half: both within [-64, 64]
+    return torch.cat([q - half, half]).contiguous()
+
+
+def w8a8_rows(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """The [N, K] int values (int16) of a w8a8_int8 weight, split or not."""
+    return weight[:n].short() + weight[n:].short() if weight.shape[0] == 2 * n else weight.short()
+
+
+def w8a8_linear_impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T for int8 rows W [N, K] (or its halves [2N, K]: w8a8_weight) and scale [1, N]: x
+    quantized per row, int8 x int8 -> int32 by `torch._int_mm`, then the two scales (and the
+    bias) in float32."""
+    flat = x.reshape(-1, x.shape[-1])
+    m, n, k = flat.shape[0], scale.shape[-1], weight.shape[1]
+    xq, x_scale = quantize_rows_int8(flat)
+    if weight.device.type == "cuda":  # cuBLASLt's int8 gemm: more than 16 rows, K and N multiples of 8
+        if k % 8 or n % 8:
+            raise ValueError(f"w8a8_int8 on CUDA needs in / out features that are multiples of 8, got [{n}, {k}]")
+        if m <= 16:  # zero rows, dropped after the product (their scale is 1, their sums 0)
+            xq = F.pad(xq, (0, 0, 0, 17 - m))
+    sums = torch._int_mm(xq, weight.t())[:m]
+    if weight.shape[0] == 2 * n:
+        sums = sums[:, :n] + sums[:, n:]
+    out = sums.float().mul_(x_scale).mul_(scale)
+    if bias is not None:
+        out.add_(bias.float())
+    return out.view(*x.shape[:-1], n).to(x.dtype)
+
+
 _library = torch.library.Library("shoal", "FRAGMENT")
 _library.define("quantized_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor")
 _library.impl("quantized_linear", _cpu_linear, "CPU")
+
+
+_library.define("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor")
+_library.impl("w8a8_linear", w8a8_linear_impl, "CPU")
+_library.impl("w8a8_linear", w8a8_linear_impl, "CUDA")
 
 
 @torch.library.register_fake("shoal::quantized_linear")
@@ -156,10 +242,20 @@ def _(x, packed, scale, bias):
     return x.new_empty((*x.shape[:-1], scale.shape[0]))
 
 
+@torch.library.register_fake("shoal::w8a8_linear")
+def _(x, weight, scale, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (the dequantised weight)^T (+ bias): CPU panels through the C++ kernel, CUDA rows
-    through FP8 matmuls or the Triton kernel (module docstring)."""
+    through FP8 matmuls or the Triton kernel, w8a8_int8 (a [1, N] scale) through int8 matmuls
+    (module docstring)."""
+    if scale.dim() == 2:
+        if torch.compiler.is_compiling():
+            return torch.ops.shoal.w8a8_linear(x, weight, scale, bias)
+        return w8a8_linear_impl(x, weight, scale, bias)
     if weight.dim() == 2:
         return _gpu_linear(x, weight, scale, bias)
     if torch.compiler.is_compiling():
@@ -169,16 +265,25 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def quantized_rows(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of the dequantised weight, in `dtype`: a quantized embedding's lookup."""
-    q = weight[ids // PANEL, :, ids % PANEL] if weight.dim() == 3 else weight[ids]
-    return (q.float() * scale[ids, None]).to(dtype)
+    if weight.dim() == 3:
+        q = weight[ids // PANEL, :, ids % PANEL]
+    elif weight.shape[0] == 2 * scale.numel():  # w8a8_int8's halves
+        q = weight[ids].short() + weight[ids + scale.numel()]
+    else:
+        q = weight[ids]
+    return (q.float() * scale.view(-1)[ids, None]).to(dtype)
 
 
 def quantize_module(module, kind: str) -> None:
     """Replace a layer's float weight by its 8-bit one (panels for the CPU kernel, else rows) and
-    scale (`weight_scale`); `out_dtype` keeps the dtype an embedding's lookups return."""
+    scale (`weight_scale`; [1, N] for w8a8_int8); `out_dtype` keeps the dtype an embedding's
+    lookups return."""
     module.out_dtype = module.weight.dtype
     device = module.weight.device
-    panels = device.type == "cpu" and not (kind == "fp8" and fp8_matmuls(device))
+    panels = device.type == "cpu" and kind in ("int8", "fp8") and not (kind == "fp8" and fp8_matmuls(device))
     weight, scale = quantize(module.weight.data, kind, panels=panels)
+    if kind == "w8a8_int8":
+        weight = w8a8_weight(weight, split=device.type == "cpu" and not int_mm_exact())
+        scale = scale.view(1, -1)
     module.weight = torch.nn.Parameter(weight, requires_grad=False)
     module.weight_scale = scale

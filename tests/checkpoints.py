@@ -348,8 +348,8 @@ FLOAT_UNDER_QUANTIZATION = re.compile(r"\.experts\.|\.shared_experts?\.|kv_b_pro
 
 def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathlib.Path:
     """`src` with every weight that --quantization `kind` quantizes (the attention and dense MLP
-    projections, not MoE experts nor MLA's kv_b_proj; for int8 the LM head and the embedding
-    too) replaced by its dequantised value
+    projections, not MoE experts nor MLA's kv_b_proj; for int8 and w8a8_int8 the LM head and the
+    embedding too) replaced by its dequantised value
     (a tied head written out beside the embedding): transformers on it computes what the
     quantized model should, in float32. At `tp` > 1 each rank quantizes its own shard, so a
     row-parallel layer's (o_proj, down_proj) input columns are quantized in `tp` parts. Written
@@ -375,7 +375,7 @@ def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathl
         if FLOAT_UNDER_QUANTIZATION.search(name):  # MoE experts and MLA's absorbed kv_b_proj stay float
             continue
         if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or (
-                kind == "int8" and name in ("lm_head.weight", "model.embed_tokens.weight")):
+                kind in ("int8", "w8a8_int8") and name in ("lm_head.weight", "model.embed_tokens.weight")):
             parts = t.chunk(tp, dim=1) if name.endswith(("o_proj.weight", "down_proj.weight")) else [t]
             tensors[name] = torch.cat([dequantize(*quantize(part, kind)) for part in parts], dim=1).to(t.dtype)
     return _write_copy(src, dst, tensors, config)

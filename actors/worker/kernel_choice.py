@@ -12,6 +12,7 @@ line, and the only place that knows the rules.
   torch (cuBLAS) on CUDA; with --quantization int8 / fp8 on CPU shoal's 8-bit kernel
   (kernels/csrc/int8_linear.cpp: AVX2 or a portable loop), on CUDA FP8 matmuls
   (`torch._scaled_mm`, fp8 on compute capability 8.9+) or shoal's Triton weight-only kernel;
+  with --quantization w8a8_int8 int8 x int8 matmuls (`torch._int_mm`: oneDNN on CPU);
 - decode: CUDA graphs on a GPU, torch.compile on CPU (actors/worker/compiled_decode.py), or
   eager, with the reason.
 
@@ -30,7 +31,7 @@ from actors.config import EngineConfig
 from actors.models.llama import fused_block
 from kernels import flash_attention, linear, native, triton_programs
 from kernels.env import flag
-from kernels.quantization import fp8_matmuls
+from kernels.quantization import fp8_matmuls, int_mm_exact
 
 log = logging.getLogger("shoal.runner")
 
@@ -38,7 +39,7 @@ log = logging.getLogger("shoal.runner")
 @dataclass(frozen=True)
 class KernelChoice:
     attention: str  # flash_attn | vllm_flash_attn | cpp-avx512 | cpp-avx2 | cpp-portable | torch
-    linear: str  # panel | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm
+    linear: str  # panel | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm | w8a8_int8-{onednn,onednn-split,cublas}
     decode: str  # cuda-graphs | compiled | eager
     decode_off: str | None = None  # why decode is eager
 
@@ -80,6 +81,10 @@ def attention_kernel(spec, device: torch.device) -> str:
 
 
 def linear_kernel(dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> str:
+    if quantization == "w8a8_int8":  # torch._int_mm: oneDNN's s8s8s32 gemm on CPU, cuBLASLt on CUDA
+        if device.type == "cuda":
+            return "w8a8_int8-cublas"
+        return "w8a8_int8-onednn" + ("" if int_mm_exact() else "-split")  # split: weights in halves (no VNNI)
     if quantization:
         if quantization == "fp8" and fp8_matmuls(device):
             return "fp8-scaled-mm"

@@ -38,7 +38,7 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
 
     weight_dtype: round every weight to it on the way in (a 16-bit model computed in float32).
     read_weights=False leaves them unread (the decode compile job traces shapes only).
-    quantization: "int8" or "fp8" turns the linear layers' weights to 8 bits once read
+    quantization: "int8", "fp8" or "w8a8_int8" turns the linear layers' weights to 8 bits once read
     (kernels/quantization.py)."""
     args = ModelArgs.from_hf(cfg)
     cls = model_class(args.architecture)
@@ -68,10 +68,12 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
 
 
 def quantize_linears(model: nn.Module, kind: str) -> None:
-    """Every linear layer to `kind` (int8 or fp8), and for int8 the LM head and the embedding too
-    (a tied head and embedding share one copy); fp8 leaves those two float, as vLLM's does.
+    """Every linear layer to `kind` (int8, fp8 or w8a8_int8), and for the int8 formats the LM head
+    and the embedding too (a tied head and embedding share one copy; w8a8_int8's head multiplies
+    int8 activations as its other layers do); fp8 leaves those two float, as vLLM's does.
     Experts of MoE models stay float."""
-    layers = (ColumnParallelLinear, RowParallelLinear) + ((ParallelLMHead, VocabParallelEmbedding) if kind == "int8" else ())
+    head = kind in ("int8", "w8a8_int8")
+    layers = (ColumnParallelLinear, RowParallelLinear) + ((ParallelLMHead, VocabParallelEmbedding) if head else ())
     done = {}  # the float weight's id -> its 8-bit weight and scale
     for module in model.modules():
         if isinstance(module, layers):

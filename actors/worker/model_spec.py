@@ -38,7 +38,7 @@ class ModelSpec:
     # CPU without matmul units for it computes in float32 on weights rounded to it (below).
     weight_dtype: torch.dtype | None = None
     pooling: PoolingParams = DEFAULT_POOLING  # embedding requests' defaults (actors/worker/pooling_config.py)
-    quantization: str | None = None  # --quantization: int8 | fp8 linear layers (kernels/quantization.py)
+    quantization: str | None = None  # --quantization: int8 | fp8 | w8a8_int8 linear layers (kernels/quantization.py)
     kv_cache_dtype: torch.dtype | None = None  # the KV pool's (--kv-cache-dtype fp8: float8 e4m3); None: dtype
 
     @property

@@ -50,10 +50,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face checkpoint directory (default: the bundled demo model)")
     add("--dtype", type=dtype_arg, choices=["auto", "float32", "bfloat16", "float16"],
         help=f"weight and activation dtype (also {', '.join(DTYPE_ALIASES)})")
-    add("--quantization", choices=["int8", "fp8"],
+    add("--quantization", choices=["int8", "fp8", "w8a8_int8"],
         help="int8 / fp8 (e4m3): 8-bit linear layers, quantized from the checkpoint as it loads "
              "(per output channel; weight-only on CPU; fp8 multiplies in FP8 on GPUs that have "
-             "it, with per-token activation scales; docs/quantization.md)")
+             "it, with per-token activation scales); w8a8_int8: int8 weights times int8 "
+             "activations quantized per token (docs/quantization.md)")
     add("--device", choices=["auto", "cpu", "cuda"])
     add("--seed", type=int, metavar="N",
         help="torch.manual_seed at engine start-up: seeds the global generator that requests "
