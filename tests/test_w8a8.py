@@ -232,3 +232,11 @@ def test_compiled_decode_runs_w8a8_like_eager(arch, checkpoint_factory, tmp_path
     finally:
         compiled.shutdown()
         eager.shutdown()
+
+
+def test_shoal_serve_takes_w8a8_int8():
+    from test_option_aliases import from_cli
+
+    assert from_cli(["--quantization", "w8a8_int8"]).engine.quantization == "w8a8_int8"
+    with pytest.raises(SystemExit):  # argparse's choices
+        from_cli(["--quantization", "w8a8"])
