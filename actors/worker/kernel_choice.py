@@ -84,7 +84,11 @@ def linear_kernel(dtype: torch.dtype, device: torch.device, quantization: str | 
     if quantization == "w8a8_int8":  # torch._int_mm: oneDNN's s8s8s32 gemm on CPU, cuBLASLt on CUDA
         if device.type == "cuda":
             return "w8a8_int8-cublas"
-        return "w8a8_int8-onednn" + ("" if int_mm_exact() else "-split")  # split: weights in halves (no VNNI)
+        if int_mm_exact():
+            return "w8a8_int8-onednn"
+        log.warning("w8a8_int8: this CPU's int8 gemm saturates (no VNNI), so the weights are kept in halves: "
+                    "exact but slower than --quantization int8 here (kernels/quantization.py)")
+        return "w8a8_int8-onednn-split"
     if quantization:
         if quantization == "fp8" and fp8_matmuls(device):
             return "fp8-scaled-mm"
