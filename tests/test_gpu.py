@@ -233,6 +233,36 @@ def test_8_bit_weights_on_gpu(checkpoint_factory, tmp_path, kind):
             assert g.outputs[0].token_ids == hf_greedy(reference, ids, 12)
 
 
+def test_8_bit_activations_on_gpu(checkpoint_factory):
+    """--quantization w8a8_int8 on CUDA: torch._int_mm (cuBLASLt) on rows padded past 16 equals
+    the exact emulation (tests/test_w8a8.py) bit for bit up to the float32 epilogue's order, odd
+    feature counts are refused, and CUDA graphs decode what eager does."""
+    from test_w8a8 import exact
+
+    from kernels.quantization import quantize, w8a8_linear_impl
+
+    torch.manual_seed(0)
+    w, bias = torch.randn(640, 384), torch.randn(640)
+    q, scale = quantize(w, "w8a8_int8", panels=False)
+    for m in (1, 16, 37):
+        x = torch.randn(m, 384)
+        got = w8a8_linear_impl(x.cuda(), q.cuda(), scale.view(1, -1).cuda(), bias.cuda()).cpu()
+        want = exact(x, q, scale, bias)
+        assert ((got - want).abs() <= 1e-6 * want.abs().clamp(min=1)).all()  # the GPU's own quantization of x: same ops
+    with pytest.raises(ValueError, match="multiples of 8"):
+        w8a8_linear_impl(torch.randn(20, 36, device="cuda"), q[:, :36].contiguous().cuda(), scale.view(1, -1).cuda(), None)
+
+    path = checkpoint_factory("llama")
+    options = dict(device="cuda", dtype="float32", quantization="w8a8_int8", max_num_seqs=8,
+                   cuda_graph_sizes=[1, 2, 4, 8], max_seq_len_to_capture=64)
+    graphed, eager = LLM(str(path), **options), LLM(str(path), eager_decode=True, **options)
+    prompts = prompts_of([3, 9, 30, 5])
+    got, want = graphed.generate(prompts, greedy(12)), eager.generate(prompts, greedy(12))
+    assert graphed.engine.executor.runner.graph_replays > 0
+    for g, e in zip(got, want):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+
+
 # --------------------------------------------------------------------------- int4 checkpoints kept packed
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
