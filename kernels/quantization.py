@@ -23,7 +23,7 @@ quantized as it arrives over its own scale (max |x_row| / 127, symmetric); out =
 x_scale[row] * w_scale[col] (+ bias). Weights stay [N, K] rows and the scale is kept as a row
 [1, N] (the shape the epilogue broadcasts; it is also what tells this format from int8's rows
 on CUDA). The int8 x int8 -> int32 product is `torch._int_mm`: on CPU oneDNN's s8s8s32 gemm
-(measured 2.5-3x faster than the weight-only kernel at 32 rows on AVX-512 VNNI,
+(measured 2.2-3.3x faster than the weight-only kernel at 32 rows on AVX-512 VNNI,
 docs/benchmarks.md), on CUDA cuBLASLt (rows padded past 16, K and N multiples of 8; not yet run
 on a GPU). int32 sums are exact, and the quantization and the epilogue are per row and per
 element, so a row's output depends on that row alone, whatever M or the thread count. Inside
@@ -244,7 +244,7 @@ def _(x, packed, scale, bias):
 
 @torch.library.register_fake("shoal::w8a8_linear")
 def _(x, weight, scale, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], scale.shape[-1]))  # (the weight may be [2N, K] halves)
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

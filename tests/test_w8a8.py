@@ -240,3 +240,18 @@ def test_shoal_serve_takes_w8a8_int8():
     assert from_cli(["--quantization", "w8a8_int8"]).engine.quantization == "w8a8_int8"
     with pytest.raises(SystemExit):  # argparse's choices
         from_cli(["--quantization", "w8a8"])
+
+
+def test_the_opaque_op_under_torch_compile_equals_eager():
+    """shoal::w8a8_linear traced by torch.compile (its fake gives the [M, N] shape, also for the
+    weight in halves) computes what the eager call does."""
+    from kernels.quantization import quantized_linear
+
+    torch.manual_seed(4)
+    w, bias, x = torch.randn(40, 72), torch.randn(40), torch.randn(3, 5, 72)
+    q, s = quantize(w, "w8a8_int8", panels=False)
+    compiled = torch.compile(quantized_linear, fullgraph=True, dynamic=False)
+    for weight in (w8a8_weight(q, False), w8a8_weight(q, True)):
+        got = compiled(x, weight, s.view(1, -1), bias)
+        assert got.shape == (3, 5, 40)
+        assert torch.equal(got, quantized_linear(x, weight, s.view(1, -1), bias))
