@@ -116,8 +116,9 @@ def test_a_row_that_keeps_rejecting_backs_off_and_a_busy_batch_does_not_propose(
         s.record(7, proposed=3, accepted=0)
         waits.append(sum(1 for _ in iter(propose, {7: [2, 3, 1]})))
     assert waits == [2, 4, 8, 16]
-    s.record(7, proposed=3, accepted=0)  # waiting again, but a 2-token match still proposes
-    assert s.propose([(7, [1, 2, 3, 1, 2], 3)]) == {7: [3, 1, 2]}
+    s.record(7, proposed=3, accepted=0)  # waiting again: a 2-token match waits, a 3-token one proposes
+    assert s.propose([(7, [1, 2, 3, 1, 2], 3)]) == {}
+    assert s.propose([(7, [1, 2, 3, 1, 2, 3], 3)]) == {7: [1, 2, 3]}
     assert propose() == {}
     s.record(7, proposed=3, accepted=3)  # accepted again: no wait
     s.record(7, proposed=3, accepted=3)

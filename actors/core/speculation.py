@@ -20,9 +20,9 @@ sampler keeps the longest prefix the target agrees with plus one token of its ow
 (actors/worker/sampler.py). Proposing is skipped where it would not pay:
 - per sequence: after proposals it mostly rejected, it waits (2, 4, ... 64 steps) before it
   proposes again, so a request whose output does not copy costs next to nothing. A waiting
-  n-gram row still proposes where its suffix recurs at least prompt_lookup_min + 1 tokens
-  long: an answer that starts in its own words and then copies (a rewritten paragraph, a
-  function after its explanation) would otherwise spend the copy waiting;
+  n-gram row still proposes where its suffix recurs longer than prompt_lookup_min and at
+  least 3 tokens long: an answer that starts in its own words and then copies (a rewritten
+  paragraph, a function after its explanation) would otherwise spend the copy waiting;
 - per step: with more than `disable_by_batch_size` sequences running, verifying k more tokens
   a row costs more than the accepted ones save (a busy batch is compute-bound), so no row
   proposes;
@@ -126,9 +126,10 @@ class NgramProposer:
         return self._lookup(rows, self.min_n)
 
     def confident(self, rows: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
-        """As `propose`, from matches at least one token longer than prompt_lookup_min (for rows
-        that are backing off)."""
-        return self._lookup(rows, self.min_n + 1) if self.min_n < self.max_n else {}
+        """As `propose`, from matches longer than prompt_lookup_min and of 3+ tokens (for rows
+        that are backing off: in open-ended text 2-token repeats are common and mostly wrong)."""
+        longer = max(self.min_n + 1, 3)
+        return self._lookup(rows, longer) if longer <= self.max_n else {}
 
     def _lookup(self, rows, min_n: int) -> dict[int, list[int]]:
         """Its own tokens' matches of 2+ tokens first, then recent outputs', then a 1-token one."""
