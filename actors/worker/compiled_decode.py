@@ -155,6 +155,11 @@ def _configure() -> None:
     # Float attributes (norm eps, embedding scales) as constants: symbolic floats made dynamo
     # trace the whole model twice (a restart in tensorifying them).
     dynamo_config.specialize_float = True
+    # Round to bfloat16 / float16 after every op as eager does: without it inductor keeps float32
+    # between fused ops, and a real model's outlier activations (the first token's, SmolLM2's in
+    # bfloat16) then part from eager's logits by 8 of 28 and fail the load check. With it the
+    # step equals eager bit for bit (docs/benchmarks.md: no slower).
+    inductor_config.emulate_precision_casts = True
 
 
 @torch.inference_mode()
