@@ -62,11 +62,17 @@ def test_bad_application_args_fail_in_one_line_before_ray_starts(tmp_path):
 
 
 def test_shoal_drain_without_a_cluster_says_so_in_one_line(tmp_path):
-    done = subprocess.run(shoal("drain"), cwd=REPO, capture_output=True, text=True,
-                          env=checkout_env(RAY_TMPDIR=str(tmp_path)), timeout=60)  # no cluster file
-    assert done.returncode == 1
-    assert done.stderr.startswith("shoal drain: error: no Ray cluster at auto: ")
-    assert len(done.stderr.strip().splitlines()) == 1
+    """At an address where nothing listens, at once ('auto' would attach to any cluster running
+    on this machine: a developer's, another test run's)."""
+    address = f"127.0.0.1:{free_port()}"
+    for how in (["--address", address], []):
+        start = time.monotonic()
+        done = subprocess.run(shoal("drain", *how), cwd=REPO, capture_output=True, text=True,
+                              env=checkout_env(RAY_ADDRESS=address), timeout=60)
+        assert done.returncode == 1
+        assert done.stderr.startswith(f"shoal drain: error: no Ray cluster at {address}: {address} does not answer")
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert time.monotonic() - start < 20
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 
@@ -44,6 +45,9 @@ def drain_command(args: argparse.Namespace) -> int:
     from app.serving.schedulers import scheduler_actors
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    closed = _nothing_listens(address)
+    if closed:  # ray.init would retry a dead address for minutes
+        sys.exit(f"shoal drain: error: no Ray cluster at {address}: {closed}")
     try:
         ray.init(address=address, namespace=SERVE_NAMESPACE, logging_level=logging.WARNING,
                  log_to_driver=False)
@@ -70,3 +74,16 @@ def drain_command(args: argparse.Namespace) -> int:
         return 0
     finally:
         ray.shutdown()
+
+
+def _nothing_listens(address: str) -> str | None:
+    """Why nothing can answer at a host:port address (None: something may; 'auto' and ray://
+    addresses are left to Ray)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        return f"{host}:{port} does not answer ({exc.strerror or type(exc).__name__})"
+    return None
