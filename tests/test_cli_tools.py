@@ -244,3 +244,34 @@ def test_collect_env(monkeypatch, capsys):
     assert main(["collect-env", "--ray-address", "none"]) == 0
     text = capsys.readouterr().out
     assert "== versions" in text and "transformers" in text and "skipped" in text
+
+
+STOP_WAITER = """
+import sys, threading, time
+from app.cli.stop_signal import StopSignal
+stop = StopSignal()
+busy = [threading.Thread(target=lambda: [time.sleep(0.0005) for _ in iter(int, 1)], daemon=True) for _ in range(4)]
+for t in busy:
+    t.start()
+print("waiting", flush=True)
+got = stop.wait()
+print("stopped" if got else "timed out", flush=True)
+"""
+
+
+def test_shoal_serve_stops_on_a_burst_of_signals():
+    """`shoal serve` waits on StopSignal (app/cli/stop_signal.py) with Ray's threads busy beside
+    it; Ctrl-C pressed again and again, or a supervisor's SIGTERM on top of it, must still end
+    the wait (a threading.Event set from the handler deadlocked inside its own wait)."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", STOP_WAITER], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        for i in range(10000):  # back to back: handlers nest
+            proc.send_signal(signal.SIGINT if i % 2 else signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=10)  # (its exit status: a late SIGTERM may end it)
+        assert rest.split() == ["stopped"]
+    finally:
+        proc.kill()

@@ -10,15 +10,14 @@ import glob
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 import time
 
 from actors.logs import setup_logging
 from app.cli.engine_args import add_engine_args, add_option
 from app.cli.own_session import run_in_own_session
 from app.cli.serve_config import is_serve_config
+from app.cli.stop_signal import StopSignal
 from app.config import ConfigError, ShoalConfig, load_config, replica_count, single_model_server, split_layout
 from app.protocol.generation_defaults import CHOICES as GENERATION_CONFIG_CHOICES
 
@@ -240,7 +239,7 @@ def run_server(config: ShoalConfig) -> int:
     phases = [("start", time.perf_counter())]  # start-up phases, in the ready line
     ray.init(address=address, logging_level=logging.WARNING, **resources)
     phases.append(("Ray", time.perf_counter()))
-    stop = stop_event()
+    stop = StopSignal()
     try:
         try:
             app = application(config, listener and listener.path)
@@ -300,7 +299,7 @@ def run_serve_config(path: str, address: str | None) -> int:
     address = address or os.environ.get("RAY_ADDRESS") or "local"
     ray_settings_for_serving()
     ray.init(address=address, namespace=SERVE_NAMESPACE)  # the dashboard too, as `serve run`
-    stop = stop_event()  # after ray.init, whose SIGTERM handler would exit at once
+    stop = StopSignal()  # after ray.init, whose SIGTERM handler would exit at once
     code, ours = 0, names  # the applications to delete at the end (on a joined cluster)
     try:
         client = serve_start(http_options=schema.http_options.model_dump(),
@@ -368,14 +367,6 @@ def local_gpus() -> int:
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip()])
     return len(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def stop_event() -> threading.Event:
-    """Set by SIGINT or SIGTERM, so both end in the same clean shutdown."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
 
 
 def shut_down(app_names: str | list[str], joined: bool) -> None:

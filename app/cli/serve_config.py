@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from pathlib import Path
 
 import yaml
 
+from app.cli.stop_signal import StopSignal
 from app.config import ConfigError
 from app.serving.ray_llm_config import load_configs
 
@@ -64,7 +64,7 @@ def load_serve_config(path: str):
     return schema, timeouts
 
 
-def wait_for_stop(stop: threading.Event, names: list[str]) -> str:
+def wait_for_stop(stop: StopSignal, names: list[str]) -> str:
     """"signal" (SIGTERM / Ctrl-C), "gone" (Serve or every application was deleted from
     outside) or "failed" (an application failed to deploy; its message is printed)."""
     from ray import serve
