@@ -84,11 +84,28 @@ def test_the_engine_runs_at_the_servers_priority(server):
 
 
 def test_serves_controller_checks_once_a_second(server):
-    """Its loop's wake-ups stall the engine's threads on shared cores (ray_settings_for_serving)."""
+    """Its loop's wake-ups stall the engine's threads on shared cores (ray_settings_for_serving);
+    ten times a second only while the server starts (app/serving/controller_pace.py)."""
     _, proc, _ = server
     (controller,) = [pid for pid, name in processes(proc.pid).items() if "ServeController" in name]
     environ = Path(f"/proc/{controller}/environ").read_bytes().split(b"\0")
     assert b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S=1" in environ
+    assert b"RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH=app.serving.controller_pace.start_fast" in environ
+
+
+def test_serves_controller_runs_fast_while_starting_then_at_its_set_pace(monkeypatch):
+    from ray.serve._private import controller
+
+    from app.serving.controller_pace import start_fast
+
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1")
+    monkeypatch.setattr(controller, "CONTROL_LOOP_INTERVAL_S", 1.0)
+    start_fast(starting_s=0.5)
+    assert controller.CONTROL_LOOP_INTERVAL_S == 0.1
+    deadline = time.monotonic() + 10
+    while controller.CONTROL_LOOP_INTERVAL_S != 1.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert controller.CONTROL_LOOP_INTERVAL_S == 1.0
 
 
 def test_a_killed_replica_s_requests_wait_for_the_next_one(server, llama_ckpt):

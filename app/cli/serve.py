@@ -251,6 +251,7 @@ def run_server(config: ShoalConfig) -> int:
         else:
             serve.start(http_options={"host": d.host, "port": d.port})
         phases.append(("Serve", time.perf_counter()))
+        poll_serve_status_often()
         serve.run(app, name=d.app_name, route_prefix="/", blocking=False)
         phases.append(("replicas", time.perf_counter()))
         print(f"shoal: serving {config.server.served_model_name} at http://{d.host}:{d.port}/v1 "
@@ -265,6 +266,17 @@ def run_server(config: ShoalConfig) -> int:
         if listener is not None:
             listener.close()
     return 0
+
+
+def poll_serve_status_often() -> None:
+    """serve.run asks the controller whether the application runs once a second: ~0.5 s of every
+    start on average, up to 1 s. Twenty times a second costs the controller nothing that matters
+    while it starts replicas. (A private constant of Ray Serve's client: if it moves, serve.run
+    keeps its own pace.)"""
+    from ray.serve._private import client
+
+    if hasattr(client, "CLIENT_POLLING_INTERVAL_S"):
+        client.CLIENT_POLLING_INTERVAL_S = 0.05
 
 
 def describe_phases(marks: list[tuple[str, float]]) -> str:
@@ -340,11 +352,13 @@ def ray_settings_for_serving() -> None:
       busiest of Ray's own processes on an idle server (~5% of a core, ~330 wake-ups a
       second), and every wake-up on a core the engine's threads share stalls both at their
       next barrier: the llama.cpp comparison's throughput rose ~8% with it, averaged over
-      three A/B runs (one of them went the other way).
+      three A/B runs (one of them went the other way). Ten times a second while it starts
+      (app/serving/controller_pace.py).
     (docs/benchmarks.md.) Joining a cluster changes nothing: `ray start` decides there
     (docs/multinode.md)."""
     os.environ.setdefault("RAY_worker_niceness", "0")
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1")
+    os.environ.setdefault("RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH", "app.serving.controller_pace.start_fast")
 
 
 def local_resources(config: ShoalConfig) -> dict:
