@@ -27,8 +27,8 @@ sampler keeps the longest prefix the target agrees with plus one token of its ow
   a row costs more than the accepted ones save (a busy batch is compute-bound), so no row
   proposes;
 - by measured cost: the speculator times the steps it sees. Plain decode steps give the time
-  of a step of r rows (decayed, per r; one step in PLAIN_EVERY is left plain to keep this
-  current); each step with drafts, proposing included, is set against the time plain steps
+  of a step of r rows (decayed, per r; the first step at a size r and one in PLAIN_EVERY are
+  left plain to keep this current); each step with drafts, proposing included, is set against the time plain steps
   would have taken to emit its tokens (tokens / r plain steps of r rows). When the
   drafted steps have cost more than that over the last few (a batch whose drafts are mostly
   rejected, or verifying eagerly against a compiled plain step), no row proposes for 32
@@ -201,8 +201,11 @@ class Speculator:
 
     def active(self, running: int) -> bool:
         """Whether rows may propose in a step with `running` sequences: not while paused, or
-        over the batch size, or when a plain step is due to be timed."""
-        due = not self.plain_seconds or self.drafted_since_plain >= PLAIN_EVERY
+        over the batch size, or when a plain step is due to be timed: at this batch size first
+        (a batch's tail shrinks through sizes never timed, and a larger batch's plain step made
+        its eager verify steps look cheap against the compiled plain ones), then every
+        PLAIN_EVERY drafted steps."""
+        due = running not in self.plain_seconds or self.drafted_since_plain >= PLAIN_EVERY
         return not self.paused and running <= self.max_batch and not due
 
     def observe(self, seqs, tokens: list, seconds: float) -> None:
