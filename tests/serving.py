@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,12 +23,26 @@ RAY_DEFAULT_PORTS = {52365}  # the dashboard agent's HTTP port (--dashboard-agen
 
 
 def free_port() -> int:
+    """A port free now, between Ray's worker ports (10002-19999) and the kernel's ephemeral
+    range: Ray's processes bind dozens of port-0 sockets while a server starts, and one of
+    them took a port chosen from that range before Serve's proxy could bind it."""
+    low, high = 20000, _ephemeral_start() - 1
     while True:
+        port = random.randint(low, high)
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
         if port not in RAY_DEFAULT_PORTS:
             return port
+
+
+def _ephemeral_start() -> int:
+    try:
+        return max(20001, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @contextlib.contextmanager
