@@ -28,10 +28,10 @@ sampler keeps the longest prefix the target agrees with plus one token of its ow
   proposes;
 - by measured cost: the speculator times the steps it sees. Plain decode steps give the time
   of a step of r rows (decayed, per r; the first step at a size r and one in PLAIN_EVERY are
-  left plain to keep this current); each step with drafts, proposing included, is set against the time plain steps
-  would have taken to emit its tokens (tokens / r plain steps of r rows). When the
-  drafted steps have cost more than that over the last few (a batch whose drafts are mostly
-  rejected, or verifying eagerly against a compiled plain step), no row proposes for 32
+  left plain to keep this current); each step with drafts, proposing included, is set against
+  the time plain steps would have taken to emit its tokens (tokens / r plain steps of r rows).
+  When the drafted steps have cost more than that over the last few (a batch whose drafts are
+  mostly rejected, or verifying eagerly against a compiled plain step), no row proposes for 32
   steps, then 64, ... 1024 while it keeps not paying; the first window that pays resets it.
 """
 from __future__ import annotations

@@ -9,8 +9,8 @@ class StopSignal:
     """Set by SIGINT or SIGTERM, so both end in the same clean shutdown. Lock-free: Python runs
     a handler between two bytecodes of the main thread, which may hold any lock at that moment
     (a threading.Event set from the handler deadlocked inside its own wait, and the server
-    ignored every later signal). Waits sleep in short slices: a signal that the kernel hands to
-    one of Ray's threads does not interrupt the main thread's sleep."""
+    ignored every later signal). Waits sleep in short slices, so the flag is seen within 0.1 s
+    whichever thread the kernel hands the signal to."""
 
     def __init__(self) -> None:
         self.received = False

@@ -2,8 +2,8 @@
 after.
 
 `shoal serve` runs Serve's controller once a second (app/cli/serve.py ray_settings_for_serving):
-at Ray's 0.1 s its wake-ups cost the engine ~15% of its throughput on shared cores
-(docs/benchmarks.md). But every step of a deployment waits for a tick (the new version, the
+at Ray's 0.1 s its wake-ups stall the engine's threads on shared cores (docs/benchmarks.md,
+"shoal serve vs llama.cpp's llama-server"). But every step of a deployment waits for a tick (the new version, the
 replica added, the replica seen ready), which was ~3 s of `make serve`'s start. Serve calls
 `start_fast` in the controller's process when it starts (RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH);
 it runs the loop at STARTING_INTERVAL_S for STARTING_S, then at what the environment set. The
