@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 
 
@@ -41,13 +40,13 @@ def drain_command(args: argparse.Namespace) -> int:
     from ray.serve._private.constants import SERVE_NAMESPACE
     from ray.serve.exceptions import RayServeException
 
+    from app.cli.ray_probe import port_open
     from app.serving.drain import drain
     from app.serving.schedulers import scheduler_actors
 
     address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
-    closed = _nothing_listens(address)
-    if closed:  # ray.init would retry a dead address for minutes
-        sys.exit(f"shoal drain: error: no Ray cluster at {address}: {closed}")
+    if address != "auto" and not port_open(address):  # ray.init would retry it for minutes
+        sys.exit(f"shoal drain: error: no Ray cluster at {address}: {address} does not answer")
     try:
         ray.init(address=address, namespace=SERVE_NAMESPACE, logging_level=logging.WARNING,
                  log_to_driver=False)
@@ -74,16 +73,3 @@ def drain_command(args: argparse.Namespace) -> int:
         return 0
     finally:
         ray.shutdown()
-
-
-def _nothing_listens(address: str) -> str | None:
-    """Why nothing can answer at a host:port address (None: something may; 'auto' and ray://
-    addresses are left to Ray)."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return None
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as exc:
-        return f"{host}:{port} does not answer ({exc.strerror or type(exc).__name__})"
-    return None
