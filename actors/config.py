@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATIONS = ("int8", "fp8", "w8a8_int8")  # kernels/quantization.py
+# On 2 CPU cores a decode step of 64 rows on the bench model takes ~50 ms: 75 ms leaves room
+# for ~85 prompt tokens a step and keeps chunk gaps under 100 ms (docs/benchmarks.md).
+DEFAULT_CPU_ITL_TARGET_MS = 75.0
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp8 means e4m3 (kernels/kv_quant.py)
 
 
@@ -32,6 +35,9 @@ class EngineConfig:
     # Scheduling
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    # While streams decode, prompt chunks are sized so a step takes about this long
+    # (actors/core/step_times.py). None: 75 ms on CPU, off on CUDA; 0: off (the full token budget)
+    itl_target_ms: float | None = None
     scheduling_policy: str = "fcfs"  # fcfs | priority
     max_queued_requests: int | None = 256  # requests waiting to start; over it, new ones get 429. None: no limit
     # Compute
@@ -120,6 +126,12 @@ class EngineConfig:
             out[name.strip()] = path.strip()
         return out
 
+    def itl_target_seconds(self, device_type: str) -> float:
+        """--itl-target-ms resolved for a device: 0.0 when off."""
+        if self.itl_target_ms is None:
+            return DEFAULT_CPU_ITL_TARGET_MS / 1e3 if device_type == "cpu" else 0.0
+        return self.itl_target_ms / 1e3
+
     @property
     def expert_parallel(self) -> bool:
         return self.tp_size > 1 and (self.enable_expert_parallel or (self.ep_size or 1) > 1)
@@ -147,6 +159,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.itl_target_ms is not None and self.itl_target_ms < 0:
+            raise ValueError(f"--itl-target-ms must be >= 0 (0: off), got {self.itl_target_ms}")
         if self.watchdog_timeout < 0:
             raise ValueError(f"--watchdog-timeout must be >= 0 (0: off), got {self.watchdog_timeout}")
         if not 0 < self.kv_cache_fraction <= 1:

@@ -3,7 +3,9 @@
 There is no prefill phase and no decode phase: each sequence has `num_computed_tokens` and
 `num_tokens`, and every step spends a token budget so the first catches up with the second.
 Running sequences go first (one token each when decoding, a chunk when prefilling), then
-waiting ones are admitted while budget, sequence slots and KV blocks last. When blocks run
+waiting ones are admitted while budget, sequence slots and KV blocks last. While sequences
+decode, the step's prompt tokens are capped so the step keeps to --itl-target-ms
+(actors/core/step_times.py). When blocks run
 out, the sequence scheduled last is preempted: its blocks are freed and it is recomputed
 later (the prefix cache usually gives most of them back).
 
@@ -29,13 +31,18 @@ from actors.core.lora_slots import LoraSlots
 from actors.core.sequence import PLACEHOLDER, Sequence, Status
 from actors.core.speculation import Speculator, can_speculate
 from actors.core.step import ScheduledSeq, SchedulerOutput, StepRow
+from actors.core.step_times import PrefillPacer
 from actors.core.structured import accept, grammar_prefix
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_ids: frozenset[int], speculator: Speculator | None = None):
+                 eos_ids: frozenset[int], speculator: Speculator | None = None, itl_target_s: float = 0.0):
+        """itl_target_s: steps with decoding rows get the prompt tokens that keep them about this
+        long (actors/core/step_times.py); 0: every step may take the full token budget."""
         self.max_tokens = config.max_num_batched_tokens
+        self.pacer = PrefillPacer(itl_target_s, self.max_tokens)
+        self._prefill_left = self.max_tokens  # this step's prompt tokens still to give
         self.max_seqs = config.max_num_seqs
         self.priority = config.scheduling_policy == "priority"
         self.max_model_len = max_model_len
@@ -58,6 +65,8 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_tokens
+        decoding = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        self._prefill_left = self.pacer.prefill_budget(decoding)
         scheduled: list[ScheduledSeq] = []
         self._outgrown: list[Sequence] = []
         self._lora_loads: list[tuple] = []
@@ -83,6 +92,13 @@ class Scheduler:
         self._outgrown.append(seq)
         return True
 
+    def observe(self, seqs: list[ScheduledSeq], tokens: list, seconds: float) -> None:
+        """A step ran: its rows, what each emitted, its wall time (the pacer and the speculator
+        learn what steps cost)."""
+        self.pacer.observe(seqs, seconds)
+        if self.speculator is not None:
+            self.speculator.observe(seqs, tokens, seconds)
+
     def speculating(self) -> bool:
         """Whether decoding rows may propose drafts at the current batch size."""
         return self.speculator is not None and self.speculator.active(len(self.running))
@@ -97,7 +113,11 @@ class Scheduler:
                 continue
             if self._outgrows_pool(seq):
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = min(left, budget) if left == 1 else min(left, budget, self._prefill_left)
+            if not n:  # a prompt chunk, and the step's prompt tokens are spent: the decodes go on
+                i += 1
+                continue
             draft = self._draft(seq, budget, proposals) if proposals and n == 1 and not seq.pending else []
             if draft:
                 self.blocks.allocate(seq, seq.num_computed_tokens + 1 + len(draft))
@@ -116,6 +136,8 @@ class Scheduler:
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
             scheduled.append(_scheduled(seq, n))
             budget -= n
+            if left > 1:
+                self._prefill_left -= n
             i += 1
         return budget, preempted
 
@@ -127,7 +149,10 @@ class Scheduler:
                 continue
             hits = self.blocks.cached_prefix(seq)
             cached = len(hits) * self.blocks.block_size
-            n = min(seq.num_tokens - cached, budget)
+            left = seq.num_tokens - cached
+            n = min(left, budget) if left == 1 else min(left, budget, self._prefill_left)
+            if not n:
+                break
             if not self.blocks.can_allocate(seq, cached + n, hits):
                 break
             if seq.lora is not None and not self._take_lora_slot(seq, in_use):
@@ -141,6 +166,8 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(_scheduled(seq, n))
             budget -= n
+            if left > 1:
+                self._prefill_left -= n
 
     def _propose(self) -> dict[int, list[int]]:
         """Drafts for the decoding sequences that may speculate, within their limits (one call:

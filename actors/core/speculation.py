@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from actors.config import SpeculativeConfig
+from actors.core.step_times import DecodeTimes
 
 # Of a finished output, the first tokens join the recent outputs looked up (an answer's shape
 # is at its start; ~1 ms of host time a request).
@@ -172,7 +173,7 @@ class Speculator:
     accepted_per_pos: list[int] = field(default_factory=list)
     # The cost check (see the top): rows -> a plain decode step's decayed seconds; the drafted
     # steps' seconds and plain steps' seconds for the same tokens since the last verdict.
-    plain_seconds: dict[int, float] = field(default_factory=dict)
+    plain: DecodeTimes = field(default_factory=DecodeTimes)
     drafted_seconds: float = 0.0
     plain_equivalent: float = 0.0
     compared: int = 0
@@ -205,7 +206,7 @@ class Speculator:
         (a batch's tail shrinks through sizes never timed, and a larger batch's plain step made
         its eager verify steps look cheap against the compiled plain ones), then every
         PLAIN_EVERY drafted steps."""
-        due = running not in self.plain_seconds or self.drafted_since_plain >= PLAIN_EVERY
+        due = running not in self.plain or self.drafted_since_plain >= PLAIN_EVERY
         return not self.paused and running <= self.max_batch and not due
 
     def observe(self, seqs, tokens: list, seconds: float) -> None:
@@ -218,12 +219,11 @@ class Speculator:
         if not rows or any(s.num_tokens - len(s.draft) != 1 for s in seqs):
             return
         if not any(s.draft for s in seqs):
-            before = self.plain_seconds.get(rows)
-            self.plain_seconds[rows] = seconds if before is None else 0.75 * before + 0.25 * seconds
+            self.plain.record(rows, seconds)
             self.drafted_since_plain = 0
             return
         self.drafted_since_plain += 1
-        plain = self._plain_step(rows)
+        plain = self.plain.estimate(rows)
         if plain is None:
             return
         emitted = sum(len(t) if isinstance(t, list) else t is not None for t in tokens)
@@ -240,17 +240,6 @@ class Speculator:
             self.pause = 0
         self.drafted_seconds = self.plain_equivalent = 0.0
         self.compared = 0
-
-    def _plain_step(self, rows: int) -> float | None:
-        """A plain decode step's seconds at `rows` rows: measured, else the nearest larger batch's
-        (an upper bound), else the nearest smaller one's scaled up by rows; None: none seen."""
-        if rows in self.plain_seconds:
-            return self.plain_seconds[rows]
-        larger = [r for r in self.plain_seconds if r > rows]
-        if larger:
-            return self.plain_seconds[min(larger)]
-        smaller = [r for r in self.plain_seconds if r < rows]
-        return self.plain_seconds[max(smaller)] * rows / max(smaller) if smaller else None
 
     def propose(self, rows: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """Draft tokens for decoding sequences' next step. rows: (seq id, its tokens, room for

@@ -66,8 +66,9 @@ class LLMEngine:
         windows = self.spec.args.layer_windows
         self.blocks = BlockManager(self.executor.num_blocks, self.spec.block_size, config.enable_prefix_caching,
                                    sliding_window=max(windows) if windows and all(windows) else None)
+        device = self.executor.device.type
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids, Speculator.create(
-            speculative, self.executor.device.type, draft and draft.load(self.executor.num_blocks)))
+            speculative, device, draft and draft.load(self.executor.num_blocks)), config.itl_target_seconds(device))
         self.grammars = Grammars(self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics(config)
         self.stats = self.metrics.stats
@@ -95,8 +96,7 @@ class LLMEngine:
             self.scheduler.update(output, result.tokens)
         now = time.monotonic()
         self.metrics.record_step(output, result.tokens, self.requests, start, now)
-        if self.scheduler.speculator is not None:  # does speculating pay? (actors/core/speculation.py)
-            self.scheduler.speculator.observe(output.seqs, result.tokens, now - start)
+        self.scheduler.observe(output.seqs, result.tokens, now - start)  # what steps cost
         if ahead or not self.executor.async_scheduling:
             outputs += self.processor.outputs(output, result, now)
         else:

@@ -83,6 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="reuse KV blocks of shared prompt prefixes (default: on)")
     add("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step")
     add("--max-num-seqs", type=int, metavar="N", help="most sequences running at once")
+    add("--itl-target-ms", type=float, metavar="MS",
+        help="while streams decode, size each step's prompt chunks so the step takes about MS "
+             "milliseconds, the time between a stream's tokens (default: 75 on CPU, off on "
+             "CUDA; 0: off, each step takes up to --max-num-batched-tokens)")
     add("--scheduling-policy", choices=["fcfs", "priority"])
     add("--max-queued-requests", type=int, metavar="N",
         help="requests that may wait to start, per replica; more get 429 (default 256)")

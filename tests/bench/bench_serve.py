@@ -6,7 +6,7 @@ workload on the in-process engine, in the same run; TTFT and inter-token latency
 Both sides run the same EngineConfig on the same checkpoint (tests/bench/common.py) with
 the same torch thread count. The in-process side streams from an AsyncEngine in this
 process; the HTTP side streams /v1/completions from an aiohttp client in this process
-(token-id prompts, so both see identical prompts) to a ModelServer replica answering HTTP
+(token-id prompts, so both see identical prompts, new ones each round) to a ModelServer replica answering HTTP
 itself (`--ingress proxy`: behind Serve's HTTP proxy; `--serve-layout split`: proxy ->
 ingress -> LLMServer replica; `--ingress ray-direct`: Ray Serve's own direct ingress, each
 replica on its own port; `--ingress haproxy`: Serve's HAProxy mode, HAProxy on the HTTP port in
@@ -191,10 +191,10 @@ def stop_serve() -> None:
 
 # --------------------------------------------------------------------------- main
 
-async def alternate(sides: dict, prompts: list, concurrency: int, rounds: int) -> dict:
-    """Run each side in turn, `rounds` times: neighbours share the machine's mood."""
+async def alternate(sides: dict, rounds: list[list], concurrency: int) -> dict:
+    """Run each side in turn on each round's prompts: neighbours share the machine's mood."""
     runs = {name: [] for name in sides}
-    for _ in range(rounds):
+    for prompts in rounds:
         for name, one in sides.items():
             before = cpu_seconds()
             run = await run_all(one, prompts, concurrency)
@@ -246,7 +246,7 @@ def descendants(root: int) -> dict:
     return found
 
 
-async def measure(options: dict, urls: list[str], prompts: list, args) -> tuple[dict, dict]:
+async def measure(options: dict, urls: list[str], args) -> tuple[dict, dict]:
     # One engine per replica, each with the replica's threads (an engine's loop thread takes
     # the count set when it starts).
     torch.set_num_threads(options["num_threads"])
@@ -258,9 +258,12 @@ async def measure(options: dict, urls: list[str], prompts: list, args) -> tuple[
         batch = {"in-process": in_process(engines, args.output_len),
                  "HTTP via Ray Serve": over_http(http, urls, args.output_len)}
         lone = {"in-process": in_process(engines, 64), "HTTP via Ray Serve": over_http(http, urls, 64)}
-        await alternate(batch, prompts, len(prompts), 1)  # warm-up at full width: compiles every bucket
-        many = await alternate(batch, prompts, len(prompts), args.rounds)
-        one = await alternate(lone, prompts[:args.single], 1, args.rounds)
+        # New prompts every round (the same for both sides): a server under load sees prompts it
+        # has not cached, so each round prefills while earlier streams decode.
+        n = args.requests
+        await alternate(batch, [workload(n, seed=1000)], n)  # warm-up at full width: compiles every bucket
+        many = await alternate(batch, [workload(n, seed=r) for r in range(args.rounds)], n)
+        one = await alternate(lone, [workload(args.single, seed=2000 + r) for r in range(args.rounds)], 1)
     for engine in engines:
         engine.shutdown()
     return many, one
@@ -291,6 +294,7 @@ def cpu_per_k(runs: list[Run], kind: str) -> str:
 def report(args, many: dict, one: dict) -> None:
     print(f"{args.requests} requests, prompts of 32-256 tokens, {args.output_len} output tokens, greedy, "
           f"{args.threads} torch threads, --stream-chunks-per-s {args.chunks_per_s:g}, "
+          f"--itl-target-ms {'default' if args.itl_target_ms is None else f'{args.itl_target_ms:g}'}, "
           f"--serve-layout {args.serve_layout}, --ingress {args.ingress}, {args.replicas} replica(s), "
           f"{args.rounds} alternating rounds; concurrency 1: "
           f"{args.single} requests x 64 tokens per round\n")
@@ -332,12 +336,12 @@ def main():
                          "process (shoal serve's default for one replica), behind Serve's proxy, "
                          "on its own port under Ray Serve's direct ingress, or behind Serve's HAProxy")
     ap.add_argument("--replicas", type=int, default=1, help="model replicas, sharing the threads")
+    ap.add_argument("--itl-target-ms", type=float, default=None, help="the engines' --itl-target-ms (default: theirs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = bench_checkpoint()
-    prompts = workload(args.requests)
     options = dict(model_path=str(path), num_threads=max(1, args.threads // args.replicas), max_num_seqs=args.requests,
-                   kv_cache_memory=1.0, attn_backend="native")
+                   kv_cache_memory=1.0, attn_backend="native", itl_target_ms=args.itl_target_ms)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     if args.ingress == "direct" and (args.serve_layout != "merged" or args.replicas > 1):
         ap.error("--ingress direct is for one merged-layout replica (as `shoal serve` uses it)")
@@ -345,7 +349,7 @@ def main():
                         "stream_chunks_per_s": args.chunks_per_s, "serve_layout": args.serve_layout},
                        args.ingress)
     try:
-        many, one = asyncio.run(measure(options, urls, prompts, args))
+        many, one = asyncio.run(measure(options, urls, args))
     finally:
         stop_serve()
     print(f"load average at the start: {load}")
