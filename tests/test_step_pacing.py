@@ -38,6 +38,11 @@ def test_the_pacer_learns_a_prompt_tokens_cost_and_leaves_the_decodes_their_time
     for _ in range(20):
         pacer.observe(rows(*[1] * 64), 0.200)
     assert pacer.prefill_budget(decoding=64) == int(0.100 / pacer.token_seconds)
+    # The host's time between steps is a stream's wait too: it comes out of the prompts' room.
+    for _ in range(40):
+        pacer.observe(rows(*[1] * 8), 0.025, between=0.010)
+    assert pacer.between == pytest.approx(0.010, rel=1e-3)
+    assert pacer.prefill_budget(decoding=8) == int((0.075 - 0.025 - pacer.between) / pacer.token_seconds)
     # However dear a prompt token looks, one block's worth goes through.
     pacer.token_seconds = 10.0
     assert pacer.prefill_budget(decoding=64) == MIN_PREFILL_TOKENS
@@ -95,7 +100,7 @@ def test_a_long_prompt_arriving_is_spread_over_steps_that_keep_every_stream_movi
     # Pin what steps cost, so the chunk sizes do not depend on this machine's speed: 4 decoding
     # rows take 10 ms, a prompt token 1 ms, so a 50 ms step has room for 40 prompt tokens.
     pacer = llm.engine.scheduler.pacer
-    pacer.observe = lambda seqs, seconds: None
+    pacer.observe = lambda *step: None
     pacer.decodes.record(4, 0.010)
     pacer.token_seconds = 0.001
     rng = random.Random(3)
@@ -124,3 +129,4 @@ def test_the_engine_times_its_steps_for_the_pacer(llama_ckpt):
     pacer = llm.engine.scheduler.pacer
     assert pacer.token_seconds is not None and pacer.token_seconds > 0
     assert 4 in pacer.decodes and 0 < pacer.decodes.estimate(4) < 1.0
+    assert 0 < pacer.between < 1.0  # the host's time between two steps while requests ran

@@ -92,10 +92,11 @@ class Scheduler:
         self._outgrown.append(seq)
         return True
 
-    def observe(self, seqs: list[ScheduledSeq], tokens: list, seconds: float) -> None:
-        """A step ran: its rows, what each emitted, its wall time (the pacer and the speculator
-        learn what steps cost)."""
-        self.pacer.observe(seqs, seconds)
+    def observe(self, seqs: list[ScheduledSeq], tokens: list, seconds: float, between: float | None = None) -> None:
+        """A step ran: its rows, what each emitted, its wall time, and the host's time since the
+        step before it (None: the engine was idle); the pacer and the speculator learn what steps
+        cost."""
+        self.pacer.observe(seqs, seconds, between)
         if self.speculator is not None:
             self.speculator.observe(seqs, tokens, seconds)
 

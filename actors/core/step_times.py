@@ -6,7 +6,8 @@ prefill chunk stalls them all: at concurrency 64 on 2 CPU cores a 2,048-token ch
 prefill tokens of a step that has decoding rows so the step takes about `target` seconds
 (Sarathi-Serve's stall-free batching with a time budget instead of a fixed token count):
 decodes go first, then as many prompt tokens as the time left buys at the measured cost of a
-prompt token. Where the decodes alone take longer than the target, prompts still get half
+prompt token. The time left also pays for the host's work between two steps (each stream's
+output; ~15-20 ms for 64 streams on 2 cores), which a stream waits through too. Where the decodes alone take longer than the target, prompts still get half
 the decodes' time, so a long prompt is never starved. A step without decoding rows, or one
 before any prompt token was timed, keeps the full --max-num-batched-tokens.
 """
@@ -55,11 +56,15 @@ class PrefillPacer:
         self.max_tokens = max_tokens
         self.decodes = DecodeTimes()
         self.token_seconds: float | None = None  # a prompt token's decayed cost
+        self.between = 0.0  # the host's decayed time between two busy steps (outputs, streams)
 
-    def observe(self, seqs, seconds: float) -> None:
-        """A step that ran: its ScheduledSeqs and its wall time."""
+    def observe(self, seqs, seconds: float, between: float | None = None) -> None:
+        """A step that ran: its ScheduledSeqs, its wall time, and the host's time since the step
+        before it ended (None: the engine waited for work)."""
         if not self.target or not seqs:
             return
+        if between is not None:
+            self.between = (1 - DECAY) * self.between + DECAY * between
         if is_plain_decode(seqs):
             self.decodes.record(len(seqs), seconds)
             return
@@ -77,5 +82,5 @@ class PrefillPacer:
         if not self.target or not decoding or not self.token_seconds:
             return self.max_tokens
         decode_seconds = self.decodes.estimate(decoding) or 0.0
-        room = max(self.target - decode_seconds, decode_seconds / 2)
+        room = max(self.target - self.between - decode_seconds, decode_seconds / 2)
         return max(MIN_PREFILL_TOKENS, min(self.max_tokens, int(room / self.token_seconds)))

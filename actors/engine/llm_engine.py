@@ -76,6 +76,7 @@ class LLMEngine:
         self.requests = self.processor.requests  # request id -> Request, until it finishes
         self._held = None  # async scheduling: the last step, its outputs not made yet
         self._launched = None  # async scheduling: (output, result, start) of the step launched ahead
+        self._busy_end = None  # when the last step ended, if it left requests running
         freeze_startup_heap()  # no 350 ms full collections mid-step (actors/worker/process_tuning.py)
 
     # ---- one step ---------------------------------------------------------------------
@@ -96,7 +97,9 @@ class LLMEngine:
             self.scheduler.update(output, result.tokens)
         now = time.monotonic()
         self.metrics.record_step(output, result.tokens, self.requests, start, now)
-        self.scheduler.observe(output.seqs, result.tokens, now - start)  # what steps cost
+        # What steps cost, and the host's time between two steps while requests run
+        between = start - self._busy_end if self._busy_end is not None and start > self._busy_end else None
+        self.scheduler.observe(output.seqs, result.tokens, now - start, between)
         if ahead or not self.executor.async_scheduling:
             outputs += self.processor.outputs(output, result, now)
         else:
@@ -104,6 +107,7 @@ class LLMEngine:
         if self._launched is not None and not self.requests:  # its rows all finished meanwhile
             self._launched[1].resolve()
             self._launched = None
+        self._busy_end = now if self.requests else None
         return outputs
 
     def _launch(self, output, previous=None) -> tuple:
