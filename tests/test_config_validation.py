@@ -12,6 +12,7 @@ BAD = {
     "num_threads": (0, "--num-threads must be at least 1"),
     "dist_timeout": (0, "--dist-timeout must be positive"),
     "watchdog_timeout": (-1, "--watchdog-timeout must be >= 0"),
+    "itl_target_ms": (-5, "--itl-target-ms must be >= 0"),
     "attn_backend": ("fast", "--attn-backend must be auto, native, flash or triton"),
     "gpu_memory_utilization": (1.5, "--gpu-memory-utilization must be in \\(0, 1\\]"),
     "cuda_graph_sizes": ("0,8", "--cuda-graph-sizes must be positive batch sizes"),
