@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATIONS = ("int8", "fp8", "w8a8_int8")  # kernels/quantization.py
 # On 2 CPU cores a decode step of 64 rows on the bench model takes ~50 ms: 75 ms leaves room
-# for ~85 prompt tokens a step and keeps chunk gaps under 100 ms (docs/benchmarks.md).
+# for ~85 prompt tokens a step, and chunk gaps stayed near 100 ms at p99 (docs/benchmarks.md).
 DEFAULT_CPU_ITL_TARGET_MS = 75.0
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp8 means e4m3 (kernels/kv_quant.py)
 

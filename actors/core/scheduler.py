@@ -5,9 +5,9 @@ There is no prefill phase and no decode phase: each sequence has `num_computed_t
 Running sequences go first (one token each when decoding, a chunk when prefilling), then
 waiting ones are admitted while budget, sequence slots and KV blocks last. While sequences
 decode, the step's prompt tokens are capped so the step keeps to --itl-target-ms
-(actors/core/step_times.py). When blocks run
-out, the sequence scheduled last is preempted: its blocks are freed and it is recomputed
-later (the prefix cache usually gives most of them back).
+(actors/core/step_times.py). When blocks run out, the sequence scheduled last is preempted:
+its blocks are freed and it is recomputed later (the prefix cache usually gives most of them
+back).
 
 `schedule()` returns one SchedulerOutput: the step as plain data, which rank 0 also
 broadcasts to the other ranks. `update()` takes the sampled tokens back in two halves:

@@ -6,10 +6,11 @@ prefill chunk stalls them all: at concurrency 64 on 2 CPU cores a 2,048-token ch
 prefill tokens of a step that has decoding rows so the step takes about `target` seconds
 (Sarathi-Serve's stall-free batching with a time budget instead of a fixed token count):
 decodes go first, then as many prompt tokens as the time left buys at the measured cost of a
-prompt token. The time left also pays for the host's work between two steps (each stream's
-output; ~15-20 ms for 64 streams on 2 cores), which a stream waits through too. Where the decodes alone take longer than the target, prompts still get half
-the decodes' time, so a long prompt is never starved. A step without decoding rows, or one
-before any prompt token was timed, keeps the full --max-num-batched-tokens.
+prompt token. The time left also pays for the host's measured work between two steps (each
+stream's output), which a stream waits through too. Where the decodes alone take longer than
+the target, prompts still get half the decodes' time, so a long prompt is never starved. A
+step without decoding rows, or one before any prompt token was timed, keeps the full
+--max-num-batched-tokens.
 """
 from __future__ import annotations
 

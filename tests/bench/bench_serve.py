@@ -6,8 +6,8 @@ workload on the in-process engine, in the same run; TTFT and inter-token latency
 Both sides run the same EngineConfig on the same checkpoint (tests/bench/common.py) with
 the same torch thread count. The in-process side streams from an AsyncEngine in this
 process; the HTTP side streams /v1/completions from an aiohttp client in this process
-(token-id prompts, so both see identical prompts, new ones each round) to a ModelServer replica answering HTTP
-itself (`--ingress proxy`: behind Serve's HTTP proxy; `--serve-layout split`: proxy ->
+(token-id prompts, so both see identical prompts; at full width new ones each round) to a
+ModelServer replica answering HTTP itself (`--ingress proxy`: behind Serve's HTTP proxy; `--serve-layout split`: proxy ->
 ingress -> LLMServer replica; `--ingress ray-direct`: Ray Serve's own direct ingress, each
 replica on its own port; `--ingress haproxy`: Serve's HAProxy mode, HAProxy on the HTTP port in
 front of the replicas' direct-ingress ports), which calls its scheduler actor. `--replicas N` serves N replicas on
