@@ -23,14 +23,12 @@ panel kernel alone.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, packed_weights
 from kernels.env import flag
-from kernels.quantization import quantized_linear
+from kernels.quantization import prepack_w8a8, quantized_linear
 
 ONEDNN = torch.backends.mkldnn.is_available() and flag("SHOAL_ONEDNN_LINEAR", True)
 
@@ -40,11 +38,6 @@ _LINEAR = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else None
 _DTYPES = (torch.float32,) + ((torch.bfloat16,) if ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
 
 
-# Packed copies: weight.data_ptr() -> (the weight's version when packed, the copy). An entry goes
-# when its weight is freed, so a later tensor at the same address never meets it. A copy is
-# either oneDNN's blocked layout (2-D; for AMX, bf16 pairs interleaved) or the panel kernel's
-# [ceil(N / 64), K, 64] (3-D).
-_PACKED: dict[int, tuple[int, torch.Tensor]] = {}
 _PANEL_OP = None  # torch.ops.shoal_linear.panel_linear, once a weight is packed for it
 _NO_BIAS = torch.empty(0)
 PANEL = 64
@@ -56,31 +49,29 @@ def supported(dtype: torch.dtype) -> bool:
 
 
 def prepack(weights: list[torch.Tensor], rows: int) -> int:
-    """Keep a packed copy of each CPU weight that compiled decode multiplies: float32 in panels
-    where the CPU has AVX-512 (and the panel kernel builds), else oneDNN's layout for `rows` input
-    rows (it serves every row count; float32, or bfloat16 where the CPU has bf16 matmuls).
-    Returns the bytes the copies take: the weights' size again."""
+    """Keep a packed copy (kernels/packed_weights.py) of each CPU weight the linear layers
+    multiply: float32 in panels where the CPU has AVX-512 (and the panel kernel builds), else
+    oneDNN's layout for `rows` input rows (it serves every row count; float32, or bfloat16 where
+    the CPU has bf16 matmuls); w8a8_int8's int8 rows in oneDNN's int8 layout. Returns the bytes
+    the copies take: the weights' size again."""
     global _PANEL_OP
     if not ONEDNN:
         return 0
     kept = 0
     for w in {w.data_ptr(): w for w in weights}.values():
-        if w.device.type == "cpu" and w.dtype in _DTYPES and w.dim() == 2 and w.data_ptr() not in _PACKED:
+        if w.device.type != "cpu" or w.dim() != 2 or packed_weights.kept(w):
+            continue
+        if w.dtype == torch.int8:
+            kept += prepack_w8a8(w, rows)
+        elif w.dtype in _DTYPES:
             op = native.panel_linear_op() if w.dtype == torch.float32 else None
             if op is not None:
                 _PANEL_OP, packed = op, pack_panels(w.detach())
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-            _PACKED[w.data_ptr()] = (_version(w), packed)
-            weakref.finalize(w, _PACKED.pop, w.data_ptr(), None)
+            packed_weights.keep(w, packed)
             kept += packed.numel() * packed.element_size()
     return kept
-
-
-def _version(w: torch.Tensor) -> int:
-    """The weight's in-place change count; an inference tensor (made under inference_mode)
-    keeps none, and nothing changes a model's weights in place there."""
-    return -1 if w.is_inference() else w._version
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
@@ -93,13 +84,8 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor | None:
-    version, packed = _PACKED.get(weight.data_ptr(), (None, None))
-    return packed if packed is not None and version == _version(weight) else None  # not changed in place
-
-
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    packed = _packed(weight)
+    packed = packed_weights.find(weight)
     if packed is not None and packed.dim() == 3:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = flat.new_empty((flat.shape[0], weight.shape[0]))
@@ -132,7 +118,7 @@ def eager_rows(n: int) -> int:
 
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    packed = _packed(weight)
+    packed = packed_weights.find(weight)
     if packed is not None and packed.dim() == 3:  # the panel kernel takes any row count as it is
         return _cpu_linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])

@@ -22,12 +22,14 @@ w8a8_int8 (SGLang's spelling): int8 weights as int8's, times int8 activations, e
 quantized as it arrives over its own scale (max |x_row| / 127, symmetric); out = (int32 dot) *
 x_scale[row] * w_scale[col] (+ bias). Weights stay [N, K] rows and the scale is kept as a row
 [1, N] (the shape the epilogue broadcasts; it is also what tells this format from int8's rows
-on CUDA). The int8 x int8 -> int32 product is `torch._int_mm`: on CPU oneDNN's s8s8s32 gemm
-(measured 2.2-3.3x faster than the weight-only kernel at 32 rows on AVX-512 VNNI,
-docs/benchmarks.md), on CUDA cuBLASLt (rows padded past 16, K and N multiples of 8; not yet run
-on a GPU). int32 sums are exact, and the quantization and the epilogue are per row and per
-element, so a row's output depends on that row alone, whatever M or the thread count. Inside
-torch.compile it is the opaque op `shoal::w8a8_linear`.
+on CUDA). The int8 x int8 -> int32 product (`int8_sums`) is on CPU oneDNN's int8 linear on a
+weight prepacked once at start (`prepack_w8a8`; the weights' size again), else `torch._int_mm`
+(oneDNN's s8s8s32 gemm, which reorders the whole [N, K] weight on every call: 1.4x slower at a
+decode step's 32 rows), and on CUDA `torch._int_mm`'s cuBLASLt (rows padded past 16, K and N
+multiples of 8; not yet run on a GPU). int32 sums are exact, and the quantization and the
+epilogue are per row and per element, so a row's output depends on that row alone, whatever M
+or the thread count. Inside torch.compile only the product is opaque (`shoal::int8_sums`): the
+quantization and the scaling compile with the ops around them.
 
 Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's gemm is not exact: it shifts the
 activations to u8 and multiplies with vpmaddubsw, whose 16-bit sums of two products saturate
@@ -48,7 +50,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels import native, triton_programs
+from kernels import native, packed_weights, triton_programs
 from kernels.env import flag
 
 log = logging.getLogger("shoal.kernels")
@@ -168,31 +170,79 @@ def _gpu_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return triton_weight_only_linear(x, weight, scale, bias)
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_int8(x: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic int8 activations: each row of [M, K] rounded to the nearest step of its own scale
-    (max |x_row| / 127; an all-zero row gets scale 1 and stays zero), and the scales [M, 1]."""
+    (max |x_row| / 127; an all-zero row gets scale 1 and stays zero), and the scales [M, 1].
+    `shifted`: as uint8 q + 128, what oneDNN's int8 linear reads (`_packed_sums`)."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+    q = torch.round(xf / scale).clamp_(-127, 127)
+    return (q.add_(128).to(torch.uint8) if shifted else q.to(torch.int8)), scale
 
 
-@functools.cache
-def int_mm_exact() -> bool:
-    """Whether `torch._int_mm` on CPU sums int8 x int8 exactly here: products that saturate a
-    u8 x s8 pair sum (module docstring), at a few row counts (oneDNN picks kernels by shape)."""
+def _saturating_cases():
+    """int8 pairs whose products saturate a u8 x s8 pair sum (module docstring), at a few row
+    counts (oneDNN picks kernels by shape)."""
     for m in (1, 5, 33, 200):
         x = torch.full((m, 96), 127, dtype=torch.int8)
         x[:, 1::3] = -127
         w = torch.full((40, 96), 127, dtype=torch.int8)
         w[::2, ::2] = -127
-        if not torch.equal(torch._int_mm(x, w.t()).long(), x.long() @ w.long().t()):
-            return False
-    return True
+        yield x, w
+
+
+@functools.cache
+def int_mm_exact() -> bool:
+    """Whether `torch._int_mm` on CPU sums int8 x int8 exactly here."""
+    return all(torch.equal(torch._int_mm(x, w.t()).long(), x.long() @ w.long().t()) for x, w in _saturating_cases())
+
+
+@functools.cache
+def packed_int8_exact() -> bool:
+    """Whether oneDNN's prepacked int8 linear (`_packed_sums`) runs here and sums exactly."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+        return False
+    try:
+        return all(torch.equal(_packed_sums(_flip_sign_bits(x, torch.uint8), torch.ops.onednn.qlinear_prepack(w, [33, 96]),
+                                            w.shape[0]),
+                               (x.long() @ w.long().t()).float()) for x, w in _saturating_cases())
+    except RuntimeError:  # a torch built without the op's oneDNN kernels
+        return False
+
+
+def prepack_w8a8(weight: torch.Tensor, rows: int) -> int:
+    """Keep oneDNN's prepacked int8 layout of a w8a8_int8 weight's [N, K] rows
+    (kernels/packed_weights.py), where that product is exact here and the weight is not kept in
+    halves. Returns the copy's bytes (0: none kept)."""
+    if not (int_mm_exact() and packed_int8_exact()):
+        return 0
+    packed = torch.ops.onednn.qlinear_prepack(weight.detach(), [rows, weight.shape[1]])
+    packed_weights.keep(weight, packed)
+    return weight.numel()
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(n), torch.zeros(n, dtype=torch.long)
+
+
+def _packed_sums(xu: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Shifted int8 rows (uint8 q + 128) times a prepacked int8 weight through oneDNN's u8 x s8
+    linear (VNNI's instruction), whose zero point takes the shift back in int32; scales of 1, so
+    the float32 result is the int32 sums converted, as `torch._int_mm(...).float()` gives them."""
+    ones, zeros = _unit_scales(n)
+    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, 128, packed, ones, zeros, None, 1.0, 0, torch.float32,
+                                              "none", [], "")
+
+
+def _flip_sign_bits(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 q <-> uint8 q + 128: the same bytes with the top bit flipped."""
+    return torch.bitwise_xor(q.view(torch.uint8), 128).view(dtype)
 
 
 def w8a8_weight(q: torch.Tensor, split: bool) -> torch.Tensor:
-    """int8 rows [N, K] as w8a8_linear_impl reads them: as they are, or with `split` two halves
+    """int8 rows [N, K] as `int8_sums` reads them: as they are, or with `split` two halves
     of |w| <= 64 stacked [2N, K] (for a saturating int8 gemm; module docstring)."""
     if not split:
         return q.contiguous()
@@ -205,23 +255,39 @@ def w8a8_rows(weight: torch.Tensor, n: int) -> torch.Tensor:
     return weight[:n].short() + weight[n:].short() if weight.shape[0] == 2 * n else weight.short()
 
 
-def w8a8_linear_impl(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T for int8 rows W [N, K] (or its halves [2N, K]: w8a8_weight) and scale [1, N]: x
-    quantized per row, int8 x int8 -> int32 by `torch._int_mm`, then the two scales (and the
-    bias) in float32."""
-    flat = x.reshape(-1, x.shape[-1])
-    m, n, k = flat.shape[0], scale.shape[-1], weight.shape[1]
-    xq, x_scale = quantize_rows_int8(flat)
+def int8_sums(xq: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+    """The exact int32 sums of int8 rows xq [M, K] (or, uint8, shifted by 128:
+    quantize_rows_int8) times int8 rows W [N, K] (or its halves [2N, K]: w8a8_weight), as float32
+    [M, N]: oneDNN's prepacked int8 linear where the weight has a packed copy (`prepack_w8a8`),
+    else `torch._int_mm` (oneDNN's s8s8s32 gemm on CPU, cuBLASLt on CUDA)."""
+    m, k = xq.shape
+    packed = packed_weights.find(weight) if weight.device.type == "cpu" else None
+    if packed is not None:
+        return _packed_sums(xq if xq.dtype == torch.uint8 else _flip_sign_bits(xq, torch.uint8), packed, n)
+    if xq.dtype == torch.uint8:
+        xq = _flip_sign_bits(xq, torch.int8)
     if weight.device.type == "cuda":  # cuBLASLt's int8 gemm: more than 16 rows, K and N multiples of 8
         if k % 8 or n % 8:
             raise ValueError(f"w8a8_int8 on CUDA needs in / out features that are multiples of 8, got [{n}, {k}]")
-        if m <= 16:  # zero rows, dropped after the product (their scale is 1, their sums 0)
+        if m <= 16:  # zero rows, dropped after the product
             xq = F.pad(xq, (0, 0, 0, 17 - m))
     sums = torch._int_mm(xq, weight.t())[:m]
     if weight.shape[0] == 2 * n:
         sums = sums[:, :n] + sums[:, n:]
-    out = sums.float().mul_(x_scale).mul_(scale)
+    return sums.float()
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T for int8 rows W [N, K] (or its halves) and scale [1, N]: x quantized per row, the
+    exact int8 x int8 sums (`int8_sums`, inside torch.compile the opaque op `shoal::int8_sums`),
+    then the two scales (and the bias) in float32. Compiled, the quantization and the scaling
+    are inductor's, fused with the ops around them; the same arithmetic."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = scale.shape[-1]
+    xq, x_scale = quantize_rows_int8(flat, shifted=weight.device.type == "cpu")  # (on CPU as oneDNN reads them)
+    sums = torch.ops.shoal.int8_sums(xq, weight, n) if torch.compiler.is_compiling() else int8_sums(xq, weight, n)
+    out = sums.mul_(x_scale).mul_(scale)
     if bias is not None:
         out.add_(bias.float())
     return out.view(*x.shape[:-1], n).to(x.dtype)
@@ -232,9 +298,9 @@ _library.define("quantized_linear(Tensor x, Tensor packed, Tensor scale, Tensor?
 _library.impl("quantized_linear", _cpu_linear, "CPU")
 
 
-_library.define("w8a8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor")
-_library.impl("w8a8_linear", w8a8_linear_impl, "CPU")
-_library.impl("w8a8_linear", w8a8_linear_impl, "CUDA")
+_library.define("int8_sums(Tensor xq, Tensor weight, int n) -> Tensor")
+_library.impl("int8_sums", int8_sums, "CPU")
+_library.impl("int8_sums", int8_sums, "CUDA")
 
 
 @torch.library.register_fake("shoal::quantized_linear")
@@ -242,9 +308,9 @@ def _(x, packed, scale, bias):
     return x.new_empty((*x.shape[:-1], scale.shape[0]))
 
 
-@torch.library.register_fake("shoal::w8a8_linear")
-def _(x, weight, scale, bias):
-    return x.new_empty((*x.shape[:-1], scale.shape[-1]))  # (the weight may be [2N, K] halves)
+@torch.library.register_fake("shoal::int8_sums")
+def _(xq, weight, n):
+    return xq.new_empty((xq.shape[0], n), dtype=torch.float32)  # (the weight may be [2N, K] halves)
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -253,9 +319,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     through FP8 matmuls or the Triton kernel, w8a8_int8 (a [1, N] scale) through int8 matmuls
     (module docstring)."""
     if scale.dim() == 2:
-        if torch.compiler.is_compiling():
-            return torch.ops.shoal.w8a8_linear(x, weight, scale, bias)
-        return w8a8_linear_impl(x, weight, scale, bias)
+        return w8a8_linear(x, weight, scale, bias)
     if weight.dim() == 2:
         return _gpu_linear(x, weight, scale, bias)
     if torch.compiler.is_compiling():

@@ -239,18 +239,18 @@ def test_8_bit_activations_on_gpu(checkpoint_factory):
     feature counts are refused, and CUDA graphs decode what eager does."""
     from test_w8a8 import exact
 
-    from kernels.quantization import quantize, w8a8_linear_impl
+    from kernels.quantization import quantize, w8a8_linear
 
     torch.manual_seed(0)
     w, bias = torch.randn(640, 384), torch.randn(640)
     q, scale = quantize(w, "w8a8_int8", panels=False)
     for m in (1, 16, 37):
         x = torch.randn(m, 384)
-        got = w8a8_linear_impl(x.cuda(), q.cuda(), scale.view(1, -1).cuda(), bias.cuda()).cpu()
+        got = w8a8_linear(x.cuda(), q.cuda(), scale.view(1, -1).cuda(), bias.cuda()).cpu()
         want = exact(x, q, scale, bias)
         assert ((got - want).abs() <= 1e-6 * want.abs().clamp(min=1)).all()  # the GPU's own quantization of x: same ops
     with pytest.raises(ValueError, match="multiples of 8"):
-        w8a8_linear_impl(torch.randn(20, 36, device="cuda"), q[:, :36].contiguous().cuda(), scale.view(1, -1).cuda(), None)
+        w8a8_linear(torch.randn(20, 36, device="cuda"), q[:, :36].contiguous().cuda(), scale.view(1, -1).cuda(), None)
 
     path = checkpoint_factory("llama")
     options = dict(device="cuda", dtype="float32", quantization="w8a8_int8", max_num_seqs=8,

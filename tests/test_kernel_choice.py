@@ -10,7 +10,8 @@ from actors.engine.llm import LLM
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from actors.sampling_params import SamplingParams
 from actors.worker.kernel_choice import KernelChoice, linear_kernel
-from kernels import linear, native
+from kernels import linear, native, packed_weights
+from kernels.quantization import int_mm_exact, packed_int8_exact
 
 
 def kernel_lines(caplog) -> list[str]:
@@ -38,7 +39,13 @@ def test_the_rules_for_linear_and_decode():
     assert linear_kernel(torch.float16, cpu) == ("onednn" if linear.supported(torch.float16) else "torch")
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     assert linear_kernel(torch.float32, cpu, "int8") == ("int8-avx2" if wide else "int8-portable")  # (it builds)
+    assert linear_kernel(torch.float32, cpu, "w8a8_int8") == (
+        "w8a8_int8-onednn-split" if not int_mm_exact() else
+        "w8a8_int8-onednn-packed" if linear.ONEDNN and packed_int8_exact() else "w8a8_int8-onednn")
+    assert linear_kernel(torch.float32, cuda, "w8a8_int8") == "w8a8_int8-cublas"
     assert KernelChoice("torch", "onednn", "compiled").packs_weights
+    assert KernelChoice("torch", "w8a8_int8-onednn-packed", "compiled").packs_weights
+    assert not KernelChoice("torch", "w8a8_int8-onednn", "compiled").packs_weights
     assert not KernelChoice("torch", "torch", "cuda-graphs").packs_weights
 
 
@@ -52,7 +59,7 @@ def test_eager_decode_and_lora_keep_the_packed_linear_path(checkpoint_factory, a
         assert runner.kernels.decode == "eager"
         weights = [m.weight for m in runner.model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
-        assert all((linear._packed(w) is not None) == runner.kernels.packs_weights for w in weights)
+        assert all((packed_weights.find(w) is not None) == runner.kernels.packs_weights for w in weights)
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 4
 
@@ -66,4 +73,4 @@ def test_an_engine_built_under_inference_mode_packs_its_weights(checkpoint_facto
     assert len(out[0].outputs[0].token_ids) == 4
     runner = llm.engine.executor.runner
     if runner.kernels.packs_weights:
-        assert linear._packed(runner.model.model.layers[0].mlp.down_proj.weight) is not None
+        assert packed_weights.find(runner.model.model.layers[0].mlp.down_proj.weight) is not None

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import linear as linear_mod
+from kernels import packed_weights
 from kernels.linear import linear
 
 pytestmark = pytest.mark.skipif(not linear_mod.ONEDNN, reason="torch without oneDNN (or SHOAL_ONEDNN_LINEAR=0)")
@@ -96,7 +97,7 @@ def test_prepacked_weights_serve_the_op_until_the_weight_changes_or_goes(dtype):
     w, x = torch.randn(200, 96, generator=g).to(dtype), torch.randn(8, 96, generator=g).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     before = F.linear(x, w)
-    kept, packed = linear_mod.prepack([w, w], 32), linear_mod._packed(w)
+    kept, packed = linear_mod.prepack([w, w], 32), packed_weights.find(w)
     assert kept == packed.numel() * packed.element_size() >= w.numel() * w.element_size()  # each weight once
     torch.testing.assert_close(torch.ops.shoal.cpu_linear(x, w, None), before, **tol)
     w.data.mul_(2)  # .data: the same memory without a new version, so the packed copy is read
@@ -105,7 +106,7 @@ def test_prepacked_weights_serve_the_op_until_the_weight_changes_or_goes(dtype):
     torch.testing.assert_close(torch.ops.shoal.cpu_linear(x, w, None), F.linear(x, w), **tol)
     key = w.data_ptr()
     del w
-    assert key not in linear_mod._PACKED
+    assert key not in packed_weights._COPIES
 
 
 COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None

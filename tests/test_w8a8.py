@@ -1,5 +1,5 @@
 """--quantization w8a8_int8: int8 weights times int8 activations quantized per row as they
-arrive (kernels/quantization.py w8a8_linear_impl, `torch._int_mm`).
+arrive (kernels/quantization.py w8a8_linear, `torch._int_mm`).
 
 The product against an exact emulation (int64 dot of the quantized values, then the float32
 scales), on both weight layouts (rows, and the halves kept where oneDNN's int8 gemm saturates:
@@ -22,8 +22,10 @@ from oracle import hf_logits
 from test_engine import GREEDY, assert_pool_free, prompts_of
 
 from actors.engine.llm import LLM
-from kernels.quantization import (dequantize, int_mm_exact, quantize, quantize_module, quantize_rows_int8, quantized_rows,
-                                  w8a8_linear_impl, w8a8_weight)
+from kernels import packed_weights
+from kernels.linear import ONEDNN
+from kernels.quantization import (dequantize, int_mm_exact, packed_int8_exact, quantize, quantize_module,
+                                  quantize_rows_int8, quantized_rows, w8a8_linear, w8a8_weight)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,7 +61,7 @@ def test_w8a8_product_equals_the_exact_emulation(split):
         for m in (0, 1, 7, 33):
             x = torch.randn(m, k) * torch.rand(m, 1) * 10
             for b in (None, bias):
-                got = w8a8_linear_impl(x, weight, w_scale.view(1, -1), b)
+                got = w8a8_linear(x, weight, w_scale.view(1, -1), b)
                 assert got.shape == (m, n) and got.dtype == torch.float32
                 assert torch.equal(got, exact(x, q, w_scale, b))
 
@@ -87,10 +89,10 @@ def test_a_rows_output_does_not_depend_on_the_batch():
     try:
         for t in {1, threads}:
             torch.set_num_threads(t)
-            full = w8a8_linear_impl(batch, q, s.view(1, -1), bias)
+            full = w8a8_linear(batch, q, s.view(1, -1), bias)
             for i in (0, 17, 39):
-                assert torch.equal(w8a8_linear_impl(batch[i:i + 1], q, s.view(1, -1), bias)[0], full[i])
-                assert torch.equal(w8a8_linear_impl(batch[i:i + 8], q, s.view(1, -1), bias)[0], full[i])
+                assert torch.equal(w8a8_linear(batch[i:i + 1], q, s.view(1, -1), bias)[0], full[i])
+                assert torch.equal(w8a8_linear(batch[i:i + 8], q, s.view(1, -1), bias)[0], full[i])
     finally:
         torch.set_num_threads(threads)
 
@@ -120,7 +122,7 @@ def test_int_mm_is_probed_exact_here():
 
 AVX2_CHECK = """
 import torch
-from kernels.quantization import int_mm_exact, quantize, quantize_module, quantize_rows_int8, w8a8_linear_impl
+from kernels.quantization import int_mm_exact, quantize, quantize_module, quantize_rows_int8, w8a8_linear
 from test_w8a8 import exact
 torch.manual_seed(0)
 w, x = torch.randn(96, 300), torch.randn(33, 300)
@@ -133,7 +135,7 @@ layer = torch.nn.Linear(300, 96)
 layer.weight.data.copy_(w)
 quantize_module(layer, "w8a8_int8")
 assert layer.weight.shape == (192, 300)
-got = w8a8_linear_impl(x, layer.weight, layer.weight_scale, layer.bias.detach())
+got = w8a8_linear(x, layer.weight, layer.weight_scale, layer.bias.detach())
 assert torch.equal(got, exact(x, q, s, layer.bias.detach()))
 print("exact on halves; plain gemm wrong in", wrong.sum().item(), "of", wrong.numel())
 """
@@ -187,9 +189,16 @@ def test_greedy_follows_transformers_with_int8_activations(arch, checkpoint_fact
     reference = quantized_reference_copy(path, tmp_path / "w8a8-reference", "w8a8_int8")
     llm = LLM(str(path), quantization="w8a8_int8", dtype="float32", num_kv_blocks=64)
     try:
-        model = llm.engine.executor.runner.model
+        runner = llm.engine.executor.runner
+        model = runner.model
         assert model.model.layers[0].self_attn.qkv_proj.weight_scale.shape[0] == 1
         assert model.model.embed_tokens.weight.dtype == torch.int8
+        # Where oneDNN's int8 linear is exact, every linear (the tied head too) reads its packed copy.
+        assert runner.kernels.packs_weights == (runner.kernels.linear == "w8a8_int8-onednn-packed")
+        assert runner.kernels.packs_weights == (ONEDNN and int_mm_exact() and packed_int8_exact())
+        layer = model.model.layers[0]
+        for weight in (layer.self_attn.qkv_proj.weight, layer.mlp.down_proj.weight, model.lm_head.weight):
+            assert (packed_weights.find(weight) is not None) == runner.kernels.packs_weights
         prompts = prompts_of([5, 17, 33])
         assert_greedy_up_to_flips(reference, prompts, llm.generate(prompts, GREEDY))
         assert_pool_free(llm)
@@ -244,15 +253,41 @@ def test_shoal_serve_takes_w8a8_int8():
 
 
 def test_the_opaque_op_under_torch_compile_equals_eager():
-    """shoal::w8a8_linear traced by torch.compile (its fake gives the [M, N] shape, also for the
-    weight in halves) computes what the eager call does."""
-    from kernels.quantization import quantized_linear
+    """w8a8_linear traced by torch.compile (the quantization and scaling compiled, the product the
+    opaque shoal::int8_sums, whose fake gives the [M, N] shape, also for the weight in halves)
+    computes what the eager call does, on the weight as it is, in halves and prepacked."""
+    from kernels.quantization import prepack_w8a8, quantized_linear
 
     torch.manual_seed(4)
     w, bias, x = torch.randn(40, 72), torch.randn(40), torch.randn(3, 5, 72)
     q, s = quantize(w, "w8a8_int8", panels=False)
+    packed = w8a8_weight(q, False)
+    assert prepack_w8a8(packed, 16) == (packed.numel() if int_mm_exact() and packed_int8_exact() else 0)
     compiled = torch.compile(quantized_linear, fullgraph=True, dynamic=False)
-    for weight in (w8a8_weight(q, False), w8a8_weight(q, True)):
+    want = exact(x.view(-1, 72), q, s, bias).view(3, 5, 40)
+    for weight in (w8a8_weight(q, False), w8a8_weight(q, True), packed):
         got = compiled(x, weight, s.view(1, -1), bias)
         assert got.shape == (3, 5, 40)
         assert torch.equal(got, quantized_linear(x, weight, s.view(1, -1), bias))
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not (int_mm_exact() and packed_int8_exact()), reason="no exact prepacked int8 linear here")
+def test_the_prepacked_product_sums_exactly_at_every_row_count():
+    """oneDNN's prepacked int8 linear (u8 activations shifted by 128, its zero point taking the
+    shift back) gives the int32 sums exactly, at row counts on both sides of the packing's hint
+    and on saturating values, and reads the packed copy until the weight changes in place."""
+    from kernels.quantization import int8_sums, prepack_w8a8
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (72, 200), dtype=torch.int8, generator=g)
+    q[:, :40] = 127
+    prepack_w8a8(q, 32)
+    assert packed_weights.find(q) is not None
+    for m in (1, 3, 17, 32, 100, 513):
+        xq = torch.randint(-127, 128, (m, 200), dtype=torch.int8, generator=g)
+        xq[:, :40] = torch.where(torch.arange(m)[:, None] % 2 == 0, 127, -127)
+        assert torch.equal(int8_sums(xq, q, 72), (xq.long() @ q.long().t()).float())
+    q.mul_(-1)  # a new version: the weight itself is read again
+    assert packed_weights.find(q) is None
+    assert torch.equal(int8_sums(xq, q, 72), (xq.long() @ q.long().t()).float())

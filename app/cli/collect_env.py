@@ -112,16 +112,20 @@ def quantization() -> dict:
     try:
         import torch
 
-        from kernels.quantization import int_mm_exact
+        from kernels.linear import ONEDNN
+        from kernels.quantization import int_mm_exact, packed_int8_exact
     except ImportError:
         return {}
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     cpu = f"CPU, {'the AVX2 kernel' if wide else 'the portable loop'} (kernels/csrc/int8_linear.cpp)"
     fp8_gpu = any(torch.cuda.get_device_capability(i) >= (8, 9) for i in range(torch.cuda.device_count()))
     return {"int8": f"{cpu}; CUDA, shoal's Triton weight-only kernel",
-            "w8a8_int8": "int8 x int8 (activations quantized per token) through torch._int_mm: CPU, oneDNN's gemm"
-                         + ("" if int_mm_exact() else " on weights split in halves (no VNNI: --quantization int8 is faster)")
-                         + "; CUDA, cuBLASLt (not yet run on a GPU)",
+            "w8a8_int8": "int8 x int8 (activations quantized per token): CPU, "
+                         + ("oneDNN's gemm (torch._int_mm) on weights split in halves (no VNNI: --quantization int8 "
+                            "is faster)" if not int_mm_exact() else
+                            "oneDNN's int8 linear on weights packed at start" if ONEDNN and packed_int8_exact() else
+                            "oneDNN's gemm (torch._int_mm)")
+                         + "; CUDA, torch._int_mm's cuBLASLt (not yet run on a GPU)",
             "fp8 online": f"{cpu}, weight-only; CUDA, "
                           + ("FP8 matmuls (torch._scaled_mm)" if fp8_gpu else "FP8 matmuls on compute capability 8.9+, "
                              "else shoal's Triton weight-only kernel"),

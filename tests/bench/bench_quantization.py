@@ -211,7 +211,7 @@ def kernel(args) -> None:
     import torch
 
     from kernels import linear
-    from kernels.quantization import _cpu_linear, int_mm_exact, quantize, w8a8_linear_impl, w8a8_weight
+    from kernels.quantization import _cpu_linear, int_mm_exact, quantize, w8a8_linear, w8a8_weight
 
     torch.set_num_threads(args.threads)
     h, i = QWEN_05B["hidden_size"], QWEN_05B["intermediate_size"]
@@ -243,7 +243,7 @@ def kernel(args) -> None:
             x = torch.randn(m, k)
             f32 = timed(lambda: linear.linear(x, w))
             q8, f8 = (timed(lambda: _cpu_linear(x, *q, None)) for q in (int8, fp8))
-            a8 = timed(lambda: w8a8_linear_impl(x, *w8a8, None))
+            a8 = timed(lambda: w8a8_linear(x, *w8a8, None))
             print(f"| {name} [{n}, {k}] | {m} | {f32:.3f} | {q8:.3f} | {f8:.3f} | {a8:.3f} | {f32 / q8:.2f}x | "
                   f"{f32 / f8:.2f}x | {f32 / a8:.2f}x | {q8 / a8:.2f}x |")
 
