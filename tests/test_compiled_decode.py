@@ -7,7 +7,8 @@ contexts cross blocks (a batch of one decodes eagerly, by design). They follow t
 step's life: an engine decodes eagerly while its job compiles, swaps the artifact in, a later
 engine loads it from disk (when idle, or mid-run once eager steps have cost enough), a job dies
 with its engine, and a failed compile or a broken artifact leaves eager decoding. Other options
-decode compiled like their eager engines: 8-bit weights, an fp8 KV cache, bfloat16 (bit for bit). The slow test
+decode compiled like their eager engines: 8-bit weights, an fp8 KV cache, bfloat16 (bit for bit);
+speculative verify steps run through the graph, one row per draft position. The slow test
 starts `shoal serve` the way a user does (compiled is the default) and reads the progress line
 it logs.
 """
@@ -37,7 +38,8 @@ from actors.engine.llm import LLM
 from actors.engine.metrics import DecodeProgress
 from actors.sampling_params import SamplingParams
 from actors.worker import model_runner
-from actors.worker.compiled_decode import CompiledDecode
+from actors.core.step import SchedulerOutput, StepRow
+from actors.worker.compiled_decode import CompiledDecode, compilable
 from actors.worker.model_spec import cpu_has_matmul
 
 OPTIONS = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8)
@@ -284,6 +286,46 @@ def test_two_requests_compile_one_runs_eagerly_and_blocks_come_back(compiled):
     # 5 decode steps with both rows ran compiled; the first request's last 6 alone ran eagerly.
     assert llm.engine.executor.runner.graph_replays - replays == 5
     assert llm.engine.blocks.num_free_blocks == OPTIONS["num_kv_blocks"]  # the spare one is outside the pool
+
+
+def test_speculative_verify_steps_run_compiled_like_plain_decode(compiled):
+    """A verify step (each row's last token and its drafts) runs through the compiled graph,
+    each draft's position a decode row of its own (input_batch.padded_decode): greedy output
+    stays transformers' token for token and the log-probs the plain compiled engine's."""
+    path, plain, _ = compiled
+    spec = compiled_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    spec.engine.scheduler.speculator.compared_steps = 10**9  # drafts whether or not they pay here
+    graphs = spec.engine.executor.runner.graphs
+    drafts_run, run = [], graphs.run
+
+    def counted(output, *args, **kwargs):  # the drafted tokens each compiled step took
+        drafts_run.append(sum(len(r.token_ids) - 1 for r in output.rows))
+        return run(output, *args, **kwargs)
+
+    graphs.run = counted
+    prompts = prompts_of([5, 7, 4], seed=0) + prompts_of([5], seed=2)  # outputs that repeat a few n-grams
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    try:
+        got, want = spec.generate(prompts, params), plain.generate(prompts, params)
+        assert sum(drafts_run) > 0 and spec.engine.scheduler.speculator.num_accepted_tokens > 0
+        for prompt, g, w in zip(prompts, got, want, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids == hf_greedy(path, prompt, 48)
+            for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+                assert all(lg[t] == pytest.approx(lw[t], rel=1e-5, abs=1e-5) for t in lw)
+    finally:
+        spec.shutdown()
+
+
+def test_which_steps_the_compiled_graph_takes():
+    decode = lambda seq: StepRow(seq, [5], 3)  # noqa: E731
+    assert compilable(SchedulerOutput([decode(1), decode(2)], 2, [0, 1]), 8)
+    assert not compilable(SchedulerOutput([decode(1)], 1, [0]), 8)  # one row: MKL's matrix-vector path
+    verify = SchedulerOutput([decode(1), StepRow(2, [4, 5, 6], 2)], 1, [0, 1, 2, 3])  # every token sampled from
+    assert compilable(verify, 8) and compilable(SchedulerOutput(verify.rows[1:], 0, [0, 1, 2]), 8)
+    assert not compilable(verify, 3)  # 4 token rows
+    prompt_chunk = SchedulerOutput([decode(1), StepRow(2, [4, 5, 6], 0)], 1, [0, 3])  # only its last token's logits
+    assert not compilable(prompt_chunk, 8)
 
 
 def test_rows_pad_to_a_few_bucket_sizes(compiled):

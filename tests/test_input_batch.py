@@ -105,6 +105,21 @@ def test_padded_decode_fills_graph_rows_from_the_batch(pad):
     assert p.slots.tolist() == [9 * 4 + 1, pad * 4] and p.context_lens.tolist() == [6, 1]
 
 
+def test_padded_decode_gives_a_verify_chunk_one_row_per_token():
+    """A decode row, then a row with its last token and two drafts: each draft's position
+    becomes a decode row of its own, on its sequence's table, attending up to itself."""
+    batch = InputBatch(max_rows=4, max_blocks=3, block_size=4, pad_block=11)
+    step = SchedulerOutput([StepRow(1, [7], 5), StepRow(2, [4, 5, 6], 2)], 1, [0, 1, 2, 3],
+                           [(1, 0, [3, 9]), (2, 0, [6, 8])])
+    batch.update(step)
+    p = batch.padded_decode(step, 6, width=2)
+    assert p.input_ids.tolist() == [7, 4, 5, 6, 0, 0]
+    assert p.positions.tolist() == [5, 2, 3, 4, 0, 0]
+    assert p.context_lens.tolist() == [6, 3, 4, 5, 1, 1]
+    assert p.block_tables.tolist() == [[3, 9], [6, 8], [6, 8], [6, 8], [11, 11], [11, 11]]
+    assert p.slots.tolist() == [9 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3, 8 * 4, 11 * 4, 11 * 4]
+
+
 @pytest.mark.parametrize("order", ["same", "shifted", "mixed"])
 def test_placeholders_take_the_previous_steps_tokens(order):
     """Async scheduling: a row's placeholder input id becomes the token the previous step

@@ -3,10 +3,11 @@
 Inductor fuses the elementwise work between the matmuls (RMSNorm, rotary, SiLU x up, the
 residual adds) into C++ loops and drops most of the per-op dispatch, which is ~15-25% of an
 eager decode step on CPU (docs/benchmarks.md). One graph serves every batch size and context
-length (dynamic shapes). A step of two or more rows, all one-token decodes, runs through it;
-any other step (prefill chunks) runs eagerly, and so does a batch of one: at one row MKL takes
-its matrix-vector path, faster than any compiled 2-row step (14 vs 19 ms a step on the bench
-model, docs/benchmarks.md).
+length (dynamic shapes). A step of two or more rows, all one-token decodes, runs through it,
+and so does a step of speculative verify chunks, each chunk's tokens as decode rows of their
+own (input_batch.padded_decode); any other step (prefill chunks) runs eagerly, and so does a
+batch of one: at one row MKL takes its matrix-vector path, faster than any compiled 2-row step
+(14 vs 19 ms a step on the bench model, docs/benchmarks.md).
 
 torch.compile specialises sizes 0 and 1, so block tables are padded to at least 2 blocks
 (with the spare block of the KV pool the block manager never hands out, as CUDA graphs pad:
@@ -84,21 +85,26 @@ class CompiledDecode:
         return compilable(output, self.sizes[-1])
 
     def run(self, output, batch: InputBatch, pending: PendingTokens | None = None) -> torch.Tensor:
-        """Logits of the step's rows (the LM head is part of the graph); `pending` fills the
-        input ids the previous step sampled."""
-        rows = output.rows
-        width = max(MIN_BLOCKS, -(-max(r.start + 1 for r in rows) // self.block_size))
-        padded = batch.padded_decode(output, padded_size(len(rows), self.sizes), width)
+        """Logits of the step's token rows (the LM head is part of the graph); `pending` fills
+        the input ids the previous step sampled."""
+        tokens = sum(len(r.token_ids) for r in output.rows)
+        width = max(MIN_BLOCKS, -(-max(r.start + len(r.token_ids) for r in output.rows) // self.block_size))
+        padded = batch.padded_decode(output, padded_size(tokens, self.sizes), width)
         if pending is not None:
             pending.apply(padded.input_ids)
         logits = self.fn(*step_inputs(padded, self.block_size))
         self.replays += 1
-        return logits[:len(rows)]
+        return logits[:tokens]
 
 
 def compilable(output, max_rows: int) -> bool:
-    """A step the compiled graph takes: 2 to max_rows rows, each a one-token decode."""
-    return MIN_ROWS <= len(output.rows) <= max_rows and output.num_decodes == len(output.rows)
+    """A step the compiled graph takes: 2 to max_rows token rows, each a one-token decode or a
+    token of a chunk whose every token is sampled from (a speculative verify chunk: the graph
+    computes every row's logits; input_batch.padded_decode)."""
+    if output.num_decodes == len(output.rows):
+        return MIN_ROWS <= len(output.rows) <= max_rows
+    tokens = sum(len(r.token_ids) for r in output.rows)
+    return MIN_ROWS <= tokens <= max_rows and len(output.logit_rows) == tokens
 
 
 class PendingCompile:

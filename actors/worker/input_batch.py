@@ -165,15 +165,25 @@ class InputBatch:
             meta.prefill_block_tables = to_device(self.tables[table_rows[nd:], :width], device)
 
     def padded_decode(self, output: SchedulerOutput, size: int, width: int) -> PaddedDecode:
-        """The step's rows (one-token decodes) padded to `size` rows, tables to `width` blocks."""
-        rows, bs, n = output.rows, self.block_size, len(output.rows)
-        pad = size - n
+        """The step's token rows as one-token decode rows, padded to `size` rows, tables to
+        `width` blocks. A row of several tokens (a speculative verify chunk) becomes one row per
+        token, each attending to the positions up to its own: the graph writes every row's K/V
+        before any row attends, so that is the chunk's causal attention."""
+        rows, bs = output.rows, self.block_size
+        counts = [len(r.token_ids) for r in rows]
+        n = sum(counts)
         tables = torch.full((size, width), self.pad_block, dtype=torch.long)
         positions = torch.zeros(size, dtype=torch.long)
         slots = torch.full((size,), self.pad_block * bs, dtype=torch.long)
         if n:
-            tables[:n] = self.tables[ints([self.rows[r.seq_id] for r in rows]), :width]
-            positions[:n] = ints([r.start for r in rows])
+            table_rows, starts = ints([self.rows[r.seq_id] for r in rows]), ints([r.start for r in rows])
+            if n != len(rows):  # expanded to tokens
+                c = ints(counts)
+                row_of = torch.repeat_interleave(torch.arange(len(rows)), c)
+                starts = starts[row_of] + torch.arange(n) - (c.cumsum(0) - c)[row_of]
+                table_rows = table_rows[row_of]
+            tables[:n] = self.tables[table_rows, :width]
+            positions[:n] = starts
             slots[:n] = tables[torch.arange(n), positions[:n] // bs] * bs + positions[:n] % bs
-        ids = ints([r.token_ids[0] for r in rows] + [0] * pad)
+        ids = ints([t for r in rows for t in r.token_ids] + [0] * (size - n))
         return PaddedDecode(size, ids, positions, slots, (positions + 1).to(torch.int32), tables)
