@@ -33,7 +33,7 @@ from actors.worker.kernel_choice import choose, device_type
 from actors.worker.kv_pool import bind_kv_cache, local_kv_heads
 from actors.worker.loader import build_model
 from actors.worker.model_spec import ModelSpec
-from actors.worker.process_tuning import keep_freed_memory
+from actors.worker.process_tuning import keep_freed_memory, release_freed_memory
 from actors.worker.sampler import Sampler
 from kernels import flash_attention, linear
 from kernels.env import flag
@@ -92,6 +92,8 @@ class ModelRunner:
                             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
                             and getattr(m, "int4", None) is None],
                            config.max_num_seqs)
+        if self.device.type == "cpu":
+            release_freed_memory()
         self.block_size = spec.block_size
         self.flash_ops = flash_attention.load(spec.flash_library) if spec.attn_backend == "flash" else None
         self.triton = spec.attn_backend == "triton"

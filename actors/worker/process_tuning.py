@@ -56,6 +56,17 @@ def keep_freed_memory() -> bool:
     return done
 
 
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the OS now (malloc_trim(3)): once the weights are
+    built, what loading them freed (float weights turned 8-bit, their conversions) is not
+    coming back, and the trim threshold above would keep it resident."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 def freeze_startup_heap() -> None:
     """Every object alive now leaves the collector's view until the process exits (see the
     module docstring). At exit they go back to it, so the interpreter's last collection frees
