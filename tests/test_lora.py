@@ -47,6 +47,28 @@ def test_llama_mixed_batch_matches_peft(adapters):
     assert outs[0].outputs[0].token_ids != hf_greedy(base, prompts_of([5])[0], 10)
 
 
+def test_speculative_rows_with_adapters_match_peft(adapters):
+    """n-gram drafts on rows of adapters a and b and of the base model: each row's drafts are
+    verified with its own adapter (a chunk's tokens keep their row's slot), so greedy output is
+    transformers + peft's token for token."""
+    base, paths = adapters("llama")
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = LLM(str(base), num_kv_blocks=96, block_size=4, max_loras=2, max_lora_rank=8, speculative_config=ngram,
+              lora_modules=[f"{n}={p}" for n, p in paths.items()])
+    llm.engine.scheduler.speculator.compared_steps = 10**9  # drafts whether or not they pay here
+    try:
+        prompts = [p * 2 for p in prompts_of([5, 7, 4, 6], seed=3)]  # repeated: lookups find matches
+        loras = ["a", "b", None, "a"]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), lora=loras)
+        for ids, out, name in zip(prompts, outs, loras, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(base, ids, 32, adapter=paths.get(name)), name
+        stats = llm.engine.scheduler.speculator.stats()
+        assert stats["drafts"] > 0 and stats["accepted_tokens"] > 0, stats
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.slow
 def test_qwen3_mixed_batch_matches_peft(adapters):
     check_mixed_batch(*adapters("qwen3"))
