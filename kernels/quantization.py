@@ -204,9 +204,11 @@ def packed_int8_exact() -> bool:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
         return False
     try:
-        return all(torch.equal(_packed_sums(_flip_sign_bits(x, torch.uint8), torch.ops.onednn.qlinear_prepack(w, [33, 96]),
-                                            w.shape[0]),
-                               (x.long() @ w.long().t()).float()) for x, w in _saturating_cases())
+        for x, w in _saturating_cases():
+            got = _packed_sums(_flip_sign_bits(x, torch.uint8), torch.ops.onednn.qlinear_prepack(w, [33, 96]), len(w))
+            if not torch.equal(got, (x.long() @ w.long().t()).float()):
+                return False
+        return True
     except RuntimeError:  # a torch built without the op's oneDNN kernels
         return False
 
