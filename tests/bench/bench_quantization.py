@@ -19,8 +19,9 @@ Q8_0 GGUF by llama.cpp's converter, and the servers up at once on 127.0.0.1: `ll
 bfloat16` (--formats: any of int8, w8a8_int8 and bf16; all --max-num-seqs 32, 2 torch
 threads). They take turns on the same requests (random prompts,
 concurrency 32, ignore_eos; tests/bench/bench_llama_cpp.py's client), round after round. Each
-shoal server's resident memory is the sum over its process tree (the CLI, Ray's daemons and
-workers, the engine) after the rounds, and that of its largest process (the engine) alone.
+shoal server's memory is taken over its process tree (the CLI, Ray's daemons and workers, the
+engine) after the rounds: resident (RSS, which counts shared pages once per process) and
+proportional (PSS), and the resident memory of its largest process (the engine) alone.
 
 quality: SmolLM2-135M-Instruct (a real trained model; `make smollm2`) in float32 and in each
 format (FORMATS: int8, w8a8_int8 (int8 activations per token too), fp8 weight-only as on CPU, fp8 with a GPU's dynamic FP8 activations, an
@@ -52,9 +53,11 @@ QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, n
 SEED = 20261128
 
 
-def tree_rss_mib(pid: int) -> tuple[float, float]:
-    """Resident memory of a process and all its descendants, and of the largest of them (a
-    shoal server's engine process), MiB."""
+def tree_memory_mib(pid: int) -> dict[str, float]:
+    """Memory of a process and all its descendants, MiB: the sum of their resident sets (`rss`,
+    which counts a page shared by several processes in each: torch's libraries, the forked
+    dashboard workers), of their proportional sets (`pss`: a shared page split among its
+    sharers), and the resident set of the largest process (`engine`: a shoal server's)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -63,18 +66,26 @@ def tree_rss_mib(pid: int) -> tuple[float, float]:
             except (OSError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    total, largest, todo = 0, 0, [pid]
+    kib = {"rss": 0, "pss": 0, "engine": 0}
+    todo = [pid]
     while todo:
         p = todo.pop()
         todo += children.get(p, [])
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-                    largest = max(largest, int(line.split()[1]))
-        except OSError:
-            pass
-    return total / 1024, largest / 1024
+        rss = _kib(f"/proc/{p}/status", "VmRSS:")
+        kib["rss"] += rss
+        kib["pss"] += _kib(f"/proc/{p}/smaps_rollup", "Pss:")
+        kib["engine"] = max(kib["engine"], rss)
+    return {k: v / 1024 for k, v in kib.items()}
+
+
+def _kib(path: str, field: str) -> int:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1])
+    except OSError:  # the process has ended
+        pass
+    return 0
 
 
 def speed(args) -> None:
@@ -108,18 +119,18 @@ def speed(args) -> None:
                 run = asyncio.run(drive(url, prompts, args))
                 runs[name].append(run)
                 print(f"round {i + 1} {name}: {run['rate']:.1f} tok/s, load average {run['load']}", flush=True)
-        rss = {name: tree_rss_mib(proc.pid) for name, (proc, _) in servers.items()}
+        memory = {name: tree_memory_mib(proc.pid) for name, (proc, _) in servers.items()}
     finally:
         for proc, _ in servers.values():
             stop(proc)
     print(f"\n{args.requests} requests at concurrency {args.concurrency}, prompts of {args.min_prompt}-"
           f"{args.max_prompt} tokens, {args.output_len} output tokens; {args.rounds} rounds\n")
-    print("| server | tok/s per round | median | resident memory (MiB, process tree) | its largest process |")
+    print("| server | tok/s per round | median | memory, process tree (MiB): RSS / PSS | its largest process (RSS) |")
     print("| --- | --- | ---: | ---: | ---: |")
     for name, rounds in runs.items():
-        rates = [r["rate"] for r in rounds]
+        rates, m = [r["rate"] for r in rounds], memory[name]
         print(f"| {name} | {' / '.join(f'{x:.1f}' for x in rates)} | {statistics.median(rates):.1f} | "
-              f"{rss[name][0]:.0f} | {rss[name][1]:.0f} |")
+              f"{m['rss']:.0f} / {m['pss']:.0f} | {m['engine']:.0f} |")
     for name in (n for n in ("shoal int8", "shoal w8a8_int8") if n in runs):
         for other, target in (("llama-server Q8_0", 1.5), ("shoal bf16", 1.3)):
             if other not in runs:
@@ -127,9 +138,10 @@ def speed(args) -> None:
             ratios = [a["rate"] / b["rate"] for a, b in zip(runs[name], runs[other])]
             print(f"{name} / {other}: {' / '.join(f'{r:.2f}' for r in ratios)}, median "
                   f"{statistics.median(ratios):.2f}x (target >= {target}x)")
-        if "shoal bf16" in rss:
-            print(f"memory {name} / shoal bf16: {rss[name][0] / rss['shoal bf16'][0]:.0%} (target <= 60%); "
-                  f"the engine processes alone: {rss[name][1] / rss['shoal bf16'][1]:.0%}")
+        if "shoal bf16" in memory:
+            share = {k: memory[name][k] / memory["shoal bf16"][k] for k in ("rss", "pss", "engine")}
+            print(f"memory {name} / shoal bf16 (target <= 60%): process tree RSS {share['rss']:.0%}, "
+                  f"PSS {share['pss']:.0%}; the engine processes alone {share['engine']:.0%}")
 
 
 TEXTS = [
