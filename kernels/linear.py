@@ -11,8 +11,9 @@ columns) 380-450, 1.1-1.4x faster, and at least as fast at every row count measu
 bits (~1e-6 relative), as any other kernel's would; float32 outputs stay token for token those
 of transformers (tests/test_engine.py, tests/test_compiled_decode.py).
 
-Packing (`prepack`, which compiled decode calls on its weights) keeps a copy of each weight in
-the layout its kernel reads: the weights' size again in memory. Unpacked weights go to oneDNN,
+Packing (`prepack`, which the model runner calls on its weights at start) keeps a copy of each
+weight in the layout its kernel reads and frees the weight's own memory unless something else
+reads it (a tied embedding does): the weights are in memory once. Unpacked weights go to oneDNN,
 which then reorders the whole matrix on every call, and which builds and keeps a kernel for
 every row count it meets (~0.6 MB each on the AMX Xeon): eager oneDNN calls pad their rows to
 `eager_rows`, compiled decode pads to a few bucket sizes. The panel kernel needs neither.
@@ -48,17 +49,20 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
 
 
-def prepack(weights: list[torch.Tensor], rows: int) -> int:
+def prepack(weights: list[torch.Tensor], rows: int, keep_plain: list[torch.Tensor] = ()) -> int:
     """Keep a packed copy (kernels/packed_weights.py) of each CPU weight the linear layers
     multiply: float32 in panels where the CPU has AVX-512 (and the panel kernel builds), else
     oneDNN's layout for `rows` input rows (it serves every row count; float32, or bfloat16 where
-    the CPU has bf16 matmuls); w8a8_int8's int8 rows in oneDNN's int8 layout. Returns the bytes
-    the copies take: the weights' size again."""
+    the CPU has bf16 matmuls); w8a8_int8's int8 rows in oneDNN's int8 layout. Then release each
+    packed weight's plain layout, but for those in `keep_plain` (read as they are elsewhere: a
+    tied embedding), so each weight is in memory once. Returns the bytes the copies take beyond
+    the weights' own."""
     global _PANEL_OP
     if not ONEDNN:
         return 0
     kept = 0
-    for w in {w.data_ptr(): w for w in weights}.values():
+    plain = {packed_weights.key(w) for w in keep_plain}
+    for w in {packed_weights.key(w): w for w in weights}.values():
         if w.device.type != "cpu" or w.dim() != 2 or packed_weights.kept(w):
             continue
         if w.dtype == torch.int8:
@@ -71,6 +75,8 @@ def prepack(weights: list[torch.Tensor], rows: int) -> int:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
             packed_weights.keep(w, packed)
             kept += packed.numel() * packed.element_size()
+        if packed_weights.key(w) not in plain:
+            kept -= packed_weights.release(w)
     return kept
 
 

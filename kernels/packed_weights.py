@@ -3,16 +3,30 @@
 int8 layout). A kernel is handed the weight itself (a plain tensor torch.compile can take as an
 input) and reads the copy found for it here.
 
-An entry is keyed by the weight's address and holds the weight's version when packed: an
+An entry is keyed by the weight's storage and holds the weight's version when packed: an
 in-place change sends the kernel back to the weight, and the entry goes when the weight is
-freed, so a later tensor at the same address never meets it."""
+freed, so a later tensor in the same place never meets it.
+
+`release` frees a packed weight's own memory once nothing else reads it in its plain layout
+(a tied embedding does): the tensor keeps its shape, strides and dtype, which are all a
+compiled step's inputs and the kernels' shapes need, and the packed copy stands alone, so the
+weights are in memory once, not twice. Reading a released weight's values raises torch's
+"data is not allocated" error; writing them is not allowed (nothing in shoal changes weights
+in place after start-up)."""
 from __future__ import annotations
 
 import weakref
 
 import torch
 
-_COPIES: dict[int, tuple[int, torch.Tensor]] = {}  # weight.data_ptr() -> (its version when packed, the copy)
+# (the weight's storage, its offset there) -> (its version when packed, the copy)
+_COPIES: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+
+
+def key(w: torch.Tensor) -> tuple[int, int]:
+    """The weight's place: its storage's identity, which outlives `release` (the storage's
+    address does not: it is 0 once freed), and its offset there."""
+    return w.untyped_storage()._cdata, w.storage_offset()
 
 
 def _version(w: torch.Tensor) -> int:
@@ -22,15 +36,30 @@ def _version(w: torch.Tensor) -> int:
 
 
 def keep(weight: torch.Tensor, copy: torch.Tensor) -> None:
-    _COPIES[weight.data_ptr()] = (_version(weight), copy)
-    weakref.finalize(weight, _COPIES.pop, weight.data_ptr(), None)
+    _COPIES[key(weight)] = (_version(weight), copy)
+    weakref.finalize(weight, _COPIES.pop, key(weight), None)
 
 
 def kept(weight: torch.Tensor) -> bool:
-    return weight.data_ptr() in _COPIES
+    return key(weight) in _COPIES
+
+
+def released(weight: torch.Tensor) -> bool:
+    return weight.numel() > 0 and weight.untyped_storage().nbytes() == 0
 
 
 def find(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight's packed copy, unless there is none or the weight changed since."""
-    version, copy = _COPIES.get(weight.data_ptr(), (None, None))
+    version, copy = _COPIES.get(key(weight), (None, None))
     return copy if copy is not None and version == _version(weight) else None
+
+
+def release(weight: torch.Tensor) -> int:
+    """Free the memory of a weight that has a packed copy, where the weight owns its whole
+    storage (a view into a larger buffer, or a file mapping, stays). Returns the bytes freed."""
+    storage = weight.untyped_storage()
+    size = weight.numel() * weight.element_size()
+    if not kept(weight) or weight.storage_offset() or storage.nbytes() != size or not storage.resizable():
+        return 0
+    storage.resize_(0)
+    return size

@@ -23,7 +23,7 @@ quantized as it arrives over its own scale (max |x_row| / 127, symmetric); out =
 x_scale[row] * w_scale[col] (+ bias). Weights stay [N, K] rows and the scale is kept as a row
 [1, N] (the shape the epilogue broadcasts; it is also what tells this format from int8's rows
 on CUDA). The int8 x int8 -> int32 product (`int8_sums`) is on CPU oneDNN's int8 linear on a
-weight prepacked once at start (`prepack_w8a8`; the weights' size again), else `torch._int_mm`
+weight prepacked once at start (`prepack_w8a8`; in place of the weight), else `torch._int_mm`
 (oneDNN's s8s8s32 gemm, which reorders the whole [N, K] weight on every call: 1.4x slower at a
 decode step's 32 rows), and on CUDA `torch._int_mm`'s cuBLASLt (rows padded past 16, K and N
 multiples of 8; not yet run on a GPU). int32 sums are exact, and the quantization and the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from actors.engine.llm import LLM
@@ -12,6 +13,7 @@ from actors.sampling_params import SamplingParams
 from actors.worker.kernel_choice import KernelChoice, linear_kernel
 from kernels import linear, native, packed_weights
 from kernels.quantization import int_mm_exact, packed_int8_exact
+from oracle import hf_greedy
 
 
 def kernel_lines(caplog) -> list[str]:
@@ -74,3 +76,25 @@ def test_an_engine_built_under_inference_mode_packs_its_weights(checkpoint_facto
     runner = llm.engine.executor.runner
     if runner.kernels.packs_weights:
         assert packed_weights.find(runner.model.model.layers[0].mlp.down_proj.weight) is not None
+
+
+def test_packed_weights_are_in_memory_once(checkpoint_factory):
+    """Packing frees each linear weight's own layout: only the packed copy stays, but for a
+    head tied to the embedding, whose lookup reads the plain rows. Greedy output stays
+    transformers'."""
+    for tied in (False, True):
+        path = checkpoint_factory("llama", tie_word_embeddings=tied)
+        llm = LLM(str(path), num_kv_blocks=16, eager_decode=True)
+        runner = llm.engine.executor.runner
+        if not runner.kernels.packs_weights:
+            pytest.skip(f"linear {runner.kernels.linear} packs no weights here")
+        model = runner.model
+        for m in model.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+                assert packed_weights.find(m.weight) is not None
+                assert packed_weights.released(m.weight) == (m.weight is not model.model.embed_tokens.weight)
+        assert not packed_weights.released(model.model.embed_tokens.weight)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        prompt = [1, 5, 9, 2, 7]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 8)

@@ -91,22 +91,47 @@ PACKED_DTYPES = [torch.float32] + ([torch.bfloat16] if torch.bfloat16 in linear_
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
 def test_prepacked_weights_serve_the_op_until_the_weight_changes_or_goes(dtype):
     """Compiled decode packs its weights once (panels, or oneDNN's blocked layout). The op then reads the
-    packed copy; an in-place change to the weight (a new version) sends it back to the weight
-    itself, and the entry goes with the weight."""
+    packed copy; an in-place change to a weight kept plain (a new version) sends it back to the
+    weight itself, and the entry goes with the weight."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(200, 96, generator=g).to(dtype), torch.randn(8, 96, generator=g).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     before = F.linear(x, w)
-    kept, packed = linear_mod.prepack([w, w], 32), packed_weights.find(w)
+    kept, packed = linear_mod.prepack([w, w], 32, keep_plain=[w]), packed_weights.find(w)
     assert kept == packed.numel() * packed.element_size() >= w.numel() * w.element_size()  # each weight once
     torch.testing.assert_close(torch.ops.shoal.cpu_linear(x, w, None), before, **tol)
     w.data.mul_(2)  # .data: the same memory without a new version, so the packed copy is read
     torch.testing.assert_close(torch.ops.shoal.cpu_linear(x, w, None), before, **tol)
     w.mul_(2)  # a new version: the weight itself is read (4x what was packed)
     torch.testing.assert_close(torch.ops.shoal.cpu_linear(x, w, None), F.linear(x, w), **tol)
-    key = w.data_ptr()
+    key = packed_weights.key(w)
     del w
     assert key not in packed_weights._COPIES
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_a_packed_weight_is_in_memory_once(dtype):
+    """Packing frees the weight's own memory: the tensor keeps its shape (what compiled steps and
+    the op's output need), the op reads the packed copy, eagerly and compiled, and anything that
+    would read the freed values gets an error instead."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(200, 96, generator=g).to(dtype), torch.randn(8, 96, generator=g).to(dtype)
+    view = torch.randn(4, 200, 96, generator=g).to(dtype)[1]  # a view into a larger buffer stays
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    before, before_view = F.linear(x, w), F.linear(x, view)
+    extra = linear_mod.prepack([w, view], 32)
+    packed = packed_weights.find(w)
+    assert extra == 2 * packed.numel() * packed.element_size() - w.numel() * w.element_size()
+    assert w.untyped_storage().nbytes() == 0 and packed_weights.released(w)
+    assert w.shape == (200, 96) and w.stride() == (96, 1) and not packed_weights.released(view)
+    torch.testing.assert_close(linear_mod.linear(x, w), before, **tol)
+    torch.testing.assert_close(linear_mod.linear(x, view), before_view, **tol)
+    compiled = torch.compile(lambda x, w: linear_mod.linear(x, w) * 2, dynamic=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, w), before * 2, **tol)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="not allocated|out of bounds"):
+        F.linear(x, w)
 
 
 COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -158,7 +183,7 @@ def test_packed_weights_take_the_panel_kernel(monkeypatch):
     """Once packed (compiled decode packs its weights), eager and compiled calls run the panel
     kernel, eager ones without padding rows; a weight changed in place is not read stale."""
     w, b = torch.randn(130, 64), torch.randn(130)
-    assert linear_mod.prepack([w], 32) == linear_mod.pack_panels(w).numel() * 4
+    assert linear_mod.prepack([w], 32, keep_plain=[w]) == linear_mod.pack_panels(w).numel() * 4
     calls = []
     op = linear_mod._PANEL_OP
     monkeypatch.setattr(linear_mod, "_PANEL_OP", lambda out, x, *rest: calls.append(x.shape[0]) or op(out, x, *rest))

@@ -46,7 +46,7 @@ class KernelChoice:
 
     @property
     def packs_weights(self) -> bool:
-        """The linear layers read weights packed once at start (the weights' size again)."""
+        """The linear layers read weights packed once at start (in place of the weights, but for a tied head)."""
         return self.linear in ("panel", "onednn", "w8a8_int8-onednn-packed")
 
     def describe(self) -> str:

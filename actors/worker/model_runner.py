@@ -21,7 +21,7 @@ from actors.config import EngineConfig
 from actors.core.step import RunnerOutput, SchedulerOutput
 from actors.distributed.parallel import layout
 from actors.distributed.pipeline import Heads, MicroBatch, last_stage_outputs, run_stage, take_rows
-from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.worker import compiled_decode, memory_profile
 from actors.worker.compile_job import BackgroundCompile
@@ -91,7 +91,8 @@ class ModelRunner:
             linear.prepack([m.weight for m in self.model.modules()
                             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
                             and getattr(m, "int4", None) is None],
-                           config.max_num_seqs)
+                           config.max_num_seqs,
+                           keep_plain=[m.weight for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)])
         if self.device.type == "cpu":
             release_freed_memory()
         self.block_size = spec.block_size
