@@ -9,6 +9,7 @@ nn.Linear's input quantized the same way (teacher-forced, up to quantization fli
 eager and compiled."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checkpoints import quantized_reference_copy
-from oracle import hf_logits
+from oracle import hf_logits, hf_model
 from test_engine import GREEDY, assert_pool_free, prompts_of
 
 from actors.engine.llm import LLM
@@ -152,10 +153,12 @@ def test_a_saturating_int8_gemm_gets_the_weights_in_halves(isa):
 
 
 def linear_with_int8_activations(self, x):
-    """nn.Linear.forward with its input quantized per row as w8a8_int8 does (dequantised)."""
-    flat = x.reshape(-1, x.shape[-1])
-    xq, scale = quantize_rows_reference(flat)
-    return F.linear((xq.float() * scale).view_as(x).to(x.dtype), self.weight, self.bias)
+    """nn.Linear.forward with its input quantized per row as w8a8_int8 does (dequantised); a
+    layer marked `tp_parts` (row-parallel at tp > 1) quantizes each rank's share of the row
+    over its own scale, as each rank sees only its share."""
+    parts = [quantize_rows_reference(part) for part in x.reshape(-1, x.shape[-1]).chunk(getattr(self, "tp_parts", 1), 1)]
+    flat = torch.cat([xq.float() * scale for xq, scale in parts], 1)
+    return F.linear(flat.view_as(x).to(x.dtype), self.weight, self.bias)
 
 
 # Why not token for token: transformers rounds its float32 matmuls, norms and attention in other
@@ -168,12 +171,23 @@ def linear_with_int8_activations(self, x):
 FLIP = 0.1
 
 
-def assert_greedy_up_to_flips(reference, prompts, outs) -> list[float]:
-    """Each engine token is transformers' greedy choice on its prefix, or within FLIP of it in log
-    p; returns the gaps (0 where it is the top-1)."""
-    gaps = []
+@contextlib.contextmanager
+def int8_activations(reference, tp: int = 1):
+    """transformers on `reference` with every linear layer's input quantized as w8a8_int8 at
+    tensor-parallel size `tp` quantizes it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.Linear, "forward", linear_with_int8_activations)
+        for name, module in hf_model(reference).named_modules():
+            if name.endswith(("o_proj", "down_proj")):
+                mp.setattr(module, "tp_parts", tp, raising=False)
+        yield
+
+
+def assert_greedy_up_to_flips(reference, prompts, outs, tp: int = 1) -> list[float]:
+    """Each engine token is transformers' greedy choice on its prefix, or within FLIP of it in log
+    p; returns the gaps (0 where it is the top-1). `tp`: the engine's tensor-parallel size."""
+    gaps = []
+    with int8_activations(reference, tp):
         for ids, out in zip(prompts, outs, strict=True):
             tokens = out.outputs[0].token_ids
             logp = hf_logits(reference, ids + tokens).log_softmax(-1)[len(ids) - 1:-1]
@@ -204,6 +218,40 @@ def test_greedy_follows_transformers_with_int8_activations(arch, checkpoint_fact
         assert_pool_free(llm)
     finally:
         llm.shutdown()
+
+
+AVX2_ENGINE = """
+import json, sys
+from actors.engine.llm import LLM
+from test_engine import GREEDY
+llm = LLM(sys.argv[1], quantization="w8a8_int8", dtype="float32", num_kv_blocks=64, eager_decode=True)
+outs = llm.generate(json.loads(sys.argv[2]), GREEDY)
+print(json.dumps({"kernels": llm.engine.executor.runner.kernels.describe(),
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+llm.shutdown()
+"""
+
+
+def test_an_avx2_only_cpu_serves_w8a8_int8(checkpoint_factory, tmp_path):
+    """The engine as on the AVX2-only Zen 3 (torch's kernels held to AVX2, oneDNN's too, so its
+    int8 gemm saturates): the weights go in halves, unpacked, and greedy decoding follows
+    transformers as on a VNNI CPU."""
+    import json
+    from types import SimpleNamespace
+
+    path = checkpoint_factory("llama")
+    reference = quantized_reference_copy(path, tmp_path / "w8a8-reference", "w8a8_int8")
+    prompts = prompts_of([5, 17, 33])
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    run = subprocess.run([sys.executable, "-c", AVX2_ENGINE, str(path), json.dumps(prompts)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "linear w8a8_int8-onednn-split" in got["kernels"] and "attention cpp-avx2" in got["kernels"], got
+    outs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=t)]) for t in got["tokens"]]
+    assert [len(t) for t in got["tokens"]] == [GREEDY.max_tokens] * len(prompts)
+    assert_greedy_up_to_flips(reference, prompts, outs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
