@@ -46,6 +46,9 @@ from checkpoints import make_checkpoint  # noqa: E402
 # --formats of `speed`: (server name, --dtype, shoal serve options)
 SHOAL_SERVERS = {"int8": ("shoal int8", "float32", "--quantization int8"),
                  "w8a8_int8": ("shoal w8a8_int8", "float32", "--quantization w8a8_int8"),
+                 # what --dtype auto gives a bf16 checkpoint on a CPU with bf16 matmuls: the
+                 # activations and the KV cache in bfloat16
+                 "w8a8_int8-bf16": ("shoal w8a8_int8 bf16", "bfloat16", "--quantization w8a8_int8"),
                  "bf16": ("shoal bf16", "bfloat16", "")}
 QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                 intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096,
@@ -106,7 +109,7 @@ def speed(args) -> None:
                 raise SystemExit(f"--formats: one of {', '.join(SHOAL_SERVERS)}, got {kind!r}")
         for name, dtype, options in (SHOAL_SERVERS[kind] for kind in args.formats.split(",")):
             args.dtype, args.shoal_args = dtype, f"{base} {options}"
-            args.logs = args.root / f"logs-{name.split()[1]}"  # (each server's log file of its own)
+            args.logs = args.root / f"logs-{'-'.join(name.split()[1:])}"  # (each server's log file of its own)
             args.logs.mkdir(exist_ok=True)
             servers[name] = start_shoal(hf, args)
         for proc, url in servers.values():
@@ -131,7 +134,7 @@ def speed(args) -> None:
         rates, m = [r["rate"] for r in rounds], memory[name]
         print(f"| {name} | {' / '.join(f'{x:.1f}' for x in rates)} | {statistics.median(rates):.1f} | "
               f"{m['rss']:.0f} / {m['pss']:.0f} | {m['engine']:.0f} |")
-    for name in (n for n in ("shoal int8", "shoal w8a8_int8") if n in runs):
+    for name in (n for n in runs if n.startswith(("shoal int8", "shoal w8a8_int8"))):
         for other, target in (("llama-server Q8_0", 1.5), ("shoal bf16", 1.3)):
             if other not in runs:
                 continue
