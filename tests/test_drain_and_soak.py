@@ -83,6 +83,15 @@ def test_the_engine_runs_at_the_servers_priority(server):
     assert nice(scheduler) == nice(proc.pid)
 
 
+def test_the_engine_spins_briefly_at_openmp_barriers(server):
+    """OPENMP_ENV reaches the engine's process: inherited from `shoal serve` through its Ray (no
+    runtime env of its own, so it may take an idle worker: actors/executor/placement.py)."""
+    _, proc, _ = server
+    (scheduler,) = [pid for pid, name in processes(proc.pid).items() if "EngineActor" in name]
+    environ = Path(f"/proc/{scheduler}/environ").read_bytes().split(b"\0")
+    assert b"OMP_WAIT_POLICY=PASSIVE" in environ and b"GOMP_SPINCOUNT=10000" in environ
+
+
 def test_serves_controller_checks_once_a_second(server):
     """Its loop's wake-ups stall the engine's threads on shared cores (ray_settings_for_serving);
     ten times a second only while the server starts (app/serving/controller_pace.py)."""

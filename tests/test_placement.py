@@ -51,6 +51,10 @@ def test_ranks_spin_briefly_at_openmp_barriers_unless_told_otherwise(monkeypatch
     assert rank_runtime_env() == {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}}
     monkeypatch.setenv("GOMP_SPINCOUNT", "0")  # e.g. cores shared with another busy job
     assert rank_runtime_env()["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+    # Both set here (`shoal serve` sets them before it starts Ray, whose workers inherit them):
+    # no runtime env, so the rank can take an idle worker instead of starting one of its own.
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert rank_runtime_env() is None
 
 
 def test_build_on_own_thread():
