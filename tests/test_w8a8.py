@@ -155,7 +155,10 @@ def test_a_saturating_int8_gemm_gets_the_weights_in_halves(isa):
 def linear_with_int8_activations(self, x):
     """nn.Linear.forward with its input quantized per row as w8a8_int8 does (dequantised); a
     layer marked `tp_parts` (row-parallel at tp > 1) quantizes each rank's share of the row
-    over its own scale, as each rank sees only its share."""
+    over its own scale, as each rank sees only its share; `tp_parts` 0 (a LoRA adapter's
+    matrices, which shoal multiplies in float) leaves it as it is."""
+    if getattr(self, "tp_parts", 1) == 0:
+        return F.linear(x, self.weight, self.bias)
     parts = [quantize_rows_reference(part) for part in x.reshape(-1, x.shape[-1]).chunk(getattr(self, "tp_parts", 1), 1)]
     flat = torch.cat([xq.float() * scale for xq, scale in parts], 1)
     return F.linear(flat.view_as(x).to(x.dtype), self.weight, self.bias)
@@ -172,25 +175,29 @@ FLIP = 0.1
 
 
 @contextlib.contextmanager
-def int8_activations(reference, tp: int = 1):
-    """transformers on `reference` with every linear layer's input quantized as w8a8_int8 at
-    tensor-parallel size `tp` quantizes it."""
+def int8_activations(reference, tp: int = 1, adapter=None):
+    """transformers on `reference` (with a PEFT `adapter`) with every linear layer's input
+    quantized as w8a8_int8 at tensor-parallel size `tp` quantizes it (an adapter's own matrices
+    take theirs in float, as shoal's do)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.Linear, "forward", linear_with_int8_activations)
-        for name, module in hf_model(reference).named_modules():
-            if name.endswith(("o_proj", "down_proj")):
+        for name, module in hf_model(reference, adapter).named_modules():
+            if ".lora_" in name:
+                mp.setattr(module, "tp_parts", 0, raising=False)
+            elif name.endswith(("o_proj", "down_proj", "o_proj.base_layer", "down_proj.base_layer")):
                 mp.setattr(module, "tp_parts", tp, raising=False)
         yield
 
 
-def assert_greedy_up_to_flips(reference, prompts, outs, tp: int = 1) -> list[float]:
+def assert_greedy_up_to_flips(reference, prompts, outs, tp: int = 1, adapters=None) -> list[float]:
     """Each engine token is transformers' greedy choice on its prefix, or within FLIP of it in log
-    p; returns the gaps (0 where it is the top-1). `tp`: the engine's tensor-parallel size."""
+    p; returns the gaps (0 where it is the top-1). `tp`: the engine's tensor-parallel size;
+    `adapters`: each prompt's PEFT adapter directory (None: the base model)."""
     gaps = []
-    with int8_activations(reference, tp):
-        for ids, out in zip(prompts, outs, strict=True):
+    for ids, out, adapter in zip(prompts, outs, adapters or [None] * len(prompts), strict=True):
+        with int8_activations(reference, tp, adapter):
             tokens = out.outputs[0].token_ids
-            logp = hf_logits(reference, ids + tokens).log_softmax(-1)[len(ids) - 1:-1]
+            logp = hf_logits(reference, ids + tokens, adapter).log_softmax(-1)[len(ids) - 1:-1]
             gaps += [(row.max() - row[t]).item() for row, t in zip(logp, tokens, strict=True)]
     assert max(gaps) < FLIP, max(gaps)
     assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps), sorted(gaps)[-10:]
