@@ -299,6 +299,29 @@ def test_compiled_decode_runs_w8a8_like_eager(arch, checkpoint_factory, tmp_path
         eager.shutdown()
 
 
+def test_adapters_on_a_w8a8_int8_base_follow_peft_with_int8_activations(adapters, tmp_path):
+    """w8a8_int8 under adapters: the base layers take int8 activations, the adapters' deltas
+    float ones. transformers + peft on the dequantised checkpoint, its base layers' inputs
+    quantized the same way, up to quantization flips (tests/test_w8a8.py)."""
+    from actors.sampling_params import SamplingParams
+
+    base, paths = adapters("llama")
+    reference = quantized_reference_copy(base, tmp_path / "w8a8", "w8a8_int8")
+    llm = LLM(str(base), num_kv_blocks=64, block_size=4, max_loras=2, max_lora_rank=8, quantization="w8a8_int8",
+              dtype="float32", lora_modules=[f"{n}={p}" for n, p in paths.items()])
+    try:
+        prompts = prompts_of([5, 30, 13, 9, 7])
+        loras = ["a", "b", None, "a", "b"]
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        outs = llm.generate(prompts, params, lora=loras)
+        assert_greedy_up_to_flips(reference, prompts, outs, adapters=[paths.get(n) for n in loras])
+        # The adapters really change the output (else the check above proves little).
+        assert llm.generate(prompts[:1], params)[0].outputs[0].token_ids != outs[0].outputs[0].token_ids
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_shoal_serve_takes_w8a8_int8():
     from test_option_aliases import from_cli
 
