@@ -1,6 +1,7 @@
 """The tiny-checkpoint factory and the transformers oracle that every parity test relies on."""
 import filecmp
 import json
+import pathlib
 
 import pytest
 import torch
@@ -224,3 +225,39 @@ def test_greedy_eos_handling(llama_ckpt):
     finally:
         gen_config.eos_token_id = saved
     assert stopped == new[:new.index(new[5]) + 1]
+
+
+def test_the_eos_id_read_from_the_tokenizer_files_is_transformers(checkpoint_factory, tmp_path):
+    """The engine starts on the eos id its tokenizer files state (actors/worker/checkpoint_files.py
+    declared_eos_id) while transformers loads the tokenizer beside the model: it must be the id
+    transformers gives, and None (wait for transformers) where the files do not state it plainly."""
+    import shutil
+
+    from actors.worker.checkpoint_files import BUNDLED_MODEL, declared_eos_id
+
+    from harmony_checkpoint import make_harmony_checkpoint
+
+    smollm2 = pathlib.Path.home() / ".cache/shoal/smollm2-135m-instruct"  # a real release's files, where at hand
+    paths = [checkpoint_factory("llama"), BUNDLED_MODEL, make_harmony_checkpoint(tmp_path / "harmony")]
+    for path in paths + ([smollm2] if (smollm2 / "tokenizer.json").exists() else []):
+        assert declared_eos_id(path) == AutoTokenizer.from_pretrained(str(path)).eos_token_id is not None, path
+    src = checkpoint_factory("llama")
+    cases = {
+        "dict": ({"eos_token": {"content": EOS_TOKEN, "special": True}}, None, True),
+        "unknown token": ({"eos_token": "<|never|>"}, None, False),
+        "no eos": ({}, None, False),
+        "map disagrees": ({"eos_token": EOS_TOKEN}, {"eos_token": PAD_TOKEN}, False),
+    }
+    for name, (config_eos, mapped, stated) in cases.items():
+        dst = tmp_path / name.replace(" ", "-")
+        shutil.copytree(src, dst)
+        config = json.loads((dst / "tokenizer_config.json").read_text())
+        config.pop("eos_token", None)
+        (dst / "tokenizer_config.json").write_text(json.dumps({**config, **config_eos}))
+        if mapped is not None:
+            (dst / "special_tokens_map.json").write_text(json.dumps(mapped))
+        want = AutoTokenizer.from_pretrained(str(src)).convert_tokens_to_ids(EOS_TOKEN) if stated else None
+        assert declared_eos_id(dst) == want, name
+    shutil.copytree(src, tmp_path / "slow")
+    (tmp_path / "slow" / "tokenizer.json").unlink()
+    assert declared_eos_id(tmp_path / "slow") is None

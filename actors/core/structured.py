@@ -14,6 +14,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from typing import Any, Callable
 
 from actors.sampling_params import StructuredOutput
 
@@ -23,7 +24,9 @@ XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 class Grammars:
     """Compiles StructuredOutputs (thread-safe, LRU-cached by spec) and makes matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], capacity: int = 256):
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: list[int],
+                 capacity: int = 256):
+        """tokenizer: gives the engine's tokenizer (which may still be loading at start)."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.capacity = capacity
@@ -56,7 +59,7 @@ class Grammars:
         # Built on first use (the tokenizer scan costs ~1 s on a 150k vocabulary).
         if self._compiler is None:
             import xgrammar as xgr
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer(), vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1))
         return self._compiler

@@ -36,7 +36,6 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, placement: tuple | None = None):
         # Built on a thread that then ends, so the loop thread is the one that keeps OpenMP workers.
         self.engine = build_on_own_thread(lambda: LLMEngine(config, placement), torch.get_num_threads())
-        self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -52,6 +51,10 @@ class AsyncEngine:
         self._thread.start()
         self._watcher = threading.Thread(target=self._watch, name="shoal-watch", daemon=True)
         self._watcher.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
     @property
     def alive(self) -> bool:

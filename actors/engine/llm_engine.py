@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -39,7 +40,7 @@ from actors.outputs import Pending, RequestOutput
 from actors.pooling_params import PoolingParams
 from actors.request import EngineRequest, resolve_max_tokens
 from actors.sampling_params import SamplingParams
-from actors.worker.checkpoint_files import load_tokenizer, resolve_model_path
+from actors.worker.checkpoint_files import declared_eos_id, load_tokenizer, resolve_model_path
 from actors.worker.draft_model import DraftModel
 from actors.worker.loader import checkpoint_shapes
 from actors.worker.model_spec import resolve_model
@@ -53,8 +54,15 @@ class LLMEngine:
         """placement: (placement group, first bundle for shard rank 1) when the caller reserved one."""
         config.validate()
         self.config = config
-        self.tokenizer = load_tokenizer(resolve_model_path(config.model_path))
-        self.spec = resolve_model(config, self.tokenizer)
+        path = resolve_model_path(config.model_path)
+        # The tokenizer loads beside the model (transformers' import and the tokenizer take ~1 s
+        # of start-up): the engine needs it for requests, not to start. Its eos id comes from
+        # its files where they state it.
+        loading = ThreadPoolExecutor(1, thread_name_prefix="shoal-tokenizer")
+        self._tokenizer = loading.submit(load_tokenizer, path)
+        loading.shutdown(wait=False)  # (its thread ends with the load)
+        eos = declared_eos_id(path)
+        self.spec = resolve_model(config, eos if eos is not None else self.tokenizer.eos_token_id)
         self.model_path, self.max_model_len, self.eos_ids = self.spec.path, self.spec.max_model_len, self.spec.eos_ids
         self.loras = self._lora_registry(config)  # before the weights: a bad adapter fails at once
         speculative = config.speculative  # (a draft model that can't serve fails at once too)
@@ -69,7 +77,7 @@ class LLMEngine:
         device = self.executor.device.type
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids, Speculator.create(
             speculative, device, draft and draft.load(self.executor.num_blocks)), config.itl_target_seconds(device))
-        self.grammars = Grammars(self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
+        self.grammars = Grammars(lambda: self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics(config)
         self.stats = self.metrics.stats
         self.processor = OutputProcessor(self.scheduler, self.metrics)
@@ -78,6 +86,11 @@ class LLMEngine:
         self._launched = None  # async scheduling: (output, result, start) of the step launched ahead
         self._busy_end = None  # when the last step ended, if it left requests running
         freeze_startup_heap()  # no 350 ms full collections mid-step (actors/worker/process_tuning.py)
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (waits for it while it still loads)."""
+        return self._tokenizer.result()
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

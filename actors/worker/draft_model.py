@@ -52,7 +52,7 @@ class DraftModel:
             async_scheduling=False, enable_expert_parallel=False, ep_size=None, num_redundant_experts=0,
             eplb_step_interval=0)
         try:
-            self.spec = dataclasses.replace(resolve_model(self.config, tokenizer), eos_ids=target.eos_ids)
+            self.spec = dataclasses.replace(resolve_model(self.config, tokenizer.eos_token_id), eos_ids=target.eos_ids)
         except ValueError as e:
             raise ValueError(f"the draft model {self.path}: {e}") from None
         self.vocab = min(self.spec.args.vocab_size, target.args.vocab_size)  # ids the target knows

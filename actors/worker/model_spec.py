@@ -47,8 +47,9 @@ class ModelSpec:
         return self.kv_cache_dtype or self.dtype
 
 
-def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
-    """Raises ValueError for settings the checkpoint can't honour."""
+def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSpec:
+    """Raises ValueError for settings the checkpoint can't honour. `tokenizer_eos_id`: the
+    tokenizer's eos token id (joins the checkpoint's own)."""
     path = resolve_model_path(config.model_path)
     hf = read_config(path)
     limit = hf.get("max_position_embeddings", 2048)
@@ -71,7 +72,7 @@ def resolve_model(config: EngineConfig, tokenizer) -> ModelSpec:
     return ModelSpec(
         path=path, hf_config=hf, args=args, dtype=dtype, weight_dtype=weight_dtype,
         max_model_len=config.max_model_len or limit,
-        eos_ids=frozenset(eos_token_ids(path, hf, tokenizer)),
+        eos_ids=frozenset(eos_token_ids(path, hf, tokenizer_eos_id)),
         layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
         attn_backend=backend, flash_library=library,
         block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16),
