@@ -77,7 +77,9 @@ class LLMEngine:
         device = self.executor.device.type
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids, Speculator.create(
             speculative, device, draft and draft.load(self.executor.num_blocks)), config.itl_target_seconds(device))
-        self.grammars = Grammars(lambda: self.tokenizer, self.spec.args.vocab_size, sorted(self.eos_ids))
+        # (the future's own method: a lambda over self would be a cycle, and gc.freeze below keeps
+        # cycles from start-up for good, so a freed engine would never go)
+        self.grammars = Grammars(self._tokenizer.result, self.spec.args.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics(config)
         self.stats = self.metrics.stats
         self.processor = OutputProcessor(self.scheduler, self.metrics)
