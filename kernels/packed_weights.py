@@ -44,10 +44,6 @@ def kept(weight: torch.Tensor) -> bool:
     return key(weight) in _COPIES
 
 
-def released(weight: torch.Tensor) -> bool:
-    return weight.numel() > 0 and weight.untyped_storage().nbytes() == 0
-
-
 def find(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight's packed copy, unless there is none or the weight changed since."""
     version, copy = _COPIES.get(key(weight), (None, None))

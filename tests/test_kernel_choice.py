@@ -14,6 +14,7 @@ from actors.worker.kernel_choice import KernelChoice, linear_kernel
 from kernels import linear, native, packed_weights
 from kernels.quantization import int_mm_exact, packed_int8_exact
 from oracle import hf_greedy
+from test_linear import released
 
 
 def kernel_lines(caplog) -> list[str]:
@@ -92,8 +93,8 @@ def test_packed_weights_are_in_memory_once(checkpoint_factory):
         for m in model.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
                 assert packed_weights.find(m.weight) is not None
-                assert packed_weights.released(m.weight) == (m.weight is not model.model.embed_tokens.weight)
-        assert not packed_weights.released(model.model.embed_tokens.weight)
+                assert released(m.weight) == (m.weight is not model.model.embed_tokens.weight)
+        assert not released(model.model.embed_tokens.weight)
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
         prompt = [1, 5, 9, 2, 7]
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
