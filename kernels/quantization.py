@@ -62,16 +62,21 @@ _LIMIT = {"int8": 127.0, "w8a8_int8": 127.0, "fp8": torch.finfo(FP8).max}  # 448
 _warned = False
 
 
-def quantize(w: torch.Tensor, kind: str, panels: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(w: torch.Tensor, kind: str, panels: bool = True,
+             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, scale [N] float32) of an [N, K] weight in `kind`: int8 or float8 e4m3, either
-    packed [ceil(N / 16), K, 16] for the CPU kernel or, without `panels`, [N, K] rows."""
+    packed [ceil(N / 16), K, 16] for the CPU kernel or, without `panels`, [N, K] rows. scale:
+    the rows' scales of an int8 checkpoint the weight came from (w = codes * scale), whose
+    codes (-128 included) come back exactly; None: max |w| / 127 (or 448)."""
     w = w.detach().float()
     n, k = w.shape
-    scale = w.abs().amax(dim=1) / _LIMIT[kind]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+    if scale is None:
+        scale = w.abs().amax(dim=1) / _LIMIT[kind]
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
+    scale = scale.to(w.device, torch.float32)
     scaled = w / scale[:, None]
     if kind in ("int8", "w8a8_int8"):
-        q = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
+        q = torch.round(scaled).clamp_(-128, 127).to(torch.int8)
     else:  # torch's cast rounds to the nearest e4m3 (ties to even); the scale keeps |q| <= 448
         q = scaled.clamp_(-_LIMIT[kind], _LIMIT[kind]).to(FP8)
     if not panels:
@@ -342,12 +347,14 @@ def quantized_rows(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def quantize_module(module, kind: str) -> None:
     """Replace a layer's float weight by its 8-bit one (panels for the CPU kernel, else rows) and
-    scale (`weight_scale`; [1, N] for w8a8_int8); `out_dtype` keeps the dtype an embedding's
-    lookups return."""
+    scale (`weight_scale`; [1, N] for w8a8_int8), an int8 checkpoint's own codes and scales where
+    the loader kept them (`checkpoint_scale`); `out_dtype` keeps the dtype an embedding's lookups
+    return."""
     module.out_dtype = module.weight.dtype
     device = module.weight.device
     panels = device.type == "cpu" and kind in ("int8", "fp8") and not (kind == "fp8" and fp8_matmuls(device))
-    weight, scale = quantize(module.weight.data, kind, panels=panels)
+    known = getattr(module, "checkpoint_scale", None) if kind != "fp8" else None  # an int8 checkpoint's
+    weight, scale = quantize(module.weight.data, kind, panels=panels, scale=known)
     if kind == "w8a8_int8":
         weight = w8a8_weight(weight, split=device.type == "cpu" and not int_mm_exact())
         scale = scale.view(1, -1)

@@ -438,6 +438,55 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
     return paths
 
 
+def int8_copy(src, dst, strategy: str = "channel", activations: str | None = "dynamic",
+              weights: dict | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+    """`src`'s projections as compressed-tensors `int-quantized` writes them (LLM Compressor's
+    W8A8 / W8A16 int8): int8 codes `W.weight` = round(w / s) clamped to [-128, 127] with s =
+    max |w| / 127.5 per output channel or for the tensor (its symmetric scale; a row's largest
+    negative weight codes as -128), `W.weight_scale` [N, 1] (or [1]) in the weights' dtype,
+    `W.input_scale` for static activations; the LM head left float (`ignore`). Returns (that
+    checkpoint, the float checkpoint of the weights it stands for). `weights`: overrides of the
+    weights' scheme (to write configs shoal refuses). Written once per `dst`."""
+    import json
+
+    from safetensors.torch import load_file
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    reference = dst.with_name(dst.name + "-reference")
+    if (reference / "config.json").exists():
+        return dst, reference
+    config = json.loads((src / "config.json").read_text())
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    out, ref = {}, {}
+    for name, w in tensors.items():
+        out[name] = ref[name] = w
+        if not name.endswith("_proj.weight"):
+            continue
+        wf = w.float()
+        top = wf.abs().amax(dim=1, keepdim=True) if strategy == "channel" else wf.abs().max().reshape(1)
+        scale = (top / 127.5).to(w.dtype)
+        codes = torch.round(wf / scale.float().reshape(-1, 1)).clamp(-128, 127).to(torch.int8)
+        out[name], out[name + "_scale"] = codes, scale
+        if activations == "static":
+            out[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.02], dtype=w.dtype)
+        ref[name] = (codes.float() * scale.float().reshape(-1, 1)).to(w.dtype)
+    group = {"targets": ["Linear"],
+             "weights": {"num_bits": 8, "type": "int", "strategy": strategy, "symmetric": True, "dynamic": False,
+                         "group_size": None, **(weights or {})}}
+    if activations:
+        group["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True,
+                                      "strategy": "token" if activations == "dynamic" else "tensor",
+                                      "dynamic": activations == "dynamic"}
+    quant = {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None}
+    for path, written, cfg in ((dst, out, {**config, "quantization_config": quant}), (reference, ref, config)):
+        path.mkdir(parents=True, exist_ok=True)
+        _write_copy(src, path, written, cfg)
+    return dst, reference
+
+
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A stacked expert weight [E, K, N] (transformers' layout, x @ W[e]) as an MXFP4 checkpoint
     stores it: (blocks uint8 [E, N, K / 32, 16], scales uint8 [E, N, K / 32]). Each group of 32

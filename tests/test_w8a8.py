@@ -175,28 +175,32 @@ FLIP = 0.1
 
 
 @contextlib.contextmanager
-def int8_activations(reference, tp: int = 1, adapter=None):
+def int8_activations(reference, tp: int = 1, adapter=None, float_head: bool = False):
     """transformers on `reference` (with a PEFT `adapter`) with every linear layer's input
     quantized as w8a8_int8 at tensor-parallel size `tp` quantizes it (an adapter's own matrices
-    take theirs in float, as shoal's do, and so do MoE routers and experts)."""
+    take theirs in float, as shoal's do, and so do MoE routers and experts; `float_head`: the LM
+    head too, as an int8 checkpoint leaves it)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.Linear, "forward", linear_with_int8_activations)
         for name, module in hf_model(reference, adapter).named_modules():
             # float in shoal: adapters' matrices, MoE routers and experts (routed and shared)
-            if ".lora_" in name or ".experts." in name or ".shared_expert" in name or name.endswith("mlp.gate"):
+            if ".lora_" in name or ".experts." in name or ".shared_expert" in name or name.endswith("mlp.gate") \
+                    or (float_head and name == "lm_head"):
                 mp.setattr(module, "tp_parts", 0, raising=False)
             elif name.endswith(("o_proj", "down_proj", "o_proj.base_layer", "down_proj.base_layer")):
                 mp.setattr(module, "tp_parts", tp, raising=False)
         yield
 
 
-def assert_greedy_up_to_flips(reference, prompts, outs, tp: int = 1, adapters=None) -> list[float]:
+def assert_greedy_up_to_flips(reference, prompts, outs, tp: int = 1, adapters=None,
+                              float_head: bool = False) -> list[float]:
     """Each engine token is transformers' greedy choice on its prefix, or within FLIP of it in log
     p; returns the gaps (0 where it is the top-1). `tp`: the engine's tensor-parallel size;
-    `adapters`: each prompt's PEFT adapter directory (None: the base model)."""
+    `adapters`: each prompt's PEFT adapter directory (None: the base model); `float_head`: the
+    LM head multiplies float activations."""
     gaps = []
     for ids, out, adapter in zip(prompts, outs, adapters or [None] * len(prompts), strict=True):
-        with int8_activations(reference, tp, adapter):
+        with int8_activations(reference, tp, adapter, float_head):
             tokens = out.outputs[0].token_ids
             logp = hf_logits(reference, ids + tokens, adapter).log_softmax(-1)[len(ids) - 1:-1]
             gaps += [(row.max() - row[t]).item() for row, t in zip(logp, tokens, strict=True)]

@@ -100,7 +100,8 @@ def main(job: str, parent: int) -> None:
     parallel = layout(config, spec.layer_split, 0)  # one rank: compiled decode runs only there
     parallel.device = device
     model = build_model(spec.path, spec.hf_config, spec.dtype, device, spec.max_model_len, parallel,
-                        spec.weight_dtype, read_weights=False, quantization=spec.quantization)
+                        spec.weight_dtype, read_weights=False, quantization=spec.quantization,
+                        checkpoint_layers_only=spec.checkpoint_layers_only)
     load_kv_scales(model, spec.path)  # an fp8 KV cache's scales are constants of the traced step
     choose(config, spec, device, 1, lora=False)  # builds or loads the native kernels the model calls
     bind_kv_cache(model, MIN_BLOCKS + 1, block_size, spec.kv_dtype, device)

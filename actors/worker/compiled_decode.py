@@ -202,6 +202,8 @@ def artifact_path(spec, kernels, block_size: int) -> Path:
     parts = [FORMAT, torch.__version__, _cpu(), json.dumps(spec.hf_config, sort_keys=True, default=str),
              str(spec.dtype), str(spec.weight_dtype), spec.quantization, spec.max_model_len, block_size, kernels.attention,
              kernels.linear, [os.environ.get(k) for k in KERNEL_SWITCHES]]
+    if spec.checkpoint_layers_only:  # an int8 checkpoint's layers alone (not the head) are 8-bit
+        parts.append("checkpoint-layers-only")
     if spec.kv_cache_dtype is not None:  # (parts unchanged for a float cache: its artifacts stay valid)
         parts += [str(spec.kv_cache_dtype), sorted(checkpoint_kv_scales(spec.path).items())]
     h.update(repr(parts).encode())

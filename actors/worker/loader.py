@@ -14,7 +14,7 @@ from actors.models import model_class
 from actors.models.args import ModelArgs
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.llama import rope_tables
-from actors.worker import fp8_checkpoint, int4_checkpoint, mxfp4_checkpoint
+from actors.worker import fp8_checkpoint, int4_checkpoint, int8_checkpoint, mxfp4_checkpoint
 from actors.worker.progress import progress_bar
 from kernels.quantization import quantize_module
 
@@ -31,15 +31,42 @@ def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     return DTYPES[dtype]
 
 
+# quantization_config.quant_method values whose weights load (None: a float checkpoint)
+READ_METHODS = (None, "fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
+# compressed-tensors formats whose weights load (dense: float weights, a KV cache scheme only, say)
+READ_COMPRESSED = ("dense", "float-quantized", "pack-quantized") + int8_checkpoint.FORMATS
+
+
+def check_quantization(cfg: dict) -> None:
+    """ValueError (one line) for a quantized checkpoint whose weights shoal cannot read, before
+    any is loaded (loading them as floats would give a model that runs and talks nonsense)."""
+    q = cfg.get("quantization_config") or {}
+    method = q.get("quant_method")
+    if method not in READ_METHODS:
+        raise ValueError(f"{method!r} checkpoints (config.json's quantization_config) are not supported; shoal reads "
+                         "fp8, compressed-tensors, gptq, awq and mxfp4 ones and float checkpoints")
+    if method == "compressed-tensors":
+        groups = (q.get("config_groups") or {}).values()
+        formats = {g.get("format") or q.get("format") for g in groups} or {q.get("format")}
+        unread = sorted(str(f) for f in formats - set(READ_COMPRESSED) - {None})
+        if unread:
+            raise ValueError(f"compressed-tensors format {', '.join(unread)} is not supported; shoal reads "
+                             f"{', '.join(READ_COMPRESSED)}")
+    int4_checkpoint.read_format(cfg)  # a GPTQ / AWQ config it can't read fails here, not mid-load
+    int8_checkpoint.scheme(cfg)
+
+
 def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
                 max_positions: int, parallel=None, weight_dtype: torch.dtype | None = None,
-                read_weights: bool = True, quantization: str | None = None) -> nn.Module:
+                read_weights: bool = True, quantization: str | None = None,
+                checkpoint_layers_only: bool = False) -> nn.Module:
     """This rank's shard of the model, with only its slices of the weights read from disk.
 
     weight_dtype: round every weight to it on the way in (a 16-bit model computed in float32).
     read_weights=False leaves them unread (the decode compile job traces shapes only).
     quantization: "int8", "fp8" or "w8a8_int8" turns the linear layers' weights to 8 bits once read
-    (kernels/quantization.py)."""
+    (kernels/quantization.py); checkpoint_layers_only: only the layers an int8 checkpoint holds
+    in int8 (actors/worker/int8_checkpoint.py), not the head, the embedding or its `ignore`s."""
     args = ModelArgs.from_hf(cfg)
     cls = model_class(args.architecture)
     # Built on the meta device in the target dtype, then given memory on the target device
@@ -63,19 +90,22 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
         load_weights(model, path, weight_dtype)
         load_kv_scales(model, path)
     if quantization:
-        quantize_linears(model, quantization)
+        quantize_linears(model, quantization, int8_targets(model, path) if checkpoint_layers_only else None)
     return model.eval()
 
 
-def quantize_linears(model: nn.Module, kind: str) -> None:
+def quantize_linears(model: nn.Module, kind: str, only: set[str] | None = None) -> None:
     """Every linear layer to `kind` (int8, fp8 or w8a8_int8), and for the int8 formats the LM head
     and the embedding too (a tied head and embedding share one copy; w8a8_int8's head multiplies
     int8 activations as its other layers do); fp8 leaves those two float, as vLLM's does.
-    Experts of MoE models stay float."""
+    Experts of MoE models stay float. only: the weights (parameter names) to quantize, None: all
+    of those. An int8 checkpoint's layers keep its codes (`checkpoint_scale`)."""
     head = kind in ("int8", "w8a8_int8")
     layers = (ColumnParallelLinear, RowParallelLinear) + ((ParallelLMHead, VocabParallelEmbedding) if head else ())
     done = {}  # the float weight's id -> its 8-bit weight and scale
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if only is not None and f"{name}.weight" not in only:
+            continue
         if isinstance(module, layers):
             if getattr(module, "int4", None) is not None:  # kept packed (int4 already)
                 continue
@@ -136,6 +166,21 @@ def packed_targets(model: nn.Module, path: Path, cfg: dict, device: torch.device
     return targets
 
 
+def int8_targets(model: nn.Module, path: Path) -> set[str]:
+    """The linear layers' weights an int8 checkpoint's int8 tensors go to (read from the files'
+    headers, so the decode compile job, which reads no weights, quantizes the same layers)."""
+    modules = dict(model.named_modules())
+    targets = set()
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            names = [n for n in f.keys() if n.endswith(".weight") and f.get_slice(n).get_dtype() == "I8"]
+        for rule in (r for name in names for r in _rules(model.weight_rule(name))):
+            owner = modules.get(rule[0].rpartition(".")[0])
+            if isinstance(owner, (ColumnParallelLinear, RowParallelLinear)):
+                targets.add(rule[0])
+    return targets
+
+
 def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None = None) -> None:
     params = dict(model.named_parameters())
     for param in params.values():  # vocab padding rows (tensor parallel) stay zero
@@ -145,12 +190,13 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
     device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
     # param -> [(row offset, PackedWeight or float slice)]: what is put together at the end
     packed = {} if int4_checkpoint.keeps_packed(device) else None
+    scales = {}  # param -> [(row offset, the rows' int8 checkpoint scales)]
     # By tensor, not by file: a single-file checkpoint shows progress too.
     bar = progress_bar("loading weights", total=count_tensors(files), unit="tensor")
     try:
         for name, tensor_slice in checkpoint_tensors(path, files, packed=packed is not None):
             for rule in _rules(model.weight_rule(name)) if tensor_slice is not None else ():
-                loaded.add(_load_slice(params, rule, tensor_slice, name, weight_dtype, packed))
+                loaded.add(_load_slice(params, rule, tensor_slice, name, weight_dtype, packed, scales))
             bar.update(1)
     finally:
         bar.close()
@@ -159,6 +205,21 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
     if packed:
         _keep_packed(model, params, packed, weight_dtype, device)
+    _keep_row_scales(model, params, scales)
+
+
+def _keep_row_scales(model: nn.Module, params: dict, scales: dict) -> None:
+    """A linear layer whose every weight row came from an int8 checkpoint keeps those rows'
+    scales as `checkpoint_scale` [rows], for its quantization to take the codes back exactly."""
+    for target, pieces in scales.items():
+        module_name, _, attr = target.rpartition(".")
+        rows = params[target].shape[0]
+        if attr != "weight" or sum(len(s) for _, s in pieces) != rows:
+            continue
+        scale = torch.empty(rows)
+        for offset, s in pieces:
+            scale[offset:offset + len(s)] = s
+        model.get_submodule(module_name).checkpoint_scale = scale
 
 
 def _keep_packed(model: nn.Module, params: dict, packed: dict, weight_dtype: torch.dtype | None,
@@ -224,12 +285,17 @@ def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
             where.update(dict.fromkeys(f.keys(), file))
     config = json.loads((path / "config.json").read_text())
     block, mxfp4 = fp8_checkpoint.block_size(config), mxfp4_checkpoint.is_mxfp4(config)
-    int4 = int4_checkpoint.read_format(config)
+    int4, int8 = int4_checkpoint.read_format(config), int8_checkpoint.scheme(config)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor_slice = f.get_slice(name)
-                if int4 and int4.is_part(name):
+                if int8 and int8_checkpoint.is_part(name):
+                    tensor_slice = None
+                elif int8 and tensor_slice.get_dtype() == "I8" and name.endswith(".weight"):
+                    tensor_slice = int8_checkpoint.Int8Weight(lambda n=name: _tensor(n, where),
+                                                              lambda n=name: _tensor(n + "_scale", where))
+                elif int4 and int4.is_part(name):
                     weight = int4.weight_of(name)
                     tensor_slice = None if weight is None else _Int4Weight(int4, weight, where, packed)
                     name = weight or name
@@ -312,7 +378,7 @@ def _rules(rule) -> list:
 
 
 def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch.dtype | None = None,
-                packed: dict | None = None) -> str:
+                packed: dict | None = None, scales: dict | None = None) -> str:
     """Copy this rank's slice of one checkpoint tensor into (a row range of) its parameter.
 
     An optional sixth rule field picks one expert slot of a stacked [slots, ...] parameter.
@@ -334,6 +400,11 @@ def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch
         src = tensor_slice[start:start + size]
     else:
         src = tensor_slice[:, start:start + size]
+    if isinstance(src, torch.Tensor) and params[target].is_floating_point() and not src.is_floating_point():
+        raise ValueError(f"{name!r} holds {src.dtype} integers, not weights: its quantization (config.json's "
+                         "quantization_config) is not one shoal reads")
+    if scales is not None and isinstance(tensor_slice, int8_checkpoint.Int8Weight) and not slot and not callable(dim):
+        scales.setdefault(target, []).append((offset, tensor_slice.row_scales(dim, start, size)))
     if packed is not None and not slot and (isinstance(src, int4_checkpoint.PackedWeight) or params[target].is_meta):
         packed.setdefault(target, []).append((offset, src))  # put together once every piece is read
         return target

@@ -78,7 +78,8 @@ class ModelRunner:
         phase = time.perf_counter()
         self.startup: dict[str, float] = {}  # seconds per start-up phase, for the executor's log line
         self.model = build_model(spec.path, spec.hf_config, spec.dtype, self.device, spec.max_model_len, self.p,
-                                 spec.weight_dtype, quantization=spec.quantization)
+                                 spec.weight_dtype, quantization=spec.quantization,
+                                 checkpoint_layers_only=spec.checkpoint_layers_only)
         self.experts = None  # MoE models: expert load recording and placement re-planning
         if self.args.moe is not None:
             self.experts = ExpertBalancer(self.model, config.eplb_window_size, config.eplb_step_interval, spec.path)

@@ -12,9 +12,9 @@ from actors.distributed.parallel import parse_layer_split
 from actors.models.args import ModelArgs
 from actors.pooling_params import PoolingParams
 from actors.worker.kernel_choice import attention_backend, device_type
-from actors.worker import int4_checkpoint
+from actors.worker import int8_checkpoint
 from actors.worker.checkpoint_files import eos_token_ids, read_config, resolve_model_path
-from actors.worker.loader import resolve_dtype
+from actors.worker.loader import check_quantization, resolve_dtype
 from actors.worker.pooling_config import DEFAULT as DEFAULT_POOLING
 from actors.worker.pooling_config import read_pooling
 from kernels import flash_attention, kv_quant
@@ -38,7 +38,10 @@ class ModelSpec:
     # CPU without matmul units for it computes in float32 on weights rounded to it (below).
     weight_dtype: torch.dtype | None = None
     pooling: PoolingParams = DEFAULT_POOLING  # embedding requests' defaults (actors/worker/pooling_config.py)
-    quantization: str | None = None  # --quantization: int8 | fp8 | w8a8_int8 linear layers (kernels/quantization.py)
+    # --quantization: int8 | fp8 | w8a8_int8 linear layers (kernels/quantization.py), or an int8
+    # checkpoint's own scheme (actors/worker/int8_checkpoint.py) for only the layers it quantized
+    quantization: str | None = None
+    checkpoint_layers_only: bool = False
     kv_cache_dtype: torch.dtype | None = None  # the KV pool's (--kv-cache-dtype fp8: float8 e4m3); None: dtype
 
     @property
@@ -57,7 +60,8 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
         raise ValueError(f"--max-model-len {config.max_model_len} is over the model's "
                          f"max_position_embeddings {limit}")
     args = ModelArgs.from_hf(hf)
-    int4_checkpoint.read_format(hf)  # a GPTQ / AWQ config it can't read fails here, not mid-load
+    check_quantization(hf)
+    quantization, checkpoint_layers_only = checkpoint_quantization(config.quantization, hf)
     cuda = device_type(config) == "cuda"
     dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
     dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")
@@ -76,8 +80,22 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
         layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
         attn_backend=backend, flash_library=library,
         block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16),
-        pooling=read_pooling(path), quantization=config.quantization,
+        pooling=read_pooling(path), quantization=quantization, checkpoint_layers_only=checkpoint_layers_only,
         kv_cache_dtype=kv_dtype if kv_dtype != dtype else None)
+
+
+def checkpoint_quantization(asked: str | None, hf: dict) -> tuple[str | None, bool]:
+    """(what the linear layers run as, whether only the checkpoint's int8 layers do): --quantization
+    where given (every linear layer; an int8 checkpoint's keep their codes), else an int8
+    checkpoint's own scheme."""
+    int8 = int8_checkpoint.scheme(hf)
+    if int8 is None or asked is not None:
+        return asked, False
+    if int8.static_activations:
+        log.warning("this int8 checkpoint has static activation scales: shoal quantizes each row of activations "
+                    "over its own scale instead (docs/quantization.md)")
+    log.info("int8 checkpoint: its quantized layers run as %s", int8.kind)
+    return int8.kind, True
 
 
 def gpu_auto_dtype(hf: dict) -> torch.dtype:
