@@ -110,6 +110,25 @@ def test_a_w8a8_checkpoint_runs_as_w8a8_int8_and_follows_transformers(strategy, 
         llm.shutdown()
 
 
+def test_compiled_decode_runs_the_checkpoints_layers(copies):
+    """The compile job reads no weights: it finds the int8 layers in the files' headers, so its
+    graph quantizes the same layers (not the head) and the compiled engine follows transformers
+    as the eager one does."""
+    from test_compiled_decode import compiled_llm
+
+    path, reference = copies()
+    llm = compiled_llm(path, dtype="float32")
+    try:
+        runner = llm.engine.executor.runner
+        prompts = prompts_of([3, 9, 30])
+        before = runner.graph_replays
+        outs = llm.generate(prompts, GREEDY)
+        assert runner.graph_replays > before
+        assert_greedy_up_to_flips(reference, prompts, outs, float_head=True)
+    finally:
+        llm.shutdown()
+
+
 def test_a_w8a16_checkpoint_runs_weight_only_token_for_token(copies):
     """Weights only (no input_activations): int8 weight-only layers on the checkpoint's codes,
     activations float, so greedy tokens equal transformers' on the dequantised weights."""

@@ -130,6 +130,8 @@ def quantization() -> dict:
                           + ("FP8 matmuls (torch._scaled_mm)" if fp8_gpu else "FP8 matmuls on compute capability 8.9+, "
                              "else shoal's Triton weight-only kernel"),
             "fp8 checkpoints": "loaded as float (dequantised as they load); FP8 matmuls with --quantization fp8",
+            "int8 checkpoints (compressed-tensors int-quantized)":
+                "their int8 layers on the checkpoint's codes and scales: W8A8 as w8a8_int8, W8A16 as int8 (above)",
             "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
             "gptq / awq / compressed-tensors int4 checkpoints":
                 "loaded as float (dequantised as they load); SHOAL_INT4_KERNEL=1 keeps them packed "
