@@ -384,15 +384,16 @@ def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathl
 def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
     """`src`'s projections in float8 (e4m3) as FP8 checkpoints are written: {"block": the
     fine-grained layout of transformers (`weight_scale_inv` per `block`, which need not divide
-    the shapes), "channel": compressed-tensors' (`weight_scale` per output channel, with a static
-    `input_scale` beside it), and "reference-block" / "reference-channel": the float
+    the shapes), "ct-block": the same blocks as compressed-tensors writes them (`weight_scale`,
+    strategy "block"), "channel": compressed-tensors' (`weight_scale` per output channel, with a
+    static `input_scale` beside it), and "reference-block" / "reference-channel": the float
     checkpoints of the weights each stands for}. Written once per `root`."""
     import json
 
     from safetensors.torch import load_file
 
     src, root = pathlib.Path(src), pathlib.Path(root)
-    paths = {kind: root / kind for kind in ("block", "channel", "reference-block", "reference-channel")}
+    paths = {kind: root / kind for kind in ("block", "ct-block", "channel", "reference-block", "reference-channel")}
     if (paths["reference-channel"] / "config.json").exists():
         return paths
     config = json.loads((src / "config.json").read_text())
@@ -416,6 +417,7 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
         per_block = blocks.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
         q_block = (w / per_block).to(torch.float8_e4m3fn)
         out["block"][name], out["block"][name + "_scale_inv"] = q_block, blocks
+        out["ct-block"][name], out["ct-block"][name + "_scale"] = q_block, blocks
         rows = w.abs().amax(dim=1, keepdim=True) / fmax
         q_rows = (w / rows).to(torch.float8_e4m3fn)
         out["channel"][name], out["channel"][name + "_scale"] = q_rows, rows
@@ -424,6 +426,14 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
         out["reference-channel"][name] = q_rows.float() * rows
     quant = {"block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": list(block)},
+             "ct-block": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                          "config_groups": {"group_0": {
+                              "targets": ["Linear"],
+                              "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                          "block_structure": list(block), "symmetric": True, "dynamic": False},
+                              "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                                    "group_size": 128, "symmetric": True, "dynamic": True}}},
+                          "ignore": ["lm_head"]},
              "channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
                          "config_groups": {"group_0": {
                              "targets": ["Linear"],

@@ -165,15 +165,16 @@ def test_lora_on_int8_weights_equals_peft_on_the_dequantised_weights(adapters, t
         llm.shutdown()
 
 
-@pytest.mark.parametrize("layout", ["block", "channel"])
+@pytest.mark.parametrize("layout", ["block", "ct-block", "channel"])
 def test_fp8_checkpoints_load_as_their_dequantised_weights(layout, checkpoint_factory, tmp_path_factory):
     """A fine-grained FP8 checkpoint (transformers': block scales that do not divide the
-    shapes) and a compressed-tensors one (channel scales, static input scales beside them)
+    shapes), the same blocks as compressed-tensors writes them (FP8_BLOCK) and a
+    compressed-tensors one with channel scales (static input scales beside them)
     give transformers' greedy tokens on the float weights they stand for; with
     --quantization int8 on top, those of the int8 reference of that float checkpoint."""
     root = tmp_path_factory.mktemp("fp8")
     paths = fp8_copies(checkpoint_factory("llama"), root)
-    reference = paths[f"reference-{layout}"]
+    reference = paths[f"reference-{layout.removeprefix('ct-')}"]
     prompts = prompts_of([5, 17])
     for options, oracle in (({}, reference), ({"quantization": "int8"}, quantized_reference_copy(reference, root / f"int8-{layout}"))):
         llm = LLM(str(paths[layout]), dtype="float32", num_kv_blocks=64, **options)

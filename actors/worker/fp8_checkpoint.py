@@ -5,8 +5,9 @@ Two layouts are read, as their writers write them:
   and Qwen3's FP8 releases): `W.weight` in float8 (e4m3) and `W.weight_scale_inv`, one float32
   per block of `weight_block_size` ([128, 128]) weights;
 - compressed-tensors `float-quantized` (LLM Compressor's FP8 checkpoints): `W.weight` in
-  float8 and `W.weight_scale`, per output channel ([N, 1]) or one per tensor; `input_scale`
-  (static activation scales) is not needed to compute in float.
+  float8 and `W.weight_scale`, per output channel ([N, 1]), one per tensor, or per block of the
+  weights scheme's `block_structure` (FP8_BLOCK); `input_scale` (static activation scales) is
+  not needed to compute in float.
 
 A checkpoint's KV cache scales (LLM Compressor's `self_attn.k_scale` / `v_scale`, the older
 `k_proj.output_scale` / `v_proj.output_scale`, or one `kv_scale` for both) are read by
@@ -30,9 +31,15 @@ KV_SCALE_NAMES = {"self_attn.k_scale": ("k",), "self_attn.v_scale": ("v",), "sel
 
 
 def block_size(config: dict) -> tuple[int, int] | None:
-    """weight_block_size of a fine-grained FP8 checkpoint's config (None: not block-wise)."""
+    """The weights' scale block of a block-wise FP8 checkpoint's config: transformers'
+    `weight_block_size`, or compressed-tensors' `block_structure` with strategy "block"
+    (LLM Compressor's FP8_BLOCK); None: not block-wise."""
     q = config.get("quantization_config") or {}
     block = q.get("weight_block_size")
+    for group in (q.get("config_groups") or {}).values() if q.get("quant_method") == "compressed-tensors" else ():
+        weights = group.get("weights") or {}
+        if weights.get("strategy") == "block":
+            block = weights.get("block_structure")
     return (int(block[0]), int(block[1])) if block else None
 
 
@@ -47,7 +54,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     w, s = weight.float(), scale.float()
     if s.numel() == 1:
         return w * s.reshape(())
-    if block is not None and w.dim() == 2 and s.dim() == 2 and s.shape[1] > 1:
+    if block is not None and w.dim() == 2 and s.dim() == 2 and s.shape == (-(-w.shape[0] // block[0]),
+                                                                             -(-w.shape[1] // block[1])):
         (bn, bk), (n, k) = block, w.shape
         return w * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return w * s.reshape(w.shape[0], *([1] * (w.dim() - 1)))
