@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from actors.models import model_class
@@ -16,6 +15,7 @@ from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParall
 from actors.models.llama import rope_tables
 from actors.worker import fp8_checkpoint, int4_checkpoint, int8_checkpoint, mxfp4_checkpoint
 from actors.worker.progress import progress_bar
+from actors.worker.weight_files import open_weights, weight_files
 from kernels.quantization import quantize_module
 
 log = logging.getLogger("shoal.loader")
@@ -118,24 +118,13 @@ def quantize_linears(model: nn.Module, kind: str, only: set[str] | None = None) 
                 done[key] = module.weight, module.weight_scale
 
 
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path}")
-    return files
-
-
 def checkpoint_shapes(path: Path) -> dict[str, tuple]:
     """Every weight's shape (from the files' headers): what adapters are checked against. A
     packed int4 weight counts as the float weight it stands for."""
     shapes = {}
     int4 = int4_checkpoint.read_format(json.loads((path / "config.json").read_text()))
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file) as f:
             for name in f.keys():
                 shape = tuple(f.get_slice(name).get_shape())
                 if int4 and int4.is_part(name):  # a packed weight: the float one it stands for
@@ -156,7 +145,7 @@ def packed_targets(model: nn.Module, path: Path, cfg: dict, device: torch.device
     modules = dict(model.named_modules())
     targets = set()
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file) as f:
             weights = [fmt.weight_of(name) for name in f.keys()]
         for rule in (r for weight in weights if weight for r in _rules(model.weight_rule(weight))):
             target, dim = rule[0], rule[2]
@@ -172,7 +161,7 @@ def int8_targets(model: nn.Module, path: Path) -> set[str]:
     modules = dict(model.named_modules())
     targets = set()
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file) as f:
             names = [n for n in f.keys() if n.endswith(".weight") and f.get_slice(n).get_dtype() == "I8"]
         for rule in (r for name in names for r in _rules(model.weight_rule(name))):
             owner = modules.get(rule[0].rpartition(".")[0])
@@ -253,7 +242,7 @@ def checkpoint_kv_scales(path: Path) -> dict[int, dict[str, float]]:
     """The checkpoint's KV cache scales by layer (fp8_checkpoint.kv_scales; {} without any)."""
     found = {}
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file) as f:
             names = [n for n in f.keys() if n.endswith("_scale")]
             found.update(fp8_checkpoint.kv_scales((n, lambda n=n: f.get_tensor(n)) for n in names))
     return found
@@ -281,13 +270,13 @@ def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
     weight comes as an int4_checkpoint.PackedWeight instead (kept packed on the GPU)."""
     where = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file) as f:
             where.update(dict.fromkeys(f.keys(), file))
     config = json.loads((path / "config.json").read_text())
     block, mxfp4 = fp8_checkpoint.block_size(config), mxfp4_checkpoint.is_mxfp4(config)
     int4, int8 = int4_checkpoint.read_format(config), int8_checkpoint.scheme(config)
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file) as f:
             for name in f.keys():
                 tensor_slice = f.get_slice(name)
                 if int8 and int8_checkpoint.is_part(name):
@@ -315,7 +304,7 @@ def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
 def _tensor(name: str, where: dict) -> torch.Tensor:
     if name not in where:
         raise ValueError(f"the checkpoint lacks {name!r}")
-    with safe_open(str(where[name]), framework="pt") as f:
+    with open_weights(where[name]) as f:
         return f.get_tensor(name)
 
 
@@ -345,7 +334,7 @@ class _Int4Weight:
 def _scale_of(name: str, where: dict) -> torch.Tensor:
     for scale in (f"{name}_scale_inv", f"{name}_scale"):
         if scale in where:
-            with safe_open(str(where[scale]), framework="pt") as f:
+            with open_weights(where[scale]) as f:
                 return f.get_tensor(scale)
     raise ValueError(f"the float8 weight {name!r} has no {name}_scale or {name}_scale_inv in the checkpoint")
 
@@ -354,7 +343,7 @@ def count_tensors(files: list[Path]) -> int:
     """Tensors in the checkpoint (reads only the files' headers)."""
     total = 0
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_weights(file) as f:
             total += len(f.keys())
     return total
 
