@@ -448,6 +448,20 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
     return paths
 
 
+def fp8_channel_copy(paths: dict, dst, quant: dict) -> pathlib.Path:
+    """fp8_copies' per-channel checkpoint under another writer's quantization_config (Meta's
+    fbgemm_fp8, NVIDIA ModelOpt's FP8: the same float8 weights and `weight_scale`s)."""
+    import json
+    import shutil
+
+    dst = pathlib.Path(dst)
+    if not (dst / "config.json").exists():
+        shutil.copytree(paths["channel"], dst)
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return dst
+
+
 def int8_copy(src, dst, strategy: str = "channel", activations: str | None = "dynamic",
               weights: dict | None = None) -> tuple[pathlib.Path, pathlib.Path]:
     """`src`'s projections as compressed-tensors `int-quantized` writes them (LLM Compressor's

@@ -165,6 +165,8 @@ def test_the_scheme_read_from_config():
 
 @pytest.mark.parametrize("quant, message", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' checkpoints .* are not supported"),
+    ({"quant_method": "hqq"}, "'hqq' checkpoints .* shoal reads fp8, fbgemm_fp8, modelopt, compressed-tensors"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt NVFP4 checkpoints are not supported"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
      "compressed-tensors format nvfp4-pack-quantized is not supported"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import fp8_copies, quantized_reference_copy
+from checkpoints import fp8_channel_copy, fp8_copies, quantized_reference_copy
 from oracle import hf_greedy
 from test_engine import GREEDY, assert_pool_free, prompts_of
 
@@ -183,3 +183,22 @@ def test_fp8_checkpoints_load_as_their_dequantised_weights(layout, checkpoint_fa
                 assert out.outputs[0].token_ids == hf_greedy(oracle, ids, GREEDY.max_tokens), options
         finally:
             llm.shutdown()
+
+
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+    {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
+])
+def test_other_writers_fp8_checkpoints_load(quant, checkpoint_factory, tmp_path_factory):
+    """Meta's fbgemm_fp8 and NVIDIA ModelOpt's FP8 store float8 weights with per-channel (or
+    per-tensor) `weight_scale`s: transformers' greedy tokens on the weights they stand for."""
+    root = tmp_path_factory.mktemp("fp8-writers")
+    paths = fp8_copies(checkpoint_factory("llama"), root)
+    path = fp8_channel_copy(paths, root / quant["quant_method"], quant)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    try:
+        prompts = prompts_of([6, 13])
+        for ids, out in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(paths["reference-channel"], ids, GREEDY.max_tokens)
+    finally:
+        llm.shutdown()

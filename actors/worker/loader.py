@@ -31,8 +31,10 @@ def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     return DTYPES[dtype]
 
 
-# quantization_config.quant_method values whose weights load (None: a float checkpoint)
-READ_METHODS = (None, "fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
+# quantization_config.quant_method values whose weights load (None: a float checkpoint).
+# fbgemm_fp8 (Meta's Llama 3.1 FP8 releases) and ModelOpt's FP8 are float8 weights with a scale
+# per channel or tensor: the FP8 reader takes them as they are.
+READ_METHODS = (None, "fp8", "fbgemm_fp8", "modelopt", "compressed-tensors", "gptq", "awq", "mxfp4")
 # compressed-tensors formats whose weights load (dense: float weights, a KV cache scheme only, say)
 READ_COMPRESSED = ("dense", "float-quantized", "pack-quantized") + int8_checkpoint.FORMATS
 
@@ -44,7 +46,9 @@ def check_quantization(cfg: dict) -> None:
     method = q.get("quant_method")
     if method not in READ_METHODS:
         raise ValueError(f"{method!r} checkpoints (config.json's quantization_config) are not supported; shoal reads "
-                         "fp8, compressed-tensors, gptq, awq and mxfp4 ones and float checkpoints")
+                         f"{', '.join(m for m in READ_METHODS if m)} ones and float checkpoints")
+    if method == "modelopt" and str(q.get("quant_algo", "FP8")).upper() != "FP8":
+        raise ValueError(f"ModelOpt {q.get('quant_algo')} checkpoints are not supported; shoal reads ModelOpt's FP8")
     if method == "compressed-tensors":
         groups = (q.get("config_groups") or {}).values()
         formats = {g.get("format") or q.get("format") for g in groups} or {q.get("format")}
