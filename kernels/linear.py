@@ -49,19 +49,21 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype in _DTYPES
 
 
-def prepack(weights: list[torch.Tensor], rows: int, keep_plain: list[torch.Tensor] = ()) -> int:
+def prepack(weights: list[torch.Tensor], rows: int, keep_plain: list[torch.Tensor] = (),
+            embeddings: list[torch.Tensor] = ()) -> int:
     """Keep a packed copy (kernels/packed_weights.py) of each CPU weight the linear layers
     multiply: float32 in panels where the CPU has AVX-512 (and the panel kernel builds), else
     oneDNN's layout for `rows` input rows (it serves every row count; float32, or bfloat16 where
     the CPU has bf16 matmuls); w8a8_int8's int8 rows in oneDNN's int8 layout. Then release each
-    packed weight's plain layout, but for those in `keep_plain` (read as they are elsewhere: a
-    tied embedding), so each weight is in memory once. Returns the bytes the copies take beyond
-    the weights' own."""
+    packed weight's plain layout, so each weight is in memory once, but for those in
+    `keep_plain`, and those in `embeddings` (a head's weight tied to the embedding, whose lookups
+    read rows) unless the copy is panels, whose rows `embedding` reads as they are. Returns the
+    bytes the copies take beyond the weights' own."""
     global _PANEL_OP
     if not ONEDNN:
         return 0
     kept = 0
-    plain = {packed_weights.key(w) for w in keep_plain}
+    plain, rows_read = {packed_weights.key(w) for w in keep_plain}, {packed_weights.key(w) for w in embeddings}
     for w in {packed_weights.key(w): w for w in weights}.values():
         if w.device.type != "cpu" or w.dim() != 2 or packed_weights.kept(w):
             continue
@@ -75,7 +77,9 @@ def prepack(weights: list[torch.Tensor], rows: int, keep_plain: list[torch.Tenso
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
             packed_weights.keep(w, packed)
             kept += packed.numel() * packed.element_size()
-        if packed_weights.key(w) not in plain:
+        copy, place = packed_weights.find(w), packed_weights.key(w)
+        panels = copy is not None and copy.dim() == 3 and w.dtype != torch.int8  # (int8 rows: quantized_rows reads them)
+        if place not in plain and (place not in rows_read or panels):
             kept -= packed_weights.release(w)
     return kept
 
@@ -88,6 +92,16 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     padded = w.new_zeros(panels * PANEL, k)
     padded[:n] = w
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of `weight`: read from its panels where packing released it (an embedding
+    tied to the head; column n of panel n // 64 is row n), else the weight's own rows."""
+    packed = packed_weights.find(weight)
+    if packed is not None and packed.dim() == 3 and weight.untyped_storage().nbytes() == 0:
+        flat = ids.reshape(-1)
+        return packed[flat // PANEL, :, flat % PANEL].view(*ids.shape, weight.shape[1])
+    return F.embedding(ids, weight)
 
 
 def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -110,6 +124,27 @@ _library.impl("cpu_linear", _cpu_linear, "CPU")
 @torch.library.register_fake("shoal::cpu_linear")
 def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# Opaque inside torch.compile: the step is traced where nothing is packed (the compile job) and
+# runs where the weight may be released, so the graph must not read the weight itself.
+_library.define("embedding(Tensor ids, Tensor weight) -> Tensor")
+_library.impl("embedding", _embedding, "CPU")
+
+
+@torch.library.register_fake("shoal::embedding")
+def _(ids, weight):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An embedding's lookup: on CPU where the weights may be packed, from the weight or its
+    panels (`_embedding`; opaque inside torch.compile), else F.embedding."""
+    if ONEDNN and weight.device.type == "cpu" and weight.dtype in _DTYPES:
+        if torch.compiler.is_compiling():
+            return torch.ops.shoal.embedding(ids, weight)
+        return _embedding(ids, weight)
+    return F.embedding(ids, weight)
 
 
 def eager_rows(n: int) -> int:

@@ -80,22 +80,38 @@ def test_an_engine_built_under_inference_mode_packs_its_weights(checkpoint_facto
 
 
 def test_packed_weights_are_in_memory_once(checkpoint_factory):
-    """Packing frees each linear weight's own layout: only the packed copy stays, but for a
-    head tied to the embedding, whose lookup reads the plain rows. Greedy output stays
-    transformers'."""
+    """Packing frees each linear weight's own layout: only the packed copy stays. A head tied
+    to the embedding is freed too where its copy is panels (float32 with the panel kernel),
+    whose columns the lookup reads; oneDNN's layouts are opaque, so there (bfloat16) the
+    embedding keeps its rows. Greedy output stays transformers' (float32), eager and compiled."""
+    from test_compiled_decode import compiled_llm
+
     for tied in (False, True):
         path = checkpoint_factory("llama", tie_word_embeddings=tied)
-        llm = LLM(str(path), num_kv_blocks=16, eager_decode=True)
-        runner = llm.engine.executor.runner
-        if not runner.kernels.packs_weights:
-            pytest.skip(f"linear {runner.kernels.linear} packs no weights here")
-        model = runner.model
-        for m in model.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-                assert packed_weights.find(m.weight) is not None
-                assert released(m.weight) == (m.weight is not model.model.embed_tokens.weight)
-        assert not released(model.model.embed_tokens.weight)
-        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        for dtype in ("bfloat16", "float32"):
+            llm = LLM(str(path), num_kv_blocks=16, eager_decode=True, dtype=dtype)
+            runner = llm.engine.executor.runner
+            if not runner.kernels.packs_weights:
+                pytest.skip(f"linear {runner.kernels.linear} packs no weights here")
+            model = runner.model
+            panels = packed_weights.find(model.lm_head.weight).dim() == 3
+            assert panels == (runner.kernels.linear == "panel")  # float32 computed (a CPU without bf16 matmuls too)
+            for m in model.modules():
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+                    assert packed_weights.find(m.weight) is not None
+                    assert released(m.weight) == (m.weight is not model.model.embed_tokens.weight or panels)
+            assert released(model.model.embed_tokens.weight) == (tied and panels)
+            assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+            if dtype == "bfloat16":
+                llm.shutdown()
         prompt = [1, 5, 9, 2, 7]
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 8)
+        llm.shutdown()
+        compiled = compiled_llm(path, dtype="float32")
+        try:
+            assert released(compiled.engine.executor.runner.model.model.embed_tokens.weight) == (tied and panels)
+            again = compiled.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        finally:
+            compiled.shutdown()
+        for o in (out, again):
+            assert o[0].outputs[0].token_ids == hf_greedy(path, prompt, 8)

@@ -9,12 +9,11 @@ the all-reduce.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actors.distributed.parallel import Parallel
 from kernels.int4_linear import int4_linear
-from kernels.linear import linear
+from kernels.linear import embedding, linear
 from kernels.quantization import quantized_rows
 
 
@@ -75,7 +74,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is None:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         return quantized_rows(ids, self.weight, self.weight_scale, self.out_dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

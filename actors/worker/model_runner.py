@@ -93,7 +93,7 @@ class ModelRunner:
                             if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
                             and getattr(m, "int4", None) is None],
                            config.max_num_seqs,
-                           keep_plain=[m.weight for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)])
+                           embeddings=[m.weight for m in self.model.modules() if isinstance(m, VocabParallelEmbedding)])
         if self.device.type == "cpu":
             release_freed_memory()
         self.block_size = spec.block_size
