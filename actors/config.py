@@ -6,6 +6,11 @@ from dataclasses import dataclass, fields
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATIONS = ("int8", "fp8", "w8a8_int8")  # kernels/quantization.py
+# --quantization values that name a checkpoint's own format (vLLM's spellings, its Marlin
+# kernels' names too) -> the quant_method its config must have: checked, then loaded as usual
+CHECKPOINT_FORMATS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
+                      "compressed-tensors": "compressed-tensors", "fbgemm_fp8": "fbgemm_fp8",
+                      "modelopt": "modelopt", "mxfp4": "mxfp4"}
 # On 2 CPU cores a decode step of 64 rows on the bench model takes ~50 ms: 75 ms leaves room
 # for ~85 prompt tokens a step, and chunk gaps stayed near 100 ms at p99 (docs/benchmarks.md).
 DEFAULT_CPU_ITL_TARGET_MS = 75.0
@@ -16,7 +21,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp
 class EngineConfig:
     model_path: str | None = None  # None: the bundled demo model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str | None = None  # int8 | fp8 | w8a8_int8: 8-bit linear layers, online (kernels/quantization.py)
+    # int8 | fp8 | w8a8_int8: 8-bit linear layers, online (kernels/quantization.py); or the
+    # checkpoint's own format by name (CHECKPOINT_FORMATS)
+    quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
@@ -143,8 +150,9 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATIONS, *CHECKPOINT_FORMATS):
+            raise ValueError(f"--quantization must be one of {', '.join((*QUANTIZATIONS, *CHECKPOINT_FORMATS))}, "
+                             f"got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

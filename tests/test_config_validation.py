@@ -18,6 +18,7 @@ BAD = {
     "cuda_graph_sizes": ("0,8", "--cuda-graph-sizes must be positive batch sizes"),
     "max_seq_len_to_capture": (0, "--max-seq-len-to-capture must be at least 1"),
     "metrics_ttft_buckets": ("0.5,0.1", "must be increasing positive numbers"),
+    "quantization": ("bitsandbytes", "--quantization must be one of int8, fp8, w8a8_int8, gptq, gptq_marlin, awq"),
 }
 
 
@@ -60,3 +61,17 @@ def test_speculative_config_from_yaml_environment_and_command_line(tmp_path):
                                                                 "num_speculative_tokens must be a positive integer")]:
         with pytest.raises(ConfigError, match=why):
             load_config({"speculative_config": bad}, environ={})
+
+
+@pytest.mark.parametrize("name", ["gptq_marlin", "awq", "compressed-tensors", "w8a8_int8"])
+def test_vllms_quantization_names_are_taken(name):
+    """vLLM's --quantization values that name a checkpoint's format (model cards' commands carry
+    them) are accepted; resolve_model checks them against the checkpoint (test_int4_checkpoints)."""
+    import argparse
+
+    from app.cli.engine_args import add_engine_args
+
+    assert load_config({"quantization": name}, environ={}).engine.quantization == name
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--quantization", name]).quantization == name

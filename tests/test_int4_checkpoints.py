@@ -297,3 +297,37 @@ def test_kept_packed_layers_never_hold_a_float_weight(copies, monkeypatch):
     reference = build_model(paths["reference"], cfg, torch.float32, torch.device("cpu"), 64)
     assert torch.equal(layer.self_attn.qkv_proj.weight, reference.model.layers[0].self_attn.qkv_proj.weight)
     assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("case, legacy", [("gptq-sym-g32", "quantize_config.json"), ("awq-g64", "quant_config.json")])
+def test_a_legacy_settings_file_stands_for_quantization_config(case, legacy, copies, tmp_path):
+    """Older AutoGPTQ / AutoAWQ releases keep their settings in quantize_config.json /
+    quant_config.json (AutoAWQ's with its own key names and no quant_method) and none in
+    config.json: the checkpoint loads as the same GPTQ / AWQ one, and `--quantization gptq` /
+    `awq_marlin` (vLLM's spellings) are accepted for it."""
+    import shutil
+
+    paths = copies(case)
+    dst = shutil.copytree(paths["packed"], tmp_path / "legacy")
+    config = json.loads((dst / "config.json").read_text())
+    q = config.pop("quantization_config")
+    if q["quant_method"] == "awq":
+        q = {"zero_point": True, "q_group_size": q["group_size"], "w_bit": q["bits"], "version": "GEMM"}
+    (dst / legacy).write_text(json.dumps(q))
+    (dst / "config.json").write_text(json.dumps(config))
+    named = {"gptq": "gptq", "awq": "awq_marlin"}[CASES[case][1]]
+    llm = LLM(str(dst), dtype="float32", num_kv_blocks=64, quantization=named)
+    try:
+        ids = prompts_of([9])[0]
+        out = llm.generate([ids], SHORT)[0]
+        assert out.outputs[0].token_ids == hf_greedy(paths["reference"], ids, SHORT.max_tokens)
+    finally:
+        llm.shutdown()
+
+
+def test_naming_another_format_is_refused(copies):
+    """--quantization awq on a GPTQ checkpoint (or on a float one) fails at start in one line."""
+    with pytest.raises(ValueError, match="--quantization awq: the checkpoint is not a awq checkpoint .* 'gptq'"):
+        LLM(str(copies("gptq-sym-g32")["packed"]), num_kv_blocks=16, quantization="awq")
+    with pytest.raises(ValueError, match="--quantization gptq_marlin: .* quant_method is None"):
+        LLM(str(copies("gptq-sym-g32")["reference"]), num_kv_blocks=16, quantization="gptq_marlin")

@@ -28,8 +28,23 @@ def resolve_model_path(model: str | None) -> Path:
             f"(offline only: download it first, e.g. `huggingface-cli download {model}`)") from None
 
 
+# Where older GPTQ / AWQ releases (AutoGPTQ, AutoAWQ) keep their quantization settings when
+# config.json has no quantization_config.
+LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")
+
+
 def read_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
+    """config.json, with a legacy GPTQ / AWQ settings file as its quantization_config where it
+    has none (AutoAWQ's names no method: its `w_bit` tells it from GPTQ's `bits`)."""
+    config = json.loads((path / "config.json").read_text())
+    if config.get("quantization_config") is None:
+        for name in LEGACY_QUANTIZATION_FILES:
+            if (path / name).exists():
+                q = json.loads((path / name).read_text())
+                method = q.get("quant_method") or ("awq" if "w_bit" in q or "version" in q else "gptq")
+                config["quantization_config"] = {**q, "quant_method": method}
+                break
+    return config
 
 
 def load_tokenizer(path: Path):

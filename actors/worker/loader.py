@@ -2,7 +2,6 @@
 actors/worker/checkpoint_files.py)."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from actors.models.args import ModelArgs
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.llama import rope_tables
 from actors.worker import fp8_checkpoint, int4_checkpoint, int8_checkpoint, mxfp4_checkpoint
+from actors.worker.checkpoint_files import read_config
 from actors.worker.progress import progress_bar
 from actors.worker.weight_files import open_weights, weight_files
 from kernels.quantization import quantize_module
@@ -126,7 +126,7 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple]:
     """Every weight's shape (from the files' headers): what adapters are checked against. A
     packed int4 weight counts as the float weight it stands for."""
     shapes = {}
-    int4 = int4_checkpoint.read_format(json.loads((path / "config.json").read_text()))
+    int4 = int4_checkpoint.read_format(read_config(path))
     for file in weight_files(path):
         with open_weights(file) as f:
             for name in f.keys():
@@ -276,7 +276,7 @@ def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
     for file in files:
         with open_weights(file) as f:
             where.update(dict.fromkeys(f.keys(), file))
-    config = json.loads((path / "config.json").read_text())
+    config = read_config(path)
     block, mxfp4 = fp8_checkpoint.block_size(config), mxfp4_checkpoint.is_mxfp4(config)
     int4, int8 = int4_checkpoint.read_format(config), int8_checkpoint.scheme(config)
     for file in files:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from actors.config import EngineConfig
+from actors.config import CHECKPOINT_FORMATS, EngineConfig
 from actors.distributed.parallel import parse_layer_split
 from actors.models.args import ModelArgs
 from actors.pooling_params import PoolingParams
@@ -87,7 +87,14 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
 def checkpoint_quantization(asked: str | None, hf: dict) -> tuple[str | None, bool]:
     """(what the linear layers run as, whether only the checkpoint's int8 layers do): --quantization
     where given (every linear layer; an int8 checkpoint's keep their codes), else an int8
-    checkpoint's own scheme."""
+    checkpoint's own scheme. A --quantization that names the checkpoint's format (gptq, awq, ...)
+    must be the checkpoint's, and then asks for nothing more."""
+    if asked in CHECKPOINT_FORMATS:
+        method = (hf.get("quantization_config") or {}).get("quant_method")
+        if method != CHECKPOINT_FORMATS[asked]:
+            raise ValueError(f"--quantization {asked}: the checkpoint is not a {CHECKPOINT_FORMATS[asked]} checkpoint "
+                             f"(its quantization_config's quant_method is {method!r})")
+        asked = None
     int8 = int8_checkpoint.scheme(hf)
     if int8 is None or asked is not None:
         return asked, False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from actors.config import EngineConfig
+from actors.config import CHECKPOINT_FORMATS, QUANTIZATIONS, EngineConfig
 from app.config import ALIASES, NEGATED_ALIASES, VALUE_ALIASES
 
 DTYPE_ALIASES = VALUE_ALIASES["dtype"]
@@ -50,11 +50,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face checkpoint directory (default: the bundled demo model)")
     add("--dtype", type=dtype_arg, choices=["auto", "float32", "bfloat16", "float16"],
         help=f"weight and activation dtype (also {', '.join(DTYPE_ALIASES)})")
-    add("--quantization", choices=["int8", "fp8", "w8a8_int8"],
+    add("--quantization", choices=[*QUANTIZATIONS, *CHECKPOINT_FORMATS],
         help="int8 / fp8 (e4m3): 8-bit linear layers, quantized from the checkpoint as it loads "
              "(per output channel; weight-only on CPU; fp8 multiplies in FP8 on GPUs that have "
              "it, with per-token activation scales); w8a8_int8: int8 weights times int8 "
-             "activations quantized per token (docs/quantization.md)")
+             "activations quantized per token. Quantized checkpoints (GPTQ, AWQ, compressed-tensors, "
+             "FP8, MXFP4) need no option; naming their format (gptq, awq_marlin, ...) checks it "
+             "(docs/quantization.md)")
     add("--device", choices=["auto", "cpu", "cuda"])
     add("--seed", type=int, metavar="N",
         help="torch.manual_seed at engine start-up: seeds the global generator that requests "
