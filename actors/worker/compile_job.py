@@ -4,12 +4,13 @@
 the engine config, the model spec, the block size and the artifact's path. The job builds the
 model without reading its weights (tracing needs only their shapes; the untouched pages cost
 no memory), a KV pool of three blocks, traces, compiles and saves the artifact, at the lowest
-CPU priority and on one thread, so the engine's steps keep the cores. It exits when its parent
+CPU priority (SCHED_IDLE) and on one thread, so the engine's steps keep the cores. It exits when its parent
 (PID) does; the parent kills it when it goes away first. It keeps the folder to the KEEP newest
 artifacts.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -81,7 +82,15 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main(job: str, parent: int) -> None:
-    os.nice(19)  # the engine's steps first
+    # The engine's steps first. At nice 19 alone the job still took a core's timeslices from
+    # the engine's threads, whose ~70 parallel regions a step each wait for the slowest thread:
+    # steps of 180-280 ms among ~80 ms ones, a chunk gap p99 of 175-219 ms at concurrency 64
+    # (114-131 ms under SCHED_IDLE, which runs only on a core nothing else wants;
+    # docs/benchmarks.md). Under full load it then waits for idle moments.
+    os.nice(19)
+    if hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     _exit_with_parent(parent)
     import torch
 

@@ -29,7 +29,7 @@ the engine's (an eager step ran ~75x slower beside a busy thread), so:
   (`artifact_path`): the model's config, dtype, KV cache dtype (and, for an fp8 cache, the
   checkpoint's KV scales, which the traced step holds as constants), block size, kernels, this
   CPU, torch, and shoal's model and kernel sources;
-- without one, a process of its own compiles it at the lowest CPU priority
+- without one, a process of its own compiles it at the lowest CPU priority (SCHED_IDLE)
   (actors/worker/compile_job.py: the model built without reading its weights) while the engine
   decodes eagerly; the job dies with the engine;
 - loading it takes ~3 s (inductor's imports, its kernels' libraries), so the runner loads it

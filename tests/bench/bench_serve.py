@@ -30,6 +30,11 @@ from dataclasses import dataclass, field
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Both sides start with their compiled decode step in use (inherited by the served engine):
+# a server's steady state. Otherwise the first start after a change to the traced sources runs
+# the compile job (actors/worker/compile_job.py) beside the measured rounds and then swaps the
+# compiled step in mid-round, which set the chunk gaps' p99 (docs/benchmarks.md).
+os.environ.setdefault("SHOAL_COMPILE_WAIT", "1")
 from actors.worker.process_tuning import openmp_env  # noqa: E402
 
 os.environ.update(openmp_env())  # as `shoal` sets it (actors/executor/placement.py), before torch loads
@@ -263,7 +268,11 @@ async def measure(options: dict, urls: list[str], args) -> tuple[dict, dict]:
         # One at a time, the warm-up's prompts, cached on both sides: the TTFT tax is then the
         # serving path's own cost, not prefill's noise.
         n, warm = args.requests, workload(args.requests, seed=1000)
-        await alternate(batch, [warm], n)  # warm-up at full width: compiles every bucket
+        # Warm-up at full width, twice: each round's new prompts take ~0.55 GB of fresh KV blocks
+        # (freed ones stay cached), so two fill both 1 GiB pools. The first use of a pool's pages
+        # cost the served engine ~2.6 s of page faults in a round here (docs/benchmarks.md): a
+        # start-up cost, which the rounds below should not measure.
+        await alternate(batch, [warm, workload(n, seed=1001)], n)
         many = await alternate(batch, [workload(n, seed=r) for r in range(args.rounds)], n)
         one = await alternate(lone, [warm[:args.single]] * args.rounds, 1)
     for engine in engines:
