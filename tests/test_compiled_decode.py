@@ -373,14 +373,19 @@ def test_a_broken_artifact_is_dropped_and_decoding_stays_eager(checkpoint_factor
 
 
 def test_the_job_dies_with_its_engine(checkpoint_factory, tmp_path, monkeypatch):
-    """Freed engine: its job is killed at once. Killed process (SIGKILL, no clean-up): the job
-    notices its parent is gone within a few seconds."""
+    """The job runs under SCHED_IDLE (and nice 19). Freed engine: its job is killed at once.
+    Killed process (SIGKILL, no clean-up): the job notices its parent is gone within a few
+    seconds."""
     monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path))
     path = checkpoint_factory("llama")
     llm = compiled_llm(path, wait=False)
     runner = llm.engine.executor.runner
     pid = runner.pending_compile.job.proc.pid
     assert alive(pid)
+    deadline = time.monotonic() + 30  # it lowers its priority as it starts: below every engine thread
+    while os.sched_getscheduler(pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.sched_getscheduler(pid) == os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, pid) == 19
     job = tmp_path / "job.pkl"  # the same job, for a parent that is then SIGKILLed
     job.write_bytes(pickle.dumps((runner.config, llm.engine.spec, runner.block_size, tmp_path / "decode-x.bin")))
     del llm, runner
