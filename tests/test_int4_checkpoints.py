@@ -327,7 +327,7 @@ def test_a_legacy_settings_file_stands_for_quantization_config(case, legacy, cop
 
 def test_naming_another_format_is_refused(copies):
     """--quantization awq on a GPTQ checkpoint (or on a float one) fails at start in one line."""
-    with pytest.raises(ValueError, match="--quantization awq: the checkpoint is not a awq checkpoint .* 'gptq'"):
+    with pytest.raises(ValueError, match="--quantization awq is for awq checkpoints; this one's .* 'gptq'"):
         LLM(str(copies("gptq-sym-g32")["packed"]), num_kv_blocks=16, quantization="awq")
-    with pytest.raises(ValueError, match="--quantization gptq_marlin: .* quant_method is None"):
+    with pytest.raises(ValueError, match="--quantization gptq_marlin is for gptq checkpoints; .* quant_method None"):
         LLM(str(copies("gptq-sym-g32")["reference"]), num_kv_blocks=16, quantization="gptq_marlin")

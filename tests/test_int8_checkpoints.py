@@ -191,3 +191,31 @@ def test_integer_weights_without_a_format_are_refused(checkpoint_factory, tmp_pa
     _write_copy(src, tmp_path, tensors, json.loads((src / "config.json").read_text()))
     with pytest.raises(ValueError, match=f"'{name}' holds torch.int8 integers"):
         LLM(str(tmp_path), num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["MambaForCausalLM"]}, "unsupported architecture 'MambaForCausalLM'; supported: "),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes' checkpoints "),
+])
+def test_shoal_serve_refuses_a_checkpoint_it_cannot_read_in_one_line_before_ray(change, message, checkpoint_factory,
+                                                                                tmp_path):
+    """The driver reads config.json (no torch) before it starts Ray: one line and exit 1, not an
+    engine actor's traceback that Serve retries."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from serving import loopback_env
+
+    repo = Path(__file__).resolve().parents[1]
+    src = checkpoint_factory("llama")
+    _write_copy(src, tmp_path, load_file(str(src / "model.safetensors")),
+                {**json.loads((src / "config.json").read_text()), **change})
+    start = time.monotonic()
+    done = subprocess.run([str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(tmp_path),
+                           "--host", "127.0.0.1"], cwd=repo, env=loopback_env(PYTHONPATH=str(repo)),
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"shoal serve: error: {message}"), lines
+    assert time.monotonic() - start < 10  # no Ray

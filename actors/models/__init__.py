@@ -1,16 +1,28 @@
-"""Model definitions. Each architecture name maps to the class that implements it."""
+"""Model definitions. Each architecture name maps to the class that implements it. The names
+are known without importing torch (the `shoal serve` driver checks a checkpoint's before it
+starts Ray); the classes are imported when one is asked for."""
 from actors.models.args import DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_OSS, MOE_ARCHS
-from actors.models.deepseek import DeepseekForCausalLM
-from actors.models.gpt_oss import GptOssForCausalLM
-from actors.models.llama import LlamaForCausalLM
-from actors.models.moe import MoeForCausalLM
 
-MODEL_REGISTRY = {**{arch: LlamaForCausalLM for arch in DENSE_ARCHS}, **{arch: MoeForCausalLM for arch in MOE_ARCHS},
-                  **{arch: DeepseekForCausalLM for arch in DEEPSEEK_ARCHS}, GPT_OSS: GptOssForCausalLM}
+ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS)
+
+
+def check_architecture(architecture: str) -> None:
+    """ValueError (one line) for an architecture shoal does not implement."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}; "
+                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
 
 
 def model_class(architecture: str):
-    if architecture not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported architecture {architecture!r}; "
-                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
-    return MODEL_REGISTRY[architecture]
+    check_architecture(architecture)
+    if architecture in MOE_ARCHS:
+        from actors.models.moe import MoeForCausalLM
+        return MoeForCausalLM
+    if architecture in DEEPSEEK_ARCHS:
+        from actors.models.deepseek import DeepseekForCausalLM
+        return DeepseekForCausalLM
+    if architecture == GPT_OSS:
+        from actors.models.gpt_oss import GptOssForCausalLM
+        return GptOssForCausalLM
+    from actors.models.llama import LlamaForCausalLM
+    return LlamaForCausalLM

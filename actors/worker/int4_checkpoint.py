@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.worker.quantization_config import compressed_formats
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j sits in nibble AWQ_COLUMNS[j]
 
@@ -125,8 +127,7 @@ def _awq(q: dict) -> Int4Format:
 
 def _compressed_tensors(q: dict) -> Int4Format | None:
     groups = list((q.get("config_groups") or {}).values())
-    formats = {g.get("format") or q.get("format") for g in groups} or {q.get("format")}
-    if formats != {"pack-quantized"}:
+    if compressed_formats(q) != {"pack-quantized"}:
         return None  # float-quantized is FP8 (fp8_checkpoint.py)
     schemes = {tuple(sorted((g.get("weights") or {}).items(), key=str)) for g in groups}
     if len(schemes) != 1:

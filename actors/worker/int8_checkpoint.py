@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("int-quantized", "naive-quantized")
+from actors.worker.quantization_config import INT8_FORMATS as FORMATS
+from actors.worker.quantization_config import compressed_formats
 PARTS = (".weight_scale", ".weight_zero_point", ".input_scale", ".input_zero_point")
 
 
@@ -38,8 +39,7 @@ def scheme(config: dict) -> Int8Scheme | None:
     q = config.get("quantization_config") or {}
     if q.get("quant_method") != "compressed-tensors":
         return None
-    groups = list((q.get("config_groups") or {}).values())
-    formats = {g.get("format") or q.get("format") for g in groups} or {q.get("format")}
+    groups, formats = list((q.get("config_groups") or {}).values()), compressed_formats(q)
     if not formats & set(FORMATS):
         return None
     if len(formats) > 1 or len(groups) != 1:

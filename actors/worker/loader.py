@@ -12,7 +12,7 @@ from actors.models import model_class
 from actors.models.args import ModelArgs
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.llama import rope_tables
-from actors.worker import fp8_checkpoint, int4_checkpoint, int8_checkpoint, mxfp4_checkpoint
+from actors.worker import fp8_checkpoint, int4_checkpoint, int8_checkpoint, mxfp4_checkpoint, quantization_config
 from actors.worker.checkpoint_files import read_config
 from actors.worker.progress import progress_bar
 from actors.worker.weight_files import open_weights, weight_files
@@ -31,32 +31,11 @@ def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     return DTYPES[dtype]
 
 
-# quantization_config.quant_method values whose weights load (None: a float checkpoint).
-# fbgemm_fp8 (Meta's Llama 3.1 FP8 releases) and ModelOpt's FP8 are float8 weights with a scale
-# per channel or tensor: the FP8 reader takes them as they are.
-READ_METHODS = (None, "fp8", "fbgemm_fp8", "modelopt", "compressed-tensors", "gptq", "awq", "mxfp4")
-# compressed-tensors formats whose weights load (dense: float weights, a KV cache scheme only, say)
-READ_COMPRESSED = ("dense", "float-quantized", "pack-quantized") + int8_checkpoint.FORMATS
-
-
-def check_quantization(cfg: dict) -> None:
-    """ValueError (one line) for a quantized checkpoint whose weights shoal cannot read, before
-    any is loaded (loading them as floats would give a model that runs and talks nonsense)."""
-    q = cfg.get("quantization_config") or {}
-    method = q.get("quant_method")
-    if method not in READ_METHODS:
-        raise ValueError(f"{method!r} checkpoints (config.json's quantization_config) are not supported; shoal reads "
-                         f"{', '.join(m for m in READ_METHODS if m)} ones and float checkpoints")
-    if method == "modelopt" and str(q.get("quant_algo", "FP8")).upper() != "FP8":
-        raise ValueError(f"ModelOpt {q.get('quant_algo')} checkpoints are not supported; shoal reads ModelOpt's FP8")
-    if method == "compressed-tensors":
-        groups = (q.get("config_groups") or {}).values()
-        formats = {g.get("format") or q.get("format") for g in groups} or {q.get("format")}
-        unread = sorted(str(f) for f in formats - set(READ_COMPRESSED) - {None})
-        if unread:
-            raise ValueError(f"compressed-tensors format {', '.join(unread)} is not supported; shoal reads "
-                             f"{', '.join(READ_COMPRESSED)}")
-    int4_checkpoint.read_format(cfg)  # a GPTQ / AWQ config it can't read fails here, not mid-load
+def check_quantization(cfg: dict, asked: str | None = None) -> None:
+    """ValueError (one line) for a quantized checkpoint shoal cannot read (quantization_config.py),
+    or one whose GPTQ / AWQ / int8 settings it cannot run, before any weight is loaded."""
+    quantization_config.check(cfg, asked)
+    int4_checkpoint.read_format(cfg)
     int8_checkpoint.scheme(cfg)
 
 

@@ -60,7 +60,7 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
         raise ValueError(f"--max-model-len {config.max_model_len} is over the model's "
                          f"max_position_embeddings {limit}")
     args = ModelArgs.from_hf(hf)
-    check_quantization(hf)
+    check_quantization(hf, config.quantization)
     quantization, checkpoint_layers_only = checkpoint_quantization(config.quantization, hf)
     cuda = device_type(config) == "cuda"
     dtype = resolve_dtype(config.dtype, hf) if config.dtype != "auto" or not cuda else gpu_auto_dtype(hf)
@@ -87,13 +87,9 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
 def checkpoint_quantization(asked: str | None, hf: dict) -> tuple[str | None, bool]:
     """(what the linear layers run as, whether only the checkpoint's int8 layers do): --quantization
     where given (every linear layer; an int8 checkpoint's keep their codes), else an int8
-    checkpoint's own scheme. A --quantization that names the checkpoint's format (gptq, awq, ...)
-    must be the checkpoint's, and then asks for nothing more."""
+    checkpoint's own scheme. A --quantization that names the checkpoint's format (gptq, awq, ...;
+    check_quantization made sure it is the checkpoint's) asks for nothing more."""
     if asked in CHECKPOINT_FORMATS:
-        method = (hf.get("quantization_config") or {}).get("quant_method")
-        if method != CHECKPOINT_FORMATS[asked]:
-            raise ValueError(f"--quantization {asked}: the checkpoint is not a {CHECKPOINT_FORMATS[asked]} checkpoint "
-                             f"(its quantization_config's quant_method is {method!r})")
         asked = None
     int8 = int8_checkpoint.scheme(hf)
     if int8 is None or asked is not None:

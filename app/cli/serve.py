@@ -143,7 +143,7 @@ def serve_command(args: argparse.Namespace) -> int:
         config = load_config(options)
         if not args.print_config:
             check_model_path(config)
-    except (ConfigError, FileNotFoundError) as exc:
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
         sys.exit(f"shoal serve: error: {exc}")
     if args.print_config:
         return print_config(config)
@@ -166,8 +166,15 @@ def serve_config_command(args: argparse.Namespace, options: dict) -> int:
 
 
 def check_model_path(config: ShoalConfig) -> None:
-    from actors.worker.checkpoint_files import resolve_model_path
-    resolve_model_path(config.engine.model_path)
+    """The checkpoint is there, and config.json names an architecture and a quantization shoal
+    reads (ValueError, one line): checked here, before Ray starts, without torch."""
+    from actors.models import check_architecture
+    from actors.worker import quantization_config
+    from actors.worker.checkpoint_files import read_config, resolve_model_path
+    path = resolve_model_path(config.engine.model_path)
+    hf = read_config(path)
+    check_architecture((hf.get("architectures") or ["LlamaForCausalLM"])[0])
+    quantization_config.check(hf, config.engine.quantization)
     speculative = config.engine.speculative
     if speculative is not None and speculative.model:  # a draft model
         try:
