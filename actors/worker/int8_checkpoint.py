@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.worker.quantization_config import INT8_FORMATS as FORMATS
-from actors.worker.quantization_config import compressed_formats
+from actors.worker.quantization_config import INT8_FORMATS, compressed_formats
 PARTS = (".weight_scale", ".weight_zero_point", ".input_scale", ".input_zero_point")
 
 
@@ -40,7 +39,7 @@ def scheme(config: dict) -> Int8Scheme | None:
     if q.get("quant_method") != "compressed-tensors":
         return None
     groups, formats = list((q.get("config_groups") or {}).values()), compressed_formats(q)
-    if not formats & set(FORMATS):
+    if not formats & set(INT8_FORMATS):
         return None
     if len(formats) > 1 or len(groups) != 1:
         raise ValueError("compressed-tensors int-quantized checkpoint with several schemes: shoal reads "
@@ -66,11 +65,6 @@ def scheme(config: dict) -> Int8Scheme | None:
 def is_part(name: str) -> bool:
     """A tensor that goes with a quantized weight (its scale, an activation scale)."""
     return name.endswith(PARTS)
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 codes [N, K] times their scale ([N, 1], [N] or one): float32, exact."""
-    return codes.float() * row_scales(scale, codes.shape[0])[:, None]
 
 
 def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
