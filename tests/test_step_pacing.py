@@ -24,28 +24,63 @@ def test_the_pacer_learns_a_prompt_tokens_cost_and_leaves_the_decodes_their_time
     pacer = PrefillPacer(target_s=0.075, max_tokens=2048)
     assert pacer.prefill_budget(decoding=8) == 2048  # no prompt token timed yet
     pacer.observe(rows(1024, 1024), 0.5)  # prompts only: 0.5 s for 2048 tokens
-    assert pacer.token_seconds == pytest.approx(0.5 / 2048)
+    rate = 0.5 / 2048
+    assert pacer.token_seconds == pytest.approx(rate)
     assert pacer.prefill_budget(decoding=0) == 2048  # nobody waits between tokens
     for _ in range(20):
         pacer.observe(rows(*[1] * 8), 0.025)  # plain decode steps of 8 rows
     # 75 - 25 ms left for prompt tokens at 0.244 ms each
-    assert pacer.prefill_budget(decoding=8) == int(0.050 / (0.5 / 2048))
-    # A mixed step: 8 decodes (25 ms, known) and 100 prompt tokens in 45 ms: 0.2 ms a token.
-    before = pacer.token_seconds
-    pacer.observe(rows(*[1] * 8, 100), 0.045)
-    assert pacer.token_seconds == pytest.approx(0.75 * before + 0.25 * 0.0002)
+    assert pacer.prefill_budget(decoding=8) == int(0.050 / rate)
+    # Mixed steps: 8 decodes (25 ms, known) and 100 prompt tokens (24.4 ms at the rate) in 60 ms:
+    # 10.6 ms more than the parts, which the rate does not take.
+    for _ in range(40):
+        pacer.observe(rows(*[1] * 8, 100), 0.060)
+    assert pacer.token_seconds == pytest.approx(rate)
+    assert pacer.mixed_overhead == pytest.approx(0.060 - 0.025 - 100 * rate, rel=1e-3)
+    assert pacer.prefill_budget(decoding=8) == int((0.075 - 0.025 - pacer.mixed_overhead) / rate)
     # Decodes alone over the target: prompts still get half the decodes' time.
     for _ in range(20):
         pacer.observe(rows(*[1] * 64), 0.200)
-    assert pacer.prefill_budget(decoding=64) == int(0.100 / pacer.token_seconds)
+    assert pacer.prefill_budget(decoding=64) == int(0.100 / rate)
     # The host's time between steps is a stream's wait too: it comes out of the prompts' room.
     for _ in range(40):
         pacer.observe(rows(*[1] * 8), 0.025, between=0.010)
     assert pacer.between == pytest.approx(0.010, rel=1e-3)
-    assert pacer.prefill_budget(decoding=8) == int((0.075 - 0.025 - pacer.between) / pacer.token_seconds)
+    assert pacer.prefill_budget(decoding=8) == int(
+        (0.075 - 0.025 - pacer.between - pacer.mixed_overhead) / pacer.token_seconds)
     # However dear a prompt token looks, one block's worth goes through.
     pacer.token_seconds = 10.0
     assert pacer.prefill_budget(decoding=64) == MIN_PREFILL_TOKENS
+
+
+def test_without_a_rate_the_first_mixed_step_sets_it():
+    pacer = PrefillPacer(target_s=0.075, max_tokens=2048)
+    for _ in range(5):
+        pacer.observe(rows(*[1] * 8), 0.025)
+    pacer.observe(rows(*[1] * 8, 100), 0.045)  # 20 ms for 100 prompt tokens
+    assert pacer.token_seconds == pytest.approx(0.0002) and pacer.mixed_overhead == 0.0
+
+
+def test_mixed_steps_land_on_the_target_though_they_cost_more_than_their_parts():
+    """A machine where a mixed step costs its decodes, a fixed 12 ms (an eager step where plain
+    decodes run compiled) and its prompt tokens at 1.3x the rate of a prompts-only chunk, with a
+    burst's prompts-only chunk every 10 steps: after a few steps, every mixed step takes the
+    target within 3%. One rate learned from both kinds of step overshot after each chunk."""
+    pacer = PrefillPacer(target_s=0.075, max_tokens=2048)
+    rate = 0.33e-3
+    decode = 0.035  # 40 decoding rows
+    for _ in range(5):
+        pacer.observe(rows(*[1] * 40), decode)
+    times = []
+    for step in range(80):
+        if step % 10 == 0:
+            pacer.observe(rows(2048), 2048 * rate)
+            continue
+        tokens = pacer.prefill_budget(decoding=40)
+        seconds = decode + 0.012 + 1.3 * rate * tokens
+        pacer.observe(rows(*[1] * 40, tokens), seconds)
+        times.append(seconds)
+    assert all(abs(t - 0.075) <= 0.03 * 0.075 for t in times[20:]), [round(t * 1e3, 1) for t in times]
 
 
 def test_without_a_target_every_step_keeps_the_full_budget():

@@ -5,12 +5,19 @@ prefill chunk stalls them all: at concurrency 64 on 2 CPU cores a 2,048-token ch
 ~600 ms step between tokens where plain decode steps took ~50 ms. `PrefillPacer` sizes the
 prefill tokens of a step that has decoding rows so the step takes about `target` seconds
 (Sarathi-Serve's stall-free batching with a time budget instead of a fixed token count):
-decodes go first, then as many prompt tokens as the time left buys at the measured cost of a
-prompt token. The time left also pays for the host's measured work between two steps (each
-stream's output), which a stream waits through too. Where the decodes alone take longer than
-the target, prompts still get half the decodes' time, so a long prompt is never starved. A
-step without decoding rows, or one before any prompt token was timed, keeps the full
---max-num-batched-tokens.
+decodes go first, then as many prompt tokens as the time left buys. The time left also pays
+for the host's measured work between two steps (each stream's output), which a stream waits
+through too. Where the decodes alone take longer than the target, prompts still get half the
+decodes' time, so a long prompt is never starved. A step without decoding rows, or one before
+any prompt token was timed, keeps the full --max-num-batched-tokens.
+
+A mixed step costs more than its plain decode step plus its prompt tokens at their own rate:
+plain decode steps run compiled, steps with prompt rows eagerly, and a small prompt chunk
+uses the cores less well. So a mixed step is modelled as decodes + overhead + tokens x rate:
+the rate is learned from steps of prompts only (or the first mixed step, before any), the
+overhead from mixed steps, as what their time leaves over the other two. Taking a single
+rate from both kinds of step, a prompts-only chunk pulled it down and the next mixed steps
+ran ~40% over the target (a 111 ms step against 75 ms, docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -57,6 +64,7 @@ class PrefillPacer:
         self.max_tokens = max_tokens
         self.decodes = DecodeTimes()
         self.token_seconds: float | None = None  # a prompt token's decayed cost
+        self.mixed_overhead = 0.0  # a mixed step's decayed time beyond its decodes and prompt tokens
         self.between = 0.0  # the host's decayed time between two busy steps (outputs, streams)
 
     def observe(self, seqs, seconds: float, between: float | None = None) -> None:
@@ -73,15 +81,22 @@ class PrefillPacer:
         prompt_tokens = sum(s.num_tokens for s in seqs) - sum(s.num_tokens for s in decoding)
         if prompt_tokens < MIN_PREFILL_TOKENS:  # too few to tell their cost from the decodes'
             return
-        decode_seconds = (self.decodes.estimate(len(decoding)) or 0.0) if decoding else 0.0
-        cost = max(seconds - decode_seconds, 0.0) / prompt_tokens
-        before = self.token_seconds
-        self.token_seconds = cost if before is None else (1 - DECAY) * before + DECAY * cost
+        if not decoding:  # prompts only: the rate of a prompt token
+            cost = seconds / prompt_tokens
+            before = self.token_seconds
+            self.token_seconds = cost if before is None else (1 - DECAY) * before + DECAY * cost
+            return
+        left = max(seconds - (self.decodes.estimate(len(decoding)) or 0.0), 0.0)
+        if self.token_seconds is None:  # no rate yet: this step's prompt tokens carry it all
+            self.token_seconds = left / prompt_tokens
+            return
+        overhead = left - prompt_tokens * self.token_seconds
+        self.mixed_overhead = (1 - DECAY) * self.mixed_overhead + DECAY * overhead
 
     def prefill_budget(self, decoding: int) -> int:
         """Prompt tokens for a step with `decoding` one-token rows."""
         if not self.target or not decoding or not self.token_seconds:
             return self.max_tokens
         decode_seconds = self.decodes.estimate(decoding) or 0.0
-        room = max(self.target - self.between - decode_seconds, decode_seconds / 2)
+        room = max(self.target - self.between - decode_seconds - self.mixed_overhead, decode_seconds / 2)
         return max(MIN_PREFILL_TOKENS, min(self.max_tokens, int(room / self.token_seconds)))
