@@ -147,6 +147,29 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight)
 
 
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, index)
+
+
+# Opaque inside torch.compile, so inductor computes x (a final norm) for every row as the eager
+# step does: fused into the gather, its bfloat16 rounding moved and compiled log-probs left
+# eager's by ~4e-3 (tests/test_compiled_decode.py).
+_library.define("rows(Tensor x, Tensor index) -> Tensor")
+_library.impl("rows", _rows, "CPU")
+
+
+@torch.library.register_fake("shoal::rows")
+def _(x, index):
+    return x.new_empty((index.shape[0], *x.shape[1:]))
+
+
+def rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] along the first dimension; under torch.compile on CPU an opaque op."""
+    if torch.compiler.is_compiling() and x.device.type == "cpu":
+        return torch.ops.shoal.rows(x, index)
+    return x.index_select(0, index)
+
+
 def eager_rows(n: int) -> int:
     """The row count an eager oneDNN call is padded to: n up to 8, then four sizes per octave
     (5, 6, 7 and 8 eighths of the next power of two). oneDNN keeps a kernel per row count it

@@ -39,7 +39,7 @@ from actors.engine.metrics import DecodeProgress
 from actors.sampling_params import SamplingParams
 from actors.worker import model_runner
 from actors.core.step import SchedulerOutput, StepRow
-from actors.worker.compiled_decode import CompiledDecode, compilable
+from actors.worker.compiled_decode import MAX_CHUNK_CONTEXT, CompiledDecode, compilable, logit_index
 from actors.worker.model_spec import cpu_has_matmul
 
 OPTIONS = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8)
@@ -219,18 +219,25 @@ def test_compiled_bfloat16_decode_equals_eager_bfloat16(variant):
     emulate_precision_casts; eager bf16 is held to transformers bf16 in tests/test_bf16.py), and
     both multiply in oneDNN's packed bf16 kernels (AMX where there is one): the same tokens and
     log-probs. Without the rounding a real model's outliers set the two apart (SmolLM2: 8 of 28
-    in a logit) and close calls chose differently."""
+    in a logit) and close calls chose differently.
+
+    A step with prompt chunks (here a 1-token prompt's row beside the others' chunks) runs
+    through the graph too, its chunks' attention as decode rows where eager takes SDPA: in
+    bfloat16 that rounds differently, so there the tokens are equal and the log-probs within
+    tests/test_bf16.py's floor for two bf16 implementations, 0.05 (float32 holds them to 1e-4:
+    test_steps_with_prompt_chunks_run_compiled_like_eager)."""
     path, llm = variant("bf16")
     eager = LLM(str(path), dtype="bfloat16", **OPTIONS)
-    prompts = prompts_of([3, 9, 30, 1, 5, 14], seed=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-    before = llm.engine.executor.runner.graph_replays
-    for got, want in zip(llm.generate(prompts, params), eager.generate(prompts, params)):
-        got, want = got.outputs[0], want.outputs[0]
-        assert got.token_ids == want.token_ids
-        for tok, lp, wlp in zip(got.token_ids, got.logprobs, want.logprobs):
-            assert abs(lp[tok] - wlp[tok]) <= 1e-5, (lp[tok], wlp[tok])
-    assert llm.engine.executor.runner.graph_replays > before
+    for lengths, tolerance in (([3, 9, 30, 2, 5, 14], 1e-5), ([3, 9, 30, 1, 5, 14], 0.05)):
+        prompts = prompts_of(lengths, seed=8)
+        before = llm.engine.executor.runner.graph_replays
+        for got, want in zip(llm.generate(prompts, params), eager.generate(prompts, params)):
+            got, want = got.outputs[0], want.outputs[0]
+            assert got.token_ids == want.token_ids
+            for tok, lp, wlp in zip(got.token_ids, got.logprobs, want.logprobs):
+                assert abs(lp[tok] - wlp[tok]) <= tolerance, (lengths, lp[tok], wlp[tok])
+        assert llm.engine.executor.runner.graph_replays > before
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -317,6 +324,41 @@ def test_speculative_verify_steps_run_compiled_like_plain_decode(compiled):
         spec.shutdown()
 
 
+def test_steps_with_prompt_chunks_run_compiled_like_eager(compiled):
+    """A step with prompt chunks beside decodes runs through the graph, each prompt token a decode
+    row reading the context up to its own position, and the LM head only on the rows sampled
+    from: tokens equal transformers' and the eager engine's, log-probs and prompt log-probs the
+    eager engine's. A step of prompts alone runs eagerly."""
+    path, _, _ = compiled
+    # Prompts in chunks of at most 12 tokens, beside the streams that already decode.
+    llm = compiled_llm(path, max_num_batched_tokens=12)
+    eager = LLM(str(path), **{**OPTIONS, "max_num_batched_tokens": 12})
+    graphs = llm.engine.executor.runner.graphs
+    kinds, run = [], graphs.run
+
+    def counted(output, *args, **kwargs):
+        kinds.append(("mixed" if output.num_decodes else "prompts") if output.num_decodes < len(output.rows)
+                     else "decode")
+        return run(output, *args, **kwargs)
+
+    graphs.run = counted
+    prompts = prompts_of([3, 9, 30, 1, 5, 14, 23], seed=12)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    try:
+        got, want = llm.generate(prompts, params), eager.generate(prompts, params)
+        # (the first step, prompts alone, runs compiled too: prompt log-probs sample every row)
+        assert "mixed" in kinds and "decode" in kinds, kinds
+        assert_equals_eager_and_hf(path, prompts, got, want, 10)
+        for g, w in zip(got, want, strict=True):
+            assert g.prompt_logprobs[0] is None and w.prompt_logprobs[0] is None
+            for lg, lw in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+                assert lg.keys() == lw.keys() and max(abs(lg[t] - lw[t]) for t in lw) < 1e-4
+        assert llm.engine.blocks.num_free_blocks == OPTIONS["num_kv_blocks"]
+    finally:
+        llm.shutdown()
+        eager.shutdown()
+
+
 def test_which_steps_the_compiled_graph_takes():
     decode = lambda seq: StepRow(seq, [5], 3)  # noqa: E731
     assert compilable(SchedulerOutput([decode(1), decode(2)], 2, [0, 1]), 8)
@@ -325,16 +367,24 @@ def test_which_steps_the_compiled_graph_takes():
     assert compilable(verify, 8) and compilable(SchedulerOutput(verify.rows[1:], 0, [0, 1, 2]), 8)
     assert not compilable(verify, 3)  # 4 token rows
     prompt_chunk = SchedulerOutput([decode(1), StepRow(2, [4, 5, 6], 0)], 1, [0, 3])  # only its last token's logits
-    assert not compilable(prompt_chunk, 8)
+    assert compilable(prompt_chunk, 8)
+    assert not compilable(SchedulerOutput(prompt_chunk.rows[1:], 0, [2]), 8)  # prompts alone: nobody waits
+    # A chunk ending past MAX_CHUNK_CONTEXT: its tokens would each read the whole context.
+    late = SchedulerOutput([decode(1), StepRow(2, [4, 5, 6], MAX_CHUNK_CONTEXT - 2)], 1, [0, 3])
+    assert not compilable(late, 8)
+    assert compilable(SchedulerOutput([decode(1), StepRow(2, [4, 5, 6], MAX_CHUNK_CONTEXT - 3)], 1, [0, 3]), 8)
 
 
 def test_rows_pad_to_a_few_bucket_sizes(compiled):
     """oneDNN keeps a kernel per row count it meets (kernels/linear.py), so the compiled step
-    pads its rows to the capture sizes plus --max-num-seqs (8 here): 2, 4, 8."""
+    pads its rows to the capture sizes plus --max-num-seqs (8 here): 2, 4, 8; then, for steps
+    with prompt chunks, multiples of 32 up to 512 rows past it. The logits' rows pad likewise."""
     _, llm, _ = compiled
     graphs = llm.engine.executor.runner.graphs
-    assert graphs.sizes == [2, 4, 8]
-    assert CompiledDecode(None, sizes=[1, 2, 4, 8, 10], block_size=4).sizes == [2, 4, 8, 10]
+    assert graphs.sizes == [2, 4, 8, *range(32, 520 + 1, 32)]
+    assert CompiledDecode(None, sizes=[1, 2, 4, 8, 10], block_size=4).sizes == [2, 4, 8, 10, *range(32, 522 + 1, 32)]
+    assert logit_index([0, 1, 2], 3, graphs.sizes).tolist() == [0, 1, 2, 3]  # a decode step's rows, padded
+    assert logit_index([3, 9, 10], 11, graphs.sizes).tolist() == [3, 9, 10, 0]
 
 
 def test_a_failed_compile_falls_back_to_eager(failing_start, first_starts, caplog):

@@ -3,11 +3,17 @@
 Inductor fuses the elementwise work between the matmuls (RMSNorm, rotary, SiLU x up, the
 residual adds) into C++ loops and drops most of the per-op dispatch, which is ~15-25% of an
 eager decode step on CPU (docs/benchmarks.md). One graph serves every batch size and context
-length (dynamic shapes). A step of two or more rows, all one-token decodes, runs through it,
-and so does a step of speculative verify chunks, each chunk's tokens as decode rows of their
-own (input_batch.padded_decode); any other step (prefill chunks) runs eagerly, and so does a
-batch of one: at one row MKL takes its matrix-vector path, faster than any compiled 2-row step
-(14 vs 19 ms a step on the bench model, docs/benchmarks.md).
+length (dynamic shapes). A step of two or more rows, all one-token decodes, runs through it.
+So does a step with chunks of several tokens, each token as a decode row of its own
+(input_batch.padded_decode): speculative verify chunks, and the short prompt chunks the
+pacer puts beside the decodes (actors/core/step_times.py), where an eager step cost the
+waiting streams ~30 ms more than the compiled one. A step's logits are computed in the graph
+for the rows sampled from only (an index input). Prompt chunks ending past MAX_CHUNK_CONTEXT
+positions and steps of more rows than the largest bucket (2,048-token prefill chunks) run
+eagerly (each decode row reads its whole context, where prefill attention shares it), and so
+do steps of prompts alone. A batch of one decode runs eagerly too: at one row MKL takes its
+matrix-vector path, faster than any compiled 2-row step (14 vs 19 ms a step on the bench
+model, docs/benchmarks.md).
 
 torch.compile specialises sizes 0 and 1, so block tables are padded to at least 2 blocks
 (with the spare block of the KV pool the block manager never hands out, as CUDA graphs pad:
@@ -18,8 +24,9 @@ The graph ends with the LM head. Its linear layers run through kernels/linear.py
 weights the runner packed at start (actors/worker/kernel_choice.py): float32 on an AVX-512 CPU
 through shoal's panel kernel, else through oneDNN, which builds and keeps a kernel (~0.6 MB)
 for every row count it meets. So the rows are padded to the next of a few bucket sizes (CUDA
-graphs' capture sizes: 2, 4, 8, then multiples of 8 up to --max-num-seqs): the kernels kept
-stay few and the memory bounded, for at most 7 padding rows of work.
+graphs' capture sizes: 2, 4, 8, then multiples of 8 up to --max-num-seqs, then multiples of
+MIXED_BUCKET up to MIXED_ROWS past it for steps with prompt chunks): the kernels kept stay few
+and the memory bounded, for at most 7 (31) padding rows of work.
 
 Compiling is never paid at start-up, and never slows a run down (issue 46). Tracing and
 inductor take 15-45 s of Python on 2 cores, and a compiling thread would hold the GIL against
@@ -57,6 +64,7 @@ from actors.worker.cuda_graphs import padded_size
 from actors.worker.input_batch import InputBatch, PaddedDecode, PendingTokens
 from actors.worker.loader import checkpoint_kv_scales
 from kernels.attention import AttentionMetadata
+from kernels.linear import rows
 
 log = logging.getLogger("shoal.runner")
 
@@ -65,7 +73,15 @@ MIN_ROWS = MIN_BLOCKS = 2  # below these torch.compile would specialise a second
 # it saves 10-25% of such steps and its load takes ~3 s (a ski-rental rule: load once the
 # eager steps have cost about what the load does). An idle engine loads it at once.
 SWAP_AFTER_S = 20.0
-FORMAT = "shoal-compiled-decode-1"  # bump when the artifact's contents change meaning
+FORMAT = "shoal-compiled-decode-2"  # bump when the artifact's contents change meaning
+# Token rows a step with chunks may have past --max-num-seqs, in buckets of MIXED_BUCKET: room
+# for the prompt chunk the pacer gives a step beside its decodes (~70-200 tokens on 2 cores).
+MIXED_ROWS, MIXED_BUCKET = 512, 32
+# The last position a compiled prompt chunk may reach: each of its tokens reads its whole
+# context as a decode row, 10-15% slower than prefill attention's shared read (a 128-token chunk
+# on a Qwen2.5-0.5B layer, 2 cores: 11.5 against 10.3 ms at 2,048 positions), which at 24
+# layers is about what the compiled step saves.
+MAX_CHUNK_CONTEXT = 2048
 REPO = Path(__file__).resolve().parents[2]
 # The code a compiled step runs: the models and the kernels they call.
 TRACED_SOURCES = ("actors/models", "kernels", "actors/worker/compiled_decode.py")
@@ -76,35 +92,61 @@ class CompiledDecode:
     """The compiled model of one runner; `run` takes decode-only steps."""
 
     def __init__(self, fn, *, sizes: list[int], block_size: int):
-        self.fn = fn  # (ids, positions, meta) -> logits, from `load`
-        self.sizes = sorted({max(MIN_ROWS, s) for s in sizes})
+        """sizes: the decode steps' row buckets (up to --max-num-seqs); the mixed steps' follow."""
+        self.fn = fn  # (ids, positions, meta, logit index) -> logits, from `load`
+        self.sizes = bucket_sizes(sizes)
         self.block_size = block_size
-        self.replays = 0  # decode steps that ran compiled (the progress line's graph=True)
+        self.replays = 0  # steps that ran compiled (the progress line's graph=True)
 
     def can_run(self, output) -> bool:
         return compilable(output, self.sizes[-1])
 
-    def run(self, output, batch: InputBatch, pending: PendingTokens | None = None) -> torch.Tensor:
-        """Logits of the step's token rows (the LM head is part of the graph); `pending` fills
-        the input ids the previous step sampled."""
+    def run(self, output, batch: InputBatch, pending: PendingTokens | None = None) -> torch.Tensor | None:
+        """Logits of the step's output.logit_rows (the LM head is part of the graph); `pending`
+        fills the input ids the previous step sampled."""
         tokens = sum(len(r.token_ids) for r in output.rows)
         width = max(MIN_BLOCKS, -(-max(r.start + len(r.token_ids) for r in output.rows) // self.block_size))
         padded = batch.padded_decode(output, padded_size(tokens, self.sizes), width)
         if pending is not None:
             pending.apply(padded.input_ids)
-        logits = self.fn(*step_inputs(padded, self.block_size))
+        wanted = len(output.logit_rows)
+        logits = self.fn(*step_inputs(padded, self.block_size, logit_index(output.logit_rows, tokens, self.sizes)))
         self.replays += 1
-        return logits[:tokens]
+        return logits[:wanted] if wanted else None  # (a prompt chunk's middle: nothing sampled)
+
+
+def bucket_sizes(decode_sizes: list[int]) -> list[int]:
+    """Row buckets: the decode steps' (at least MIN_ROWS), then multiples of MIXED_BUCKET up to
+    MIXED_ROWS past the largest for steps with chunks."""
+    sizes = {max(MIN_ROWS, s) for s in decode_sizes}
+    top = max(sizes)
+    return sorted(sizes | set(range(top // MIXED_BUCKET * MIXED_BUCKET + MIXED_BUCKET, top + MIXED_ROWS + 1,
+                                    MIXED_BUCKET)))
+
+
+def logit_index(rows: list[int], tokens: int, sizes: list[int]) -> torch.Tensor:
+    """The token rows whose logits the graph computes, padded with row 0 to a bucket size (the
+    head's kernels stay few), as an int64 tensor: all of them for a decode step."""
+    size = padded_size(max(MIN_ROWS, len(rows)), sizes)
+    if len(rows) == tokens:
+        return torch.arange(size)
+    index = torch.zeros(size, dtype=torch.long)
+    index[:len(rows)] = torch.tensor(rows)
+    return index
 
 
 def compilable(output, max_rows: int) -> bool:
-    """A step the compiled graph takes: 2 to max_rows token rows, each a one-token decode or a
-    token of a chunk whose every token is sampled from (a speculative verify chunk: the graph
-    computes every row's logits; input_batch.padded_decode)."""
-    if output.num_decodes == len(output.rows):
-        return MIN_ROWS <= len(output.rows) <= max_rows
+    """A step the compiled graph takes: 2 to max_rows token rows (input_batch.padded_decode),
+    each a one-token decode or a token of a speculative verify chunk (every token sampled
+    from), or else a step with decoding rows whose prompt chunks end within MAX_CHUNK_CONTEXT
+    positions. A step of prompts alone runs eagerly: no stream waits on it between tokens."""
     tokens = sum(len(r.token_ids) for r in output.rows)
-    return MIN_ROWS <= tokens <= max_rows and len(output.logit_rows) == tokens
+    if not MIN_ROWS <= tokens <= max_rows:
+        return False
+    if len(output.logit_rows) == tokens:  # decodes, verify chunks
+        return True
+    return output.num_decodes > 0 and all(
+        r.start + len(r.token_ids) <= MAX_CHUNK_CONTEXT for r in output.rows[output.num_decodes:])
 
 
 class PendingCompile:
@@ -133,20 +175,21 @@ class PendingCompile:
             self.job.wait(timeout)
 
 
-def step_inputs(p: PaddedDecode, block_size: int):
+def step_inputs(p: PaddedDecode, block_size: int, logit_index: torch.Tensor):
     meta = AttentionMetadata(slot_mapping=p.slots, num_decode_tokens=p.size, block_size=block_size,
                              decode_block_tables=p.block_tables, decode_context_lens=p.context_lens)
-    return p.input_ids, p.positions, meta
+    return p.input_ids, p.positions, meta, logit_index
 
 
 def padding_inputs(batch: InputBatch, block_size: int):
     """Two padding rows on the spare block: what the graph is traced and checked on."""
-    return step_inputs(batch.padded_decode(SchedulerOutput([], 0, []), MIN_ROWS, MIN_BLOCKS), block_size)
+    return step_inputs(batch.padded_decode(SchedulerOutput([], 0, []), MIN_ROWS, MIN_BLOCKS), block_size,
+                       torch.arange(MIN_ROWS))
 
 
 def _decode(model):
     # A closure over the model: saved as external data, so the artifact holds no weights.
-    return lambda ids, positions, meta: model.compute_logits(model(ids, positions, meta))
+    return lambda ids, positions, meta, logit_index: model.compute_logits(rows(model(ids, positions, meta), logit_index))
 
 
 def _configure() -> None:

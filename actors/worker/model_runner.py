@@ -20,12 +20,12 @@ import torch
 from actors.config import EngineConfig
 from actors.core.step import RunnerOutput, SchedulerOutput
 from actors.distributed.parallel import layout
-from actors.distributed.pipeline import Heads, MicroBatch, last_stage_outputs, run_stage, take_rows
+from actors.distributed.pipeline import Heads, MicroBatch, last_stage_outputs, run_stage
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.worker import compiled_decode, memory_profile
 from actors.worker.compile_job import BackgroundCompile
-from actors.worker.compiled_decode import SWAP_AFTER_S, CompiledDecode, PendingCompile, compilable
+from actors.worker.compiled_decode import MIXED_ROWS, SWAP_AFTER_S, CompiledDecode, PendingCompile, compilable
 from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
@@ -269,12 +269,12 @@ class ModelRunner:
         # (a step that pools needs the hidden states, which a compiled graph does not return)
         if self.graphs is not None and not output.pool_spans and self.graphs.can_run(output):
             if isinstance(self.graphs, CompiledDecode):  # its graph ends with the LM head
-                return take_rows(self.graphs.run(output, self.batch, pending), output.logit_rows), None
+                return self.graphs.run(output, self.batch, pending), None
             hidden = self.graphs.run(output, self.batch, pending)
             if self.experts is not None:
                 self.experts.record_graph_rows(len(output.rows))
         else:
-            timed = self.pending_compile is not None and compilable(output, self.config.max_num_seqs)
+            timed = self.pending_compile is not None and compilable(output, self.config.max_num_seqs + MIXED_ROWS)
             start = time.perf_counter() if timed else 0.0
             hidden = self.model(*self.prepare(output, pending))
             if timed:
