@@ -336,3 +336,28 @@ def replica_count(config: ShoalConfig) -> int:
     """Fixed replicas: --num-replicas, else world_size / (tp x pp), else one."""
     d = config.deploy
     return d.num_replicas or (d.world_size or shards_per_replica(config)) // shards_per_replica(config)
+
+
+def check_model_path(config: ShoalConfig, missing_ok: bool = False) -> None:
+    """The checkpoint is there, and config.json names an architecture and a quantization shoal
+    reads (ValueError, one line): checked before Ray starts (`shoal serve`) or when `serve run`
+    builds the application, without torch. missing_ok: a checkpoint not on this machine is
+    left to the nodes the engines run on."""
+    from actors.models import check_architecture
+    from actors.worker import quantization_config
+    from actors.worker.checkpoint_files import read_config, resolve_model_path
+    try:
+        path = resolve_model_path(config.engine.model_path)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    hf = read_config(path)
+    check_architecture((hf.get("architectures") or ["LlamaForCausalLM"])[0])
+    quantization_config.check(hf, config.engine.quantization)
+    speculative = config.engine.speculative
+    if speculative is not None and speculative.model and not missing_ok:  # a draft model
+        try:
+            resolve_model_path(speculative.model)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"--speculative-config's draft model: {exc}") from None

@@ -8,6 +8,7 @@ refusals."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -59,6 +60,42 @@ def test_bad_application_args_fail_in_one_line_before_ray_starts(tmp_path):
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         f"shoal serve: error: {path}: application 'shoal': --shutdown-timeout must be >= 0, got -1.0"]
+
+
+def unreadable_checkpoint(llama_ckpt, where: Path) -> Path:
+    """A copy of the test checkpoint whose config.json names an architecture shoal lacks."""
+    shutil.copytree(llama_ckpt, where)
+    config = json.loads((where / "config.json").read_text())
+    (where / "config.json").write_text(json.dumps({**config, "architectures": ["MambaForCausalLM"]}))
+    return where
+
+
+def test_the_application_builder_refuses_a_checkpoint_shoal_cannot_read(llama_ckpt, tmp_path):
+    """`serve run` builds the application before any replica starts: a checkpoint shoal cannot
+    read fails there once, not in engine actors that Serve starts again and again. A model path
+    that is not on the building machine is left to the nodes the engines run on."""
+    from app.serving.builder import build_app
+
+    bad = unreadable_checkpoint(llama_ckpt, tmp_path / "mamba")
+    with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'"):
+        build_app({"model_path": str(bad), "device": "cpu"})
+    assert build_app({"model_path": str(tmp_path / "on-the-gpu-nodes"), "device": "cpu"}) is not None
+
+
+def test_a_serve_config_with_a_checkpoint_shoal_cannot_read_exits_1(llama_ckpt, tmp_path):
+    config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
+    config["applications"][0]["args"]["model_path"] = str(unreadable_checkpoint(llama_ckpt, tmp_path / "mamba"))
+    config["http_options"]["port"] = free_port()
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    start = time.monotonic()
+    done = subprocess.run(shoal_serve("--config", str(path)), cwd=REPO, env=checkout_env(RAY_ADDRESS="local"),
+                          capture_output=True, text=True, timeout=180, start_new_session=True)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "shoal serve: error: application 'shoal' failed to deploy: ValueError: unsupported architecture " \
+           "'MambaForCausalLM'" in done.stderr
+    assert "EngineActor" not in done.stdout + done.stderr  # no engine was started
+    print(f"exited 1 in {time.monotonic() - start:.1f} s")
 
 
 def test_shoal_drain_without_a_cluster_says_so_in_one_line(tmp_path):

@@ -18,7 +18,8 @@ from app.cli.engine_args import add_engine_args, add_option
 from app.cli.own_session import run_in_own_session
 from app.cli.serve_config import is_serve_config
 from app.cli.stop_signal import StopSignal
-from app.config import ConfigError, ShoalConfig, load_config, replica_count, single_model_server, split_layout
+from app.config import (ConfigError, ShoalConfig, check_model_path, load_config, replica_count,
+                        single_model_server, split_layout)
 from app.protocol.generation_defaults import CHOICES as GENERATION_CONFIG_CHOICES
 
 log = logging.getLogger("shoal.serve")
@@ -163,24 +164,6 @@ def serve_config_command(args: argparse.Namespace, options: dict) -> int:
                  f"applications' args: (only --address goes with it; got {given})")
     setup_logging()
     return run_in_own_session(lambda: run_serve_config(options["config"], options.get("address")))
-
-
-def check_model_path(config: ShoalConfig) -> None:
-    """The checkpoint is there, and config.json names an architecture and a quantization shoal
-    reads (ValueError, one line): checked here, before Ray starts, without torch."""
-    from actors.models import check_architecture
-    from actors.worker import quantization_config
-    from actors.worker.checkpoint_files import read_config, resolve_model_path
-    path = resolve_model_path(config.engine.model_path)
-    hf = read_config(path)
-    check_architecture((hf.get("architectures") or ["LlamaForCausalLM"])[0])
-    quantization_config.check(hf, config.engine.quantization)
-    speculative = config.engine.speculative
-    if speculative is not None and speculative.model:  # a draft model
-        try:
-            resolve_model_path(speculative.model)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(f"--speculative-config's draft model: {exc}") from None
 
 
 def print_config(config: ShoalConfig) -> int:

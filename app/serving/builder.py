@@ -12,7 +12,7 @@ import ray
 from ray import serve
 
 from actors.executor.placement import check_fits, default_strategy
-from app.config import ConfigError, ShoalConfig, replica_count, split_layout
+from app.config import ConfigError, ShoalConfig, check_model_path, replica_count, split_layout
 from app.serving.ingress import Ingress
 from app.serving.llm_server import LLMServer
 from app.serving.model_server import ModelServer
@@ -26,6 +26,8 @@ def build_app(args: dict | None = None) -> serve.Application:
     if any(c.deploy.direct_ingress for c in configs):
         raise ConfigError("direct_ingress is a `shoal serve` option: under `serve run` the "
                           "config's http_options and Serve's proxy answer HTTP")
+    for config in configs:  # here, not in engine actors that Serve would start again and again
+        check_model_path(config, missing_ok=True)
     return application(configs[0]) if len(configs) == 1 else models_application(configs)
 
 
