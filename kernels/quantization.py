@@ -62,23 +62,35 @@ _LIMIT = {"int8": 127.0, "w8a8_int8": 127.0, "fp8": torch.finfo(FP8).max}  # 448
 _warned = False
 
 
+QUANTIZE_ROWS = 4096
+
+
 def quantize(w: torch.Tensor, kind: str, panels: bool = True,
              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, scale [N] float32) of an [N, K] weight in `kind`: int8 or float8 e4m3, either
     packed [ceil(N / 16), K, 16] for the CPU kernel or, without `panels`, [N, K] rows. scale:
     the rows' scales of an int8 checkpoint the weight came from (w = codes * scale), whose
     codes (-128 included) come back exactly; None: max |w| / 127 (or 448)."""
-    w = w.detach().float()
+    w = w.detach()
     n, k = w.shape
-    if scale is None:
-        scale = w.abs().amax(dim=1) / _LIMIT[kind]
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
-    scale = scale.to(w.device, torch.float32)
-    scaled = w / scale[:, None]
-    if kind in ("int8", "w8a8_int8"):
-        q = torch.round(scaled).clamp_(-128, 127).to(torch.int8)
-    else:  # torch's cast rounds to the nearest e4m3 (ties to even); the scale keeps |q| <= 448
-        q = scaled.clamp_(-_LIMIT[kind], _LIMIT[kind]).to(FP8)
+    given = scale
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    q = torch.empty(n, k, dtype=FP8 if kind == "fp8" else torch.int8, device=w.device)
+    # By blocks of rows: the float temporaries are a block's, not a whole weight's (an
+    # embedding's 151,936 rows made ~1.6 GB of them at once).
+    for i in range(0, n, QUANTIZE_ROWS):
+        block = w[i:i + QUANTIZE_ROWS].float()
+        if given is None:
+            s = block.abs().amax(dim=1) / _LIMIT[kind]
+            s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero row stays zero
+        else:
+            s = given[i:i + QUANTIZE_ROWS].to(w.device, torch.float32)
+        scale[i:i + QUANTIZE_ROWS] = s
+        scaled = block / s[:, None]
+        if kind in ("int8", "w8a8_int8"):
+            q[i:i + QUANTIZE_ROWS] = torch.round(scaled).clamp_(-128, 127)
+        else:  # torch's cast rounds to the nearest e4m3 (ties to even); the scale keeps |q| <= 448
+            q[i:i + QUANTIZE_ROWS] = scaled.clamp_(-_LIMIT[kind], _LIMIT[kind])
     if not panels:
         return q.contiguous(), scale.contiguous()
     count = -(-n // PANEL)

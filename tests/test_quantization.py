@@ -139,6 +139,41 @@ def test_greedy_equals_transformers_on_the_dequantised_weights(kind, arch, check
         llm.shutdown()
 
 
+def test_each_layer_is_quantized_as_soon_as_its_weight_is_read(checkpoint_factory, monkeypatch):
+    """The loader hands a weight to the quantizer once its last rows are read (q, k and v make
+    one fused weight), so the float model is never whole in memory: each quantization comes
+    before the next layer's tensors are read. A weight row no tensor fills (none here) would be
+    zeroed before it is quantized; the output still equals transformers' on the dequantised
+    weights (test above)."""
+    from actors.worker import loader
+
+    path = checkpoint_factory("llama")
+    reads, events = [], []
+    original_read, original_quantize = loader.checkpoint_tensors, loader.quantize_module
+
+    def reading(*args, **kwargs):
+        for name, tensor in original_read(*args, **kwargs):
+            reads.append(name)
+            yield name, tensor
+
+    def quantizing(module, kind):
+        events.append((len(reads), reads[-1] if reads else None))
+        return original_quantize(module, kind)
+
+    monkeypatch.setattr(loader, "checkpoint_tensors", reading)
+    monkeypatch.setattr(loader, "quantize_module", quantizing)
+    LLM(str(path), quantization="int8", block_size=4, num_kv_blocks=16, max_num_seqs=2)
+    layers = {name.split(".")[2] for name in reads if name.startswith("model.layers.")}
+    assert len(events) == 4 * len(layers) + 2  # qkv, o, gate/up, down per layer; the head; the embedding
+    for count, last in events:
+        assert count < len(reads) or last == reads[-1]  # quantized while reading, the last one at the end
+    # each layer's four are quantized before any tensor of a later layer is read
+    for count, last in events:
+        if last and last.startswith("model.layers."):
+            layer = int(last.split(".")[2])
+            assert not any(n.startswith(f"model.layers.{layer + 1}.") for n in reads[:count])
+
+
 def test_bad_quantization_is_refused():
     with pytest.raises(ValueError, match="--quantization must be one of int8, fp8, w8a8_int8, gptq, .*, got 'int4'"):
         EngineConfig(quantization="int4").validate()

@@ -69,36 +69,56 @@ def build_model(path: Path, cfg: dict, dtype: torch.dtype, device: torch.device,
         setattr(model, f"{name}_cos", cos.to(device, dtype))
         setattr(model, f"{name}_sin", sin.to(device, dtype))
     model.weight_dtype = weight_dtype  # experts re-read later (load_selected) are rounded alike
+    quantizer = LayerQuantizer(model, quantization, int8_targets(model, path) if checkpoint_layers_only else None) \
+        if quantization else None
     if read_weights:
-        load_weights(model, path, weight_dtype)
+        load_weights(model, path, weight_dtype, quantizer)
         load_kv_scales(model, path)
-    if quantization:
-        quantize_linears(model, quantization, int8_targets(model, path) if checkpoint_layers_only else None)
+    if quantizer:
+        quantizer.finish()
     return model.eval()
 
 
-def quantize_linears(model: nn.Module, kind: str, only: set[str] | None = None) -> None:
-    """Every linear layer to `kind` (int8, fp8 or w8a8_int8), and for the int8 formats the LM head
-    and the embedding too (a tied head and embedding share one copy; w8a8_int8's head multiplies
-    int8 activations as its other layers do); fp8 leaves those two float, as vLLM's does.
-    Experts of MoE models stay float. only: the weights (parameter names) to quantize, None: all
-    of those. An int8 checkpoint's layers keep its codes (`checkpoint_scale`)."""
-    head = kind in ("int8", "w8a8_int8")
-    layers = (ColumnParallelLinear, RowParallelLinear) + ((ParallelLMHead, VocabParallelEmbedding) if head else ())
-    done = {}  # the float weight's id -> its 8-bit weight and scale
-    for name, module in model.named_modules():
-        if only is not None and f"{name}.weight" not in only:
-            continue
-        if isinstance(module, layers):
-            if getattr(module, "int4", None) is not None:  # kept packed (int4 already)
+class LayerQuantizer:
+    """Turns every linear layer to `kind` (int8, fp8 or w8a8_int8), and for the int8 formats the
+    LM head and the embedding too (a tied head and embedding share one copy; w8a8_int8's head
+    multiplies int8 activations as its other layers do); fp8 leaves those two float, as vLLM's
+    does. Experts of MoE models stay float. only: the weights (parameter names) to quantize,
+    None: all of those. An int8 checkpoint's layers keep its codes (`checkpoint_scale`).
+
+    The loader hands it each weight once all its rows are read (`loaded`), so the float model
+    is never whole in memory: a 0.5B float32 checkpoint quantized to w8a8_int8 peaked at twice
+    its float weights before (docs/benchmarks.md). `finish` takes the rest."""
+
+    def __init__(self, model: nn.Module, kind: str, only: set[str] | None = None):
+        head = kind in ("int8", "w8a8_int8")
+        layers = (ColumnParallelLinear, RowParallelLinear) + ((ParallelLMHead, VocabParallelEmbedding) if head else ())
+        self.kind = kind
+        self.modules: dict[int, list[nn.Module]] = {}  # a float weight's id -> the layers that share it
+        for name, module in model.named_modules():
+            if only is not None and f"{name}.weight" not in only:
                 continue
-            key = id(module.weight)
-            if key in done:  # tied to one quantized already
-                module.out_dtype = module.weight.dtype
-                module.weight, module.weight_scale = done[key]
-            else:
-                quantize_module(module, kind)
-                done[key] = module.weight, module.weight_scale
+            if isinstance(module, layers) and not module.weight.is_meta:  # (meta: kept packed as int4)
+                self.modules.setdefault(id(module.weight), []).append(module)
+
+    def takes(self, weight: torch.Tensor) -> bool:
+        return id(weight) in self.modules
+
+    def loaded(self, weight: torch.Tensor) -> bool:
+        """`weight` is read whole: quantize its layers now. False: it is not one to quantize."""
+        modules = self.modules.pop(id(weight), None)
+        if modules is None:
+            return False
+        first, *tied = modules
+        quantize_module(first, self.kind)
+        for module in tied:
+            module.out_dtype = module.weight.dtype
+            module.weight, module.weight_scale = first.weight, first.weight_scale
+        return True
+
+    def finish(self) -> None:
+        for modules in list(self.modules.values()):
+            self.loaded(modules[0].weight)
 
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple]:
@@ -153,11 +173,19 @@ def int8_targets(model: nn.Module, path: Path) -> set[str]:
     return targets
 
 
-def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None = None) -> None:
+def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None = None,
+                 quantizer: LayerQuantizer | None = None) -> None:
+    """quantizer: given each weight as soon as all its rows are read."""
     params = dict(model.named_parameters())
-    for param in params.values():  # vocab padding rows (tensor parallel) stay zero
-        param.data.zero_()
+    # Rows no checkpoint tensor fills (vocab padding under tensor parallelism) must be zero. A
+    # weight to quantize is zeroed where unread at the end instead: zeroing it first would
+    # bring the whole float model into memory at once.
+    for param in params.values():
+        if not (quantizer and quantizer.takes(param)):
+            param.data.zero_()
     loaded: set[str] = set()
+    rows_read: dict[str, list] = {}  # param -> the (first row, rows) copied so far
+    quantized: set[str] = set()  # params whose float copy is gone (a later duplicate is skipped)
     files = weight_files(path)
     device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
     # param -> [(row offset, PackedWeight or float slice)]: what is put together at the end
@@ -168,13 +196,27 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
     try:
         for name, tensor_slice in checkpoint_tensors(path, files, packed=packed is not None):
             for rule in _rules(model.weight_rule(name)) if tensor_slice is not None else ():
-                loaded.add(_load_slice(params, rule, tensor_slice, name, weight_dtype, packed, scales))
+                if rule[0] in quantized:
+                    continue
+                target = _load_slice(params, rule, tensor_slice, name, weight_dtype, packed, scales, rows_read)
+                loaded.add(target)
+                if quantizer and sum(n for _, n in rows_read.get(target, ())) == params[target].shape[0]:
+                    _keep_row_scales(model, params, {target: scales.pop(target, [])})
+                    if quantizer.loaded(params[target]):
+                        quantized.add(target)
+                        params[target] = None  # the float copy goes now
             bar.update(1)
     finally:
         bar.close()
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {', '.join(sorted(missing)[:5])}")
+    for target, param in params.items():
+        if param is not None and quantizer and quantizer.takes(param):
+            unread = torch.ones(param.shape[0], dtype=torch.bool)
+            for first, n in rows_read.get(target, ()):
+                unread[first:first + n] = False
+            param.data[unread.to(param.device)] = 0
     if packed:
         _keep_packed(model, params, packed, weight_dtype, device)
     _keep_row_scales(model, params, scales)
@@ -186,7 +228,7 @@ def _keep_row_scales(model: nn.Module, params: dict, scales: dict) -> None:
     for target, pieces in scales.items():
         module_name, _, attr = target.rpartition(".")
         rows = params[target].shape[0]
-        if attr != "weight" or sum(len(s) for _, s in pieces) != rows:
+        if attr != "weight" or not pieces or sum(len(s) for _, s in pieces) != rows:
             continue
         scale = torch.empty(rows)
         for offset, s in pieces:
@@ -350,7 +392,7 @@ def _rules(rule) -> list:
 
 
 def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch.dtype | None = None,
-                packed: dict | None = None, scales: dict | None = None) -> str:
+                packed: dict | None = None, scales: dict | None = None, rows_read: dict | None = None) -> str:
     """Copy this rank's slice of one checkpoint tensor into (a row range of) its parameter.
 
     An optional sixth rule field picks one expert slot of a stacked [slots, ...] parameter.
@@ -381,6 +423,8 @@ def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch
         packed.setdefault(target, []).append((offset, src))  # put together once every piece is read
         return target
     _copy_rows(params[target][slot[0]] if slot else params[target], offset, src, weight_dtype)
+    if rows_read is not None and not slot:
+        rows_read.setdefault(target, []).append((offset, src.shape[0]))
     return target
 
 
