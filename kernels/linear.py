@@ -87,11 +87,7 @@ def prepack(weights: list[torch.Tensor], rows: int, keep_plain: list[torch.Tenso
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 64), K, 64]: panel p holds output columns 64p.. (zeros past N), each
     k's 64 weights contiguous, as csrc/panel_linear.cpp reads them."""
-    n, k = w.shape
-    panels = -(-n // PANEL)
-    padded = w.new_zeros(panels * PANEL, k)
-    padded[:n] = w
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    return packed_weights.panels(w, PANEL)
 
 
 def _embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

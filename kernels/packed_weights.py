@@ -59,3 +59,17 @@ def release(weight: torch.Tensor) -> int:
         return 0
     storage.resize_(0)
     return size
+
+
+def panels(w: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / width), K, width]: panel p holds rows width * p.. (zeros past N), each
+    k's `width` values contiguous. Written in place: no padded or transposed whole-size copy
+    on the way (an embedding-sized head made two, ~1 GB at start-up)."""
+    n, k = w.shape
+    full, rest = divmod(n, width)
+    out = w.new_empty((full + bool(rest), k, width))
+    out[:full] = w[:full * width].view(full, width, k).transpose(1, 2)
+    if rest:
+        out[full].zero_()
+        out[full, :, :rest] = w[full * width:].t()
+    return out

@@ -93,10 +93,7 @@ def quantize(w: torch.Tensor, kind: str, panels: bool = True,
             q[i:i + QUANTIZE_ROWS] = scaled.clamp_(-_LIMIT[kind], _LIMIT[kind])
     if not panels:
         return q.contiguous(), scale.contiguous()
-    count = -(-n // PANEL)
-    padded = torch.zeros(count * PANEL, k, dtype=q.dtype, device=w.device)
-    padded[:n] = q
-    return padded.view(count, PANEL, k).transpose(1, 2).contiguous(), scale.contiguous()
+    return packed_weights.panels(q, PANEL), scale.contiguous()
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
