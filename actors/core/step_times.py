@@ -12,8 +12,9 @@ decodes' time, so a long prompt is never starved. A step without decoding rows, 
 any prompt token was timed, keeps the full --max-num-batched-tokens.
 
 A mixed step costs more than its plain decode step plus its prompt tokens at their own rate:
-plain decode steps run compiled, steps with prompt rows eagerly, and a small prompt chunk
-uses the cores less well. So a mixed step is modelled as decodes + overhead + tokens x rate:
+a plain decode step runs compiled where a mixed one runs eagerly (or, compiled, pads its rows
+and reads each prompt token's context as a decode row), and a small prompt chunk uses the cores
+less well. So a mixed step is modelled as decodes + overhead + tokens x rate:
 the rate is learned from steps of prompts only (or the first mixed step, before any), the
 overhead from mixed steps, as what their time leaves over the other two. Taking a single
 rate from both kinds of step, a prompts-only chunk pulled it down and the next mixed steps

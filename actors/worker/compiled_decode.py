@@ -7,7 +7,7 @@ length (dynamic shapes). A step of two or more rows, all one-token decodes, runs
 So does a step with chunks of several tokens, each token as a decode row of its own
 (input_batch.padded_decode): speculative verify chunks, and the short prompt chunks the
 pacer puts beside the decodes (actors/core/step_times.py), where an eager step cost the
-waiting streams ~30 ms more than the compiled one. A step's logits are computed in the graph
+waiting streams ~20-35 ms more than the compiled one (docs/benchmarks.md). A step's logits are computed in the graph
 for the rows sampled from only (an index input). Prompt chunks ending past MAX_CHUNK_CONTEXT
 positions and steps of more rows than the largest bucket (2,048-token prefill chunks) run
 eagerly (each decode row reads its whole context, where prefill attention shares it), and so
@@ -89,7 +89,7 @@ KERNEL_SWITCHES = ("SHOAL_NATIVE_KERNELS", "SHOAL_ONEDNN_LINEAR", "SHOAL_CPU_ATT
 
 
 class CompiledDecode:
-    """The compiled model of one runner; `run` takes decode-only steps."""
+    """The compiled model of one runner; `run` takes the steps `compilable` accepts."""
 
     def __init__(self, fn, *, sizes: list[int], block_size: int):
         """sizes: the decode steps' row buckets (up to --max-num-seqs); the mixed steps' follow."""

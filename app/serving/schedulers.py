@@ -23,4 +23,10 @@ def scheduler_actors(app_name: str, deployment: str | None = None) -> dict:
     prefix = scheduler_name_prefix(app_name) + (f"{deployment}:" if deployment else "")
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == SCHEDULER_NAMESPACE and a["name"].startswith(prefix)]
-    return {n.rsplit(":", 1)[1]: ray.get_actor(n, namespace=SCHEDULER_NAMESPACE) for n in sorted(names)}
+    actors = {}
+    for name in sorted(names):
+        try:
+            actors[name.rsplit(":", 1)[1]] = ray.get_actor(name, namespace=SCHEDULER_NAMESPACE)
+        except ValueError:  # gone since the listing (a replica scaled down or replaced): not live
+            continue
+    return actors
