@@ -201,7 +201,8 @@ def load_weights(model: nn.Module, path: Path, weight_dtype: torch.dtype | None 
                 target = _load_slice(params, rule, tensor_slice, name, weight_dtype, packed, scales, rows_read)
                 loaded.add(target)
                 if quantizer and sum(n for _, n in rows_read.get(target, ())) == params[target].shape[0]:
-                    _keep_row_scales(model, params, {target: scales.pop(target, [])})
+                    if target in scales:  # an int8 checkpoint's rows: their scales first
+                        _keep_row_scales(model, params, {target: scales.pop(target)})
                     if quantizer.loaded(params[target]):
                         quantized.add(target)
                         params[target] = None  # the float copy goes now
@@ -228,7 +229,7 @@ def _keep_row_scales(model: nn.Module, params: dict, scales: dict) -> None:
     for target, pieces in scales.items():
         module_name, _, attr = target.rpartition(".")
         rows = params[target].shape[0]
-        if attr != "weight" or not pieces or sum(len(s) for _, s in pieces) != rows:
+        if attr != "weight" or sum(len(s) for _, s in pieces) != rows:
             continue
         scale = torch.empty(rows)
         for offset, s in pieces:
