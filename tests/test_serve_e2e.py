@@ -238,6 +238,27 @@ def test_models_and_readiness(client, base_url, llama_ckpt):
     assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
 
 
+def test_the_http_replicas_run_without_torch(client, base_url, split_url):
+    """The Serve replicas that answer HTTP (a ModelServer; the split layout's Ingress) load
+    the tokenizer by the class their engine chose, so they never import torch (~300 MB and ~2 s
+    of CPU each at start): after a chat through each, only the engine actors map libtorch."""
+    import psutil
+
+    for url in (base_url, split_url):
+        assert httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"messages": MESSAGES, "max_tokens": 4}).status_code == 200
+    torch_in = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        title = (proc.info["cmdline"] or [""])[0]
+        for kind in ("ray::ServeReplica:shoal:ModelServer", "ray::ServeReplica:split:Ingress", "ray::EngineActor"):
+            if title.startswith(kind):
+                maps = Path(f"/proc/{proc.info['pid']}/maps").read_text()
+                torch_in.setdefault(kind, []).append("libtorch_cpu" in maps)
+    assert torch_in["ray::ServeReplica:shoal:ModelServer"] == [False]
+    assert torch_in["ray::ServeReplica:split:Ingress"] == [False]
+    assert torch_in["ray::EngineActor"] and all(torch_in["ray::EngineActor"])
+
+
 def test_a_replica_gone_between_listing_and_lookup_is_left_out(base_url, monkeypatch):
     """The replicas' scheduler actors are listed, then looked up by name: one the autoscaler
     removes in between is no longer there (/stats answered 500 once while a pool shrank,

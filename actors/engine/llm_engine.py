@@ -40,7 +40,7 @@ from actors.outputs import Pending, RequestOutput
 from actors.pooling_params import PoolingParams
 from actors.request import EngineRequest, resolve_max_tokens
 from actors.sampling_params import SamplingParams
-from actors.worker.checkpoint_files import declared_eos_id, load_tokenizer, resolve_model_path
+from actors.worker.checkpoint_files import declared_eos_id, load_tokenizer, resolve_model_path, tokenizer_class_path
 from actors.worker.draft_model import DraftModel
 from actors.worker.loader import checkpoint_shapes
 from actors.worker.model_spec import resolve_model
@@ -93,6 +93,11 @@ class LLMEngine:
     def tokenizer(self):
         """The checkpoint's tokenizer (waits for it while it still loads)."""
         return self._tokenizer.result()
+
+    @property
+    def tokenizer_class(self) -> str:
+        """The tokenizer's class as "module:Class": the HTTP processes load that class (waits)."""
+        return tokenizer_class_path(self.tokenizer)
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -174,6 +174,11 @@ class EngineActor(AdapterCalls):
     def get_max_model_len(self) -> int:
         return self.max_model_len
 
+    async def tokenizer_class(self) -> str:
+        """The tokenizer's class as "module:Class": the replica loads the same class itself,
+        without AutoTokenizer's torch import (actors/worker/checkpoint_files.py)."""
+        return await asyncio.to_thread(lambda: self.engine.engine.tokenizer_class)
+
     def _log_progress(self, interval: float) -> None:
         """areno's --decode-progress-interval-s: a periodic one-line decode throughput report."""
         progress = DecodeProgress(self.engine.engine, self.replica)

@@ -14,7 +14,7 @@ import logging
 
 from ray import serve
 
-from actors.worker.checkpoint_files import load_tokenizer, resolve_model_path
+from actors.worker.checkpoint_files import load_tokenizer, preload_tokenizer_modules, resolve_model_path
 from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.llm_server import ServeEngineClient
@@ -34,14 +34,18 @@ class Ingress(ApiHost):
         self._attaching = asyncio.create_task(self._attach_all(list(zip(llm_servers, settings)), app_name))
 
     async def _attach_all(self, models: list, app_name: str) -> None:
-        # The tokenizers load in one thread while the pools start (transformers imported from
-        # two threads at once can fail halfway).
-        tokenizers = asyncio.create_task(asyncio.to_thread(
-            lambda: [load_tokenizer(resolve_model_path(s.model_path)) for _, s in models]))
+        # transformers' tokenizer modules load while the pools start; then the tokenizers, in one
+        # thread (transformers imported from two threads at once can fail halfway), by the
+        # classes the pools' engines chose (actors/worker/checkpoint_files.py).
+        preloading = asyncio.create_task(asyncio.to_thread(preload_tokenizer_modules))
         try:
             clients = await asyncio.gather(*(self._connect(pool, s.served_model_name, app_name, len(models) > 1)
                                              for pool, s in models))
-            for client, tokenizer, (_, settings) in zip(clients, await tokenizers, models):
+            await preloading
+            tokenizers = await asyncio.to_thread(lambda: [
+                load_tokenizer(resolve_model_path(s.model_path), client.tokenizer_class)
+                for client, (_, s) in zip(clients, models)])
+            for client, tokenizer, (_, settings) in zip(clients, tokenizers, models):
                 self.attach(client, tokenizer, settings)
                 log.info("ingress attached to the LLMServer pool of %s (max_model_len %d)",
                          settings.served_model_name, client.max_model_len)

@@ -61,25 +61,30 @@ class LLMServer(ReplicaLifecycle):
     async def lora_enabled(self) -> bool:
         return await self.scheduler.lora_enabled.remote()
 
+    async def tokenizer_class(self) -> str:
+        return await self.scheduler.tokenizer_class.remote()
+
 
 class ServeEngineClient(AppReplicas):
     """EngineClient over the LLMServer pool's deployment handle (used by the split layout's
     ingress)."""
 
     def __init__(self, handle, max_model_len: int, app_name: str, lora_enabled: bool = False,
-                 own_pool: bool = False):
-        """own_pool: the application serves several models; reach only this handle's replicas."""
+                 own_pool: bool = False, tokenizer_class: str | None = None):
+        """own_pool: the application serves several models; reach only this handle's replicas.
+        tokenizer_class: "module:Class", as the pool's engines loaded the tokenizer."""
         self.handle = handle
         self._streaming = handle.options(stream=True)
         self.max_model_len = max_model_len
         self.app_name = app_name
         self.lora_enabled = lora_enabled
         self.deployment = handle.deployment_name if own_pool else None
+        self.tokenizer_class = tokenizer_class
 
     @classmethod
     async def create(cls, handle, app_name: str, own_pool: bool = False) -> "ServeEngineClient":
         return cls(handle, await handle.get_max_model_len.remote(), app_name,
-                   await handle.lora_enabled.remote(), own_pool)
+                   await handle.lora_enabled.remote(), own_pool, await handle.tokenizer_class.remote())
 
     async def generate(self, request: EngineRequest):
         response = self._streaming.generate.remote(RoutedRequest(request))

@@ -21,6 +21,7 @@ from ray import serve
 
 from actors.config import EngineConfig
 from actors.request import EngineRequest
+from actors.worker.checkpoint_files import load_tokenizer, preload_tokenizer_modules, resolve_model_path
 from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.app_replicas import AppReplicas
@@ -42,12 +43,14 @@ class ModelServer(ApiHost, ReplicaLifecycle):
         super().__init__(settings, log_level)
         self.engine = ReplicaEngine(engine_config, log_level, progress_interval_s,
                                     pacing, settings.served_model_name)
-        # The tokenizer loads while the scheduler actor starts (a cold transformers import is
-        # seconds). Then wait for the model: until then Serve routes no request here (a replica
-        # added by the autoscaler takes traffic only once it can serve it).
-        tokenizer = asyncio.create_task(asyncio.to_thread(self.load_tokenizer))
+        # Wait for the model: until then Serve routes no request here (a replica added by the
+        # autoscaler takes traffic only once it can serve it). Meanwhile transformers' tokenizer
+        # modules load; then the tokenizer, by the class the engine's AutoTokenizer chose.
+        preloading = asyncio.create_task(asyncio.to_thread(preload_tokenizer_modules))
         client = await ReplicaEngineClient.create(self.engine, serve.get_replica_context().app_name)
-        self.attach(client, await tokenizer)
+        await preloading  # (transformers imported from two threads at once can fail halfway)
+        self.attach(client, await asyncio.to_thread(
+            load_tokenizer, resolve_model_path(settings.model_path), client.tokenizer_class))
         self._pushing = asyncio.create_task(self._push_http_counts())
         self.http = None
         if listener is not None:
@@ -79,17 +82,19 @@ class ModelServer(ApiHost, ReplicaLifecycle):
 class ReplicaEngineClient(AppReplicas):
     """EngineClient over this replica's own scheduler actor (no Serve handle in between)."""
 
-    def __init__(self, engine: ReplicaEngine, max_model_len: int, app_name: str, lora_enabled: bool):
+    def __init__(self, engine: ReplicaEngine, max_model_len: int, app_name: str, lora_enabled: bool,
+                 tokenizer_class: str):
         self.engine = engine
         self.max_model_len = max_model_len
         self.app_name = app_name
         self.lora_enabled = lora_enabled
+        self.tokenizer_class = tokenizer_class  # "module:Class", as the engine loaded it
 
     @classmethod
     async def create(cls, engine: ReplicaEngine, app_name: str) -> "ReplicaEngineClient":
         scheduler = engine.scheduler
         return cls(engine, await scheduler.get_max_model_len.remote(), app_name,
-                   await scheduler.lora_enabled.remote())
+                   await scheduler.lora_enabled.remote(), await scheduler.tokenizer_class.remote())
 
     async def generate(self, request: EngineRequest):
         async with aclosing(self.engine.stream(request)) as stream:  # closed early: aborted
