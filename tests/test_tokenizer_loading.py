@@ -1,10 +1,12 @@
-"""A Serve replica loads its tokenizer by the class the engine's AutoTokenizer chose
-(actors/worker/checkpoint_files.py): the same tokenizer, without importing torch.
+"""A Serve replica ends with the tokenizer of the class the engine's AutoTokenizer chose
+(actors/worker/checkpoint_files.py): the one its files declare, loaded while the engine
+starts, where that is the class; else loaded by the engine's class. The same tokenizer as
+AutoTokenizer's, without importing torch.
 
 Each case is a checkpoint whose files declare a tokenizer class the way released checkpoints
 do (Qwen2's, GPT-2's, Llama 3's generic fast tokenizer, a Llama-class name over a byte-level
-tokenizer.json, which AutoTokenizer replaces); loaded both ways, the class, the ids of text and
-chat, and the decoded text must agree.
+tokenizer.json, which AutoTokenizer replaces, none at all); loaded both ways, the class, the
+ids of text and chat, and the decoded text must agree.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.worker.checkpoint_files import load_tokenizer, tokenizer_class_path
+from actors.worker.checkpoint_files import (engine_tokenizer, load_declared_tokenizer, load_tokenizer,
+                                           tokenizer_class_path)
 
 REPO = Path(__file__).resolve().parent.parent
 TEXTS = ["The quick brown fox, 1234 times!", "  leading spaces\nand a newline\t", "héllo wörld 日本"]
@@ -42,13 +45,16 @@ def checkpoint_declaring(src: Path, dst: Path, model_type: str, tokenizer_class:
 
 
 @pytest.mark.parametrize("model_type,declared", DECLARED)
-def test_loading_by_the_engines_class_equals_auto_tokenizer(llama_ckpt, tmp_path, model_type, declared):
+def test_the_replicas_tokenizer_equals_auto_tokenizer(llama_ckpt, tmp_path, model_type, declared):
     from transformers import AutoTokenizer
 
     path = checkpoint_declaring(llama_ckpt, tmp_path / "ckpt", model_type, declared)
     auto = AutoTokenizer.from_pretrained(str(path))
-    by_class = load_tokenizer(path, tokenizer_class_path(auto))
+    guess = load_declared_tokenizer(path)
+    by_class = engine_tokenizer(path, tokenizer_class_path(auto), guess)
     assert type(by_class) is type(auto)
+    # the declared class is kept where AutoTokenizer chose it, and replaced where it did not
+    assert (by_class is guess) == (guess is not None and type(guess) is type(auto))
     for text in TEXTS:
         assert by_class(text)["input_ids"] == auto(text)["input_ids"]
         assert by_class.decode(auto(text)["input_ids"]) == auto.decode(auto(text)["input_ids"])
@@ -68,14 +74,16 @@ def test_loading_by_class_imports_no_torch(llama_ckpt):
     in the same kind of process does import it (the reason for the class path)."""
     def torch_after(load: str) -> bool:
         code = ("import sys; from pathlib import Path\n"
-                "from actors.worker.checkpoint_files import load_tokenizer, preload_tokenizer_modules\n"
-                f"preload_tokenizer_modules(); tok = {load}\n"
+                "from actors.worker.checkpoint_files import engine_tokenizer, load_declared_tokenizer, load_tokenizer\n"
+                f"tok = {load}\n"
                 "assert tok.decode(tok('fox')['input_ids']) == 'fox'\n"
                 "print('torch' in sys.modules)")
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip() == "True"
 
+    path = f"Path({str(llama_ckpt)!r})"
     class_path = tokenizer_class_path(load_tokenizer(llama_ckpt))
-    assert not torch_after(f"load_tokenizer(Path({str(llama_ckpt)!r}), {class_path!r})")
-    assert torch_after(f"load_tokenizer(Path({str(llama_ckpt)!r}))")
+    assert not torch_after(f"engine_tokenizer({path}, {class_path!r}, load_declared_tokenizer({path}))")
+    assert not torch_after(f"load_tokenizer({path}, {class_path!r})")
+    assert torch_after(f"load_tokenizer({path})")

@@ -67,10 +67,26 @@ def tokenizer_class_path(tokenizer) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def preload_tokenizer_modules() -> None:
-    """Import what loading a tokenizer by its class needs (~0.5-0.8 s; no torch), while the
-    engine that will name the class still starts."""
-    importlib.import_module("transformers.tokenization_utils_tokenizers")
+def load_declared_tokenizer(path: Path):
+    """The tokenizer by the class its tokenizer_config.json declares, where transformers has
+    that class (no torch); else None. Usually the class AutoTokenizer picks, but not always (it
+    overrides some declarations): a replica loads this while its engine starts, then keeps it
+    only if the engine's class is the same (`engine_tokenizer`)."""
+    file = path / "tokenizer_config.json"
+    name = json.loads(file.read_text()).get("tokenizer_class") if file.exists() else None
+    try:
+        import transformers
+        return getattr(transformers, name).from_pretrained(str(path)) if isinstance(name, str) else None
+    except Exception:  # a class transformers lacks, or one that needs what is not installed
+        return None
+
+
+def engine_tokenizer(path: Path, class_path: str, declared=None):
+    """The tokenizer as the engine loaded it (class_path, see tokenizer_class_path): `declared`
+    (load_declared_tokenizer's) where it is of that class, else loaded by that class."""
+    if declared is not None and tokenizer_class_path(declared) == class_path:
+        return declared
+    return load_tokenizer(path, class_path)
 
 
 def declared_eos_id(path: Path) -> int | None:

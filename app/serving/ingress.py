@@ -14,7 +14,7 @@ import logging
 
 from ray import serve
 
-from actors.worker.checkpoint_files import load_tokenizer, preload_tokenizer_modules, resolve_model_path
+from actors.worker.checkpoint_files import engine_tokenizer, load_declared_tokenizer, resolve_model_path
 from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.llm_server import ServeEngineClient
@@ -34,17 +34,18 @@ class Ingress(ApiHost):
         self._attaching = asyncio.create_task(self._attach_all(list(zip(llm_servers, settings)), app_name))
 
     async def _attach_all(self, models: list, app_name: str) -> None:
-        # transformers' tokenizer modules load while the pools start; then the tokenizers, in one
-        # thread (transformers imported from two threads at once can fail halfway), by the
-        # classes the pools' engines chose (actors/worker/checkpoint_files.py).
-        preloading = asyncio.create_task(asyncio.to_thread(preload_tokenizer_modules))
+        # The tokenizers their files declare load while the pools start, in one thread
+        # (transformers imported from two threads at once can fail halfway); each is kept if the
+        # pool's engines chose the same class (actors/worker/checkpoint_files.py).
         try:
+            paths = [resolve_model_path(s.model_path) for _, s in models]
+            declared = asyncio.create_task(asyncio.to_thread(lambda: [load_declared_tokenizer(p) for p in paths]))
             clients = await asyncio.gather(*(self._connect(pool, s.served_model_name, app_name, len(models) > 1)
                                              for pool, s in models))
-            await preloading
+            guesses = await declared
             tokenizers = await asyncio.to_thread(lambda: [
-                load_tokenizer(resolve_model_path(s.model_path), client.tokenizer_class)
-                for client, (_, s) in zip(clients, models)])
+                engine_tokenizer(path, client.tokenizer_class, guess)
+                for path, client, guess in zip(paths, clients, guesses)])
             for client, tokenizer, (_, settings) in zip(clients, tokenizers, models):
                 self.attach(client, tokenizer, settings)
                 log.info("ingress attached to the LLMServer pool of %s (max_model_len %d)",

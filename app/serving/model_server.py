@@ -21,7 +21,7 @@ from ray import serve
 
 from actors.config import EngineConfig
 from actors.request import EngineRequest
-from actors.worker.checkpoint_files import load_tokenizer, preload_tokenizer_modules, resolve_model_path
+from actors.worker.checkpoint_files import engine_tokenizer, load_declared_tokenizer, resolve_model_path
 from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.app_replicas import AppReplicas
@@ -44,13 +44,13 @@ class ModelServer(ApiHost, ReplicaLifecycle):
         self.engine = ReplicaEngine(engine_config, log_level, progress_interval_s,
                                     pacing, settings.served_model_name)
         # Wait for the model: until then Serve routes no request here (a replica added by the
-        # autoscaler takes traffic only once it can serve it). Meanwhile transformers' tokenizer
-        # modules load; then the tokenizer, by the class the engine's AutoTokenizer chose.
-        preloading = asyncio.create_task(asyncio.to_thread(preload_tokenizer_modules))
+        # autoscaler takes traffic only once it can serve it). Meanwhile the tokenizer its files
+        # declare loads; it is kept if the engine's AutoTokenizer chose the same class.
+        path = resolve_model_path(settings.model_path)
+        declared = asyncio.create_task(asyncio.to_thread(load_declared_tokenizer, path))
         client = await ReplicaEngineClient.create(self.engine, serve.get_replica_context().app_name)
-        await preloading  # (transformers imported from two threads at once can fail halfway)
-        self.attach(client, await asyncio.to_thread(
-            load_tokenizer, resolve_model_path(settings.model_path), client.tokenizer_class))
+        # (awaited first: transformers imported from two threads at once can fail halfway)
+        self.attach(client, await asyncio.to_thread(engine_tokenizer, path, client.tokenizer_class, await declared))
         self._pushing = asyncio.create_task(self._push_http_counts())
         self.http = None
         if listener is not None:
