@@ -63,6 +63,18 @@ def test_the_replicas_tokenizer_equals_auto_tokenizer(llama_ckpt, tmp_path, mode
     assert by_class.eos_token_id == auto.eos_token_id and by_class.all_special_ids == auto.all_special_ids
 
 
+def test_a_declaration_that_does_not_load_leaves_the_engines_class(llama_ckpt, tmp_path):
+    """The replica's guess never fails it: a class transformers lacks, or a config it cannot
+    read (the engine, and so the server, fails on that one), guesses nothing."""
+    path = checkpoint_declaring(llama_ckpt, tmp_path / "ckpt", "llama", "NoSuchTokenizer")
+    assert load_declared_tokenizer(path) is None
+    expected = load_tokenizer(path)
+    tok = engine_tokenizer(path, tokenizer_class_path(expected), None)
+    assert type(tok) is type(expected) and tok(TEXTS[0])["input_ids"] == expected(TEXTS[0])["input_ids"]
+    (path / "tokenizer_config.json").write_text("{not json")
+    assert load_declared_tokenizer(path) is None
+
+
 def test_a_class_outside_transformers_goes_through_auto_tokenizer(llama_ckpt):
     """Remote code's classes live in modules the replica may not have: AutoTokenizer loads those."""
     tok = load_tokenizer(llama_ckpt, "transformers_modules.someone.tokenization:CustomTokenizer")
