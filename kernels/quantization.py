@@ -92,8 +92,8 @@ def quantize(w: torch.Tensor, kind: str, panels: bool = True,
         else:  # torch's cast rounds to the nearest e4m3 (ties to even); the scale keeps |q| <= 448
             q[i:i + QUANTIZE_ROWS] = scaled.clamp_(-_LIMIT[kind], _LIMIT[kind])
     if not panels:
-        return q.contiguous(), scale.contiguous()
-    return packed_weights.panels(q, PANEL), scale.contiguous()
+        return q, scale
+    return packed_weights.panels(q, PANEL), scale
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
