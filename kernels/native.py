@@ -96,6 +96,16 @@ def int8_linear_op(fp8: bool = False):
     return (ops.fp8_linear if fp8 else ops.int8_linear).default
 
 
+def w8a8_sums_op():
+    """`op(out, xq, packed, portable)`, or None: the exact int32 sums, as float32, of int8 rows
+    times int8 weights packed in panels of 16 columns by groups of 4 k's (w8a8_int8 where
+    oneDNN's int8 gemm saturates; csrc/int8_linear.cpp, kernels/quantization.py); AVX2 where the
+    CPU has it, else (or with `portable`) a plain loop."""
+    if not enabled() or not _load("int8_linear", ["int8_linear.cpp"]):
+        return None
+    return torch.ops.shoal_int8.w8a8_sums.default
+
+
 def has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"  # (AMX CPUs report AVX512 too)
 

@@ -31,13 +31,17 @@ epilogue are per row and per element, so a row's output depends on that row alon
 or the thread count. Inside torch.compile only the product is opaque (`shoal::int8_sums`): the
 quantization and the scaling compile with the ops around them.
 
-Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's gemm is not exact: it shifts the
-activations to u8 and multiplies with vpmaddubsw, whose 16-bit sums of two products saturate
-(255 * 127 * 2 > 32767); forced to AVX2 it got 3-5% of outputs wrong on Gaussian data.
-`int_mm_exact` probes for that once, and where it fails each weight is kept as two halves of
-|w| <= 64 stacked [2N, K] (255 * 64 * 2 fits), multiplied in one call and summed: exact, at
-twice the multiplies and the weight bytes (on such CPUs --quantization int8 is the faster
-choice).
+Without VNNI / AMX (AVX2, AVX-512 before Cascade Lake) oneDNN's int8 products are slow or not
+exact: its gemm shifts the activations to u8 and multiplies with vpmaddubsw, whose 16-bit sums
+of two products saturate (255 * 127 * 2 > 32767; forced to AVX2 it got 3-5% of outputs wrong
+on Gaussian data), and where `torch._int_mm` is exact there (torch 2.13 on the AVX2-only
+Zen 3) it ran 30-50x slower than float32. So on such CPUs (`w8a8_cpu_kernel`) each weight is
+packed as it is quantized for shoal's own kernel (csrc/int8_linear.cpp `w8a8_sums`: |x| times
+w with x's sign, which cannot saturate), in panels of 16 columns by groups of 4 k's,
+[ceil(N / 16), K / 4, 16, 4]. Where that kernel is missing (no compiler, a CPU without AVX2) or
+K is not a multiple of 4: `torch._int_mm` where `int_mm_exact` finds it exact, else the weight
+kept as two halves of |w| <= 64 stacked [2N, K] (255 * 64 * 2 fits), multiplied in one call and
+summed: exact, at twice the multiplies and the weight bytes.
 
 SHOAL_FP8_ACTIVATIONS=1 runs fp8 the dynamic way on CPU too (torch's CPU `_scaled_mm`: the same
 arithmetic, 5-15x slower than float32 there), to measure on a CPU the quality a GPU gets.
@@ -101,7 +105,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     computes with."""
     if weight.dim() == 3:
         weight = weight.transpose(1, 2).reshape(-1, weight.shape[1])[:scale.numel()]
-    elif weight.shape[0] == 2 * scale.numel():  # w8a8_int8's halves
+    elif weight.dim() == 4 or weight.shape[0] == 2 * scale.numel():  # w8a8_int8's panels or halves
         weight = w8a8_rows(weight, scale.numel())
     return weight.float() * scale.view(-1, 1)
 
@@ -257,26 +261,63 @@ def _flip_sign_bits(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.bitwise_xor(q.view(torch.uint8), 128).view(dtype)
 
 
-def w8a8_weight(q: torch.Tensor, split: bool) -> torch.Tensor:
-    """int8 rows [N, K] as `int8_sums` reads them: as they are, or with `split` two halves
-    of |w| <= 64 stacked [2N, K] (for a saturating int8 gemm; module docstring)."""
-    if not split:
+W8A8_LAYOUTS = ("rows", "halves", "panels")
+
+
+def w8a8_cpu_kernel() -> str:
+    """The CPU product w8a8_int8 runs here (module docstring): `onednn-packed` (oneDNN's int8
+    linear on weights prepacked at start: VNNI / AMX, exact), `avx2` (shoal's kernel on panels),
+    `onednn` (`torch._int_mm`, where exact) or `onednn-split` (the same on halves)."""
+    from kernels.linear import ONEDNN  # (kernels.linear imports this module)
+
+    if ONEDNN and int_mm_exact() and packed_int8_exact():
+        return "onednn-packed"
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and native.w8a8_sums_op() is not None:
+        return "avx2"
+    return "onednn" if int_mm_exact() else "onednn-split"
+
+
+def w8a8_layout(shape: tuple[int, int], device: torch.device) -> str:
+    """How a w8a8_int8 weight of `shape` [N, K] is kept on `device` for `int8_sums`: panels for
+    shoal's kernel (K a multiple of 4), halves for a saturating gemm, else rows."""
+    kernel = w8a8_cpu_kernel() if device.type == "cpu" else "cuda"
+    if kernel == "avx2" and shape[1] % 4:
+        kernel = "onednn" if int_mm_exact() else "onednn-split"
+    return {"avx2": "panels", "onednn-split": "halves"}.get(kernel, "rows")
+
+
+def w8a8_weight(q: torch.Tensor, layout: str) -> torch.Tensor:
+    """int8 rows [N, K] in a `layout` of W8A8_LAYOUTS: as they are, two halves of |w| <= 64
+    stacked [2N, K] (for a saturating int8 gemm), or panels [ceil(N / 16), K / 4, 16, 4] (each
+    group of 4 k's of one column is one int32's bytes, so they are int32 panels)."""
+    if layout == "rows":
         return q.contiguous()
-    half = torch.div(q, 2, rounding_mode="floor")  # q = (q - half) + half: both within [-64, 64]
-    return torch.cat([q - half, half]).contiguous()
+    if layout == "halves":
+        half = torch.div(q, 2, rounding_mode="floor")  # q = (q - half) + half: both within [-64, 64]
+        return torch.cat([q - half, half]).contiguous()
+    return packed_weights.panels(q.contiguous().view(torch.int32), PANEL).view(torch.int8).view(-1, q.shape[1] // 4, PANEL, 4)
 
 
 def w8a8_rows(weight: torch.Tensor, n: int) -> torch.Tensor:
-    """The [N, K] int values (int16) of a w8a8_int8 weight, split or not."""
+    """The [N, K] int values (int16) of a w8a8_int8 weight, in any layout."""
+    if weight.dim() == 4:  # [P, K / 4, 16, 4] -> [16 P, K]
+        return weight.permute(0, 2, 1, 3).reshape(-1, weight.shape[1] * 4)[:n].short()
     return weight[:n].short() + weight[n:].short() if weight.shape[0] == 2 * n else weight.short()
 
 
 def int8_sums(xq: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
     """The exact int32 sums of int8 rows xq [M, K] (or, uint8, shifted by 128:
-    quantize_rows_int8) times int8 rows W [N, K] (or its halves [2N, K]: w8a8_weight), as float32
-    [M, N]: oneDNN's prepacked int8 linear where the weight has a packed copy (`prepack_w8a8`),
-    else `torch._int_mm` (oneDNN's s8s8s32 gemm on CPU, cuBLASLt on CUDA)."""
+    quantize_rows_int8) times int8 rows W [N, K] (or its halves or panels: w8a8_weight), as
+    float32 [M, N]: shoal's kernel on panels, oneDNN's prepacked int8 linear where the weight has
+    a packed copy (`prepack_w8a8`), else `torch._int_mm` (oneDNN's s8s8s32 gemm on CPU, cuBLASLt
+    on CUDA)."""
     m, k = xq.shape
+    if weight.dim() == 4:
+        if xq.dtype == torch.uint8:
+            xq = _flip_sign_bits(xq, torch.int8)
+        out = xq.new_empty((m, n), dtype=torch.float32)
+        native.w8a8_sums_op()(out, xq.contiguous(), weight, False)
+        return out
     packed = packed_weights.find(weight) if weight.device.type == "cpu" else None
     if packed is not None:
         return _packed_sums(xq if xq.dtype == torch.uint8 else _flip_sign_bits(xq, torch.uint8), packed, n)
@@ -301,7 +342,8 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     are inductor's, fused with the ops around them; the same arithmetic."""
     flat = x.reshape(-1, x.shape[-1])
     n = scale.shape[-1]
-    xq, x_scale = quantize_rows_int8(flat, shifted=weight.device.type == "cpu")  # (on CPU as oneDNN reads them)
+    # (shifted where oneDNN reads them: CPU rows or halves)
+    xq, x_scale = quantize_rows_int8(flat, shifted=weight.device.type == "cpu" and weight.dim() == 2)
     sums = torch.ops.shoal.int8_sums(xq, weight, n) if torch.compiler.is_compiling() else int8_sums(xq, weight, n)
     out = sums.mul_(x_scale).mul_(scale)
     if bias is not None:
@@ -326,7 +368,7 @@ def _(x, packed, scale, bias):
 
 @torch.library.register_fake("shoal::int8_sums")
 def _(xq, weight, n):
-    return xq.new_empty((xq.shape[0], n), dtype=torch.float32)  # (the weight may be [2N, K] halves)
+    return xq.new_empty((xq.shape[0], n), dtype=torch.float32)  # (the weight may be halves or panels)
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -347,6 +389,9 @@ def quantized_rows(ids: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """Rows `ids` of the dequantised weight, in `dtype`: a quantized embedding's lookup."""
     if weight.dim() == 3:
         q = weight[ids // PANEL, :, ids % PANEL]
+    elif weight.dim() == 4:  # w8a8_int8's panels
+        flat = ids.reshape(-1)
+        q = weight[flat // PANEL, :, flat % PANEL].reshape(*ids.shape, -1)
     elif weight.shape[0] == 2 * scale.numel():  # w8a8_int8's halves
         q = weight[ids].short() + weight[ids + scale.numel()]
     else:
@@ -365,7 +410,7 @@ def quantize_module(module, kind: str) -> None:
     known = getattr(module, "checkpoint_scale", None) if kind != "fp8" else None  # an int8 checkpoint's
     weight, scale = quantize(module.weight.data, kind, panels=panels, scale=known)
     if kind == "w8a8_int8":
-        weight = w8a8_weight(weight, split=device.type == "cpu" and not int_mm_exact())
+        weight = w8a8_weight(weight, w8a8_layout(weight.shape, device))
         scale = scale.view(1, -1)
     module.weight = torch.nn.Parameter(weight, requires_grad=False)
     module.weight_scale = scale

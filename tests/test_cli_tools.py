@@ -28,7 +28,7 @@ from app.cli.bench.cli import check_bounded
 from app.cli.bench.report import percentile
 from app.cli.main import build_parser
 from kernels.linear import ONEDNN
-from kernels.quantization import int_mm_exact, packed_int8_exact
+from kernels.quantization import int_mm_exact, packed_int8_exact, w8a8_cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,9 +237,10 @@ def test_collect_env(monkeypatch, capsys):
     assert report["system"]["logical_cores"] >= 1 and report["system"]["cpu"]
     assert isinstance(report["torch"]["cuda_available"], bool)
     assert report["quantization"]["int8"].startswith("CPU, the ")
-    assert report["quantization"]["w8a8_int8"].startswith("int8 x int8")  # (weights in halves only without VNNI)
-    assert ("halves" in report["quantization"]["w8a8_int8"]) != int_mm_exact()
-    assert ("packed" in report["quantization"]["w8a8_int8"]) == (ONEDNN and int_mm_exact() and packed_int8_exact())
+    w8a8 = report["quantization"]["w8a8_int8"]
+    assert w8a8.startswith("int8 x int8")
+    assert ("shoal's AVX2 kernel" in w8a8) == (w8a8_cpu_kernel() == "avx2")
+    assert ("packed at start" in w8a8) == (ONEDNN and int_mm_exact() and packed_int8_exact())
     assert "dequantised as they load" in report["quantization"]["gptq / awq / compressed-tensors int4 checkpoints"]
     assert report["quantization"]["fp8 KV cache"].startswith("--kv-cache-dtype fp8")
     assert report["ray_cluster"] == {"status": "unreachable", "address": "127.0.0.1:9"}

@@ -43,8 +43,8 @@ def test_the_rules_for_linear_and_decode():
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     assert linear_kernel(torch.float32, cpu, "int8") == ("int8-avx2" if wide else "int8-portable")  # (it builds)
     assert linear_kernel(torch.float32, cpu, "w8a8_int8") == (
-        "w8a8_int8-onednn-split" if not int_mm_exact() else
-        "w8a8_int8-onednn-packed" if linear.ONEDNN and packed_int8_exact() else "w8a8_int8-onednn")
+        "w8a8_int8-onednn-packed" if linear.ONEDNN and int_mm_exact() and packed_int8_exact() else
+        "w8a8_int8-avx2" if wide else "w8a8_int8-onednn" if int_mm_exact() else "w8a8_int8-onednn-split")
     assert linear_kernel(torch.float32, cuda, "w8a8_int8") == "w8a8_int8-cublas"
     assert KernelChoice("torch", "onednn", "compiled").packs_weights
     assert KernelChoice("torch", "w8a8_int8-onednn-packed", "compiled").packs_weights

@@ -1,10 +1,12 @@
 """--quantization w8a8_int8: int8 weights times int8 activations quantized per row as they
-arrive (kernels/quantization.py w8a8_linear, `torch._int_mm`).
+arrive (kernels/quantization.py w8a8_linear: oneDNN's int8 linear, shoal's AVX2 kernel or
+`torch._int_mm`).
 
 The product against an exact emulation (int64 dot of the quantized values, then the float32
-scales), on both weight layouts (rows, and the halves kept where oneDNN's int8 gemm saturates:
-forced here with ONEDNN_MAX_CPU_ISA=AVX2 in a subprocess); a row's output alone and in any
-batch; the engine's greedy tokens against transformers on the dequantised weights with every
+scales), on every weight layout (rows; panels for shoal's kernel, on its AVX2 and portable
+paths, on values that saturate a u8 x s8 pair sum; halves); the kernel each CPU gets (an
+AVX2-only CPU forced here with ONEDNN_MAX_CPU_ISA=AVX2 in a subprocess); a row's output alone
+and in any batch; the engine's greedy tokens against transformers on the dequantised weights with every
 nn.Linear's input quantized the same way (teacher-forced, up to quantization flips: see FLIP),
 eager and compiled."""
 from __future__ import annotations
@@ -25,8 +27,10 @@ from test_engine import GREEDY, assert_pool_free, prompts_of
 from actors.engine.llm import LLM
 from kernels import packed_weights
 from kernels.linear import ONEDNN
-from kernels.quantization import (dequantize, int_mm_exact, packed_int8_exact, quantize, quantize_module,
-                                  quantize_rows_int8, quantized_rows, w8a8_linear, w8a8_weight)
+from kernels.native import w8a8_sums_op
+from kernels.quantization import (W8A8_LAYOUTS, dequantize, int_mm_exact, packed_int8_exact, quantize,
+                                  quantize_module, quantize_rows_int8, quantized_rows, w8a8_cpu_kernel, w8a8_layout,
+                                  w8a8_linear, w8a8_weight)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,16 +51,25 @@ def exact(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, bias) -> torc
     return out if bias is None else out + bias
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_w8a8_product_equals_the_exact_emulation(split):
+# Each layout's shape for [N, K] and its largest |value|.
+LAYOUT_SHAPE = {"rows": lambda n, k: ((n, k), 127), "halves": lambda n, k: ((2 * n, k), 64),
+                "panels": lambda n, k: ((-(-n // 16), k // 4, 16, 4), 127)}
+
+
+@pytest.mark.parametrize("layout", W8A8_LAYOUTS)
+def test_w8a8_product_equals_the_exact_emulation(layout):
+    if layout == "panels" and w8a8_sums_op() is None:
+        pytest.skip("shoal's native kernels do not build here")
     torch.manual_seed(0)
-    for n, k in [(40, 72), (37, 1001), (64, 64), (5, 3), (300, 4864)]:
+    for n, k in [(40, 72), (37, 1001), (64, 64), (5, 3), (300, 4864), (17, 4)]:
+        if layout == "panels" and k % 4:
+            continue  # (kept in halves or rows: w8a8_layout)
         w = torch.randn(n, k)
         q, w_scale = quantize(w, "w8a8_int8", panels=False)
         assert torch.equal(q, quantize(w, "int8", panels=False)[0])  # the same int8 weights as int8's
-        weight = w8a8_weight(q, split)
-        assert weight.shape == ((2 * n, k) if split else (n, k)) and weight.dtype == torch.int8
-        assert weight.abs().max() <= (64 if split else 127)
+        weight = w8a8_weight(q, layout)
+        shape, largest = LAYOUT_SHAPE[layout](n, k)
+        assert weight.shape == shape and weight.dtype == torch.int8 and weight.abs().max() <= largest
         assert torch.equal(dequantize(weight, w_scale), dequantize(q, w_scale))
         bias = torch.randn(n)
         for m in (0, 1, 7, 33):
@@ -65,6 +78,30 @@ def test_w8a8_product_equals_the_exact_emulation(split):
                 got = w8a8_linear(x, weight, w_scale.view(1, -1), b)
                 assert got.shape == (m, n) and got.dtype == torch.float32
                 assert torch.equal(got, exact(x, q, w_scale, b))
+
+
+@pytest.mark.skipif(w8a8_sums_op() is None, reason="shoal's native kernels do not build here")
+@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+def test_the_panel_kernel_sums_exactly(portable):
+    """csrc/int8_linear.cpp w8a8_sums, on its AVX2 path (where the CPU has it) and its portable
+    loop: exact int32 sums at every row count around its blocks of 4, on a partial last panel,
+    and on +-127 values whose u8 x s8 pair sums saturate vpmaddubsw (255 * 127 * 2 > 32767),
+    which |x| times w with x's sign keeps within 2 * 127 * 127."""
+    g = torch.Generator().manual_seed(5)
+    for n, k in [(40, 72), (16, 4), (33, 1000)]:
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        q[::2, :40] = 127
+        q[1::2, :40] = -127
+        panels = w8a8_weight(q, "panels")
+        for m in (1, 2, 3, 4, 5, 8, 9, 33):
+            xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+            xq[:, :40] = torch.where(torch.arange(m)[:, None] % 2 == 0, 127, -127).to(torch.int8)
+            xq[0, 40:48] = 0
+            out = torch.full((m, n), float("nan"))
+            w8a8_sums_op()(out, xq, panels, portable)
+            assert torch.equal(out, (xq.long() @ q.long().t()).float()), (n, k, m)
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        w8a8_sums_op()(torch.empty(1, 16), torch.zeros(1, 6, dtype=torch.int8), panels[:1], portable)
 
 
 def test_activations_quantize_per_row_to_the_nearest_step():
@@ -99,57 +136,72 @@ def test_a_rows_output_does_not_depend_on_the_batch():
 
 
 def test_quantized_module_and_embedding_rows():
-    """quantize_module keeps w8a8_int8's rows (halves where the gemm saturates) with a [1, N]
-    scale; an embedding sharing them looks up the dequantised rows."""
+    """quantize_module keeps w8a8_int8's weight in this CPU's layout with a [1, N] scale; an
+    embedding sharing it looks up the dequantised rows, in every layout."""
     torch.manual_seed(3)
     layer = torch.nn.Linear(48, 70)
     w = layer.weight.data.clone()
     quantize_module(layer, "w8a8_int8")
-    assert layer.weight.shape == ((70, 48) if int_mm_exact() else (140, 48)) and layer.weight_scale.shape == (1, 70)
+    layout = w8a8_layout((70, 48), torch.device("cpu"))
+    assert layer.weight.shape == LAYOUT_SHAPE[layout](70, 48)[0] and layer.weight_scale.shape == (1, 70)
     q, s = quantize(w, "int8", panels=False)
-    ids = torch.tensor([0, 5, 69, 5])
+    ids = torch.tensor([0, 5, 69, 5, 16])
     assert torch.equal(quantized_rows(ids, layer.weight, layer.weight_scale, torch.float32), dequantize(q, s)[ids])
-    split = w8a8_weight(q, True)
-    assert torch.equal(quantized_rows(ids, split, s.view(1, -1), torch.float32), dequantize(q, s)[ids])
+    for other in W8A8_LAYOUTS:
+        weight = w8a8_weight(q, other)
+        assert torch.equal(quantized_rows(ids, weight, s.view(1, -1), torch.float32), dequantize(q, s)[ids])
+        assert torch.equal(quantized_rows(ids.view(1, 5), weight, s.view(1, -1), torch.float32),
+                           dequantize(q, s)[ids].view(1, 5, 48))
 
 
-def test_int_mm_is_probed_exact_here():
-    """On this machine's CPU: a CPU with AVX-512 VNNI runs oneDNN's exact kernel."""
+def test_each_cpu_gets_its_fastest_exact_kernel():
+    """A CPU with VNNI / AMX runs oneDNN's prepacked int8 linear; one without (the AVX2-only Zen 3,
+    where torch._int_mm is exact but ran 30-50x slower than float32) shoal's kernel on panels."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " avx512_vnni" not in flags and " amx_int8" not in flags:
-        pytest.skip("no AVX-512 VNNI / AMX on this CPU (the saturating case runs in the AVX2 test)")
-    assert int_mm_exact()
+    kernel = w8a8_cpu_kernel()
+    if " avx512_vnni" in flags or " amx_int8" in flags:
+        assert int_mm_exact()
+        assert kernel == ("onednn-packed" if ONEDNN and packed_int8_exact() else "avx2")
+    elif " avx2" in flags and w8a8_sums_op() is not None:
+        assert kernel == "avx2"
+    assert w8a8_layout((8, 64), torch.device("cpu")) == {"avx2": "panels", "onednn-split": "halves"}.get(kernel, "rows")
+    if kernel == "avx2":  # a K that is not a multiple of 4 falls back
+        assert w8a8_layout((8, 63), torch.device("cpu")) == ("rows" if int_mm_exact() else "halves")
 
 
 AVX2_CHECK = """
 import torch
-from kernels.quantization import int_mm_exact, quantize, quantize_module, quantize_rows_int8, w8a8_linear
+from kernels.quantization import int_mm_exact, quantize, quantize_module, quantize_rows_int8, w8a8_cpu_kernel, w8a8_linear
 from test_w8a8 import exact
 torch.manual_seed(0)
 w, x = torch.randn(96, 300), torch.randn(33, 300)
 q, s = quantize(w, "int8", panels=False)
 xq = quantize_rows_int8(x)[0]
 wrong = torch._int_mm(xq, q.t()).long() != xq.long() @ q.long().t()
-assert wrong.any(), "oneDNN's int8 gemm without VNNI no longer saturates: the halves are not needed"
-assert not int_mm_exact()
+assert wrong.any() != int_mm_exact()
 layer = torch.nn.Linear(300, 96)
 layer.weight.data.copy_(w)
 quantize_module(layer, "w8a8_int8")
-assert layer.weight.shape == (192, 300)
 got = w8a8_linear(x, layer.weight, layer.weight_scale, layer.bias.detach())
 assert torch.equal(got, exact(x, q, s, layer.bias.detach()))
-print("exact on halves; plain gemm wrong in", wrong.sum().item(), "of", wrong.numel())
+print(w8a8_cpu_kernel(), tuple(layer.weight.shape), "exact; torch._int_mm wrong in", wrong.sum().item())
 """
 
 
 @pytest.mark.parametrize("isa", ["AVX2", "SSE41"])
-def test_a_saturating_int8_gemm_gets_the_weights_in_halves(isa):
-    """oneDNN held to AVX2 (as on the AVX2-only Zen 3) or SSE4.1: its s8s8 gemm saturates, the
-    probe sees it, and the weights kept in halves give the exact products."""
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "no-native"])
+def test_a_cpu_without_vnni_gets_an_exact_kernel(isa, native):
+    """oneDNN held to AVX2 (as on the AVX2-only Zen 3) or SSE4.1: its prepacked int8 linear is
+    not taken (it saturates there); shoal's kernel on panels is, or, without native kernels,
+    torch._int_mm on rows where the probe finds it exact, else on halves. Each is exact."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "SHOAL_NATIVE_KERNELS": native,
+           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     run = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "exact on halves" in run.stdout
+    kernel, rest = run.stdout.split(" ", 1)
+    shapes = {"avx2": "(6, 75, 16, 4)", "onednn": "(96, 300)", "onednn-split": "(192, 300)"}
+    assert kernel in ({"avx2"} if native == "1" and w8a8_sums_op() is not None else {"onednn", "onednn-split"})
+    assert rest.startswith(f"{shapes[kernel]} exact"), run.stdout
 
 
 def linear_with_int8_activations(self, x):
@@ -245,9 +297,8 @@ llm.shutdown()
 
 
 def test_an_avx2_only_cpu_serves_w8a8_int8(checkpoint_factory, tmp_path):
-    """The engine as on the AVX2-only Zen 3 (torch's kernels held to AVX2, oneDNN's too, so its
-    int8 gemm saturates): the weights go in halves, unpacked, and greedy decoding follows
-    transformers as on a VNNI CPU."""
+    """The engine as on the AVX2-only Zen 3 (torch's kernels held to AVX2, oneDNN's too): shoal's
+    AVX2 kernel on panels, and greedy decoding follows transformers as on a VNNI CPU."""
     import json
     from types import SimpleNamespace
 
@@ -260,7 +311,7 @@ def test_an_avx2_only_cpu_serves_w8a8_int8(checkpoint_factory, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert "linear w8a8_int8-onednn-split" in got["kernels"] and "attention cpp-avx2" in got["kernels"], got
+    assert "linear w8a8_int8-avx2" in got["kernels"] and "attention cpp-avx2" in got["kernels"], got
     outs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=t)]) for t in got["tokens"]]
     assert [len(t) for t in got["tokens"]] == [GREEDY.max_tokens] * len(prompts)
     assert_greedy_up_to_flips(reference, prompts, outs)
@@ -315,7 +366,7 @@ def test_compiled_decode_runs_w8a8_like_eager(arch, checkpoint_factory, tmp_path
     compiled = compiled_llm(path, quantization="w8a8_int8", dtype="float32")
     eager = LLM(str(path), quantization="w8a8_int8", dtype="float32", **OPTIONS)
     try:
-        assert compiled.engine.executor.runner.kernels.linear.startswith("w8a8_int8-onednn")
+        assert compiled.engine.executor.runner.kernels.linear == f"w8a8_int8-{w8a8_cpu_kernel()}"
         prompts = prompts_of([3, 9, 30, 1, 5, 14])
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
         before = compiled.engine.executor.runner.graph_replays
@@ -370,18 +421,19 @@ def test_shoal_serve_takes_w8a8_int8():
 
 def test_the_opaque_op_under_torch_compile_equals_eager():
     """w8a8_linear traced by torch.compile (the quantization and scaling compiled, the product the
-    opaque shoal::int8_sums, whose fake gives the [M, N] shape, also for the weight in halves)
-    computes what the eager call does, on the weight as it is, in halves and prepacked."""
+    opaque shoal::int8_sums, whose fake gives the [M, N] shape, also for the weight in halves or
+    panels) computes what the eager call does, in every layout and prepacked."""
     from kernels.quantization import prepack_w8a8, quantized_linear
 
     torch.manual_seed(4)
     w, bias, x = torch.randn(40, 72), torch.randn(40), torch.randn(3, 5, 72)
     q, s = quantize(w, "w8a8_int8", panels=False)
-    packed = w8a8_weight(q, False)
+    packed = w8a8_weight(q, "rows")
     assert prepack_w8a8(packed, 16) == (packed.numel() if int_mm_exact() and packed_int8_exact() else 0)
     compiled = torch.compile(quantized_linear, fullgraph=True, dynamic=False)
     want = exact(x.view(-1, 72), q, s, bias).view(3, 5, 40)
-    for weight in (w8a8_weight(q, False), w8a8_weight(q, True), packed):
+    layouts = [layout for layout in W8A8_LAYOUTS if layout != "panels" or w8a8_sums_op() is not None]
+    for weight in [w8a8_weight(q, layout) for layout in layouts] + [packed]:
         got = compiled(x, weight, s.view(1, -1), bias)
         assert got.shape == (3, 5, 40)
         assert torch.equal(got, quantized_linear(x, weight, s.view(1, -1), bias))

@@ -12,8 +12,9 @@ line, and the only place that knows the rules.
   torch (cuBLAS) on CUDA; with --quantization int8 / fp8 on CPU shoal's 8-bit kernel
   (kernels/csrc/int8_linear.cpp: AVX2 or a portable loop), on CUDA FP8 matmuls
   (`torch._scaled_mm`, fp8 on compute capability 8.9+) or shoal's Triton weight-only kernel;
-  with --quantization w8a8_int8 int8 x int8 matmuls (oneDNN's int8 linear on weights packed
-  once here, or `torch._int_mm`, on CPU; cuBLASLt on CUDA);
+  with --quantization w8a8_int8 int8 x int8 matmuls (on CPU oneDNN's int8 linear on weights
+  packed once here where the CPU has VNNI / AMX, else shoal's AVX2 kernel on weights packed as
+  they are quantized, else `torch._int_mm`; cuBLASLt on CUDA);
 - decode: CUDA graphs on a GPU, torch.compile on CPU (actors/worker/compiled_decode.py), or
   eager, with the reason.
 
@@ -32,7 +33,7 @@ from actors.config import EngineConfig
 from actors.models.llama import fused_block
 from kernels import flash_attention, linear, native, triton_programs
 from kernels.env import flag
-from kernels.quantization import fp8_matmuls, int_mm_exact, packed_int8_exact
+from kernels.quantization import fp8_matmuls, w8a8_cpu_kernel
 
 log = logging.getLogger("shoal.runner")
 
@@ -40,7 +41,7 @@ log = logging.getLogger("shoal.runner")
 @dataclass(frozen=True)
 class KernelChoice:
     attention: str  # flash_attn | vllm_flash_attn | cpp-avx512 | cpp-avx2 | cpp-portable | torch
-    linear: str  # panel | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm | w8a8_int8-{onednn-packed,onednn,onednn-split,cublas}
+    linear: str  # panel | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm | w8a8_int8-{onednn-packed,onednn,avx2,onednn-split,cublas}
     decode: str  # cuda-graphs | compiled | eager
     decode_off: str | None = None  # why decode is eager
 
@@ -82,14 +83,14 @@ def attention_kernel(spec, device: torch.device) -> str:
 
 
 def linear_kernel(dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> str:
-    if quantization == "w8a8_int8":  # int8 x int8: oneDNN's int8 linear on CPU, cuBLASLt on CUDA
+    if quantization == "w8a8_int8":  # int8 x int8
         if device.type == "cuda":
             return "w8a8_int8-cublas"
-        if int_mm_exact():  # oneDNN's prepacked int8 linear, else torch._int_mm (kernels/quantization.py)
-            return "w8a8_int8-onednn" + ("-packed" if linear.ONEDNN and packed_int8_exact() else "")
-        log.warning("w8a8_int8: this CPU's int8 gemm saturates (no VNNI), so the weights are kept in halves: "
-                    "exact but slower than --quantization int8 here (kernels/quantization.py)")
-        return "w8a8_int8-onednn-split"
+        kernel = w8a8_cpu_kernel()  # (kernels/quantization.py)
+        if kernel == "onednn-split":
+            log.warning("w8a8_int8: this CPU's int8 gemm saturates (no VNNI) and shoal's AVX2 kernel is unavailable, "
+                        "so the weights are kept in halves: exact but slower than --quantization int8 here")
+        return f"w8a8_int8-{kernel}"
     if quantization:
         if quantization == "fp8" and fp8_matmuls(device):
             return "fp8-scaled-mm"

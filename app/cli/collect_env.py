@@ -112,8 +112,7 @@ def quantization() -> dict:
     try:
         import torch
 
-        from kernels.linear import ONEDNN
-        from kernels.quantization import int_mm_exact, packed_int8_exact
+        from kernels.quantization import w8a8_cpu_kernel
     except ImportError:
         return {}
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -121,10 +120,12 @@ def quantization() -> dict:
     fp8_gpu = any(torch.cuda.get_device_capability(i) >= (8, 9) for i in range(torch.cuda.device_count()))
     return {"int8": f"{cpu}; CUDA, shoal's Triton weight-only kernel",
             "w8a8_int8": "int8 x int8 (activations quantized per token): CPU, "
-                         + ("oneDNN's gemm (torch._int_mm) on weights split in halves (no VNNI: --quantization int8 "
-                            "is faster)" if not int_mm_exact() else
-                            "oneDNN's int8 linear on weights packed at start" if ONEDNN and packed_int8_exact() else
-                            "oneDNN's gemm (torch._int_mm)")
+                         + {"onednn-packed": "oneDNN's int8 linear on weights packed at start",
+                            "avx2": "shoal's AVX2 kernel (kernels/csrc/int8_linear.cpp; oneDNN's is slow or saturates "
+                                    "here: no VNNI)",
+                            "onednn": "oneDNN's gemm (torch._int_mm)",
+                            "onednn-split": "oneDNN's gemm (torch._int_mm) on weights split in halves (no VNNI: "
+                                            "--quantization int8 is faster)"}[w8a8_cpu_kernel()]
                          + "; CUDA, torch._int_mm's cuBLASLt (not yet run on a GPU)",
             "fp8 online": f"{cpu}, weight-only; CUDA, "
                           + ("FP8 matmuls (torch._scaled_mm)" if fp8_gpu else "FP8 matmuls on compute capability 8.9+, "

@@ -20,6 +20,17 @@
 // F16C's conversion, and the sums are the same chains as int8's.
 //
 // AVX2 + FMA (+ F16C for fp8) (a target attribute, checked at run time), else a portable loop.
+//
+// w8a8_sums (--quantization w8a8_int8 where oneDNN's int8 gemm saturates: AVX2 without VNNI):
+// the exact int32 sums of int8 activations times int8 weights, packed in panels of 16 columns
+// by groups of 4 k's ([P, K / 4, 16, 4]: a group's 64 bytes are two vectors, each 8 columns x
+// 4 k's). vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16, which
+// saturates for u8 x s8 (255 x 127 x 2 > 32767); llama.cpp's trick keeps it exact: |x| as the
+// unsigned side (<= 127) and x's sign moved onto w (vpsignb), so a pair sums to at most
+// 2 x 127 x 127 = 32258. vpmaddwd by ones then adds the pairs into int32: 32 products in 4
+// instructions per vector, against float32's 8 per fused multiply-add. Blocks of 4 rows x 16
+// columns (8 accumulators) reuse each loaded group. The sums are exact integers, so any order,
+// thread count or batch gives the same result.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -27,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -226,14 +238,106 @@ void fp8_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tensor bias, 
   weight_only_linear<Fp8>(out, x, packed, scale, bias, portable);
 }
 
+// ---- w8a8_sums ----
+
+constexpr int64_t kGroup = 4;     // k's of one int32 lane: vpmaddubsw + vpmaddwd sum 4 products
+constexpr int64_t kSumRows = 4;   // rows per register block: 4 x 2 int32 accumulators
+
+// The finished int32 sums of `rows` rows of one panel, as float32, into its `cols` columns.
+inline void store_sums(const int32_t* sums, int rows, float* out, int64_t ldo, int64_t cols) {
+  for (int r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = static_cast<float>(sums[r * kCols + c]);
+}
+
+#ifdef SHOAL_HAS_AVX2_INT8
+template <int R>
+SHOAL_AVX2 inline __attribute__((always_inline)) void sums_block(const int8_t* x, int64_t K, const int8_t* panel,
+                                                                float* out, int64_t ldo, int64_t cols) {
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < K; k += kGroup) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kCols));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kCols + 32));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * K + k, sizeof four);
+      const __m256i xs = _mm256_set1_epi32(four);  // the row's 4 k's, in every lane
+      const __m256i xa = _mm256_abs_epi8(xs);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs)), ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs)), ones));
+    }
+  }
+  alignas(32) int32_t sums[R * kCols];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums + r * kCols), acc[r][0]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums + r * kCols + 8), acc[r][1]);
+  }
+  store_sums(sums, R, out, ldo, cols);
+}
+
+SHOAL_AVX2 void panel_sums(const int8_t* x, int64_t M, int64_t K, const int8_t* panel, float* out, int64_t N,
+                           int64_t cols) {
+  int64_t m = 0;
+  for (; m + kSumRows <= M; m += kSumRows) sums_block<kSumRows>(x + m * K, K, panel, out + m * N, N, cols);
+  switch (M - m) {
+    case 1: sums_block<1>(x + m * K, K, panel, out + m * N, N, cols); break;
+    case 2: sums_block<2>(x + m * K, K, panel, out + m * N, N, cols); break;
+    case 3: sums_block<3>(x + m * K, K, panel, out + m * N, N, cols); break;
+    default: break;
+  }
+}
+#endif
+
+void panel_sums_portable(const int8_t* x, int64_t M, int64_t K, const int8_t* panel, float* out, int64_t N,
+                         int64_t cols) {
+  int32_t sums[kCols];
+  for (int64_t m = 0; m < M; ++m) {
+    std::fill(sums, sums + kCols, 0);
+    for (int64_t k = 0; k < K; k += kGroup)
+      for (int64_t c = 0; c < kCols; ++c)
+        for (int64_t j = 0; j < kGroup; ++j)
+          sums[c] += int32_t{x[m * K + k + j]} * int32_t{panel[k * kCols + c * kGroup + j]};
+    store_sums(sums, 1, out + m * N, N, cols);
+  }
+}
+
+void w8a8_sums(Tensor out, Tensor xq, Tensor packed, bool portable) {
+  STD_TORCH_CHECK(xq.dim() == 2 && out.dim() == 2 && packed.dim() == 4, "xq [M, K], out [M, N], packed [P, K / 4, 16, 4]");
+  STD_TORCH_CHECK(out.is_cpu() && out.scalar_type() == ScalarType::Float && out.is_contiguous(),
+                  "out must be a contiguous float32 CPU tensor");
+  for (const Tensor* t : {&xq, &packed})
+    STD_TORCH_CHECK(t->is_cpu() && t->scalar_type() == ScalarType::Char && t->is_contiguous(),
+                    "xq and packed must be contiguous int8 CPU tensors");
+  const int64_t M = xq.size(0), K = xq.size(1), N = out.size(1), panels = packed.size(0);
+  STD_TORCH_CHECK(out.size(0) == M && K % kGroup == 0 && packed.size(1) * kGroup == K && packed.size(2) == kCols &&
+                      packed.size(3) == kGroup && panels == (N + kCols - 1) / kCols,
+                  "shapes of out, xq and packed do not agree (K must be a multiple of 4)");
+  if (M == 0) return;
+  const int8_t* xp = xq.const_data_ptr<int8_t>();
+  const int8_t* wp = packed.const_data_ptr<int8_t>();
+  float* op = out.mutable_data_ptr<float>();
+  auto sums = panel_sums_portable;
+#ifdef SHOAL_HAS_AVX2_INT8
+  if (!portable && __builtin_cpu_supports("avx2")) sums = panel_sums;
+#endif
+  torch::stable::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      sums(xp, M, K, wp + p * K * kCols, op + p * kCols, N, std::min<int64_t>(kCols, N - p * kCols));
+  });
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY(shoal_int8, m) {
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) -> ()");
   m.def("fp8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) -> ()");
+  m.def("w8a8_sums(Tensor(a!) out, Tensor xq, Tensor packed, bool portable) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(shoal_int8, CPU, m) {
   m.impl("int8_linear", TORCH_BOX(&int8_linear));
   m.impl("fp8_linear", TORCH_BOX(&fp8_linear));
+  m.impl("w8a8_sums", TORCH_BOX(&w8a8_sums));
 }

@@ -8,7 +8,7 @@ Q8_0, and quality against the unquantized model.
     .venv/bin/python tests/bench/bench_quantization.py kernel [--threads 2] [--best]
 
 kernel: the 8-bit kernel (int8 and fp8 weights) and w8a8_int8's int8 x int8 product
-(torch._int_mm, activations quantized per call) against float32 (shoal's CPU linear: oneDNN, or
+(the CPU's kernel of kernels/quantization.py, activations quantized per call) against float32 (shoal's CPU linear: oneDNN, or
 the panel kernel on AVX-512) on the Qwen2.5-0.5B shape's projections, at decode and prefill row
 counts.
 
@@ -229,15 +229,15 @@ def kernel(args) -> None:
     import torch
 
     from kernels import linear
-    from kernels.quantization import _cpu_linear, int_mm_exact, quantize, w8a8_linear, w8a8_weight
+    from kernels.quantization import (_cpu_linear, prepack_w8a8, quantize, w8a8_cpu_kernel, w8a8_layout, w8a8_linear,
+                                      w8a8_weight)
 
     torch.set_num_threads(args.threads)
     h, i = QWEN_05B["hidden_size"], QWEN_05B["intermediate_size"]
     shapes = {"qkv": (h + 2 * 128, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i)}
-    split = not int_mm_exact()
     pick = "min" if args.best else "median"
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads; ms per call ({pick} of 15); "
-          f"w8a8: int8 x int8 through torch._int_mm{' on weights in halves (no exact int8 gemm here)' if split else ''}")
+          f"w8a8: int8 x int8 through the kernel the engine picks here, w8a8_int8-{w8a8_cpu_kernel()}")
     print("| projection [N, K] | rows | float32 | int8 | fp8 | w8a8 | float32 / int8 | float32 / fp8 | float32 / w8a8 "
           "| int8 / w8a8 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -256,7 +256,9 @@ def kernel(args) -> None:
         w = torch.randn(n, k)
         int8, fp8 = quantize(w, "int8"), quantize(w, "fp8")
         rows, scale = quantize(w, "w8a8_int8", panels=False)
-        w8a8 = w8a8_weight(rows, split), scale.view(1, -1)
+        w8a8 = w8a8_weight(rows, w8a8_layout(rows.shape, torch.device("cpu"))), scale.view(1, -1)
+        if w8a8_cpu_kernel() == "onednn-packed":
+            prepack_w8a8(w8a8[0], 32)
         for m in (1, 8, 32, 256):
             x = torch.randn(m, k)
             f32 = timed(lambda: linear.linear(x, w))
