@@ -385,6 +385,15 @@ def test_rows_pad_to_a_few_bucket_sizes(compiled):
     assert CompiledDecode(None, sizes=[1, 2, 4, 8, 10], block_size=4).sizes == [2, 4, 8, 10, *range(32, 522 + 1, 32)]
     assert logit_index([0, 1, 2], 3, graphs.sizes).tolist() == [0, 1, 2, 3]  # a decode step's rows, padded
     assert logit_index([3, 9, 10], 11, graphs.sizes).tolist() == [3, 9, 10, 0]
+    # What the pacer fills with prompt tokens (actors/core/step_times.py); an eager step pads nothing.
+    executor = llm.engine.executor
+    assert [executor.padded_rows(n) for n in (3, 8, 9, 40, 520, 521)] == [4, 8, 32, 64, 520, 521]
+    assert llm.engine.scheduler.pacer.padded_rows == executor.padded_rows
+    graphs_now, executor.runner.graphs = executor.runner.graphs, None
+    try:
+        assert executor.padded_rows(9) == 9
+    finally:
+        executor.runner.graphs = graphs_now
 
 
 def test_a_failed_compile_falls_back_to_eager(failing_start, first_starts, caplog):

@@ -90,6 +90,32 @@ def test_without_a_target_every_step_keeps_the_full_budget():
     assert pacer.token_seconds is None and pacer.prefill_budget(decoding=4) == 512
 
 
+def test_prompt_tokens_fill_the_rows_a_compiled_step_pads_to():
+    """Where a step's rows are padded to a bucket (the compiled step's: 2, 4, 8, then multiples
+    of 8 to 32, then of 32), the budget grows to the bucket's edge; never past the step's
+    token budget, and not at all where nothing pads."""
+    from actors.worker.compiled_decode import bucket_sizes
+    from actors.worker.cuda_graphs import capture_sizes, padded_size
+
+    sizes = bucket_sizes(capture_sizes(None, 32))
+    padded = lambda rows: padded_size(rows, sizes) or rows  # noqa: E731 (the runner's padded_rows)
+    plain, filled = PrefillPacer(0.075, 2048), PrefillPacer(0.075, 2048, padded)
+    tiny = PrefillPacer(0.075, 40, padded)
+    for pacer in (plain, filled, tiny):
+        pacer.observe(rows(64), 0.32)  # 5 ms a prompt token
+        for batch in (2, 19, 32):
+            for _ in range(10):
+                pacer.observe(rows(*[1] * batch), 0.150)  # decodes past the target: half their time
+    for decoding in (2, 19, 32):
+        assert plain.prefill_budget(decoding) == MIN_PREFILL_TOKENS  # 75 ms at 5 ms a token: 15, at least 16
+        budget = filled.prefill_budget(decoding)
+        assert padded(decoding + budget) == decoding + budget  # on a bucket's edge
+        assert budget == {2: 22, 19: 45, 32: 32}[decoding]  # 24, 64 and 64 rows
+        assert tiny.prefill_budget(decoding) == min(40, budget)
+    assert sizes[:6] == [2, 4, 8, 16, 24, 32] and sizes[6] == 64
+    assert padded(10_000) == 10_000  # past the last bucket: eager, nothing padded
+
+
 def test_decode_times_fall_back_to_the_nearest_batch():
     times = DecodeTimes()
     assert times.estimate(4) is None

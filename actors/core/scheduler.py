@@ -37,11 +37,13 @@ from actors.core.structured import accept, grammar_prefix
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_ids: frozenset[int], speculator: Speculator | None = None, itl_target_s: float = 0.0):
+                 eos_ids: frozenset[int], speculator: Speculator | None = None, itl_target_s: float = 0.0,
+                 padded_rows=None):
         """itl_target_s: steps with decoding rows get the prompt tokens that keep them about this
-        long (actors/core/step_times.py); 0: every step may take the full token budget."""
+        long (actors/core/step_times.py); 0: every step may take the full token budget.
+        padded_rows: token rows -> the rows a step of that many computes (compiled steps pad)."""
         self.max_tokens = config.max_num_batched_tokens
-        self.pacer = PrefillPacer(itl_target_s, self.max_tokens)
+        self.pacer = PrefillPacer(itl_target_s, self.max_tokens, padded_rows)
         self._prefill_left = self.max_tokens  # this step's prompt tokens still to give
         self.max_seqs = config.max_num_seqs
         self.priority = config.scheduling_policy == "priority"

@@ -11,6 +11,12 @@ through too. Where the decodes alone take longer than the target, prompts still 
 decodes' time, so a long prompt is never starved. A step without decoding rows, or one before
 any prompt token was timed, keeps the full --max-num-batched-tokens.
 
+A step that runs compiled pads its token rows to a bucket (actors/worker/compiled_decode.py:
+32 decodes and 16 prompt tokens run as 64 rows), and a padding row costs what a prompt token
+would: the budget grows to fill the bucket (`padded_rows`). Without that, a burst of new
+requests beside a few decoding streams entered one 16-token chunk a step, each step computing
+up to 31 rows of padding, and the slow start made staggered ends (docs/benchmarks.md).
+
 A mixed step costs more than its plain decode step plus its prompt tokens at their own rate:
 a plain decode step runs compiled where a mixed one runs eagerly (or, compiled, pads its rows
 and reads each prompt token's context as a decode row), and a small prompt chunk uses the cores
@@ -59,10 +65,12 @@ def is_plain_decode(seqs) -> bool:
 
 
 class PrefillPacer:
-    def __init__(self, target_s: float, max_tokens: int):
-        """target_s: the step time to keep steps with decoding rows near (0: no pacing)."""
+    def __init__(self, target_s: float, max_tokens: int, padded_rows=None):
+        """target_s: the step time to keep steps with decoding rows near (0: no pacing);
+        padded_rows: token rows -> the rows a step of that many computes (None: as many)."""
         self.target = target_s
         self.max_tokens = max_tokens
+        self.padded_rows = padded_rows
         self.decodes = DecodeTimes()
         self.token_seconds: float | None = None  # a prompt token's decayed cost
         self.mixed_overhead = 0.0  # a mixed step's decayed time beyond its decodes and prompt tokens
@@ -100,4 +108,7 @@ class PrefillPacer:
             return self.max_tokens
         decode_seconds = self.decodes.estimate(decoding) or 0.0
         room = max(self.target - self.between - decode_seconds - self.mixed_overhead, decode_seconds / 2)
-        return max(MIN_PREFILL_TOKENS, min(self.max_tokens, int(room / self.token_seconds)))
+        budget = max(MIN_PREFILL_TOKENS, min(self.max_tokens, int(room / self.token_seconds)))
+        if self.padded_rows is not None:  # the padding the step computes anyway
+            budget = min(self.max_tokens, max(budget, self.padded_rows(decoding + budget) - decoding))
+        return budget

@@ -76,7 +76,8 @@ class LLMEngine:
                                    sliding_window=max(windows) if windows and all(windows) else None)
         device = self.executor.device.type
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids, Speculator.create(
-            speculative, device, draft and draft.load(self.executor.num_blocks)), config.itl_target_seconds(device))
+            speculative, device, draft and draft.load(self.executor.num_blocks)), config.itl_target_seconds(device),
+            self.executor.padded_rows)
         # (the future's own method: a lambda over self would be a cycle, and gc.freeze below keeps
         # cycles from start-up for good, so a freed engine would never go)
         self.grammars = Grammars(self._tokenizer.result, self.spec.args.vocab_size, sorted(self.eos_ids))

@@ -50,6 +50,10 @@ class Executor:
     def device(self):
         return self.runner.device
 
+    def padded_rows(self, rows: int) -> int:
+        """The token rows a step of `rows` computes: its compiled step's bucket, else `rows`."""
+        return self.runner.padded_rows(rows)
+
     @property
     def async_scheduling(self) -> bool:
         """Whether execute() may return before the GPU has run the step (RunnerOutput.resolve)."""

@@ -26,7 +26,7 @@ from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.worker import compiled_decode, memory_profile
 from actors.worker.compile_job import BackgroundCompile
 from actors.worker.compiled_decode import MIXED_ROWS, SWAP_AFTER_S, CompiledDecode, PendingCompile, compilable
-from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
 from actors.worker.kernel_choice import choose, device_type
@@ -240,6 +240,13 @@ class ModelRunner:
     def graph_replays(self) -> int:
         """Decode steps run as CUDA graphs or compiled so far (0 where there are none)."""
         return self.graphs.replays if self.graphs is not None else 0
+
+    def padded_rows(self, rows: int) -> int:
+        """The token rows a step of `rows` computes: the compiled step's bucket where it pads
+        (a step with decoding rows; CUDA graphs take decode-only steps, which are not paced)."""
+        if isinstance(self.graphs, CompiledDecode):
+            return padded_size(rows, self.graphs.sizes) or rows
+        return rows
 
     # ---- one step ---------------------------------------------------------------------
     @torch.inference_mode()
