@@ -36,8 +36,8 @@ exact: its gemm shifts the activations to u8 and multiplies with vpmaddubsw, who
 of two products saturate (255 * 127 * 2 > 32767; forced to AVX2 it got 3-5% of outputs wrong
 on Gaussian data), and where `torch._int_mm` is exact there (torch 2.13 on the AVX2-only
 Zen 3) it ran 30-50x slower than float32. So on such CPUs (`w8a8_cpu_kernel`) each weight is
-packed as it is quantized for shoal's own kernel (csrc/int8_linear.cpp `w8a8_sums`: |x| times
-w with x's sign, which cannot saturate), in panels of 16 columns by groups of 4 k's,
+packed as it is quantized for shoal's own kernel (csrc/int8_linear.cpp `w8a8_sums`: |w| times
+x with w's sign, which cannot saturate), in panels of 16 columns by groups of 4 k's,
 [ceil(N / 16), K / 4, 16, 4]. Where that kernel is missing (no compiler, a CPU without AVX2) or
 K is not a multiple of 4: `torch._int_mm` where `int_mm_exact` finds it exact, else the weight
 kept as two halves of |w| <= 64 stacked [2N, K] (255 * 64 * 2 fits), multiplied in one call and

@@ -86,12 +86,14 @@ def test_the_panel_kernel_sums_exactly(portable):
     """csrc/int8_linear.cpp w8a8_sums, on its AVX2 path (where the CPU has it) and its portable
     loop: exact int32 sums at every row count around its blocks of 4, on a partial last panel,
     and on +-127 values whose u8 x s8 pair sums saturate vpmaddubsw (255 * 127 * 2 > 32767),
-    which |x| times w with x's sign keeps within 2 * 127 * 127."""
+    which |w| times x with w's sign keeps within 2 * 128 * 127; weights of -128 too (an int8
+    checkpoint's codes may hold it)."""
     g = torch.Generator().manual_seed(5)
     for n, k in [(40, 72), (16, 4), (33, 1000)]:
-        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
         q[::2, :40] = 127
         q[1::2, :40] = -127
+        q[1::3, :8] = -128
         panels = w8a8_weight(q, "panels")
         for m in (1, 2, 3, 4, 5, 8, 9, 33):
             xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)

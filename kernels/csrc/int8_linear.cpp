@@ -25,12 +25,13 @@
 // the exact int32 sums of int8 activations times int8 weights, packed in panels of 16 columns
 // by groups of 4 k's ([P, K / 4, 16, 4]: a group's 64 bytes are two vectors, each 8 columns x
 // 4 k's). vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16, which
-// saturates for u8 x s8 (255 x 127 x 2 > 32767); llama.cpp's trick keeps it exact: |x| as the
-// unsigned side (<= 127) and x's sign moved onto w (vpsignb), so a pair sums to at most
-// 2 x 127 x 127 = 32258. vpmaddwd by ones then adds the pairs into int32: 32 products in 4
-// instructions per vector, against float32's 8 per fused multiply-add. Blocks of 4 rows x 16
-// columns (8 accumulators) reuse each loaded group. The sums are exact integers, so any order,
-// thread count or batch gives the same result.
+// saturates for u8 x s8 (255 x 127 x 2 > 32767); llama.cpp's trick keeps it exact: |w| as the
+// unsigned side (<= 128: an int8 checkpoint's codes may hold -128) and w's sign moved onto x
+// (vpsignb; activations are quantized within +-127), so a pair sums to at most 2 x 128 x 127 =
+// 32512. vpmaddwd by ones then adds the pairs into int32: 32 products in 4 instructions per
+// vector, against float32's 8 per fused multiply-add. Blocks of 4 rows x 16 columns (8
+// accumulators) reuse each loaded group and its |w|. The sums are exact integers, so any
+// order, thread count or batch gives the same result.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -259,14 +260,14 @@ SHOAL_AVX2 inline __attribute__((always_inline)) void sums_block(const int8_t* x
   for (int64_t k = 0; k < K; k += kGroup) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kCols));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kCols + 32));
+    const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);  // (-128 -> 128 as u8)
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x + r * K + k, sizeof four);
       const __m256i xs = _mm256_set1_epi32(four);  // the row's 4 k's, in every lane
-      const __m256i xa = _mm256_abs_epi8(xs);
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs)), ones));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs)), ones));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xs, w0)), ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xs, w1)), ones));
     }
   }
   alignas(32) int32_t sums[R * kCols];
