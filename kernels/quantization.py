@@ -233,9 +233,9 @@ def packed_int8_exact() -> bool:
 
 def prepack_w8a8(weight: torch.Tensor, rows: int) -> int:
     """Keep oneDNN's prepacked int8 layout of a w8a8_int8 weight's [N, K] rows
-    (kernels/packed_weights.py), where that product is exact here and the weight is not kept in
-    halves. Returns the copy's bytes (0: none kept)."""
-    if not (int_mm_exact() and packed_int8_exact()):
+    (kernels/packed_weights.py), where `w8a8_cpu_kernel` picks that product. Returns the copy's
+    bytes (0: none kept)."""
+    if w8a8_cpu_kernel() != "onednn-packed":
         return 0
     packed = torch.ops.onednn.qlinear_prepack(weight.detach(), [rows, weight.shape[1]])
     packed_weights.keep(weight, packed)
