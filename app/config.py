@@ -37,6 +37,7 @@ class DeployOptions:
     target_ongoing_requests: float = 64.0  # autoscaling target per replica
     upscale_delay_s: float | None = None  # autoscaling: load above target this long adds replicas (Serve: 30)
     downscale_delay_s: float | None = None  # ... below target this long removes them (Serve: 600)
+    look_back_period_s: float | None = None  # ... the load averaged over this window (Serve: 30)
     max_ongoing_requests: int = 1024  # per replica; above it Serve queues at the router
     replica_cpus: float = 0.1  # the LLMServer replica process (placement bundle 0)
     ingress_replicas: int = 1
@@ -300,6 +301,11 @@ def _check_replicas(config: ShoalConfig) -> None:
     if not 0 <= low <= d.max_replicas or d.max_replicas < 1:
         raise ConfigError(f"need 0 <= --min-replicas ({low}) <= --max-replicas ({d.max_replicas}), "
                           "with --max-replicas at least 1")
+    for name in ("upscale_delay_s", "downscale_delay_s"):
+        if (value := getattr(d, name)) is not None and value < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value:g}")
+    if d.look_back_period_s is not None and d.look_back_period_s <= 0:
+        raise ConfigError(f"--look-back-period-s must be positive, got {d.look_back_period_s:g}")
 
 
 def _check_resources(config: ShoalConfig) -> None:

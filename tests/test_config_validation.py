@@ -75,3 +75,15 @@ def test_vllms_quantization_names_are_taken(name):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert parser.parse_args(["--quantization", name]).quantization == name
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("upscale_delay_s", -1, "--upscale-delay-s must be >= 0, got -1"),
+    ("downscale_delay_s", -0.5, "--downscale-delay-s must be >= 0, got -0.5"),
+    ("look_back_period_s", 0, "--look-back-period-s must be positive, got 0"),
+])
+def test_bad_autoscaling_timing_is_one_clear_line(name, value, message):
+    """Checked here, not left to Serve's pydantic error when the application deploys."""
+    with pytest.raises(ConfigError, match=message):
+        load_config({"max_replicas": 2, name: value}, environ={})
+    assert load_config({"max_replicas": 2, name: 3}, environ={}).deploy.__dict__[name] == 3

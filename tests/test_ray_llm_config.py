@@ -28,10 +28,11 @@ def test_the_shipped_example_maps_onto_shoal_options():
 def test_autoscaling_delays_reach_serves_autoscaling_config():
     from app.serving.builder import replica_options
     config = config_of({"deployment_config": {"autoscaling_config": {
-        "min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 2, "downscale_delay_s": 60}}})
+        "min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 2, "downscale_delay_s": 60,
+        "look_back_period_s": 5}}})
     assert replica_options(config)["autoscaling_config"] == {
         "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 64.0, "upscale_delay_s": 2,
-        "downscale_delay_s": 60}
+        "downscale_delay_s": 60, "look_back_period_s": 5}
     assert "upscale_delay_s" not in replica_options(config_of({"deployment_config": {"autoscaling_config": {
         "min_replicas": 1, "max_replicas": 3}}}))["autoscaling_config"]  # Serve's own defaults
 

@@ -277,7 +277,7 @@ def test_serve_run_autoscales_behind_serves_haproxy(llama_ckpt, tmp_path):
     args = config["applications"][0]["args"]
     args.pop("world_size", None)
     args.update(model_path=str(llama_ckpt), min_replicas=1, max_replicas=2, target_ongoing_requests=1,
-                upscale_delay_s=1, downscale_delay_s=1, shard_cpus=0.5, num_kv_blocks=64)
+                upscale_delay_s=1, downscale_delay_s=1, look_back_period_s=2, shard_cpus=0.5, num_kv_blocks=64)
     prompt, tokens = [5, 6, 7], 200
     tokenizer = AutoTokenizer.from_pretrained(llama_ckpt)
     want = tokenizer.decode(hf_greedy(llama_ckpt, prompt, tokens), skip_special_tokens=True)

@@ -114,6 +114,8 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
         help="autoscaling: seconds above the target before replicas are added (Serve's default 30)")
     add("--downscale-delay-s", type=float,
         help="autoscaling: seconds below the target before replicas are removed (Serve's default 600)")
+    add("--look-back-period-s", type=float,
+        help="autoscaling: seconds over which the load is averaged (Serve's default 30)")
     add("--max-ongoing-requests", type=int,
         help="requests each model replica (and each split-layout ingress replica) takes "
              "before Serve queues (default 1024)")

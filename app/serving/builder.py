@@ -98,10 +98,13 @@ def replica_options(config: ShoalConfig) -> dict:
             "min_replicas": 1 if d.min_replicas is None else d.min_replicas,
             "max_replicas": d.max_replicas,
             "target_ongoing_requests": d.target_ongoing_requests,
-            **{k: v for k, v in (("upscale_delay_s", d.upscale_delay_s), ("downscale_delay_s", d.downscale_delay_s))
-               if v is not None},
+            **{k: v for k in AUTOSCALING_WINDOWS if (v := getattr(d, k)) is not None},
         }
     return options
+
+
+# Serve's autoscaling timings, passed on where set (else Serve's defaults).
+AUTOSCALING_WINDOWS = ("upscale_delay_s", "downscale_delay_s", "look_back_period_s")
 
 
 def prefix_aware_router():

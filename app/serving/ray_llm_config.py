@@ -27,7 +27,7 @@ LLM_CONFIG_KEYS = {"model_loading_config", "engine_kwargs", "deployment_config",
 DEPLOYMENT_KEYS = {"num_replicas": "num_replicas", "max_ongoing_requests": "max_ongoing_requests"}
 AUTOSCALING_KEYS = {"min_replicas": "min_replicas", "max_replicas": "max_replicas",
                     "target_ongoing_requests": "target_ongoing_requests", "upscale_delay_s": "upscale_delay_s",
-                    "downscale_delay_s": "downscale_delay_s"}
+                    "downscale_delay_s": "downscale_delay_s", "look_back_period_s": "look_back_period_s"}
 
 
 def load_configs(args: dict) -> list[ShoalConfig]:
