@@ -7,8 +7,9 @@ contexts cross blocks (a batch of one decodes eagerly, by design). They follow t
 step's life: an engine decodes eagerly while its job compiles, swaps the artifact in, a later
 engine loads it from disk (when idle, or mid-run once eager steps have cost enough), a job dies
 with its engine, and a failed compile or a broken artifact leaves eager decoding. Other options
-decode compiled like their eager engines: 8-bit weights, an fp8 KV cache, bfloat16 (bit for bit);
-speculative verify steps run through the graph, one row per draft position. The slow test
+decode compiled like their eager engines: 8-bit weights (w8a8_int8 up to its flips), an fp8 KV
+cache, bfloat16 (bit for bit); speculative verify steps run through the graph, one row per draft
+position. The slow test
 starts `shoal serve` the way a user does (compiled is the default) and reads the progress line
 it logs.
 """
@@ -90,6 +91,8 @@ VARIANTS = {
     "fp8": dict(quantization="fp8", dtype="float32"),
     "fp8-kv": dict(kv_cache_dtype="fp8", block_size=4, num_kv_blocks=64, max_num_seqs=4),
     "bf16": dict(dtype="bfloat16"),
+    "w8a8-llama": dict(quantization="w8a8_int8", dtype="float32"),
+    "w8a8-qwen3": dict(quantization="w8a8_int8", dtype="float32"),  # a tied head
 }
 BF16_MATMULS = pytest.mark.skipif(not cpu_has_matmul(torch.bfloat16),
                                   reason="no bf16 matmuls on this CPU: bf16 computes in float32")
@@ -110,6 +113,8 @@ def variant_starts(checkpoint_factory, tmp_path_factory) -> dict:
             if case == "fp8-kv":
                 path = with_kv_scales(checkpoint_factory("llama"), tmp_path_factory.mktemp("fp8kv") / "llama", KV_SCALES)
                 mp.setenv("SHOAL_COMPILE_CACHE", str(tmp_path_factory.mktemp("fp8kv-compiled")))
+            elif case == "w8a8-qwen3":
+                path = checkpoint_factory("qwen3", tie_word_embeddings=True)
             else:
                 path = checkpoint_factory("qwen3" if case == "bf16" else "llama")
             starts[case] = path, compiled_llm(path, wait=False, **options)
@@ -257,6 +262,44 @@ def test_compiled_decode_runs_8_bit_weights_like_eager(kind, variant, tmp_path):
         got, want = compiled.generate(prompts, params), eager.generate(prompts, params)
         assert compiled.engine.executor.runner.graph_replays > before
         assert_equals_eager_and_hf(reference, prompts, got, want, 16)
+    finally:
+        eager.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_decode_runs_w8a8_like_eager(arch, variant, tmp_path):
+    """(From tests/test_w8a8.py.) Compiled decode calls the product as the opaque op
+    shoal::w8a8_linear. Both follow transformers up to flips (test_w8a8's assert_greedy_up_to_flips).
+    Against each other: inductor fuses the float ops around the op (norms, residuals) in its own
+    order, so an activation can differ from eager's by a rounding (int8's weight-only path: < 3e-6
+    in log p), and a flip now and then moves it by a step: while their tokens agree, log-probs
+    within FLIP and most within 1e-4."""
+    from checkpoints import quantized_reference_copy
+    from test_w8a8 import FLIP, assert_greedy_up_to_flips
+
+    from kernels.quantization import w8a8_cpu_kernel
+
+    path, compiled = variant(f"w8a8-{arch}")
+    reference = quantized_reference_copy(path, tmp_path / "w8a8-reference", "w8a8_int8")
+    eager = LLM(str(path), **{**OPTIONS, **VARIANTS[f"w8a8-{arch}"]})
+    try:
+        assert compiled.engine.executor.runner.kernels.linear == f"w8a8_int8-{w8a8_cpu_kernel()}"
+        prompts = prompts_of([3, 9, 30, 1, 5, 14])
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+        before = compiled.engine.executor.runner.graph_replays
+        got, want = compiled.generate(prompts, params), eager.generate(prompts, params)
+        assert compiled.engine.executor.runner.graph_replays > before
+        for outs in (got, want):
+            assert_greedy_up_to_flips(reference, prompts, outs)
+        deltas = []
+        for g, w in zip(got, want, strict=True):
+            for tg, tw, lg, lw in zip(g.outputs[0].token_ids, w.outputs[0].token_ids, g.outputs[0].logprobs,
+                                      w.outputs[0].logprobs, strict=True):
+                deltas.append(abs(lg[tw] - lw[tw]) if tw in lg else FLIP)
+                if tg != tw:
+                    break
+        assert max(deltas) < FLIP
+        assert sum(d < 1e-4 for d in deltas) >= 0.75 * len(deltas), sorted(deltas)
     finally:
         eager.shutdown()
 

@@ -1,6 +1,6 @@
 """Property-based fuzzing of the HTTP API from its own OpenAPI schema (schemathesis), against
 a real engine: valid and invalid bodies alike never get a 5xx, and the server is healthy and
-exact afterwards. Bounded: a few dozen examples per operation, small max_tokens."""
+exact afterwards. Bounded: 15 examples per operation and mode, small max_tokens."""
 from __future__ import annotations
 
 import httpx
@@ -16,7 +16,7 @@ from app.api.embedded import serve_in_thread
 from app.api.engine_client import LocalEngineClient
 from app.api.settings import ServerSettings
 
-EXAMPLES = 25  # per operation and generation mode
+EXAMPLES = 15  # per operation and generation mode
 
 
 @pytest.fixture(scope="module")

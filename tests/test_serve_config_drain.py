@@ -25,7 +25,8 @@ from serving import (alive, check_drain, check_sigterm_drain, descendants, free_
                      poll_until_200, wait_process_ready)
 
 REPO = Path(__file__).resolve().parent.parent
-LONG_STREAM_TOKENS = 4000  # ~15 s on a tiny test checkpoint
+LONG_STREAM_TOKENS = 4000  # ~15 s on a tiny test checkpoint: outlasts `shoal drain`'s start
+SIGTERM_STREAM_TOKENS = 2000  # ~7 s: outlasts the checks made after a signal (~1 s)
 
 
 def shoal(*args: str) -> list[str]:
@@ -119,7 +120,7 @@ def test_dev_yaml_drains_on_sigterm_then_exits_0(checkpoint_factory, tmp_path):
     context stands in for it, and the drain gets 60 s."""
     config = yaml.safe_load((REPO / "serve_configs/dev.yaml").read_text())
     args = config["applications"][0]["args"]
-    args["model_path"] = str(checkpoint_factory("llama", max_position_embeddings=LONG_STREAM_TOKENS + 64))
+    args["model_path"] = str(checkpoint_factory("llama", max_position_embeddings=SIGTERM_STREAM_TOKENS + 64))
     args["shutdown_timeout"] = timeout_s = 60
     port = free_port()
     config["http_options"]["port"] = port
@@ -135,7 +136,7 @@ def test_dev_yaml_drains_on_sigterm_then_exits_0(checkpoint_factory, tmp_path):
     try:
         wait_process_ready(url, proc, log, timeout=180)
         family = descendants(proc.pid)
-        streamed, exited = check_sigterm_drain(url, proc, log, LONG_STREAM_TOKENS, timeout_s)
+        streamed, exited = check_sigterm_drain(url, proc, log, SIGTERM_STREAM_TOKENS, timeout_s)
         assert "drained in" in log.read_text()
         print(f"drain: stream complete {streamed:.1f} s, exited 0 {exited:.1f} s after SIGTERM")
     finally:

@@ -8,7 +8,7 @@ paths, on values that saturate a u8 x s8 pair sum; halves); the kernel each CPU 
 AVX2-only CPU forced here with ONEDNN_MAX_CPU_ISA=AVX2 in a subprocess); a row's output alone
 and in any batch; the engine's greedy tokens against transformers on the dequantised weights with every
 nn.Linear's input quantized the same way (teacher-forced, up to quantization flips: see FLIP),
-eager and compiled."""
+eager (compiled: tests/test_compiled_decode.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -352,42 +352,8 @@ def test_moe_models_quantize_all_but_their_experts(arch, checkpoint_factory, tmp
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_compiled_decode_runs_w8a8_like_eager(arch, checkpoint_factory, tmp_path):
-    """Compiled decode (the CPU default) calls the product as the opaque op shoal::w8a8_linear.
-    Both follow transformers up to flips (above). Against each other: inductor fuses the float
-    ops around the op (norms, residuals) in its own order, so an activation can differ from
-    eager's by a rounding (int8's weight-only path: < 3e-6 in log p), and a flip now and then
-    moves it by a step: while their tokens agree, log-probs within FLIP and most within 1e-4."""
-    from test_compiled_decode import OPTIONS, compiled_llm
-
-    from actors.sampling_params import SamplingParams
-
-    path = checkpoint_factory(arch, tie_word_embeddings=arch == "qwen3")
-    reference = quantized_reference_copy(path, tmp_path / "w8a8-reference", "w8a8_int8")
-    compiled = compiled_llm(path, quantization="w8a8_int8", dtype="float32")
-    eager = LLM(str(path), quantization="w8a8_int8", dtype="float32", **OPTIONS)
-    try:
-        assert compiled.engine.executor.runner.kernels.linear == f"w8a8_int8-{w8a8_cpu_kernel()}"
-        prompts = prompts_of([3, 9, 30, 1, 5, 14])
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-        before = compiled.engine.executor.runner.graph_replays
-        got, want = compiled.generate(prompts, params), eager.generate(prompts, params)
-        assert compiled.engine.executor.runner.graph_replays > before
-        for outs in (got, want):
-            assert_greedy_up_to_flips(reference, prompts, outs)
-        deltas = []
-        for g, w in zip(got, want, strict=True):
-            for tg, tw, lg, lw in zip(g.outputs[0].token_ids, w.outputs[0].token_ids, g.outputs[0].logprobs,
-                                      w.outputs[0].logprobs, strict=True):
-                deltas.append(abs(lg[tw] - lw[tw]) if tw in lg else FLIP)
-                if tg != tw:
-                    break
-        assert max(deltas) < FLIP
-        assert sum(d < 1e-4 for d in deltas) >= 0.75 * len(deltas), sorted(deltas)
-    finally:
-        compiled.shutdown()
-        eager.shutdown()
+# Compiled decode over w8a8_int8 weights: tests/test_compiled_decode.py (its engine compiles beside
+# that module's others).
 
 
 def test_adapters_on_a_w8a8_int8_base_follow_peft_with_int8_activations(adapters, tmp_path):
