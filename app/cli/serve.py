@@ -115,7 +115,8 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     add("--downscale-delay-s", type=float,
         help="autoscaling: seconds below the target before replicas are removed (Serve's default 600)")
     add("--look-back-period-s", type=float,
-        help="autoscaling: seconds over which the load is averaged (Serve's default 30)")
+        help="autoscaling: seconds over which the load is averaged (Serve's default 30; Serve "
+             "warns at or below its 10 s metrics interval)")
     add("--max-ongoing-requests", type=int,
         help="requests each model replica (and each split-layout ingress replica) takes "
              "before Serve queues (default 1024)")
