@@ -274,6 +274,11 @@ def w8a8_cpu_kernel() -> str:
         return "onednn-packed"
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and native.w8a8_sums_op() is not None:
         return "avx2"
+    return _int_mm_kernel()
+
+
+def _int_mm_kernel() -> str:
+    """`torch._int_mm` on rows where it is exact here, else on halves."""
     return "onednn" if int_mm_exact() else "onednn-split"
 
 
@@ -282,7 +287,7 @@ def w8a8_layout(shape: tuple[int, int], device: torch.device) -> str:
     shoal's kernel (K a multiple of 4), halves for a saturating gemm, else rows."""
     kernel = w8a8_cpu_kernel() if device.type == "cpu" else "cuda"
     if kernel == "avx2" and shape[1] % 4:
-        kernel = "onednn" if int_mm_exact() else "onednn-split"
+        kernel = _int_mm_kernel()
     return {"avx2": "panels", "onednn-split": "halves"}.get(kernel, "rows")
 
 
