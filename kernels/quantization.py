@@ -7,9 +7,10 @@ quarter of float32's (the CPU's compute dtype; bfloat16 on a CPU without bf16 ma
 in float32 too) and half of bfloat16's.
 
 Where each runs:
-- CPU, both formats: weight-only, in csrc/int8_linear.cpp. Activations stay float32, so the only
-  error is the weights' rounding: outputs are those of float32 on the dequantised weights
-  (`dequantize`) up to float32 rounding. The [N, K] weight is packed in [ceil(N / 16), K, 16]
+- CPU, both formats: weight-only, in csrc/int8_linear.cpp. Activations stay float32 (bfloat16
+  ones as they are where the CPU has AVX512-BF16: `bf16_dot`), so the only error is the
+  weights' rounding: outputs are those of float32 on the dequantised weights (`dequantize`) up
+  to float32 rounding. The [N, K] weight is packed in [ceil(N / 16), K, 16]
   panels, 16 output columns of one k side by side, padding columns zero. Inside torch.compile
   the product is the opaque op `shoal::quantized_linear`.
 - CUDA, fp8 on a GPU with FP8 matmuls (compute capability 8.9: Ada, Hopper and later): vLLM's
@@ -110,19 +111,27 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * scale.view(-1, 1)
 
 
+@functools.cache
+def bf16_dot() -> bool:
+    """Whether the 8-bit kernel takes bfloat16 activations as they are here (AVX512-BF16)."""
+    return torch.cpu._is_avx512_bf16_supported()
+
+
 def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                 portable: bool = False) -> torch.Tensor:
     global _warned
-    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
     fp8 = packed.dtype == FP8
     op = native.int8_linear_op(fp8)
+    keep_bf16 = op is not None and x.dtype == torch.bfloat16 and not portable and bf16_dot()
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    flat = flat if keep_bf16 else flat.float()
     if op is None:  # no compiler: correct, at float32's speed and a float32 copy per call
         if not _warned:
             log.warning("the 8-bit linear kernel is unavailable: the weights are dequantised on every call")
             _warned = True
         out = F.linear(flat, dequantize(packed, scale), bias)
     else:
-        out = flat.new_empty((flat.shape[0], scale.numel()))
+        out = torch.empty((flat.shape[0], scale.numel()))  # float32 sums, whatever x's dtype
         op(out, flat, packed.view(torch.uint8) if fp8 else packed, scale,
            torch.empty(0) if bias is None else bias.float().contiguous(), portable)
     return out.view(*x.shape[:-1], scale.numel()).to(x.dtype)

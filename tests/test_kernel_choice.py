@@ -12,7 +12,7 @@ from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParall
 from actors.sampling_params import SamplingParams
 from actors.worker.kernel_choice import KernelChoice, linear_kernel
 from kernels import linear, native, packed_weights
-from kernels.quantization import int_mm_exact, packed_int8_exact
+from kernels.quantization import bf16_dot, int_mm_exact, packed_int8_exact
 from oracle import hf_greedy
 from test_linear import released
 
@@ -42,6 +42,8 @@ def test_the_rules_for_linear_and_decode():
     assert linear_kernel(torch.float16, cpu) == ("onednn" if linear.supported(torch.float16) else "torch")
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     assert linear_kernel(torch.float32, cpu, "int8") == ("int8-avx2" if wide else "int8-portable")  # (it builds)
+    assert linear_kernel(torch.bfloat16, cpu, "fp8") == (
+        "fp8-avx512-bf16" if wide and bf16_dot() else "fp8-avx2" if wide else "fp8-portable")
     assert linear_kernel(torch.float32, cpu, "w8a8_int8") == (
         "w8a8_int8-onednn-packed" if linear.ONEDNN and int_mm_exact() and packed_int8_exact() else
         "w8a8_int8-avx2" if wide else "w8a8_int8-onednn" if int_mm_exact() else "w8a8_int8-onednn-split")

@@ -2,7 +2,7 @@
 checkpoints (dequantised as they load).
 
 The CPU kernel (kernels/csrc/int8_linear.cpp) against float64 on the dequantised weights, int8
-and e4m3, on its AVX2 and portable paths; the GPU paths' arithmetic on CPU (the Triton
+and e4m3, on its AVX2 and portable paths and with bf16 activations (AVX512-BF16); the GPU paths' arithmetic on CPU (the Triton
 weight-only kernel under Triton's interpreter, dynamic FP8 through torch._scaled_mm); the engine
 token for token against transformers on a copy of the checkpoint whose quantized weights are
 replaced by their dequantised values (tests/checkpoints.py quantized_reference_copy,
@@ -21,8 +21,8 @@ from test_engine import GREEDY, assert_pool_free, prompts_of
 from actors.config import EngineConfig
 from actors.engine.llm import LLM
 from kernels import native
-from kernels.quantization import (FP8, _cpu_linear, dequantize, fp8_scaled_linear, quantize, quantize_rows_fp8,
-                                  triton_weight_only_linear)
+from kernels.quantization import (FP8, _cpu_linear, bf16_dot, dequantize, fp8_scaled_linear, quantize,
+                                  quantize_rows_fp8, triton_weight_only_linear)
 
 # Float32 rounding of sums of K products, relative to the sum of their magnitudes: the kernel
 # measured <= 2.4e-7 (float32's own matmul 2.3e-7) on the 2-core Zen 3.
@@ -66,6 +66,35 @@ def test_kernel_equals_float64_on_the_dequantised_weights(kind, portable):
         assert torch.equal(_cpu_linear(torch.cat([x1, rows[33][0]]), packed, scale, bias, portable)[0], got1[0])
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_bfloat16_activations_equal_float64_on_the_dequantised_weights(kind):
+    """On a CPU with AVX512-BF16 bf16 activations enter the kernel as they are (vdpbf16ps over
+    k pairs): the float32 sums are float64's up to rounding, for odd K and row counts on both
+    sides of a register block, a row's sums do not depend on the rows beside it, and a bf16
+    model's linear (`_cpu_linear`) takes this path and rounds the sums to bf16."""
+    if not bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16 (an AVX2 or older AVX-512 machine)")
+    torch.manual_seed(0)
+    op = native.int8_linear_op(kind == "fp8")
+    for n, k in [(40, 72), (300, 1000), (37, 77), (5, 1)]:
+        packed, scale = quantize(torch.randn(n, k), kind)
+        ref, bias = dequantize(packed, scale), torch.randn(n)
+        weights = packed.view(torch.uint8) if kind == "fp8" else packed
+        rows = {}
+        for m in (1, 7, 8, 9, 33):
+            x = torch.randn(m, k).bfloat16()
+            for b in (None, bias):
+                sums = torch.empty(m, n)
+                op(sums, x, weights, scale, torch.empty(0) if b is None else b, False)
+                assert_rounding_close(sums, x.float(), ref, b, ROUNDING)
+            assert torch.equal(_cpu_linear(x, packed, scale, bias), sums.bfloat16())
+            rows[m] = (x, sums)
+        x1, sums1 = rows[1]
+        both = torch.empty(34, n)
+        op(both, torch.cat([x1, rows[33][0]]), weights, scale, bias, False)
+        assert torch.equal(both[0], sums1[0])
+
+
 def test_fp8_kernel_reads_every_e4m3_value():
     """Each of the 254 finite e4m3 codes (subnormals included), as the CPU kernel's AVX2 and
     portable paths and the Triton kernel widen them, equals torch's own float8 conversion: a
@@ -81,6 +110,8 @@ def test_fp8_kernel_reads_every_e4m3_value():
     x = torch.eye(16)[:1]
     for portable in (False, True):
         assert torch.equal(_cpu_linear(x, packed, scale, None, portable)[0], weight[:, 0].float())
+    if bf16_dot():  # widened, then rounded to bf16 for vdpbf16ps: exact too
+        assert torch.equal(_cpu_linear(x.bfloat16(), packed, scale, None)[0], weight[:, 0].bfloat16())
     assert torch.equal(triton_weight_only_linear(x, weight, scale, None)[0], weight[:, 0].float())  # CUDA's path
 
 

@@ -33,7 +33,7 @@ from actors.config import EngineConfig
 from actors.models.llama import fused_block
 from kernels import flash_attention, linear, native, triton_programs
 from kernels.env import flag
-from kernels.quantization import fp8_matmuls, w8a8_cpu_kernel
+from kernels.quantization import bf16_dot, fp8_matmuls, w8a8_cpu_kernel
 
 log = logging.getLogger("shoal.runner")
 
@@ -99,6 +99,8 @@ def linear_kernel(dtype: torch.dtype, device: torch.device, quantization: str | 
         if native.int8_linear_op() is None:  # builds it now
             return f"{quantization}-dequantised"
         wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")  # (fp8 also needs F16C: every such CPU)
+        if wide and dtype == torch.bfloat16 and bf16_dot():
+            return f"{quantization}-avx512-bf16"  # bf16 activations as they are
         return f"{quantization}-{'avx2' if wide else 'portable'}"
     if device.type != "cpu" or not linear.supported(dtype):
         return "torch"

@@ -112,11 +112,13 @@ def quantization() -> dict:
     try:
         import torch
 
-        from kernels.quantization import w8a8_cpu_kernel
+        from kernels.quantization import bf16_dot, w8a8_cpu_kernel
     except ImportError:
         return {}
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     cpu = f"CPU, {'the AVX2 kernel' if wide else 'the portable loop'} (kernels/csrc/int8_linear.cpp)"
+    if wide and bf16_dot():
+        cpu += ", bf16 activations through AVX512-BF16"
     fp8_gpu = any(torch.cuda.get_device_capability(i) >= (8, 9) for i in range(torch.cuda.device_count()))
     return {"int8": f"{cpu}; CUDA, shoal's Triton weight-only kernel",
             "w8a8_int8": "int8 x int8 (activations quantized per token): CPU, "
