@@ -269,7 +269,11 @@ SHOAL_BF16 void bf16_panel_rows(const uint16_t* x, int64_t M, int64_t K, const W
   thread_local std::vector<Bf16Pairs> wide;
   const int64_t pairs = (K + 1) / 2;
   wide.resize(pairs * 2 * kCols);
-  for (int64_t k = 0; k < K; k += 2) _mm512_storeu_si512(wide.data() + k * kCols, pair_of(panel, k, K));
+  const char* next = reinterpret_cast<const char*>(panel + K * kCols);  // the next panel's bytes
+  for (int64_t k = 0; k < K; k += 2) {
+    if (k % 4 == 0) _mm_prefetch(next + k * kCols * sizeof(W), _MM_HINT_T1);  // read while this one computes
+    _mm512_storeu_si512(wide.data() + k * kCols, pair_of(panel, k, K));
+  }
   bf16_rows_of(x, M, K, static_cast<const Bf16Pairs*>(wide.data()), scale, bias, out, N, cols);
 }
 #endif

@@ -45,6 +45,8 @@ from checkpoints import make_checkpoint  # noqa: E402
 
 # --formats of `speed`: (server name, --dtype, shoal serve options)
 SHOAL_SERVERS = {"int8": ("shoal int8", "float32", "--quantization int8"),
+                 # int8 as --dtype auto runs a bf16 checkpoint on a CPU with bf16 matmuls
+                 "int8-bf16": ("shoal int8 bf16", "bfloat16", "--quantization int8"),
                  "w8a8_int8": ("shoal w8a8_int8", "float32", "--quantization w8a8_int8"),
                  # what --dtype auto gives a bf16 checkpoint on a CPU with bf16 matmuls: the
                  # activations and the KV cache in bfloat16
