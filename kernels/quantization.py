@@ -123,8 +123,8 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias
     fp8 = packed.dtype == FP8
     op = native.int8_linear_op(fp8)
     keep_bf16 = op is not None and x.dtype == torch.bfloat16 and not portable and bf16_dot()
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    flat = flat if keep_bf16 else flat.float()
+    flat = x.reshape(-1, x.shape[-1])
+    flat = (flat if keep_bf16 else flat.float()).contiguous()
     if op is None:  # no compiler: correct, at float32's speed and a float32 copy per call
         if not _warned:
             log.warning("the 8-bit linear kernel is unavailable: the weights are dequantised on every call")
