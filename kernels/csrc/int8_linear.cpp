@@ -94,6 +94,23 @@ inline void finish(const float* sums, int rows, const float* scale, const float*
       out[r * ldo + c] = sums[r * kCols + c] * scale[c] + (bias ? bias[c] : 0.0f);
 }
 
+// Rows in blocks of Block, then the rest in one block of fewer: f(rows, first row), `rows` a
+// std::integral_constant so each block size is its own register-blocked instance.
+template <int R, typename F>
+inline void last_row_block(int64_t rows, F& f, int64_t m) {
+  if constexpr (R > 0) {
+    if (rows == R) return f(std::integral_constant<int, R>{}, m);
+    last_row_block<R - 1>(rows, f, m);
+  }
+}
+
+template <int Block, typename F>
+inline void by_row_blocks(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + Block <= M; m += Block) f(std::integral_constant<int, Block>{}, m);
+  last_row_block<Block - 1>(M - m, f, m);
+}
+
 #ifdef SHOAL_HAS_AVX2_INT8
 #define SHOAL_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -146,18 +163,9 @@ SHOAL_AVX2 inline __attribute__((always_inline)) void block(const float* x, int6
 template <typename W>
 SHOAL_AVX2 void rows_of(const float* x, int64_t M, int64_t K, const W* panel, const float* scale,
                         const float* bias, float* out, int64_t N, int64_t cols) {
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) block<kRows>(x + m * K, K, panel, scale, bias, out + m * N, N, cols);
-  const float* xm = x + m * K;
-  float* om = out + m * N;
-  switch (M - m) {
-    case 1: block<1>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 2: block<2>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 3: block<3>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 4: block<4>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 5: block<5>(xm, K, panel, scale, bias, om, N, cols); break;
-    default: break;
-  }
+  by_row_blocks<kRows>(M, [&](auto rows, int64_t m) SHOAL_AVX2 {
+    block<decltype(rows)::value>(x + m * K, K, panel, scale, bias, out + m * N, N, cols);
+  });
 }
 
 // One row block: widen as it goes. More: widen the panel once into this thread's buffer
@@ -244,21 +252,9 @@ SHOAL_BF16 inline __attribute__((always_inline)) void bf16_block(const uint16_t*
 template <typename W>
 SHOAL_BF16 void bf16_rows_of(const uint16_t* x, int64_t M, int64_t K, const W* panel, const float* scale,
                              const float* bias, float* out, int64_t N, int64_t cols) {
-  int64_t m = 0;
-  for (; m + kBf16Rows <= M; m += kBf16Rows)
-    bf16_block<kBf16Rows>(x + m * K, K, panel, scale, bias, out + m * N, N, cols);
-  const uint16_t* xm = x + m * K;
-  float* om = out + m * N;
-  switch (M - m) {
-    case 1: bf16_block<1>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 2: bf16_block<2>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 3: bf16_block<3>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 4: bf16_block<4>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 5: bf16_block<5>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 6: bf16_block<6>(xm, K, panel, scale, bias, om, N, cols); break;
-    case 7: bf16_block<7>(xm, K, panel, scale, bias, om, N, cols); break;
-    default: break;
-  }
+  by_row_blocks<kBf16Rows>(M, [&](auto rows, int64_t m) SHOAL_BF16 {
+    bf16_block<decltype(rows)::value>(x + m * K, K, panel, scale, bias, out + m * N, N, cols);
+  });
 }
 
 // As panel_rows: one block widens as it goes; more widen the panel's pairs once (K x 32 bytes).
