@@ -91,6 +91,7 @@ VARIANTS = {
     "fp8": dict(quantization="fp8", dtype="float32"),
     "fp8-kv": dict(kv_cache_dtype="fp8", block_size=4, num_kv_blocks=64, max_num_seqs=4),
     "bf16": dict(dtype="bfloat16"),
+    "int8-bf16": dict(dtype="bfloat16", quantization="int8"),  # bf16 activations into the 8-bit kernel
     "w8a8-llama": dict(quantization="w8a8_int8", dtype="float32"),
     "w8a8-qwen3": dict(quantization="w8a8_int8", dtype="float32"),  # a tied head
 }
@@ -107,7 +108,7 @@ def variant_starts(checkpoint_factory, tmp_path_factory) -> dict:
 
     starts = {}
     for case, options in VARIANTS.items():
-        if case == "bf16" and not cpu_has_matmul(torch.bfloat16):
+        if case in ("bf16", "int8-bf16") and not cpu_has_matmul(torch.bfloat16):
             continue
         with pytest.MonkeyPatch.context() as mp:
             if case == "fp8-kv":
@@ -219,20 +220,22 @@ def test_compiled_decode_equals_transformers_and_eager(compiled):
 
 
 @BF16_MATMULS
-def test_compiled_bfloat16_decode_equals_eager_bfloat16(variant):
+@pytest.mark.parametrize("case", ["bf16", "int8-bf16"])
+def test_compiled_bfloat16_decode_equals_eager_bfloat16(variant, case):
     """bf16 compiled decode rounds to bfloat16 after every op as eager does (inductor's
     emulate_precision_casts; eager bf16 is held to transformers bf16 in tests/test_bf16.py), and
     both multiply in oneDNN's packed bf16 kernels (AMX where there is one): the same tokens and
     log-probs. Without the rounding a real model's outliers set the two apart (SmolLM2: 8 of 28
-    in a logit) and close calls chose differently.
+    in a logit) and close calls chose differently. With int8 weights (int8-bf16) the product is
+    the opaque 8-bit op on bf16 activations in both.
 
     A step with prompt chunks (here a 1-token prompt's row beside the others' chunks) runs
     through the graph too, its chunks' attention as decode rows where eager takes SDPA: in
     bfloat16 that rounds differently, so there the tokens are equal and the log-probs within
     tests/test_bf16.py's floor for two bf16 implementations, 0.05 (float32 holds them to 1e-4:
     test_steps_with_prompt_chunks_run_compiled_like_eager)."""
-    path, llm = variant("bf16")
-    eager = LLM(str(path), dtype="bfloat16", **OPTIONS)
+    path, llm = variant(case)
+    eager = LLM(str(path), **{**OPTIONS, **VARIANTS[case]})
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     for lengths, tolerance in (([3, 9, 30, 2, 5, 14], 1e-5), ([3, 9, 30, 1, 5, 14], 0.05)):
         prompts = prompts_of(lengths, seed=8)
