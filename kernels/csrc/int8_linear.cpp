@@ -334,29 +334,24 @@ void weight_only_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tenso
   }
   const float* bp = has_bias ? bias.const_data_ptr<float>() : nullptr;
   float* op = out.mutable_data_ptr<float>();
-#ifdef SHOAL_HAS_AVX2_INT8
-  if (bf16) {
-    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  // Every panel's rows, in parallel over panels, through `rows` (x's element type its own).
+  auto each_panel = [&](auto rows, const auto* xp) {
     torch::stable::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p)
-        bf16_panel_rows<W>(xb, M, K, wp + p * K * kCols, sp + p * kCols, bp ? bp + p * kCols : nullptr,
-                           op + p * kCols, N, std::min<int64_t>(kCols, N - p * kCols));
+        rows(xp, M, K, wp + p * K * kCols, sp + p * kCols, bp ? bp + p * kCols : nullptr, op + p * kCols, N,
+             std::min<int64_t>(kCols, N - p * kCols));
     });
-    return;
-  }
+  };
+#ifdef SHOAL_HAS_AVX2_INT8
+  if (bf16) return each_panel(bf16_panel_rows<W>, reinterpret_cast<const uint16_t*>(x.const_data_ptr()));
 #endif
-  const float* xp = x.const_data_ptr<float>();
   auto rows = panel_rows_portable<W>;
 #ifdef SHOAL_HAS_AVX2_INT8
   if (!portable && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       (!fp8 || __builtin_cpu_supports("f16c")))
     rows = panel_rows<W>;
 #endif
-  torch::stable::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      rows(xp, M, K, wp + p * K * kCols, sp + p * kCols, bp ? bp + p * kCols : nullptr, op + p * kCols, N,
-           std::min<int64_t>(kCols, N - p * kCols));
-  });
+  each_panel(rows, x.const_data_ptr<float>());
 }
 
 void int8_linear(Tensor out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) {
