@@ -1,15 +1,19 @@
 """The model's matmuls on CPU: float32 through shoal's own AVX-512 kernel where the CPU has
-AVX-512 and the weight was packed for it, else through oneDNN's inner product (float32, and
-bf16 where the CPU has bf16 matmuls); `F.linear` elsewhere.
+AVX-512 and the weight was packed for it, bfloat16 through shoal's own AVX512-BF16 kernel where
+the CPU has that and no AMX, else through oneDNN's inner product (float32, and bf16 where the
+CPU has bf16 matmuls); `F.linear` elsewhere.
 
 torch's `F.linear` on a CPU calls MKL's sgemm, which on AMD CPUs does not use AVX-512: on the
 Zen 5 EPYC of 2026-11-27 it ran 210-220 GFLOP/s at prefill sizes where oneDNN's inner product
 (`torch.ops.mkldnn._linear_pointwise`) ran 450-530. At a decode step's 32 rows oneDNN ran
 ~330 GFLOP/s, and the panel kernel (csrc/panel_linear.cpp, weights packed in panels of 64
 columns) 380-450, 1.1-1.4x faster, and at least as fast at every row count measured
-(docs/benchmarks.md). Their sums run in other orders than MKL's, so results differ in the last
-bits (~1e-6 relative), as any other kernel's would; float32 outputs stay token for token those
-of transformers (tests/test_engine.py, tests/test_compiled_decode.py).
+(docs/benchmarks.md). bfloat16 likewise (csrc/bf16_linear.cpp, weights in k-pair panels of 16
+columns): on the Zen 4 EPYC of 2026-12-06 it ran a layer's projections 1.3-1.5x faster than
+oneDNN's bf16 inner product at 1-8 rows, 1.1x at 32 and level from 64 on, and oneDNN's opaque
+layout kept a tied head twice. Their sums run in other orders than MKL's, so results differ in
+the last bits (~1e-6 relative), as any other kernel's would; float32 outputs stay token for
+token those of transformers (tests/test_engine.py, tests/test_compiled_decode.py).
 
 Packing (`prepack`, which the model runner calls on its weights at start) keeps a copy of each
 weight in the layout its kernel reads and frees the weight's own memory unless something else
@@ -40,7 +44,9 @@ _DTYPES = (torch.float32,) + ((torch.bfloat16,) if ONEDNN and torch.ops.mkldnn._
 
 
 _PANEL_OP = None  # torch.ops.shoal_linear.panel_linear, once a weight is packed for it
+_PAIRS_OP = None  # torch.ops.shoal_bf16.bf16_linear, once a weight is packed for it
 _NO_BIAS = torch.empty(0)
+_NO_BF16_BIAS = torch.empty(0, dtype=torch.bfloat16)
 PANEL = 64
 
 
@@ -52,14 +58,15 @@ def supported(dtype: torch.dtype) -> bool:
 def prepack(weights: list[torch.Tensor], rows: int, keep_plain: list[torch.Tensor] = (),
             embeddings: list[torch.Tensor] = ()) -> int:
     """Keep a packed copy (kernels/packed_weights.py) of each CPU weight the linear layers
-    multiply: float32 in panels where the CPU has AVX-512 (and the panel kernel builds), else
-    oneDNN's layout for `rows` input rows (it serves every row count; float32, or bfloat16 where
-    the CPU has bf16 matmuls); w8a8_int8's int8 rows in oneDNN's int8 layout. Then release each
-    packed weight's plain layout, so each weight is in memory once, but for those in
+    multiply: float32 in panels where the CPU has AVX-512 (and the panel kernel builds),
+    bfloat16 in k-pair panels where the CPU has AVX512-BF16 and no AMX (and that kernel builds),
+    else oneDNN's layout for `rows` input rows (it serves every row count; float32, or bfloat16
+    where the CPU has bf16 matmuls); w8a8_int8's int8 rows in oneDNN's int8 layout. Then release
+    each packed weight's plain layout, so each weight is in memory once, but for those in
     `keep_plain`, and those in `embeddings` (a head's weight tied to the embedding, whose lookups
-    read rows) unless the copy is panels, whose rows `embedding` reads as they are. Returns the
-    bytes the copies take beyond the weights' own."""
-    global _PANEL_OP
+    read rows) unless the copy is panels or pairs, whose rows `embedding` reads as they are.
+    Returns the bytes the copies take beyond the weights' own."""
+    global _PANEL_OP, _PAIRS_OP
     if not ONEDNN:
         return 0
     kept = 0
@@ -70,15 +77,17 @@ def prepack(weights: list[torch.Tensor], rows: int, keep_plain: list[torch.Tenso
         if w.dtype == torch.int8:
             kept += prepack_w8a8(w, rows)
         elif w.dtype in _DTYPES:
-            op = native.panel_linear_op() if w.dtype == torch.float32 else None
-            if op is not None:
+            op = native.panel_linear_op() if w.dtype == torch.float32 else native.bf16_linear_op()
+            if op is not None and w.dtype == torch.float32:
                 _PANEL_OP, packed = op, pack_panels(w.detach())
+            elif op is not None:
+                _PAIRS_OP, packed = op, packed_weights.pairs(w.detach())
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
             packed_weights.keep(w, packed)
             kept += packed.numel() * packed.element_size()
         copy, place = packed_weights.find(w), packed_weights.key(w)
-        panels = copy is not None and copy.dim() == 3 and w.dtype != torch.int8  # (int8 rows: quantized_rows reads them)
+        panels = copy is not None and copy.dim() == 3 and w.dtype != torch.int8  # (panels or pairs; int8 rows: quantized_rows reads them)
         if place not in plain and (place not in rows_read or panels):
             kept -= packed_weights.release(w)
     return kept
@@ -91,10 +100,12 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 
 def _embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of `weight`: read from its panels where packing released it (an embedding
-    tied to the head; column n of panel n // 64 is row n), else the weight's own rows."""
+    """Rows `ids` of `weight`: read from its panels or pairs where packing released it (an
+    embedding tied to the head; column n of panel n // 64 is row n), else the weight's own rows."""
     packed = packed_weights.find(weight)
     if packed is not None and packed.dim() == 3 and weight.untyped_storage().nbytes() == 0:
+        if packed.dtype == torch.bfloat16:
+            return packed_weights.pair_rows(packed, ids, weight.shape[1])
         flat = ids.reshape(-1)
         return packed[flat // PANEL, :, flat % PANEL].view(*ids.shape, weight.shape[1])
     return F.embedding(ids, weight)
@@ -105,7 +116,10 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if packed is not None and packed.dim() == 3:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = flat.new_empty((flat.shape[0], weight.shape[0]))
-        _PANEL_OP(out, flat, packed, _NO_BIAS if bias is None else bias.contiguous())
+        if packed.dtype == torch.bfloat16:
+            _PAIRS_OP(out, flat, packed, _NO_BF16_BIAS if bias is None else bias.contiguous())
+        else:
+            _PANEL_OP(out, flat, packed, _NO_BIAS if bias is None else bias.contiguous())
         return out.view(*x.shape[:-1], weight.shape[0])
     return _LINEAR(x, weight if packed is None else packed, bias, "none", [], "")
 
@@ -179,7 +193,7 @@ def eager_rows(n: int) -> int:
 
 def _eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     packed = packed_weights.find(weight)
-    if packed is not None and packed.dim() == 3:  # the panel kernel takes any row count as it is
+    if packed is not None and packed.dim() == 3:  # panels and pairs take any row count as it is
         return _cpu_linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]

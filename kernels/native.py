@@ -85,6 +85,17 @@ def panel_linear_op():
     return torch.ops.shoal_linear.panel_linear.default
 
 
+def bf16_linear_op():
+    """`op(out, x, packed, bias)`, or None: bfloat16 linear layers over weights packed in k-pair
+    panels of 16 columns (csrc/bf16_linear.cpp, kernels/packed_weights.py `pairs`); only where
+    the CPU has AVX512-BF16 and no AMX (oneDNN's AMX tiles are faster there)."""
+    if not enabled() or not torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    if not _load("bf16_linear", ["bf16_linear.cpp"]):
+        return None
+    return torch.ops.shoal_bf16.bf16_linear.default
+
+
 def int8_linear_op(fp8: bool = False):
     """`op(out, x, packed, scale, bias, portable)`, or None: weight-only int8 (or, with `fp8`,
     float8 e4m3 as uint8) linear layers over weights packed in panels of 16 columns

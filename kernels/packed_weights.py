@@ -73,3 +73,30 @@ def panels(w: torch.Tensor, width: int) -> torch.Tensor:
         out[full].zero_()
         out[full, :, :rest] = w[full * width:].t()
     return out
+
+
+PAIR_COLUMNS = 16
+
+
+def pairs(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), ceil(K / 2), 32]: panel p holds rows 16p.. (zeros past N), per
+    pair of k's each row's two values side by side (a zero past K), as csrc/bf16_linear.cpp
+    reads them. Written in place, as `panels`."""
+    if w.shape[1] % 2:
+        w = torch.nn.functional.pad(w, (0, 1))  # (an odd K: rare enough for one padded copy)
+    n, k = w.shape
+    full, rest = divmod(n, PAIR_COLUMNS)
+    out = w.new_empty((full + bool(rest), k // 2, PAIR_COLUMNS, 2))
+    out[:full] = w[:full * PAIR_COLUMNS].view(full, PAIR_COLUMNS, k // 2, 2).transpose(1, 2)
+    if rest:
+        out[full].zero_()
+        out[full, :, :rest] = w[full * PAIR_COLUMNS:].view(rest, k // 2, 2).transpose(0, 1)
+    return out.view(full + bool(rest), k // 2, 2 * PAIR_COLUMNS)
+
+
+def pair_rows(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` of the weight `pairs` packed (K = k): an embedding's lookup."""
+    flat = ids.reshape(-1)
+    four = packed.view(packed.shape[0], packed.shape[1], PAIR_COLUMNS, 2)
+    rows = four[flat // PAIR_COLUMNS, :, flat % PAIR_COLUMNS].reshape(flat.shape[0], -1)
+    return rows[:, :k].reshape(*ids.shape, k)

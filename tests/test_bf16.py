@@ -55,13 +55,14 @@ def hf_bf16_greedy(path, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("matmul", ["bf16", "float32 on bf16 weights"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])  # (qwen2: biases in the q/k/v projections)
 def test_bfloat16_matches_transformers_bfloat16(checkpoint_factory, monkeypatch, arch, matmul):
     path = checkpoint_factory(arch)
     monkeypatch.setattr(model_spec, "cpu_has_matmul", lambda dtype: matmul == "bf16")
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, block_size=8)
     assert llm.engine.spec.weight_dtype == (None if matmul == "bf16" else torch.bfloat16)
-    assert_matches_transformers_bf16(llm, path)
+    # (qwen2's random test checkpoint makes too few clear top-1 calls to count: log-probs only)
+    assert_matches_transformers_bf16(llm, path, top1=arch != "qwen2")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -40,6 +40,9 @@ def test_the_rules_for_linear_and_decode():
         "panel" if native.panel_linear_op() is not None else "onednn"
     assert linear_kernel(torch.float32, cpu) == want
     assert linear_kernel(torch.float16, cpu) == ("onednn" if linear.supported(torch.float16) else "torch")
+    assert linear_kernel(torch.bfloat16, cpu) == (
+        "torch" if not linear.supported(torch.bfloat16) else
+        "bf16-pairs" if native.bf16_linear_op() is not None else "onednn")
     wide = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     assert linear_kernel(torch.float32, cpu, "int8") == ("int8-avx2" if wide else "int8-portable")  # (it builds)
     assert linear_kernel(torch.bfloat16, cpu, "fp8") == (
@@ -49,6 +52,7 @@ def test_the_rules_for_linear_and_decode():
         "w8a8_int8-avx2" if wide else "w8a8_int8-onednn" if int_mm_exact() else "w8a8_int8-onednn-split")
     assert linear_kernel(torch.float32, cuda, "w8a8_int8") == "w8a8_int8-cublas"
     assert KernelChoice("torch", "onednn", "compiled").packs_weights
+    assert KernelChoice("torch", "bf16-pairs", "compiled").packs_weights
     assert KernelChoice("torch", "w8a8_int8-onednn-packed", "compiled").packs_weights
     assert not KernelChoice("torch", "w8a8_int8-onednn", "compiled").packs_weights
     assert not KernelChoice("torch", "torch", "cuda-graphs").packs_weights
@@ -83,10 +87,10 @@ def test_an_engine_built_under_inference_mode_packs_its_weights(checkpoint_facto
 
 def test_packed_weights_are_in_memory_once(checkpoint_factory):
     """Packing frees each linear weight's own layout: only the packed copy stays. A head tied
-    to the embedding is freed too where its copy is panels (float32 with the panel kernel),
-    whose columns the lookup reads; oneDNN's layouts are opaque, so there (bfloat16) the
-    embedding keeps its rows. Greedy output stays transformers' (float32), eager, and compiled
-    with the tied head."""
+    to the embedding is freed too where its copy is panels (float32 with the panel kernel) or
+    pairs (bfloat16 with the pairs kernel), whose rows the lookup reads; oneDNN's layouts are
+    opaque, so there the embedding keeps its rows. Greedy output stays transformers' (float32),
+    eager, and compiled with the tied head."""
     from test_compiled_decode import compiled_llm
 
     for tied in (False, True):
@@ -98,7 +102,7 @@ def test_packed_weights_are_in_memory_once(checkpoint_factory):
                 pytest.skip(f"linear {runner.kernels.linear} packs no weights here")
             model = runner.model
             panels = packed_weights.find(model.lm_head.weight).dim() == 3
-            assert panels == (runner.kernels.linear == "panel")  # float32 computed (a CPU without bf16 matmuls too)
+            assert panels == (runner.kernels.linear in ("panel", "bf16-pairs"))  # (float32 computed on a CPU without bf16 matmuls)
             for m in model.modules():
                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
                     assert packed_weights.find(m.weight) is not None

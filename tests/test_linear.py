@@ -1,5 +1,5 @@
-"""kernels/linear.py: CPU linears through the AVX-512 panel kernel or oneDNN, row counts bucketed
-for oneDNN outside torch.compile.
+"""kernels/linear.py: CPU linears through the AVX-512 panel kernel, the AVX512-BF16 pairs kernel
+or oneDNN, row counts bucketed for oneDNN outside torch.compile.
 
 The engine's compiled decode path against transformers (token for token, float32) is checked
 in tests/test_compiled_decode.py; here, the layer itself.
@@ -180,6 +180,93 @@ def test_panel_results_do_not_depend_on_the_batch():
         op(out, x[:rows], packed, torch.empty(0))
         outs.append(out[0])
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+BF16_DOT = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+pairs = pytest.mark.skipif(not (BF16_DOT and COMPILER and linear_mod.native.enabled()),
+                           reason="no AVX512-BF16 (or AMX, where oneDNN is faster), no C++ compiler or "
+                                  "SHOAL_NATIVE_KERNELS=0: bfloat16 stays on oneDNN")
+
+
+def test_the_pairs_kernel_builds_wherever_it_can():
+    """Where the CPU has AVX512-BF16 and no AMX, and a compiler is here, the bf16 kernel must
+    build; elsewhere it is None (bf16 linears on oneDNN)."""
+    op = linear_mod.native.bf16_linear_op()
+    if BF16_DOT and COMPILER and linear_mod.native.enabled():
+        assert op is not None, "AVX512-BF16 and a compiler are here but the pairs kernel did not build (see the warning)"
+    else:
+        assert op is None
+
+
+def bf16_reference(x, w, b):
+    """float64 sums of the bf16 products (+ bias), rounded to bf16 as the kernel rounds."""
+    out = x.double() @ w.double().T + (0 if b is None else b.double())
+    return out.float().bfloat16()
+
+
+@pairs
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 32])
+@pytest.mark.parametrize("n,k", [(16, 96), (17, 96), (200, 77), (1000, 64), (5, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pairs_kernel_matches_float64_rounded_to_bf16(rows, n, k, bias):
+    """Any row count (tiles of 6 and every remainder), whole and partial tiles of 4 panels,
+    columns past the last full panel, an odd K (its last pair half zero), bias: each output is
+    float64's sum rounded to bf16, give or take the float32 sums' rounding (an ulp of bf16)."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    linear_mod.native.bf16_linear_op()(out, x, packed_weights.pairs(w),
+                                       b if bias else torch.empty(0, dtype=torch.bfloat16))
+    want = bf16_reference(x, w, b).float()
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(2.0 ** -20)
+    assert ((out.float() - want).abs() <= ulp).all()
+
+
+@pairs
+def test_pairs_results_do_not_depend_on_the_batch():
+    """One chain of sums per output: a row's result is the same bits in any batch."""
+    w = torch.randn(300, 512).bfloat16()
+    packed, op = packed_weights.pairs(w), linear_mod.native.bf16_linear_op()
+    x = torch.randn(33, 512).bfloat16()
+    outs = []
+    for rows in (1, 6, 7, 33):
+        out = torch.empty(rows, 300, dtype=torch.bfloat16)
+        op(out, x[:rows], packed, torch.empty(0, dtype=torch.bfloat16))
+        outs.append(out[0])
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_pair_rows_are_the_weights_rows():
+    """An embedding tied to a head packed in pairs reads its rows back exactly (any N, odd K)."""
+    for n, k in ((16, 8), (37, 9), (5, 1)):
+        w = torch.randn(n, k).bfloat16()
+        ids = torch.tensor([[0, n - 1], [n // 2, 0]])
+        assert torch.equal(packed_weights.pair_rows(packed_weights.pairs(w), ids, k), w[ids])
+
+
+@pairs
+@torch.no_grad()
+def test_bf16_weights_packed_take_the_pairs_kernel(monkeypatch):
+    """Once packed, eager and compiled bf16 calls run the pairs kernel (eager ones without
+    padding rows), and a tied embedding's lookups read the pairs once the weight is released."""
+    w, b = torch.randn(130, 64).bfloat16(), torch.randn(130).bfloat16()
+    extra = linear_mod.prepack([w], 32, embeddings=[w])
+    assert released(w) and extra == (144 - 130) * 64 * 2  # in memory once (plus the last panel's padding)
+    calls = []
+    op = linear_mod._PAIRS_OP
+    monkeypatch.setattr(linear_mod, "_PAIRS_OP", lambda out, x, *rest: calls.append(x.shape[0]) or op(out, x, *rest))
+    plain = packed_weights.pair_rows(packed_weights.find(w), torch.arange(130), 64)  # the weight's values
+    x = torch.randn(2, 5, 64).bfloat16()
+    assert torch.equal(linear(x, w, b), bf16_reference(x.reshape(10, 64), plain, b).view(2, 5, 130))
+    compiled = torch.compile(lambda x: linear(x, w, b), dynamic=True, fullgraph=True)
+    x2 = torch.randn(3, 64).bfloat16()
+    got = compiled(x2)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 130)
+    assert calls == [10, 3]
+    ids = torch.tensor([3, 129, 0])
+    assert torch.equal(linear_mod.embedding(ids, w), plain[ids])
+    torch._dynamo.reset()
 
 
 @panel

@@ -37,7 +37,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_carries_the_bundled_model_and_the_kernel_sources(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"actors/demo_model/{f}" for f in MODEL_FILES} <= names
-    assert {"kernels/csrc/paged_attention.cpp", "kernels/csrc/panel_linear.cpp"} <= names
+    assert {f"kernels/csrc/{f}.cpp" for f in ("paged_attention", "panel_linear", "bf16_linear", "int8_linear")} <= names
     assert "app/api/web/chat.html" in names  # the chat page at GET /
     assert not any(n.startswith("app/demo/") for n in names)  # the training code runs from a checkout
     assert not any(n.startswith("tests/") for n in names)

@@ -7,8 +7,9 @@ line, and the only place that knows the rules.
   AVX2 or a portable loop, whichever the CPU has), else plain torch (SDPA over gathered
   blocks);
 - linear: on CPU float32 through shoal's panel kernel on AVX-512 CPUs
-  (kernels/csrc/panel_linear.cpp), else oneDNN's inner product (float32, or bf16 where the CPU
-  has bf16 matmuls), both on weights packed once here, whatever the decode mode or layout;
+  (kernels/csrc/panel_linear.cpp), bf16 through shoal's pairs kernel on CPUs with AVX512-BF16
+  and no AMX (kernels/csrc/bf16_linear.cpp), else oneDNN's inner product (float32, or bf16 where
+  the CPU has bf16 matmuls), all on weights packed once here, whatever the decode mode or layout;
   torch (cuBLAS) on CUDA; with --quantization int8 / fp8 on CPU shoal's 8-bit kernel
   (kernels/csrc/int8_linear.cpp: AVX2 or a portable loop), on CUDA FP8 matmuls
   (`torch._scaled_mm`, fp8 on compute capability 8.9+) or shoal's Triton weight-only kernel;
@@ -41,14 +42,14 @@ log = logging.getLogger("shoal.runner")
 @dataclass(frozen=True)
 class KernelChoice:
     attention: str  # flash_attn | vllm_flash_attn | cpp-avx512 | cpp-avx2 | cpp-portable | torch
-    linear: str  # panel | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm | w8a8_int8-{onednn-packed,onednn,avx2,onednn-split,cublas}
+    linear: str  # panel | bf16-pairs | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm | w8a8_int8-{onednn-packed,onednn,avx2,onednn-split,cublas}
     decode: str  # cuda-graphs | compiled | eager
     decode_off: str | None = None  # why decode is eager
 
     @property
     def packs_weights(self) -> bool:
         """The linear layers read weights packed once at start (in place of the weights, but for a tied head)."""
-        return self.linear in ("panel", "onednn", "w8a8_int8-onednn-packed")
+        return self.linear in ("panel", "bf16-pairs", "onednn", "w8a8_int8-onednn-packed")
 
     def describe(self) -> str:
         why = f" ({self.decode_off})" if self.decode_off else ""
@@ -106,6 +107,8 @@ def linear_kernel(dtype: torch.dtype, device: torch.device, quantization: str | 
         return "torch"
     if dtype == torch.float32 and native.panel_linear_op() is not None:
         return "panel"
+    if dtype == torch.bfloat16 and native.bf16_linear_op() is not None:
+        return "bf16-pairs"
     return "onednn"
 
 

@@ -5,6 +5,9 @@
     .venv/bin/python tests/bench/bench_cpu.py linear [--threads 2]
         float32 linear layers through MKL (F.linear), oneDNN and the AVX-512 panel kernel
         (kernels/linear.py) at one decoder layer's shapes plus the LM head, from 1 to 2048 rows
+    .venv/bin/python tests/bench/bench_cpu.py linear-bf16 [--threads 2]
+        bfloat16 linear layers through oneDNN and the AVX512-BF16 pairs kernel at a
+        Qwen2.5-0.5B layer's shapes and its 151,936-row head, from 1 to 256 rows
     .venv/bin/python tests/bench/bench_cpu.py threads
         a decode step at batch 32 with 1 thread, 2 spinning and 2 passive OpenMP threads,
         each in its own process (the wait policy is read when OpenMP loads)
@@ -104,6 +107,46 @@ def linear(args) -> None:
         ratio = f"**{total['onednn'] / total['panel']:.2f}x**" if total["panel"] else "-"
         print(f"| {rows} | {' | '.join(cells)} | {total['mkl'] * 1e3:.3f} ms | {total['onednn'] * 1e3:.3f} ms "
               f"| {total['panel'] * 1e3:.3f} ms | {ratio} |", flush=True)
+    print(f"load average at the end {load()}")
+
+
+def linear_bf16(args) -> None:
+    """A Qwen2.5-0.5B layer's four projections and its LM head in bfloat16, through oneDNN on its
+    packed weight and the pairs kernel (csrc/bf16_linear.cpp) on its packed weight, interleaved.
+    Eight copies of every layer weight (one of the 272 MB head), used in turn, so each call
+    reads its weight from DRAM as in an engine step; the median of 9 passes."""
+    import torch
+
+    from kernels import linear as L
+    from kernels import native, packed_weights
+    torch.set_num_threads(args.threads)
+    op = native.bf16_linear_op()
+    if op is None:
+        raise SystemExit("the pairs kernel is unavailable here (no AVX512-BF16, AMX, or no compiler)")
+    shapes = {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896), "head": (896, 151936)}
+    print(f"threads {args.threads}; load average {load()}")
+    print("| rows | " + " | ".join(f"{n} oneDNN / pairs" for n in shapes) + " | layer: pairs vs oneDNN | head |")
+    print("| --- " * (len(shapes) + 3) + "|")
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    for rows in (1, 2, 8, 32, 64, 256):
+        cells, t = [], {}
+        for name, (inp, out) in shapes.items():
+            x = torch.randn(rows, inp).bfloat16()
+            ws = [(torch.randn(out, inp) * 0.05).bfloat16() for _ in range(1 if name == "head" else 8)]
+            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws]
+            pairs, y = [packed_weights.pairs(w) for w in ws], torch.empty(rows, out, dtype=torch.bfloat16)
+            runs = {"onednn": lambda: [L._LINEAR(x, p, None, "none", [], "") for p in onednn],
+                    "pairs": lambda: [op(y, x, p, empty) for p in pairs]}
+            times = {k: [] for k in runs}
+            for _ in range(9):
+                for k, run in runs.items():
+                    times[k].append(_timed(run) / len(ws))
+            t[name] = {k: statistics.median(v) for k, v in times.items()}
+            macs = rows * inp * out
+            cells.append(f"{macs / t[name]['onednn'] / 1e9:.0f} / {macs / t[name]['pairs'] / 1e9:.0f} GMAC/s")
+        layer = {k: sum(t[n][k] for n in shapes if n != "head") for k in ("onednn", "pairs")}
+        print(f"| {rows} | {' | '.join(cells)} | **{layer['onednn'] / layer['pairs']:.2f}x** | "
+              f"{t['head']['onednn'] / t['head']['pairs']:.2f}x |", flush=True)
     print(f"load average at the end {load()}")
 
 
@@ -216,12 +259,12 @@ def prefill(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["matmul", "linear", "threads", "prefill", "decode-step", "attention"])
+    ap.add_argument("what", choices=["matmul", "linear", "linear-bf16", "threads", "prefill", "decode-step", "attention"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--root", type=Path, default=HERE.parents[1])
     args = ap.parse_args()
-    {"matmul": matmul, "linear": linear, "threads": threads, "prefill": prefill, "decode-step": decode_step,
+    {"matmul": matmul, "linear": linear, "linear-bf16": linear_bf16, "threads": threads, "prefill": prefill, "decode-step": decode_step,
      "attention": attention}[args.what](args)
 
 
