@@ -137,9 +137,10 @@ def _load(stem: str, sources: list[str]) -> bool:
 
 
 def build_dir(stem: str, sources: list[str]) -> Path:
-    """The cache folder of this build: named by a hash of everything that changes the binary."""
+    """The cache folder of this build: named by a hash of everything that changes the binary
+    (its sources and every header beside them)."""
     digest = hashlib.sha256()
-    for src in sources:
+    for src in [*sources, *sorted(h.name for h in _CSRC.glob("*.h"))]:
         digest.update((_CSRC / src).read_bytes())
     digest.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, sys.version, sys.platform)).encode())
     return cache_root() / f"shoal_{stem}_{digest.hexdigest()[:12]}"

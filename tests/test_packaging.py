@@ -38,6 +38,7 @@ def test_the_wheel_carries_the_bundled_model_and_the_kernel_sources(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"actors/demo_model/{f}" for f in MODEL_FILES} <= names
     assert {f"kernels/csrc/{f}.cpp" for f in ("paged_attention", "panel_linear", "bf16_linear", "int8_linear")} <= names
+    assert "kernels/csrc/bf16_tile.h" in names  # (included by two of them)
     assert "app/api/web/chat.html" in names  # the chat page at GET /
     assert not any(n.startswith("app/demo/") for n in names)  # the training code runs from a checkout
     assert not any(n.startswith("tests/") for n in names)
