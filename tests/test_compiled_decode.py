@@ -90,7 +90,7 @@ VARIANTS = {
     "int8": dict(quantization="int8", dtype="float32"),
     "fp8": dict(quantization="fp8", dtype="float32"),
     "fp8-kv": dict(kv_cache_dtype="fp8", block_size=4, num_kv_blocks=64, max_num_seqs=4),
-    "bf16": dict(dtype="bfloat16"),
+    "bf16": dict(dtype="bfloat16"),  # a tied head (its lookups read the bf16 pairs, where the CPU has them)
     "int8-bf16": dict(dtype="bfloat16", quantization="int8"),  # bf16 activations into the 8-bit kernel
     "w8a8-llama": dict(quantization="w8a8_int8", dtype="float32"),
     "w8a8-qwen3": dict(quantization="w8a8_int8", dtype="float32"),  # a tied head
@@ -114,10 +114,10 @@ def variant_starts(checkpoint_factory, tmp_path_factory) -> dict:
             if case == "fp8-kv":
                 path = with_kv_scales(checkpoint_factory("llama"), tmp_path_factory.mktemp("fp8kv") / "llama", KV_SCALES)
                 mp.setenv("SHOAL_COMPILE_CACHE", str(tmp_path_factory.mktemp("fp8kv-compiled")))
-            elif case == "w8a8-qwen3":
+            elif case in ("w8a8-qwen3", "bf16"):
                 path = checkpoint_factory("qwen3", tie_word_embeddings=True)
             else:
-                path = checkpoint_factory("qwen3" if case == "bf16" else "llama")
+                path = checkpoint_factory("llama")
             starts[case] = path, compiled_llm(path, wait=False, **options)
     return starts
 
@@ -224,7 +224,8 @@ def test_compiled_decode_equals_transformers_and_eager(compiled):
 def test_compiled_bfloat16_decode_equals_eager_bfloat16(variant, case):
     """bf16 compiled decode rounds to bfloat16 after every op as eager does (inductor's
     emulate_precision_casts; eager bf16 is held to transformers bf16 in tests/test_bf16.py), and
-    both multiply in oneDNN's packed bf16 kernels (AMX where there is one): the same tokens and
+    both multiply in the same packed bf16 kernel (shoal's pairs kernel on AVX512-BF16 CPUs
+    without AMX, whose tied head's lookups read the pairs, else oneDNN's): the same tokens and
     log-probs. Without the rounding a real model's outliers set the two apart (SmolLM2: 8 of 28
     in a logit) and close calls chose differently. With int8 weights (int8-bf16) the product is
     the opaque 8-bit op on bf16 activations in both.
