@@ -28,6 +28,7 @@ from app.cli.bench.cli import check_bounded
 from app.cli.bench.report import percentile
 from app.cli.main import build_parser
 from kernels.linear import ONEDNN
+from kernels import native
 from kernels.quantization import int_mm_exact, packed_int8_exact, w8a8_cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,6 +237,8 @@ def test_collect_env(monkeypatch, capsys):
     assert versions["torch"] and versions["transformers"] and versions["ray"]
     assert report["system"]["logical_cores"] >= 1 and report["system"]["cpu"]
     assert isinstance(report["torch"]["cuda_available"], bool)
+    assert ("panel kernel" in report["cpu_linear"]["float32"]) == (native.panel_linear_op() is not None)
+    assert ("pairs kernel" in report["cpu_linear"]["bfloat16"]) == (native.bf16_linear_op() is not None)
     assert report["quantization"]["int8"].startswith("CPU, the ")
     w8a8 = report["quantization"]["w8a8_int8"]
     assert w8a8.startswith("int8 x int8")

@@ -44,7 +44,7 @@ def collect_env_command(args: argparse.Namespace) -> int:
 
 def collect(ray_address: str | None = None, ray_timeout: float = 20.0) -> dict:
     env = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
-    return {"versions": versions(), "system": system(), "torch": torch_info(),
+    return {"versions": versions(), "system": system(), "torch": torch_info(), "cpu_linear": cpu_linear(),
             "quantization": quantization(), "nvidia_smi": nvidia_smi(), "env": env,
             "ray_cluster": ray_cluster(ray_address, ray_timeout)}
 
@@ -105,6 +105,28 @@ def torch_info() -> dict:
                                                 / 2**30, 2)}
                            for i in range(torch.cuda.device_count())]
     return info
+
+
+LINEAR_KERNELS = {"panel": "shoal's AVX-512 panel kernel (kernels/csrc/panel_linear.cpp)",
+                  "bf16-pairs": "shoal's AVX512-BF16 pairs kernel (kernels/csrc/bf16_linear.cpp)",
+                  "onednn": "oneDNN's inner product", "torch": "torch (F.linear)"}
+
+
+def cpu_linear() -> dict:
+    """The kernel a float32 and a bfloat16 model's linear layers run through on this CPU
+    (actors/worker/kernel_choice.py)."""
+    try:
+        import torch
+
+        from actors.worker.kernel_choice import linear_kernel
+        from actors.worker.model_spec import cpu_has_matmul
+    except ImportError:
+        return {}
+    cpu = torch.device("cpu")
+    f32 = LINEAR_KERNELS[linear_kernel(torch.float32, cpu)]
+    bf16 = LINEAR_KERNELS[linear_kernel(torch.bfloat16, cpu)] if cpu_has_matmul(torch.bfloat16) else \
+        f"float32 on weights rounded to bf16 (no bf16 matmuls here): {f32}"
+    return {"float32": f32, "bfloat16": bf16}
 
 
 def quantization() -> dict:
