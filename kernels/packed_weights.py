@@ -1,7 +1,7 @@
 """Packed copies of CPU weights, kept beside the weights: each in the layout its kernel reads
-(kernels/linear.py: panels or oneDNN's blocked float layout; kernels/quantization.py: oneDNN's
-int8 layout). A kernel is handed the weight itself (a plain tensor torch.compile can take as an
-input) and reads the copy found for it here.
+(kernels/linear.py: float32 panels, bf16 k-pair panels or oneDNN's blocked layout;
+kernels/quantization.py: oneDNN's int8 layout). A kernel is handed the weight itself (a plain
+tensor torch.compile can take as an input) and reads the copy found for it here.
 
 An entry is keyed by the weight's storage and holds the weight's version when packed: an
 in-place change sends the kernel back to the weight, and the entry goes when the weight is
