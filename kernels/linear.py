@@ -77,10 +77,9 @@ def prepack(weights: list[torch.Tensor], rows: int, keep_plain: list[torch.Tenso
         if w.dtype == torch.int8:
             kept += prepack_w8a8(w, rows)
         elif w.dtype in _DTYPES:
-            op = native.panel_linear_op() if w.dtype == torch.float32 else native.bf16_linear_op()
-            if op is not None and w.dtype == torch.float32:
+            if w.dtype == torch.float32 and (op := native.panel_linear_op()) is not None:
                 _PANEL_OP, packed = op, pack_panels(w.detach())
-            elif op is not None:
+            elif w.dtype == torch.bfloat16 and (op := native.bf16_linear_op()) is not None:
                 _PAIRS_OP, packed = op, packed_weights.pairs(w.detach())
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)

@@ -24,7 +24,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define SHOAL_HAS_BF16_LINEAR 1
