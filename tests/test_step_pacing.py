@@ -135,6 +135,14 @@ def test_the_default_target_is_for_cpu_only():
         EngineConfig(itl_target_ms=-1).validate()
 
 
+def test_offline_runs_are_not_paced_unless_asked(llama_ckpt):
+    """`LLM` and `shoal run-batch` (which passes every EngineConfig field, the unset target as
+    None) run whole requests: nobody reads a token between steps, so prompts are not cut up."""
+    assert LLM(str(llama_ckpt), num_kv_blocks=64).engine.scheduler.pacer.target == 0.0
+    assert LLM(str(llama_ckpt), num_kv_blocks=64, itl_target_ms=None).engine.scheduler.pacer.target == 0.0
+    assert LLM(str(llama_ckpt), num_kv_blocks=64, itl_target_ms=40).engine.scheduler.pacer.target == 0.040
+
+
 def run_with_a_long_prompt_arriving(llm: LLM, streams: list, long_prompt: list):
     """Streams decode; the long prompt arrives after 3 steps. Returns (outputs by request id,
     the steps from its arrival to its first token, each stream's tokens over those steps)."""

@@ -18,7 +18,8 @@ from actors.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model_path: str | None = None, placement: tuple | None = None, **options):
         """options: EngineConfig fields. tp_size * pp_size > 1 starts shard actors on Ray."""
-        options.setdefault("itl_target_ms", 0)  # whole requests: nobody waits between tokens
+        if options.get("itl_target_ms") is None:  # whole requests: nobody waits between tokens
+            options["itl_target_ms"] = 0
         self.engine = LLMEngine(EngineConfig(model_path=model_path, **options), placement)
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config

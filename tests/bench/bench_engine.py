@@ -32,9 +32,9 @@ def shoal_throughput(path, prompts, out_len, eager_decode: bool) -> tuple[float,
     steps = {"decode": [0, 0.0], "prefill": [0, 0.0]}  # steps, seconds in ModelRunner.execute
     execute = llm.engine.executor.runner.execute
 
-    def timed_execute(output):
+    def timed_execute(output, previous=None):
         t = time.perf_counter()
-        result = execute(output)
+        result = execute(output, previous)
         kind = steps["decode" if output.num_decodes == len(output.rows) else "prefill"]
         kind[0] += 1
         kind[1] += time.perf_counter() - t
