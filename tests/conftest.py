@@ -42,11 +42,14 @@ def pytest_sessionstart(session):
     # Compiled decode steps (actors/worker/compiled_decode.py) go to a folder of this run's
     # own, so every run compiles what it tests; `shoal serve` subprocesses inherit it.
     session.config._shoal_compiled = os.environ["SHOAL_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="shoal-compiled-")
+    # So do the tokenizer classes AutoTokenizer chose (actors/worker/checkpoint_files.py).
+    session.config._shoal_tokenizers = os.environ["SHOAL_TOKENIZER_CACHE"] = tempfile.mkdtemp(prefix="shoal-tokenizers-")
 
 
 def pytest_sessionfinish(session, exitstatus):
     session.config._shoal_marker.unlink(missing_ok=True)
     shutil.rmtree(session.config._shoal_compiled, ignore_errors=True)
+    shutil.rmtree(session.config._shoal_tokenizers, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

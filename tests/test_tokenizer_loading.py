@@ -1,7 +1,8 @@
 """A Serve replica ends with the tokenizer of the class the engine's AutoTokenizer chose
 (actors/worker/checkpoint_files.py): the one its files declare, loaded while the engine
 starts, where that is the class; else loaded by the engine's class. The same tokenizer as
-AutoTokenizer's, without importing torch.
+AutoTokenizer's, without importing torch. The engine, at its second start on the same files,
+loads the class AutoTokenizer chose at its first.
 
 Each case is a checkpoint whose files declare a tokenizer class the way released checkpoints
 do (Qwen2's, GPT-2's, Llama 3's generic fast tokenizer, a Llama-class name over a byte-level
@@ -98,4 +99,65 @@ def test_loading_by_class_imports_no_torch(llama_ckpt):
     class_path = tokenizer_class_path(load_tokenizer(llama_ckpt))
     assert not torch_after(f"engine_tokenizer({path}, {class_path!r}, load_declared_tokenizer({path}))")
     assert not torch_after(f"load_tokenizer({path}, {class_path!r})")
-    assert torch_after(f"load_tokenizer({path})")
+    assert torch_after(f"__import__('transformers').AutoTokenizer.from_pretrained(str({path}))")
+
+
+@pytest.fixture
+def tokenizer_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_TOKENIZER_CACHE", str(tmp_path / "tokenizer-cache"))
+    return tmp_path / "tokenizer-cache"
+
+
+def auto_tokenizer_calls(monkeypatch) -> list:
+    """Count AutoTokenizer's loads (it still loads): the remembered class must make them unneeded."""
+    from transformers import AutoTokenizer
+    calls, real = [], AutoTokenizer.from_pretrained.__func__
+
+    def counted(cls, *args, **kwargs):
+        calls.append(args[0])
+        return real(cls, *args, **kwargs)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(counted))
+    return calls
+
+
+@pytest.mark.parametrize("model_type,declared", DECLARED)
+def test_a_later_load_takes_the_class_auto_tokenizer_chose(llama_ckpt, tmp_path, tokenizer_cache, monkeypatch,
+                                                          model_type, declared):
+    """The engine's tokenizer at its next start: the class AutoTokenizer chose at the first,
+    loaded directly (AutoTokenizer's choice costs ~1 s of imports); the same tokenizer."""
+    path = checkpoint_declaring(llama_ckpt, tmp_path / "ckpt", model_type, declared)
+    calls = auto_tokenizer_calls(monkeypatch)
+    first = load_tokenizer(path)
+    again = load_tokenizer(path)
+    assert calls == [str(path)]  # only the first asked AutoTokenizer
+    assert type(again) is type(first)
+    for text in TEXTS:
+        assert again(text)["input_ids"] == first(text)["input_ids"]
+    chat = dict(add_generation_prompt=True, tokenize=False)
+    assert again.apply_chat_template(MESSAGES, **chat) == first.apply_chat_template(MESSAGES, **chat)
+    assert again.eos_token_id == first.eos_token_id and again.all_special_ids == first.all_special_ids
+
+
+def test_changed_files_ask_auto_tokenizer_again(llama_ckpt, tmp_path, tokenizer_cache, monkeypatch):
+    """A file edited in place (here the declared class, which AutoTokenizer then follows) is a new
+    choice; so is another directory with the same files."""
+    path = checkpoint_declaring(llama_ckpt, tmp_path / "ckpt", "llama", "Qwen2Tokenizer")
+    calls = auto_tokenizer_calls(monkeypatch)
+    assert type(load_tokenizer(path)).__name__ == "Qwen2Tokenizer"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert type(load_tokenizer(path)).__name__ == "GPT2Tokenizer"
+    copy = shutil.copytree(path, tmp_path / "copy")
+    load_tokenizer(copy)
+    assert calls == [str(path), str(path), str(copy)]
+    load_tokenizer(path), load_tokenizer(copy)
+    assert len(calls) == 3
+
+
+def test_an_unwritable_cache_only_costs_time(llama_ckpt, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SHOAL_TOKENIZER_CACHE", str(blocker / "cache"))  # a folder under a file
+    calls = auto_tokenizer_calls(monkeypatch)
+    assert load_tokenizer(llama_ckpt)("fox")["input_ids"] == load_tokenizer(llama_ckpt)("fox")["input_ids"]
+    assert len(calls) == 2

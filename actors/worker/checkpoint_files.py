@@ -2,8 +2,11 @@
 processes (ingress, replica) use this, and importing torch would cost them seconds at start."""
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
@@ -54,12 +57,58 @@ def load_tokenizer(path: Path, class_path: str | None = None):
     engine's. A Serve replica loads that class directly: AutoTokenizer's choice imports torch
     (transformers' config module does), ~2 s of CPU at start and ~185 MB in a process that has
     no other use for it. Every branch of AutoTokenizer that a local checkpoint takes ends in
-    `Class.from_pretrained(path)`; remote code (a class outside transformers) goes through it."""
+    `Class.from_pretrained(path)`; remote code (a class outside transformers) goes through it.
+    Without class_path, the class AutoTokenizer chose at an earlier start for the same files
+    (and transformers version) is loaded directly too: its choice costs ~1 s of CPU even in a
+    process that has torch (transformers' model configuration modules, torch.distributed.tensor,
+    sympy)."""
+    if class_path is None:
+        class_path = remembered_tokenizer_class(path)
     if class_path is not None and class_path.startswith("transformers."):
         module, name = class_path.split(":")
         return getattr(importlib.import_module(module), name).from_pretrained(str(path))
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    remember_tokenizer_class(path, tokenizer_class_path(tokenizer))
+    return tokenizer
+
+
+def tokenizer_cache_dir() -> Path:
+    return Path(os.environ.get("SHOAL_TOKENIZER_CACHE") or Path.home() / ".cache" / "shoal" / "tokenizers")
+
+
+def _tokenizer_choice_key(path: Path) -> str:
+    """What AutoTokenizer's choice can depend on: the directory, every file in it but the
+    weights (name, size, modification time) and transformers' version."""
+    from transformers import __version__
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.resolve().iterdir()
+                   if f.is_file() and f.suffix not in WEIGHT_SUFFIXES)
+    text = json.dumps([str(path.resolve()), __version__, files])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def remembered_tokenizer_class(path: Path) -> str | None:
+    try:
+        return (tokenizer_cache_dir() / _tokenizer_choice_key(path)).read_text().strip() or None
+    except OSError:  # never recorded, or the cache is unreadable: AutoTokenizer decides
+        return None
+
+
+def remember_tokenizer_class(path: Path, class_path: str) -> None:
+    """Record a class inside transformers (remote code always goes through AutoTokenizer)."""
+    if not class_path.startswith("transformers."):
+        return
+    try:
+        folder = tokenizer_cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as tmp:
+            tmp.write(class_path)
+        os.replace(tmp.name, folder / _tokenizer_choice_key(path))  # whole, whoever writes at once
+    except OSError:  # a read-only home: every start asks AutoTokenizer
+        pass
 
 
 def tokenizer_class_path(tokenizer) -> str:
