@@ -1,5 +1,7 @@
 """`shoal run-batch`: line parsing (no engine), then the real command on a tiny checkpoint."""
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +227,20 @@ def test_the_models_sampling_defaults_apply(llama_ckpt, llm, tmp_path):
     assert "sampling defaults from the model's generation_config.json: temperature=0.0" in proc.stderr
     (row,) = [json.loads(text) for text in dst.read_text().splitlines()]
     assert row["response"]["body"]["choices"][0]["text"] == greedy(llm, PROMPT).text
+
+
+def test_a_compiled_run_exits_with_its_results_and_its_compile_job_stopped(llama_ckpt, llm, tmp_path):
+    """The default (compiled decode, its job in the background): a batch shorter than the compile
+    writes its results, exits 0 without the interpreter's teardown, and stops the job on the way."""
+    env = {k: v for k, v in os.environ.items() if k != "SHOAL_EAGER_DECODE"}
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(line("text", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}) + "\n")
+    proc = subprocess.run([SHOAL, "run-batch", "--model-path", str(llama_ckpt), "-i", str(src), "-o", str(dst), *ENGINE],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = [json.loads(text) for text in dst.read_text().splitlines()]
+    assert row["response"]["body"]["choices"][0]["text"] == greedy(llm, PROMPT).text
+    job = re.search(r"compiling the decode step in the background \(pid (\d+)\)", proc.stderr)
+    assert job, proc.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(job.group(1)), 0)
