@@ -161,3 +161,26 @@ def test_an_unwritable_cache_only_costs_time(llama_ckpt, tmp_path, monkeypatch):
     calls = auto_tokenizer_calls(monkeypatch)
     assert load_tokenizer(llama_ckpt)("fox")["input_ids"] == load_tokenizer(llama_ckpt)("fox")["input_ids"]
     assert len(calls) == 2
+
+
+def test_the_engine_names_the_remembered_class_while_its_tokenizer_loads(llama_ckpt, tokenizer_cache, monkeypatch):
+    """A replica asks the engine for its tokenizer's class as soon as the engine is up: where the
+    class is remembered, the answer does not wait for the load (the class being loaded is that one)."""
+    import threading
+
+    from actors.config import EngineConfig
+    from actors.engine import llm_engine
+
+    first = llm_engine.LLMEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32))
+    chosen = first.tokenizer_class  # nothing remembered: AutoTokenizer's choice, waited for
+    assert chosen == tokenizer_class_path(first.tokenizer)
+    release, real = threading.Event(), llm_engine.load_tokenizer
+
+    def held(path, class_path=None):
+        assert release.wait(60)
+        return real(path, class_path)
+    monkeypatch.setattr(llm_engine, "load_tokenizer", held)
+    again = llm_engine.LLMEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32))
+    assert again.tokenizer_class == chosen and not again._tokenizer.done()
+    release.set()
+    assert tokenizer_class_path(again.tokenizer) == chosen

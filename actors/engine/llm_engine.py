@@ -40,7 +40,8 @@ from actors.outputs import Pending, RequestOutput
 from actors.pooling_params import PoolingParams
 from actors.request import EngineRequest, resolve_max_tokens
 from actors.sampling_params import SamplingParams
-from actors.worker.checkpoint_files import declared_eos_id, load_tokenizer, resolve_model_path, tokenizer_class_path
+from actors.worker.checkpoint_files import (declared_eos_id, load_tokenizer, remembered_tokenizer_class,
+                                           resolve_model_path, tokenizer_class_path)
 from actors.worker.draft_model import DraftModel
 from actors.worker.loader import checkpoint_shapes
 from actors.worker.model_spec import resolve_model
@@ -59,7 +60,8 @@ class LLMEngine:
         # of start-up): the engine needs it for requests, not to start. Its eos id comes from
         # its files where they state it.
         loading = ThreadPoolExecutor(1, thread_name_prefix="shoal-tokenizer")
-        self._tokenizer = loading.submit(load_tokenizer, path)
+        self._tokenizer_class = remembered_tokenizer_class(path)  # (None: AutoTokenizer decides)
+        self._tokenizer = loading.submit(load_tokenizer, path, self._tokenizer_class)
         loading.shutdown(wait=False)  # (its thread ends with the load)
         eos = declared_eos_id(path)
         self.spec = resolve_model(config, eos if eos is not None else self.tokenizer.eos_token_id)
@@ -97,8 +99,10 @@ class LLMEngine:
 
     @property
     def tokenizer_class(self) -> str:
-        """The tokenizer's class as "module:Class": the HTTP processes load that class (waits)."""
-        return tokenizer_class_path(self.tokenizer)
+        """The tokenizer's class as "module:Class": the HTTP processes load that class. The class
+        remembered for these files is the one loading (a replica need not wait for it); else
+        this waits for AutoTokenizer's choice."""
+        return self._tokenizer_class or tokenizer_class_path(self.tokenizer)
 
     # ---- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
