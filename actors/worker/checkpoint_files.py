@@ -77,6 +77,9 @@ def tokenizer_cache_dir() -> Path:
     return Path(os.environ.get("SHOAL_TOKENIZER_CACHE") or Path.home() / ".cache" / "shoal" / "tokenizers")
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
 def _tokenizer_choice_key(path: Path) -> str:
     """What AutoTokenizer's choice can depend on: the directory, every file in it but the
     weights (name, size, modification time) and transformers' version."""
@@ -87,13 +90,10 @@ def _tokenizer_choice_key(path: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
 def remembered_tokenizer_class(path: Path) -> str | None:
     try:
         return (tokenizer_cache_dir() / _tokenizer_choice_key(path)).read_text().strip() or None
-    except OSError:  # never recorded, or the cache is unreadable: AutoTokenizer decides
+    except (OSError, ImportError):  # never recorded, an unreadable cache, no transformers: AutoTokenizer decides
         return None
 
 
@@ -107,7 +107,7 @@ def remember_tokenizer_class(path: Path, class_path: str) -> None:
         with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as tmp:
             tmp.write(class_path)
         os.replace(tmp.name, folder / _tokenizer_choice_key(path))  # whole, whoever writes at once
-    except OSError:  # a read-only home: every start asks AutoTokenizer
+    except (OSError, ImportError):  # a read-only home: every start asks AutoTokenizer
         pass
 
 
