@@ -250,6 +250,8 @@ def test_collect_env(monkeypatch, capsys):
     assert main(["collect-env", "--ray-address", "none"]) == 0
     text = capsys.readouterr().out
     assert "== versions" in text and "transformers" in text and "skipped" in text
+    for key in report["quantization"]:  # long names keep a space before their text
+        assert f"\n{key} " in text, key
 
 
 STOP_WAITER = """

@@ -325,9 +325,50 @@ def test_a_legacy_settings_file_stands_for_quantization_config(case, legacy, cop
         llm.shutdown()
 
 
+@pytest.mark.parametrize("case, change, message", [
+    ("gptq-sym-g32", {"bits": 8}, r"qweight .* holds \d+ input columns of 8-bit codes"),
+    ("awq-g64", {"group_size": 32}, r"in \d+ group\(s\) of 32 \(config.json's group_size\), but its scales have"),
+    ("awq-g64", {"group_size": 128}, r"group\(s\) of 128 \(config.json's group_size\), but its scales have"),
+    ("ct-asym-channel", {"strategy": "group", "group_size": 16}, r"weight_packed .* group\(s\) of 16"),
+])
+def test_settings_that_do_not_fit_the_tensors_are_refused(case, change, message, copies, tmp_path):
+    """bits or a group size in config.json that the packed tensors do not bear out: one line
+    naming the tensor, not a model that reads the codes or the groups' scales wrongly (a group
+    size too large loaded and ran, using half of the scales)."""
+    import shutil
+
+    path = tmp_path / "changed"
+    shutil.copytree(copies(case)["packed"], path)
+    config = json.loads((path / "config.json").read_text())
+    q = config["quantization_config"]
+    for group in (q.get("config_groups") or {}).values():
+        group["weights"].update(change)
+    if "config_groups" not in q:
+        q.update(change)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message) as raised:
+        LLM(str(path), dtype="float32", num_kv_blocks=64)
+    assert "\n" not in str(raised.value)
+
+
+def test_packed_tensors_without_their_settings_are_named(copies, tmp_path):
+    """A GPTQ checkpoint whose config.json lost its quantization_config: the error says what the
+    stray tensors are."""
+    import shutil
+
+    path = tmp_path / "no-config"
+    shutil.copytree(copies("gptq-sym-g32")["packed"], path)
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"unexpected weight .* \(GPTQ, AWQ, compressed-tensors\), but config.json "
+                                         "names no quantization_config"):
+        LLM(str(path), dtype="float32", num_kv_blocks=64)
+
+
 def test_naming_another_format_is_refused(copies):
     """--quantization awq on a GPTQ checkpoint (or on a float one) fails at start in one line."""
-    with pytest.raises(ValueError, match="--quantization awq is for awq checkpoints; this one's .* 'gptq'"):
+    with pytest.raises(ValueError, match="--quantization awq is for awq checkpoints; this one .* 'gptq'"):
         LLM(str(copies("gptq-sym-g32")["packed"]), num_kv_blocks=16, quantization="awq")
-    with pytest.raises(ValueError, match="--quantization gptq_marlin is for gptq checkpoints; .* quant_method None"):
+    with pytest.raises(ValueError, match="--quantization gptq_marlin is for gptq checkpoints; this one is not quantized"):
         LLM(str(copies("gptq-sym-g32")["reference"]), num_kv_blocks=16, quantization="gptq_marlin")

@@ -196,6 +196,15 @@ def test_integer_weights_without_a_format_are_refused(checkpoint_factory, tmp_pa
 @pytest.mark.parametrize("change, message", [
     ({"architectures": ["MambaForCausalLM"]}, "unsupported architecture 'MambaForCausalLM'; supported: "),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes' checkpoints "),
+    ({"quantization_config": "gptq"}, "config.json's quantization_config is a str, not an object"),
+    ({"quantization_config": [1, 2]}, "config.json's quantization_config is a list, not an object"),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": [1]}},
+     "compressed-tensors quantization_config.config_groups must map group names to objects"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 0]}},
+     "FP8 checkpoint with weight_block_size [0, 0]: expected two positive sizes"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}, "FP8 checkpoint with weight_block_size"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": "128x128"}},
+     "FP8 checkpoint with weight_block_size '128x128'"),
 ])
 def test_shoal_serve_refuses_a_checkpoint_it_cannot_read_in_one_line_before_ray(change, message, checkpoint_factory,
                                                                                 tmp_path):

@@ -231,6 +231,20 @@ def test_lora_on_int8_weights_equals_peft_on_the_dequantised_weights(adapters, t
         llm.shutdown()
 
 
+def test_an_fp8_scale_that_fits_neither_blocks_nor_channels_is_refused():
+    """A block size in config.json that the scales do not bear out (or a scale per nothing):
+    one line naming the weight, not a reshape error, nor weights scaled by the wrong block."""
+    from actors.worker.fp8_checkpoint import dequantize
+
+    weight = torch.zeros(96, 80).to(torch.float8_e4m3fn)
+    assert dequantize(weight, torch.ones(2, 2), (48, 48)).shape == (96, 80)  # ceil(80 / 48) = 2
+    with pytest.raises(ValueError, match=r"'w' \(96, 80\) has a scale of \(2, 2\), not one per block of 32 x 32"):
+        dequantize(weight, torch.ones(2, 2), (32, 32), "'w'")
+    with pytest.raises(ValueError, match=r"has 7 scales: expected one, or one per output channel"):
+        dequantize(weight, torch.ones(7, 1), None)
+    assert torch.equal(dequantize(weight, torch.ones(96, 1), None), weight.float())
+
+
 @pytest.mark.parametrize("layout", ["block", "ct-block", "channel"])
 def test_fp8_checkpoints_load_as_their_dequantised_weights(layout, checkpoint_factory, tmp_path_factory):
     """A fine-grained FP8 checkpoint (transformers': block scales that do not divide the

@@ -212,6 +212,28 @@ def test_unknown_parser_fails_at_start(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("change, options, message", [
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, [], "'bitsandbytes' checkpoints"),
+    ({}, ["--quantization", "awq"], "--quantization awq is for awq checkpoints; this one is not quantized"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [0, 0]}}, [], "FP8 checkpoint with"),
+])
+def test_a_checkpoint_or_setting_it_cannot_honour_fails_in_one_line(change, options, message, llama_ckpt, tmp_path):
+    """As `shoal serve` does: one line naming the reason, exit 1, no traceback, no output file."""
+    import shutil
+
+    path = shutil.copytree(llama_ckpt, tmp_path / "model")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(line("plain", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8}) + "\n")
+    proc = subprocess.run([SHOAL, "run-batch", "--model-path", str(path), "-i", str(src), "-o", str(dst), *ENGINE,
+                           *options], capture_output=True, text=True, timeout=300)
+    errors = [text for text in proc.stderr.splitlines() if "error" in text.lower()]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"shoal run-batch: error: {message}"), errors
+    assert not dst.exists()
+
+
 def test_the_models_sampling_defaults_apply(llama_ckpt, llm, tmp_path):
     """A line without temperature takes generation_config.json's (0 here: greedy), as `shoal serve`."""
     import shutil

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from actors.worker import quantization_config
+
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".k_scale", ".v_scale", ".kv_scale",
                   ".k_proj.output_scale", ".v_proj.output_scale")
@@ -31,33 +33,31 @@ KV_SCALE_NAMES = {"self_attn.k_scale": ("k",), "self_attn.v_scale": ("v",), "sel
 
 
 def block_size(config: dict) -> tuple[int, int] | None:
-    """The weights' scale block of a block-wise FP8 checkpoint's config: transformers'
-    `weight_block_size`, or compressed-tensors' `block_structure` with strategy "block"
-    (LLM Compressor's FP8_BLOCK); None: not block-wise."""
-    q = config.get("quantization_config") or {}
-    block = q.get("weight_block_size")
-    for group in (q.get("config_groups") or {}).values() if q.get("quant_method") == "compressed-tensors" else ():
-        weights = group.get("weights") or {}
-        if weights.get("strategy") == "block":
-            block = weights.get("block_structure")
-    return (int(block[0]), int(block[1])) if block else None
+    """The weights' scale block of a block-wise FP8 checkpoint's config (quantization_config.py
+    `fp8_block`); None: not block-wise."""
+    return quantization_config.fp8_block(quantization_config.settings(config))
 
 
 def is_scale(name: str) -> bool:
     return name.endswith(SCALE_SUFFIXES)
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               name: str = "a float8 weight") -> torch.Tensor:
     """A float8 weight [N, K] (or [N]) times its scale: one per block of `block` weights
     (`weight_scale_inv` [ceil(N / bn), ceil(K / bk)]), one per output channel ([N, 1] or [N]),
-    or one for the tensor."""
+    or one for the tensor. ValueError (naming `name`) for a scale of any other shape."""
     w, s = weight.float(), scale.float()
     if s.numel() == 1:
         return w * s.reshape(())
-    if block is not None and w.dim() == 2 and s.dim() == 2 and s.shape == (-(-w.shape[0] // block[0]),
-                                                                             -(-w.shape[1] // block[1])):
+    if block is not None and w.dim() == 2 and s.dim() == 2:
         (bn, bk), (n, k) = block, w.shape
+        if s.shape != (-(-n // bn), -(-k // bk)):
+            raise ValueError(f"{name} {tuple(w.shape)} has a scale of {tuple(s.shape)}, not one per block of "
+                             f"{bn} x {bk} (config.json's block size) nor per channel")
         return w * s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    if s.numel() != w.shape[0]:
+        raise ValueError(f"{name} {tuple(w.shape)} has {s.numel()} scales: expected one, or one per output channel")
     return w * s.reshape(w.shape[0], *([1] * (w.dim() - 1)))
 
 

@@ -32,11 +32,15 @@ fused layer's pieces (q/k/v, gate/up) side by side (actors/worker/loader.py _kee
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from actors.worker.quantization_config import compressed_formats
+
+log = logging.getLogger("shoal.loader")
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column 8c + j sits in nibble AWQ_COLUMNS[j]
@@ -142,6 +146,44 @@ def _compressed_tensors(q: dict) -> Int4Format | None:
         raise ValueError(f"compressed-tensors pack-quantized strategy {strategy!r}: shoal reads group and channel")
     group = _group("compressed-tensors", weights.get("group_size")) if strategy == "group" else -1
     return Int4Format("compressed-tensors", bits, group, bool(weights.get("symmetric", True)))
+
+
+def check_parts(fmt: Int4Format, module: str, shapes: dict[str, tuple]) -> None:
+    """ValueError (one line, naming the module) unless one module's tensors ({suffix: shape})
+    are what config.json's bits and group size make of one weight [N, K]: a wrong setting would
+    otherwise read the codes or the groups' scales wrongly, or only some of them, and load a
+    model that runs and talks nonsense."""
+    per = 32 // fmt.bits
+    packed = shapes[fmt.parts[0]]
+    if fmt.method == "compressed-tensors":  # (K rounded up to whole words: weight_shape has the exact one)
+        n, k = packed[0], packed[1] * per
+        scales = shapes.get(".weight_scale", ())
+        groups = scales[1] if len(scales) == 2 else 1
+        g_idx = shapes.get(".weight_g_idx")
+    elif fmt.method == "gptq":
+        k, n = packed[0] * per, packed[1]
+        scales = shapes.get(".scales", ())
+        groups = scales[0] if len(scales) == 2 else 0
+        g_idx = shapes.get(".g_idx")
+    else:  # awq
+        k, n = packed[0], packed[1] * per
+        scales = shapes.get(".scales", ())
+        groups = scales[0] if len(scales) == 2 else 0
+        g_idx = None
+    name = f"{module}{fmt.parts[0]}"
+    columns = scales[0] if fmt.method == "compressed-tensors" else scales[1] if len(scales) == 2 else None
+    if not scales or columns != n:
+        raise ValueError(f"{name} {tuple(packed)} holds {n} output columns of {fmt.bits}-bit codes (config.json's "
+                         f"bits), but its scales are {tuple(scales)}")
+    if g_idx is not None:  # act-order: any group count, each column's group read from g_idx
+        if tuple(g_idx) not in ((k,), (-(-k // per) * per,)):
+            raise ValueError(f"{name} {tuple(packed)} holds {k} input columns of {fmt.bits}-bit codes, but its "
+                             f"g_idx has {tuple(g_idx)}")
+        return
+    want = 1 if fmt.group_size == -1 else -(-k // fmt.group_size)
+    if groups != want:
+        raise ValueError(f"{name} {tuple(packed)} holds {k} input columns of {fmt.bits}-bit codes, in {want} "
+                         f"group(s) of {fmt.group_size} (config.json's group_size), but its scales have {groups}")
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -323,6 +365,15 @@ def keeps_packed(device: torch.device) -> bool:
     from kernels import triton_programs
     from kernels.env import flag
 
-    if not triton_programs.available():
+    if not flag("SHOAL_INT4_KERNEL", False):
         return False
-    return flag("SHOAL_INT4_KERNEL", False) and (device.type == "cuda" or triton_programs.interpreted())
+    if triton_programs.available() and (device.type == "cuda" or triton_programs.interpreted()):
+        return True
+    _warn_once(f"SHOAL_INT4_KERNEL=1: the int4 kernel runs on CUDA (or under Triton's interpreter), so on {device.type} "
+               "the packed weights are dequantised as they load")
+    return False
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)

@@ -321,7 +321,7 @@ def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
                     scales = _tensor(name + mxfp4_checkpoint.SCALES, where)
                     tensor_slice = mxfp4_checkpoint.Dequantized(tensor_slice, scales)
                 elif tensor_slice.get_dtype() in fp8_checkpoint.FP8_DTYPES:
-                    tensor_slice = fp8_checkpoint.dequantize(f.get_tensor(name), _scale_of(name, where), block)
+                    tensor_slice = fp8_checkpoint.dequantize(f.get_tensor(name), _scale_of(name, where), block, name)
                 elif fp8_checkpoint.is_scale(name):
                     tensor_slice = None
                 yield name, tensor_slice
@@ -349,6 +349,7 @@ class _Int4Weight:
             parts = {part: _tensor(prefix + part, self.where) for part in fmt.parts if prefix + part in self.where}
             if len(parts) == 1:
                 raise ValueError(f"the packed weight {prefix + fmt.parts[0]!r} has no scales in the checkpoint")
+            int4_checkpoint.check_parts(fmt, prefix, {part: tuple(t.shape) for part, t in parts.items()})
             self.tensor = int4_checkpoint.PackedWeight(int4_checkpoint.to_kernel_layout(fmt, parts)) \
                 if self.packed else int4_checkpoint.dequantize(fmt, parts)
         return self.tensor
@@ -402,7 +403,11 @@ def _load_slice(params: dict, rule, tensor_slice, name: str, weight_dtype: torch
     """
     target, offset, dim, start, size, *slot = rule
     if target not in params:
-        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        packed_part = any(name.endswith(parts) for parts in int4_checkpoint.PARTS.values())
+        raise ValueError(f"unexpected weight {name!r} in checkpoint" + (
+            ": a quantized checkpoint's tensor (GPTQ, AWQ, compressed-tensors), but config.json names no "
+            "quantization_config"
+            if packed_part else ""))
     if isinstance(tensor_slice, _Int4Weight):
         tensor_slice = tensor_slice.read()
     if isinstance(tensor_slice, int4_checkpoint.PackedWeight) and (callable(dim) or slot or packed is None):

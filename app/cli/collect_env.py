@@ -154,7 +154,9 @@ def quantization() -> dict:
             "fp8 online": f"{cpu}, weight-only; CUDA, "
                           + ("FP8 matmuls (torch._scaled_mm)" if fp8_gpu else "FP8 matmuls on compute capability 8.9+, "
                              "else shoal's Triton weight-only kernel"),
-            "fp8 checkpoints": "loaded as float (dequantised as they load); FP8 matmuls with --quantization fp8",
+            "fp8 checkpoints": "transformers' fine-grained fp8, fbgemm_fp8, ModelOpt FP8, compressed-tensors "
+                               "float-quantized: loaded as float (dequantised as they load); FP8 matmuls with "
+                               "--quantization fp8",
             "int8 checkpoints (compressed-tensors int-quantized)":
                 "their int8 layers on the checkpoint's codes and scales: W8A8 as w8a8_int8, W8A16 as int8 (above)",
             "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
@@ -197,7 +199,7 @@ def format_text(report: dict) -> str:
     for section, values in report.items():
         lines.append(f"== {section}")
         if isinstance(values, dict):
-            lines += [f"{key:<24}{format_value(value)}" for key, value in values.items()]
+            lines += [f"{key:<23} {format_value(value)}" for key, value in values.items()]
         else:
             lines.append(format_value(values))
     return "\n".join(lines)

@@ -180,7 +180,11 @@ def run_batch_file(args, config) -> int:
     setup_logging()
     lines = Path(args.input_file).read_text(encoding="utf-8").splitlines()
     options = {k: v for k, v in vars(config).items() if k != "model_path"}
-    llm = LLM(config.model_path, **options)
+    try:
+        llm = LLM(config.model_path, **options)
+    except (ValueError, FileNotFoundError) as exc:  # a checkpoint or settings it can't honour
+        print(f"shoal run-batch: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     opts = BatchOptions(model_name=args.served_model_name or served_name(config.model_path),
                         default_max_tokens=args.default_max_tokens,
                         disable_thinking=args.disable_thinking,
