@@ -108,10 +108,10 @@ def int8_linear_op(fp8: bool = False):
 
 
 def w8a8_sums_op():
-    """`op(out, xq, packed, portable)`, or None: the exact int32 sums, as float32, of int8 rows
-    times int8 weights packed in panels of 16 columns by groups of 4 k's (w8a8_int8 where
-    oneDNN's int8 gemm saturates; csrc/int8_linear.cpp, kernels/quantization.py); AVX2 where the
-    CPU has it, else (or with `portable`) a plain loop."""
+    """`op(out, xq, packed, path)`, or None: the exact int32 sums, as float32, of int8 rows
+    times int8 weights packed in panels of 16 columns by groups of 4 k's (w8a8_int8 on CPUs
+    without AMX; csrc/int8_linear.cpp, kernels/quantization.py): path 0 through the widest of
+    AVX512-VNNI, AVX2 and a plain loop the CPU has, 1 AVX2 at most, 2 the plain loop."""
     if not enabled() or not _load("int8_linear", ["int8_linear.cpp"]):
         return None
     return torch.ops.shoal_int8.w8a8_sums.default

@@ -21,13 +21,15 @@ Where each runs:
 
 w8a8_int8 (SGLang's spelling): int8 weights as int8's, times int8 activations, each row
 quantized as it arrives over its own scale (max |x_row| / 127, symmetric); out = (int32 dot) *
-x_scale[row] * w_scale[col] (+ bias). Weights stay [N, K] rows and the scale is kept as a row
-[1, N] (the shape the epilogue broadcasts; it is also what tells this format from int8's rows
-on CUDA). The int8 x int8 -> int32 product (`int8_sums`) is on CPU oneDNN's int8 linear on a
-weight prepacked once at start (`prepack_w8a8`; in place of the weight), else `torch._int_mm`
-(oneDNN's s8s8s32 gemm, which reorders the whole [N, K] weight on every call: 1.4x slower at a
-decode step's 32 rows), and on CUDA `torch._int_mm`'s cuBLASLt (rows padded past 16, K and N
-multiples of 8; not yet run on a GPU). int32 sums are exact, and the quantization and the
+x_scale[row] * w_scale[col] (+ bias). The scale is kept as a row [1, N] (the shape the epilogue
+broadcasts; it is also what tells this format from int8's rows on CUDA). The int8 x int8 ->
+int32 product (`int8_sums`, `w8a8_cpu_kernel` says which) is on CPUs with AVX512-VNNI and no
+AMX shoal's kernel (csrc/int8_linear.cpp `w8a8_sums`, vpdpbusd) on weights packed in panels
+as they are quantized (below), so a tied head is in memory once; with AMX oneDNN's int8 linear
+on a weight prepacked once at start (`prepack_w8a8`; in place of the weight), else
+`torch._int_mm` (oneDNN's s8s8s32 gemm, which reorders the whole [N, K] weight on every call:
+1.4x slower at a decode step's 32 rows); on CUDA `torch._int_mm`'s cuBLASLt on [N, K] rows
+(rows padded past 16, K and N multiples of 8; not yet run on a GPU). int32 sums are exact, and the quantization and the
 epilogue are per row and per element, so a row's output depends on that row alone, whatever M
 or the thread count. Inside torch.compile only the product is opaque (`shoal::int8_sums`): the
 quantization and the scaling compile with the ops around them.
@@ -36,9 +38,9 @@ Without VNNI / AMX (AVX2, AVX-512 before Cascade Lake) oneDNN's int8 products ar
 exact: its gemm shifts the activations to u8 and multiplies with vpmaddubsw, whose 16-bit sums
 of two products saturate (255 * 127 * 2 > 32767; forced to AVX2 it got 3-5% of outputs wrong
 on Gaussian data), and where `torch._int_mm` is exact there (torch 2.13 on the AVX2-only
-Zen 3) it ran 30-50x slower than float32. So on such CPUs (`w8a8_cpu_kernel`) each weight is
-packed as it is quantized for shoal's own kernel (csrc/int8_linear.cpp `w8a8_sums`: |w| times
-x with w's sign, which cannot saturate), in panels of 16 columns by groups of 4 k's,
+Zen 3) it ran 30-50x slower than float32. So on such CPUs, as on VNNI ones, each weight is
+packed as it is quantized for shoal's own kernel (csrc/int8_linear.cpp `w8a8_sums`: on AVX2,
+|w| times x with w's sign, which cannot saturate), in panels of 16 columns by groups of 4 k's,
 [ceil(N / 16), K / 4, 16, 4]. Where that kernel is missing (no compiler, a CPU without AVX2) or
 K is not a multiple of 4: `torch._int_mm` where `int_mm_exact` finds it exact, else the weight
 kept as two halves of |w| <= 64 stacked [2N, K] (255 * 64 * 2 fits), multiplied in one call and
@@ -273,17 +275,23 @@ def _flip_sign_bits(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 W8A8_LAYOUTS = ("rows", "halves", "panels")
 
 
+W8A8_PANEL_KERNELS = ("vnni", "avx2")  # w8a8_cpu_kernel's kernels on panels
+
+
 def w8a8_cpu_kernel() -> str:
     """The CPU product w8a8_int8 runs here (module docstring): `onednn-packed` (oneDNN's int8
-    linear on weights prepacked at start: VNNI / AMX, exact), `avx2` (shoal's kernel on panels),
-    `onednn` (`torch._int_mm`, where exact) or `onednn-split` (the same on halves)."""
+    linear on weights prepacked at start: AMX, or VNNI without shoal's kernel; exact), `vnni` or
+    `avx2` (shoal's kernel on panels), `onednn` (`torch._int_mm`, where exact) or `onednn-split`
+    (the same on halves)."""
     from kernels.linear import ONEDNN  # (kernels.linear imports this module)
 
-    if ONEDNN and int_mm_exact() and packed_int8_exact():
+    packed = ONEDNN and int_mm_exact() and packed_int8_exact()
+    if packed and torch.cpu._is_amx_tile_supported():
         return "onednn-packed"
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and native.w8a8_sums_op() is not None:
-        return "avx2"
-    return _int_mm_kernel()
+    capability = torch.backends.cpu.get_cpu_capability()  # (ATEN_CPU_CAPABILITY holds it narrower)
+    if capability in ("AVX2", "AVX512") and native.w8a8_sums_op() is not None:
+        return "vnni" if capability == "AVX512" and torch.cpu._is_vnni_supported() else "avx2"
+    return "onednn-packed" if packed else _int_mm_kernel()
 
 
 def _int_mm_kernel() -> str:
@@ -295,9 +303,9 @@ def w8a8_layout(shape: tuple[int, int], device: torch.device) -> str:
     """How a w8a8_int8 weight of `shape` [N, K] is kept on `device` for `int8_sums`: panels for
     shoal's kernel (K a multiple of 4), halves for a saturating gemm, else rows."""
     kernel = w8a8_cpu_kernel() if device.type == "cpu" else "cuda"
-    if kernel == "avx2" and shape[1] % 4:
+    if kernel in W8A8_PANEL_KERNELS and shape[1] % 4:
         kernel = _int_mm_kernel()
-    return {"avx2": "panels", "onednn-split": "halves"}.get(kernel, "rows")
+    return "panels" if kernel in W8A8_PANEL_KERNELS else "halves" if kernel == "onednn-split" else "rows"
 
 
 def w8a8_weight(q: torch.Tensor, layout: str) -> torch.Tensor:
@@ -330,7 +338,8 @@ def int8_sums(xq: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
         if xq.dtype == torch.uint8:
             xq = _flip_sign_bits(xq, torch.int8)
         out = xq.new_empty((m, n), dtype=torch.float32)
-        native.w8a8_sums_op()(out, xq.contiguous(), weight, False)
+        widest = torch.backends.cpu.get_cpu_capability() == "AVX512"  # VNNI where it has it (`w8a8_cpu_kernel`)
+        native.w8a8_sums_op()(out, xq.contiguous(), weight, 0 if widest else 1)
         return out
     packed = packed_weights.find(weight) if weight.device.type == "cpu" else None
     if packed is not None:

@@ -27,9 +27,8 @@ from app.cli import main
 from app.cli.bench.cli import check_bounded
 from app.cli.bench.report import percentile
 from app.cli.main import build_parser
-from kernels.linear import ONEDNN
 from kernels import native
-from kernels.quantization import int_mm_exact, packed_int8_exact, w8a8_cpu_kernel
+from kernels.quantization import w8a8_cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -243,7 +242,8 @@ def test_collect_env(monkeypatch, capsys):
     w8a8 = report["quantization"]["w8a8_int8"]
     assert w8a8.startswith("int8 x int8")
     assert ("shoal's AVX2 kernel" in w8a8) == (w8a8_cpu_kernel() == "avx2")
-    assert ("packed at start" in w8a8) == (ONEDNN and int_mm_exact() and packed_int8_exact())
+    assert ("shoal's AVX512-VNNI kernel" in w8a8) == (w8a8_cpu_kernel() == "vnni")
+    assert ("packed at start" in w8a8) == (w8a8_cpu_kernel() == "onednn-packed")
     assert "dequantised as they load" in report["quantization"]["gptq / awq / compressed-tensors int4 checkpoints"]
     assert report["quantization"]["fp8 KV cache"].startswith("--kv-cache-dtype fp8")
     assert report["ray_cluster"] == {"status": "unreachable", "address": "127.0.0.1:9"}

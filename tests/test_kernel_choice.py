@@ -50,9 +50,13 @@ def test_the_rules_for_linear_and_decode():
     assert linear_kernel(torch.bfloat16, cpu, "fp8") == (
         "fp8-dequantised" if not built else
         "fp8-avx512-bf16" if wide and bf16_dot() else "fp8-avx2" if wide else "fp8-portable")
+    packed = linear.ONEDNN and int_mm_exact() and packed_int8_exact()
+    vnni = torch.backends.cpu.get_cpu_capability() == "AVX512" and torch.cpu._is_vnni_supported()
+    panels = wide and native.w8a8_sums_op() is not None
     assert linear_kernel(torch.float32, cpu, "w8a8_int8") == (
-        "w8a8_int8-onednn-packed" if linear.ONEDNN and int_mm_exact() and packed_int8_exact() else
-        "w8a8_int8-avx2" if wide else "w8a8_int8-onednn" if int_mm_exact() else "w8a8_int8-onednn-split")
+        "w8a8_int8-onednn-packed" if packed and torch.cpu._is_amx_tile_supported() else
+        ("w8a8_int8-vnni" if vnni else "w8a8_int8-avx2") if panels else
+        "w8a8_int8-onednn-packed" if packed else "w8a8_int8-onednn" if int_mm_exact() else "w8a8_int8-onednn-split")
     assert linear_kernel(torch.float32, cuda, "w8a8_int8") == "w8a8_int8-cublas"
     assert KernelChoice("torch", "onednn", "compiled").packs_weights
     assert KernelChoice("torch", "bf16-pairs", "compiled").packs_weights

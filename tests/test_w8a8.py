@@ -81,29 +81,31 @@ def test_w8a8_product_equals_the_exact_emulation(layout):
 
 
 @pytest.mark.skipif(w8a8_sums_op() is None, reason="shoal's native kernels do not build here")
-@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
-def test_the_panel_kernel_sums_exactly(portable):
-    """csrc/int8_linear.cpp w8a8_sums, on its AVX2 path (where the CPU has it) and its portable
-    loop: exact int32 sums at every row count around its blocks of 4, on a partial last panel,
-    and on +-127 values whose u8 x s8 pair sums saturate vpmaddubsw (255 * 127 * 2 > 32767),
-    which |w| times x with w's sign keeps within 2 * 128 * 127; weights of -128 too (an int8
-    checkpoint's codes may hold it)."""
+@pytest.mark.parametrize("path", [0, 1, 2], ids=["widest", "avx2", "portable"])
+def test_the_panel_kernel_sums_exactly(path):
+    """csrc/int8_linear.cpp w8a8_sums, on the widest path the CPU has (AVX512-VNNI where it has
+    it), its AVX2 path (where the CPU has it) and its portable loop: exact int32 sums at every
+    row count around their blocks of 4 and tiles of 8 rows x 2 panels, on partial last panels
+    and an odd panel count, and on +-127 values whose u8 x s8 pair sums saturate vpmaddubsw
+    (255 * 127 * 2 > 32767), which |w| times x with w's sign keeps within 2 * 128 * 127 (VNNI's
+    vpdpbusd sums in int32: w + 128 times x, less 128 x the row's sum); weights of -128 too (an
+    int8 checkpoint's codes may hold it)."""
     g = torch.Generator().manual_seed(5)
-    for n, k in [(40, 72), (16, 4), (33, 1000)]:
+    for n, k in [(40, 72), (16, 4), (33, 1000), (64, 8)]:
         q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
         q[::2, :40] = 127
         q[1::2, :40] = -127
         q[1::3, :8] = -128
         panels = w8a8_weight(q, "panels")
-        for m in (1, 2, 3, 4, 5, 8, 9, 33):
+        for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33):
             xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
             xq[:, :40] = torch.where(torch.arange(m)[:, None] % 2 == 0, 127, -127).to(torch.int8)
             xq[0, 40:48] = 0
             out = torch.full((m, n), float("nan"))
-            w8a8_sums_op()(out, xq, panels, portable)
+            w8a8_sums_op()(out, xq, panels, path)
             assert torch.equal(out, (xq.long() @ q.long().t()).float()), (n, k, m)
     with pytest.raises(RuntimeError, match="multiple of 4"):
-        w8a8_sums_op()(torch.empty(1, 16), torch.zeros(1, 6, dtype=torch.int8), panels[:1], portable)
+        w8a8_sums_op()(torch.empty(1, 16), torch.zeros(1, 6, dtype=torch.int8), panels[:1], path)
 
 
 def test_activations_quantize_per_row_to_the_nearest_step():
@@ -157,17 +159,22 @@ def test_quantized_module_and_embedding_rows():
 
 
 def test_each_cpu_gets_its_fastest_exact_kernel():
-    """A CPU with VNNI / AMX runs oneDNN's prepacked int8 linear; one without (the AVX2-only Zen 3,
-    where torch._int_mm is exact but ran 30-50x slower than float32) shoal's kernel on panels."""
+    """A CPU with AMX runs oneDNN's prepacked int8 linear; one with AVX512-VNNI and no AMX
+    (Zen 4, Cascade / Ice Lake) shoal's VNNI kernel on panels (as fast as oneDNN's from 32 rows,
+    faster below, and a tied head in memory once); one with neither (the AVX2-only Zen 3, where
+    torch._int_mm is exact but ran 30-50x slower than float32) shoal's AVX2 kernel on panels."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     kernel = w8a8_cpu_kernel()
-    if " avx512_vnni" in flags or " amx_int8" in flags:
+    if " amx_int8" in flags:
         assert int_mm_exact()
-        assert kernel == ("onednn-packed" if ONEDNN and packed_int8_exact() else "avx2")
+        assert kernel == ("onednn-packed" if ONEDNN and packed_int8_exact() else "vnni")
+    elif " avx512_vnni" in flags and w8a8_sums_op() is not None:
+        assert kernel == "vnni"
     elif " avx2" in flags and w8a8_sums_op() is not None:
         assert kernel == "avx2"
-    assert w8a8_layout((8, 64), torch.device("cpu")) == {"avx2": "panels", "onednn-split": "halves"}.get(kernel, "rows")
-    if kernel == "avx2":  # a K that is not a multiple of 4 falls back
+    assert w8a8_layout((8, 64), torch.device("cpu")) == (
+        "panels" if kernel in ("vnni", "avx2") else "halves" if kernel == "onednn-split" else "rows")
+    if kernel in ("vnni", "avx2"):  # a K that is not a multiple of 4 falls back
         assert w8a8_layout((8, 63), torch.device("cpu")) == ("rows" if int_mm_exact() else "halves")
 
 
@@ -193,10 +200,11 @@ print(w8a8_cpu_kernel(), tuple(layer.weight.shape), "exact; torch._int_mm wrong 
 @pytest.mark.parametrize("isa", ["AVX2", "SSE41"])
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "no-native"])
 def test_a_cpu_without_vnni_gets_an_exact_kernel(isa, native):
-    """oneDNN held to AVX2 (as on the AVX2-only Zen 3) or SSE4.1: its prepacked int8 linear is
-    not taken (it saturates there); shoal's kernel on panels is, or, without native kernels,
-    torch._int_mm on rows where the probe finds it exact, else on halves. Each is exact."""
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "SHOAL_NATIVE_KERNELS": native,
+    """torch held to AVX2 and oneDNN to AVX2 (as on the AVX2-only Zen 3) or SSE4.1: oneDNN's
+    prepacked int8 linear is not taken (it saturates there); shoal's AVX2 kernel on panels is,
+    or, without native kernels, torch._int_mm on rows where the probe finds it exact, else on
+    halves. Each is exact."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa, "ATEN_CPU_CAPABILITY": "avx2", "SHOAL_NATIVE_KERNELS": native,
            "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     run = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -273,12 +281,16 @@ def test_greedy_follows_transformers_with_int8_activations(arch, checkpoint_fact
         model = runner.model
         assert model.model.layers[0].self_attn.qkv_proj.weight_scale.shape[0] == 1
         assert model.model.embed_tokens.weight.dtype == torch.int8
-        # Where oneDNN's int8 linear is exact, every linear (the tied head too) reads its packed copy.
-        assert runner.kernels.packs_weights == (runner.kernels.linear == "w8a8_int8-onednn-packed")
-        assert runner.kernels.packs_weights == (ONEDNN and int_mm_exact() and packed_int8_exact())
+        # Where oneDNN's int8 linear runs, every linear (the tied head too) reads its packed copy;
+        # shoal's kernels read the weights themselves, packed in panels as they were quantized.
+        assert runner.kernels.linear == f"w8a8_int8-{w8a8_cpu_kernel()}"
+        assert runner.kernels.packs_weights == (w8a8_cpu_kernel() == "onednn-packed")
         layer = model.model.layers[0]
         for weight in (layer.self_attn.qkv_proj.weight, layer.mlp.down_proj.weight, model.lm_head.weight):
             assert (packed_weights.find(weight) is not None) == runner.kernels.packs_weights
+            assert (weight.dim() == 4) == (w8a8_cpu_kernel() in ("vnni", "avx2"))
+        if arch == "qwen3":  # tied: the lookup reads the head's int8 weight, in memory once
+            assert model.model.embed_tokens.weight.data_ptr() == model.lm_head.weight.data_ptr()
         prompts = prompts_of([5, 17, 33])
         assert_greedy_up_to_flips(reference, prompts, llm.generate(prompts, GREEDY))
         assert_pool_free(llm)
@@ -397,7 +409,7 @@ def test_the_opaque_op_under_torch_compile_equals_eager():
     w, bias, x = torch.randn(40, 72), torch.randn(40), torch.randn(3, 5, 72)
     q, s = quantize(w, "w8a8_int8", panels=False)
     packed = w8a8_weight(q, "rows")
-    assert prepack_w8a8(packed, 16) == (packed.numel() if int_mm_exact() and packed_int8_exact() else 0)
+    assert prepack_w8a8(packed, 16) == (packed.numel() if w8a8_cpu_kernel() == "onednn-packed" else 0)
     compiled = torch.compile(quantized_linear, fullgraph=True, dynamic=False)
     want = exact(x.view(-1, 72), q, s, bias).view(3, 5, 40)
     layouts = [layout for layout in W8A8_LAYOUTS if layout != "panels" or w8a8_sums_op() is not None]
@@ -409,12 +421,15 @@ def test_the_opaque_op_under_torch_compile_equals_eager():
 
 
 @pytest.mark.skipif(not (int_mm_exact() and packed_int8_exact()), reason="no exact prepacked int8 linear here")
-def test_the_prepacked_product_sums_exactly_at_every_row_count():
+def test_the_prepacked_product_sums_exactly_at_every_row_count(monkeypatch):
     """oneDNN's prepacked int8 linear (u8 activations shifted by 128, its zero point taking the
-    shift back) gives the int32 sums exactly, at row counts on both sides of the packing's hint
-    and on saturating values, and reads the packed copy until the weight changes in place."""
+    shift back; taken with AMX, taken here by force) gives the int32 sums exactly, at row counts
+    on both sides of the packing's hint and on saturating values, and reads the packed copy
+    until the weight changes in place."""
+    from kernels import quantization
     from kernels.quantization import int8_sums, prepack_w8a8
 
+    monkeypatch.setattr(quantization, "w8a8_cpu_kernel", lambda: "onednn-packed")
     g = torch.Generator().manual_seed(5)
     q = torch.randint(-127, 128, (72, 200), dtype=torch.int8, generator=g)
     q[:, :40] = 127

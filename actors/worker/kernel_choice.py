@@ -42,7 +42,7 @@ log = logging.getLogger("shoal.runner")
 @dataclass(frozen=True)
 class KernelChoice:
     attention: str  # flash_attn | vllm_flash_attn | cpp-avx512 | cpp-avx2 | cpp-portable | torch
-    linear: str  # panel | bf16-pairs | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm | w8a8_int8-{onednn-packed,onednn,avx2,onednn-split,cublas}
+    linear: str  # panel | bf16-pairs | onednn | torch | {int8,fp8}-{avx2,portable,dequantised,triton} | fp8-scaled-mm | w8a8_int8-{onednn-packed,vnni,avx2,onednn,onednn-split,cublas}
     decode: str  # cuda-graphs | compiled | eager
     decode_off: str | None = None  # why decode is eager
 

@@ -145,6 +145,7 @@ def quantization() -> dict:
     return {"int8": f"{cpu}; CUDA, shoal's Triton weight-only kernel",
             "w8a8_int8": "int8 x int8 (activations quantized per token): CPU, "
                          + {"onednn-packed": "oneDNN's int8 linear on weights packed at start",
+                            "vnni": "shoal's AVX512-VNNI kernel (kernels/csrc/int8_linear.cpp), weights in memory once",
                             "avx2": "shoal's AVX2 kernel (kernels/csrc/int8_linear.cpp; oneDNN's is slow or saturates "
                                     "here: no VNNI)",
                             "onednn": "oneDNN's gemm (torch._int_mm)",

@@ -33,8 +33,8 @@
 // so against the float32 path the sums differ by rounding alone; each output is one chain over k
 // pairs whatever M or the other rows.
 //
-// w8a8_sums (--quantization w8a8_int8 where oneDNN's int8 gemm saturates: AVX2 without VNNI):
-// the exact int32 sums of int8 activations times int8 weights, packed in panels of 16 columns
+// w8a8_sums (--quantization w8a8_int8 on CPUs without AMX, kernels/quantization.py): the exact
+// int32 sums of int8 activations times int8 weights, packed in panels of 16 columns
 // by groups of 4 k's ([P, K / 4, 16, 4]: a group's 64 bytes are two vectors, each 8 columns x
 // 4 k's). vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16, which
 // saturates for u8 x s8 (255 x 127 x 2 > 32767); llama.cpp's trick keeps it exact: |w| as the
@@ -43,7 +43,9 @@
 // 32512. vpmaddwd by ones then adds the pairs into int32: 32 products in 4 instructions per
 // vector, against float32's 8 per fused multiply-add. Blocks of 4 rows x 16 columns (8
 // accumulators) reuse each loaded group and its |w|. The sums are exact integers, so any
-// order, thread count or batch gives the same result.
+// order, thread count or batch gives the same result. With AVX512-VNNI (Cascade Lake, Ice Lake,
+// Zen 4 and later) vpdpbusd does a group's 64 products in one instruction, exactly (below), in
+// tiles of 8 rows x 2 panels.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -427,6 +429,62 @@ SHOAL_AVX2 void panel_sums(const int8_t* x, int64_t M, int64_t K, const int8_t* 
 }
 #endif
 
+#ifdef SHOAL_HAS_AVX2_INT8
+// ---- AVX512-VNNI ----
+// vpdpbusd multiplies 4 u8 by 4 s8 and adds them to an int32 lane, exactly (no 16-bit
+// intermediate, so nothing saturates): 64 products per instruction against AVX2's 16 in two.
+// The weights go in as u8 w + 128 (their top bit flipped as they are loaded), the activations
+// as they are, broadcast from memory; 128 x each row's sum of activations comes off at the end:
+// sum (w + 128) q - 128 sum q = sum q w, in int32.
+#define SHOAL_VNNI __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")))
+constexpr int kVnniRows = 8;    // rows per register tile
+constexpr int kVnniPanels = 2;  // panels per register tile: 8 x 2 accumulators
+
+template <int R, int C>
+SHOAL_VNNI inline __attribute__((always_inline)) void vnni_tile(const int8_t* x, int64_t K, const int8_t* panels,
+                                                                const int32_t* offset, float* out, int64_t ldo,
+                                                                int64_t cols) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += kGroup) {
+    __m512i w[C];
+    for (int c = 0; c < C; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(panels + c * K * kCols + k * kCols), flip);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * K + k, sizeof four);
+      const __m512i xs = _mm512_set1_epi32(four);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xs);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512i off = _mm512_set1_epi32(offset[r]);
+    for (int c = 0; c < C; ++c) {
+      const int64_t n = std::min<int64_t>(kCols, cols - c * kCols);
+      if (n <= 0) break;
+      _mm512_mask_storeu_ps(out + r * ldo + c * kCols, static_cast<__mmask16>((1u << n) - 1),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], off)));
+    }
+  }
+}
+
+// Every row of x times C panels (`cols` of their columns are real); offset[m] = 128 x row m's sum.
+template <int C>
+SHOAL_VNNI void vnni_panels(const int8_t* x, const int32_t* offset, int64_t M, int64_t K, const int8_t* panels,
+                            float* out, int64_t N, int64_t cols) {
+  by_row_blocks<kVnniRows>(M, [&](auto rows, int64_t m) SHOAL_VNNI {
+    vnni_tile<decltype(rows)::value, C>(x + m * K, K, panels, offset + m, out + m * N, N, cols);
+  });
+}
+
+bool vnni_supported() {
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+#endif
+
 void panel_sums_portable(const int8_t* x, int64_t M, int64_t K, const int8_t* panel, float* out, int64_t N,
                          int64_t cols) {
   int32_t sums[kCols];
@@ -440,7 +498,8 @@ void panel_sums_portable(const int8_t* x, int64_t M, int64_t K, const int8_t* pa
   }
 }
 
-void w8a8_sums(Tensor out, Tensor xq, Tensor packed, bool portable) {
+// path: 0 the widest the CPU has, 1 AVX2 at most, 2 the portable loop.
+void w8a8_sums(Tensor out, Tensor xq, Tensor packed, int64_t path) {
   STD_TORCH_CHECK(xq.dim() == 2 && out.dim() == 2 && packed.dim() == 4, "xq [M, K], out [M, N], packed [P, K / 4, 16, 4]");
   STD_TORCH_CHECK(out.is_cpu() && out.scalar_type() == ScalarType::Float && out.is_contiguous(),
                   "out must be a contiguous float32 CPU tensor");
@@ -455,9 +514,33 @@ void w8a8_sums(Tensor out, Tensor xq, Tensor packed, bool portable) {
   const int8_t* xp = xq.const_data_ptr<int8_t>();
   const int8_t* wp = packed.const_data_ptr<int8_t>();
   float* op = out.mutable_data_ptr<float>();
+#ifdef SHOAL_HAS_AVX2_INT8
+  if (path == 0 && vnni_supported()) {
+    std::vector<int32_t> offset(static_cast<size_t>(M));  // 128 x each row's sum
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < K; ++k) sum += xp[m * K + k];
+      offset[m] = sum * 128;
+    }
+    const int64_t groups = (panels + kVnniPanels - 1) / kVnniPanels;
+    torch::stable::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        int64_t p = g * kVnniPanels;
+        if (p + kVnniPanels <= panels) {
+          vnni_panels<kVnniPanels>(xp, offset.data(), M, K, wp + p * K * kCols, op + p * kCols, N,
+                                   std::min<int64_t>(kVnniPanels * kCols, N - p * kCols));
+          continue;
+        }
+        for (; p < panels; ++p)  // the last panels, one at a time
+          vnni_panels<1>(xp, offset.data(), M, K, wp + p * K * kCols, op + p * kCols, N, std::min<int64_t>(kCols, N - p * kCols));
+      }
+    });
+    return;
+  }
+#endif
   auto sums = panel_sums_portable;
 #ifdef SHOAL_HAS_AVX2_INT8
-  if (!portable && __builtin_cpu_supports("avx2")) sums = panel_sums;
+  if (path <= 1 && __builtin_cpu_supports("avx2")) sums = panel_sums;
 #endif
   torch::stable::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
@@ -470,7 +553,7 @@ void w8a8_sums(Tensor out, Tensor xq, Tensor packed, bool portable) {
 STABLE_TORCH_LIBRARY(shoal_int8, m) {
   m.def("int8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) -> ()");
   m.def("fp8_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, Tensor bias, bool portable) -> ()");
-  m.def("w8a8_sums(Tensor(a!) out, Tensor xq, Tensor packed, bool portable) -> ()");
+  m.def("w8a8_sums(Tensor(a!) out, Tensor xq, Tensor packed, int path) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(shoal_int8, CPU, m) {
