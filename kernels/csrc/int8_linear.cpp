@@ -440,15 +440,22 @@ SHOAL_AVX2 void panel_sums(const int8_t* x, int64_t M, int64_t K, const int8_t* 
 constexpr int kVnniRows = 8;    // rows per register tile
 constexpr int kVnniPanels = 2;  // panels per register tile: 8 x 2 accumulators
 
+// A tile of R rows x C panels. While it runs from cache, it prefetches a line of the next
+// panels per group of k's, from `ahead` up to `ahead_end` (what it leaves, the next tile takes).
 template <int R, int C>
 SHOAL_VNNI inline __attribute__((always_inline)) void vnni_tile(const int8_t* x, int64_t K, const int8_t* panels,
                                                                 const int32_t* offset, float* out, int64_t ldo,
-                                                                int64_t cols) {
+                                                                int64_t cols, const int8_t*& ahead,
+                                                                const int8_t* ahead_end) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += kGroup) {
+    if (ahead < ahead_end) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+      ahead += 64;
+    }
     __m512i w[C];
     for (int c = 0; c < C; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(panels + c * K * kCols + k * kCols), flip);
 #pragma GCC unroll 8
@@ -471,11 +478,17 @@ SHOAL_VNNI inline __attribute__((always_inline)) void vnni_tile(const int8_t* x,
 }
 
 // Every row of x times C panels (`cols` of their columns are real); offset[m] = 128 x row m's sum.
+// The first tile reads the panels from memory; the later ones, from cache, fetch the `next`
+// bytes (this thread's next panels) meanwhile, so those do not wait for memory in their turn.
 template <int C>
 SHOAL_VNNI void vnni_panels(const int8_t* x, const int32_t* offset, int64_t M, int64_t K, const int8_t* panels,
-                            float* out, int64_t N, int64_t cols) {
+                            float* out, int64_t N, int64_t cols, int64_t next) {
+  const int8_t* const end = panels + C * K * kCols;
+  const int8_t* ahead = end;
+  const int8_t* ahead_end = end;  // nothing to fetch in the first tile
   by_row_blocks<kVnniRows>(M, [&](auto rows, int64_t m) SHOAL_VNNI {
-    vnni_tile<decltype(rows)::value, C>(x + m * K, K, panels, offset + m, out + m * N, N, cols);
+    vnni_tile<decltype(rows)::value, C>(x + m * K, K, panels, offset + m, out + m * N, N, cols, ahead, ahead_end);
+    ahead_end = end + next;
   });
 }
 
@@ -524,15 +537,18 @@ void w8a8_sums(Tensor out, Tensor xq, Tensor packed, int64_t path) {
     }
     const int64_t groups = (panels + kVnniPanels - 1) / kVnniPanels;
     torch::stable::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      const int64_t last = std::min(end * kVnniPanels, panels);  // this thread's panels end here
       for (int64_t g = begin; g < end; ++g) {
         int64_t p = g * kVnniPanels;
         if (p + kVnniPanels <= panels) {
+          const int64_t next = std::min<int64_t>(kVnniPanels, last - p - kVnniPanels) * K * kCols;
           vnni_panels<kVnniPanels>(xp, offset.data(), M, K, wp + p * K * kCols, op + p * kCols, N,
-                                   std::min<int64_t>(kVnniPanels * kCols, N - p * kCols));
+                                   std::min<int64_t>(kVnniPanels * kCols, N - p * kCols), next);
           continue;
         }
         for (; p < panels; ++p)  // the last panels, one at a time
-          vnni_panels<1>(xp, offset.data(), M, K, wp + p * K * kCols, op + p * kCols, N, std::min<int64_t>(kCols, N - p * kCols));
+          vnni_panels<1>(xp, offset.data(), M, K, wp + p * K * kCols, op + p * kCols, N,
+                         std::min<int64_t>(kCols, N - p * kCols), std::min<int64_t>(1, last - p - 1) * K * kCols);
       }
     });
     return;
