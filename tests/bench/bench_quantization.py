@@ -230,9 +230,9 @@ def kernel(args) -> None:
 
     import torch
 
-    from kernels import linear
-    from kernels.quantization import (_cpu_linear, prepack_w8a8, quantize, w8a8_cpu_kernel, w8a8_layout, w8a8_linear,
-                                      w8a8_weight)
+    from kernels import linear, packed_weights
+    from kernels.quantization import (_cpu_linear, packed_int8_exact, prepack_w8a8, quantize, w8a8_cpu_kernel,
+                                      w8a8_layout, w8a8_linear, w8a8_weight)
 
     torch.set_num_threads(args.threads)
     h, i = QWEN_05B["hidden_size"], QWEN_05B["intermediate_size"]
@@ -240,9 +240,11 @@ def kernel(args) -> None:
     pick = "min" if args.best else "median"
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads; ms per call ({pick} of 15); "
           f"w8a8: int8 x int8 through the kernel the engine picks here, w8a8_int8-{w8a8_cpu_kernel()}")
+    # Where the engine runs shoal's own int8 x int8 kernel, oneDNN's prepacked linear beside it
+    onednn = w8a8_cpu_kernel() in ("vnni", "avx2") and packed_int8_exact()
     print("| projection [N, K] | rows | float32 | int8 | fp8 | w8a8 | float32 / int8 | float32 / fp8 | float32 / w8a8 "
-          "| int8 / w8a8 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| int8 / w8a8 |" + (" w8a8, oneDNN prepacked | oneDNN / w8a8 |" if onednn else ""))
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if onednn else ""))
 
     def timed(fn):
         fn()
@@ -261,13 +263,19 @@ def kernel(args) -> None:
         w8a8 = w8a8_weight(rows, w8a8_layout(rows.shape, torch.device("cpu"))), scale.view(1, -1)
         if w8a8_cpu_kernel() == "onednn-packed":
             prepack_w8a8(w8a8[0], 32)
+        if onednn:
+            packed_weights.keep(rows, torch.ops.onednn.qlinear_prepack(rows, [32, k]))
         for m in (1, 8, 32, 256):
             x = torch.randn(m, k)
             f32 = timed(lambda: linear.linear(x, w))
             q8, f8 = (timed(lambda: _cpu_linear(x, *q, None)) for q in (int8, fp8))
             a8 = timed(lambda: w8a8_linear(x, *w8a8, None))
-            print(f"| {name} [{n}, {k}] | {m} | {f32:.3f} | {q8:.3f} | {f8:.3f} | {a8:.3f} | {f32 / q8:.2f}x | "
-                  f"{f32 / f8:.2f}x | {f32 / a8:.2f}x | {q8 / a8:.2f}x |")
+            line = (f"| {name} [{n}, {k}] | {m} | {f32:.3f} | {q8:.3f} | {f8:.3f} | {a8:.3f} | {f32 / q8:.2f}x | "
+                    f"{f32 / f8:.2f}x | {f32 / a8:.2f}x | {q8 / a8:.2f}x |")
+            if onednn:
+                d8 = timed(lambda: w8a8_linear(x, rows, scale.view(1, -1), None))
+                line += f" {d8:.3f} | {d8 / a8:.2f}x |"
+            print(line)
 
 
 def main() -> None:
