@@ -12,6 +12,7 @@ weights; a config it can't read is refused at start in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -349,6 +350,43 @@ def test_settings_that_do_not_fit_the_tensors_are_refused(case, change, message,
     with pytest.raises(ValueError, match=message) as raised:
         LLM(str(path), dtype="float32", num_kv_blocks=64)
     assert "\n" not in str(raised.value)
+
+
+def test_shoal_serve_says_in_one_line_why_the_model_did_not_load(copies, tmp_path):
+    """A checkpoint whose fault shows only as its weights load (a group size its scales do not
+    bear out): Serve retries the replica, then `shoal serve` ends with the engine's reason in
+    one line of its own (no traceback of its own), exit 1, and no Ray process left."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from serving import descendants, loopback_env, outliving
+
+    path = tmp_path / "awq-g128"
+    shutil.copytree(copies("awq-g64")["packed"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 128
+    (path / "config.json").write_text(json.dumps(config))
+    repo = Path(__file__).resolve().parents[1]
+    log = tmp_path / "serve.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(path),
+                                 "--host", "127.0.0.1", "--port", "8149", "--eager-decode"], cwd=repo,
+                                env=loopback_env(PYTHONPATH=str(repo)), stdout=sink, stderr=subprocess.STDOUT)
+        family, deadline = set(), time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            family |= descendants(proc.pid)  # Ray's processes, while they live
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    ours = [line for line in out.splitlines() if line.startswith("shoal serve: error:")]
+    assert proc.wait() == 1 and len(ours) == 1, out[-3000:]
+    assert re.search(r"failed to deploy: ValueError: .*qweight .* in \d+ group\(s\) of 128", ours[0]), ours
+    assert not any(line.startswith("Traceback") for line in out.splitlines()), out[-3000:]
+    assert family and not outliving(family), "shoal serve left processes behind"
 
 
 def test_packed_tensors_without_their_settings_are_named(copies, tmp_path):

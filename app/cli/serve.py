@@ -245,7 +245,12 @@ def run_server(config: ShoalConfig) -> int:
             serve.start(http_options={"host": d.host, "port": d.port})
         phases.append(("Serve", time.perf_counter()))
         poll_serve_status_often()
-        serve.run(app, name=d.app_name, route_prefix="/", blocking=False)
+        try:
+            serve.run(app, name=d.app_name, route_prefix="/", blocking=False)
+        except RuntimeError:  # a replica that could not start, after Serve's retries
+            from app.cli.serve_config import deploy_failure
+            print(f"shoal serve: error: {deploy_failure(d.app_name)}", file=sys.stderr, flush=True)
+            return 1
         phases.append(("replicas", time.perf_counter()))
         print(f"shoal: serving {config.server.served_model_name} at http://{d.host}:{d.port}/v1 "
               f"(Ray at {address}); ready in {describe_phases(phases)}; Ctrl-C or SIGTERM stops", flush=True)

@@ -18,6 +18,7 @@ the Ray it started, and exits 0.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -78,8 +79,25 @@ def wait_for_stop(stop: StopSignal, names: list[str]) -> str:
             return "gone"
         failed = [name for name in names if name in apps and apps[name].status == "DEPLOY_FAILED"]
         if failed:
-            message = (apps[failed[0]].message or "").strip().splitlines()
-            print(f"shoal serve: error: application {failed[0]!r} failed to deploy: "
-                  f"{message[-1] if message else 'see the Serve logs'}", file=sys.stderr, flush=True)
+            print(f"shoal serve: error: {deploy_failure(failed[0], apps)}", file=sys.stderr, flush=True)
             return "failed"
     return "signal"
+
+
+def deploy_failure(name: str, apps=None) -> str:
+    """One line for an application that failed to deploy: the error its replicas raised (a
+    model that did not load, say), the last line of Serve's messages about it."""
+    from ray import serve
+
+    lines = []
+    try:
+        apps = apps if apps is not None else serve.status().applications
+        if name in apps:
+            app = apps[name]
+            for message in [d.message for d in app.deployments.values()] + [app.message]:
+                lines += (message or "").strip().splitlines()
+    except Exception:  # the controller is gone
+        pass
+    errors = [line for line in lines if re.match(r"\w+(Error|Exception): ", line)]
+    reason = (errors or lines or ["see the Serve logs above"])[-1]
+    return f"application {name!r} failed to deploy: {reason}"
