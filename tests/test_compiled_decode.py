@@ -249,6 +249,24 @@ def test_compiled_bfloat16_decode_equals_eager_bfloat16(variant, case):
         assert llm.engine.executor.runner.graph_replays > before
 
 
+@BF16_MATMULS
+def test_prompt_logprobs_do_not_change_when_the_compiled_step_is_loaded(variant):
+    """/loglikelihood and echo: a prompt's log-probs from a bf16 engine decoding compiled are the
+    eager engine's, bit for bit, alone and beside decoding rows; the generated tokens too."""
+    path, llm = variant("bf16")
+    eager = LLM(str(path), **{**OPTIONS, **VARIANTS["bf16"]})
+    try:
+        prompts = prompts_of([3, 9, 30, 2, 5, 14], seed=9)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+        before = llm.engine.executor.runner.graph_replays
+        for got, want in zip(llm.generate(prompts, params), eager.generate(prompts, params)):
+            assert got.prompt_logprobs == want.prompt_logprobs
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert llm.engine.executor.runner.graph_replays > before  # the decodes after the prompts: compiled
+    finally:
+        eager.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_compiled_decode_runs_8_bit_weights_like_eager(kind, variant, tmp_path):
     """(From tests/test_quantization.py.) Compiled decode (the default) calls the 8-bit kernel
@@ -374,8 +392,9 @@ def test_speculative_verify_steps_run_compiled_like_plain_decode(compiled):
 def test_steps_with_prompt_chunks_run_compiled_like_eager(compiled):
     """A step with prompt chunks beside decodes runs through the graph, each prompt token a decode
     row reading the context up to its own position, and the LM head only on the rows sampled
-    from: tokens equal transformers' and the eager engine's, log-probs and prompt log-probs the
-    eager engine's. A step of prompts alone runs eagerly."""
+    from: tokens equal transformers' and the eager engine's, log-probs the eager engine's. A step
+    of prompts alone runs eagerly, and so does one whose chunks give prompt log-probs: those
+    are the eager engine's exactly."""
     path, _, _ = compiled
     # Prompts in chunks of at most 12 tokens, beside the streams that already decode.
     llm = compiled_llm(path, max_num_batched_tokens=12)
@@ -390,16 +409,18 @@ def test_steps_with_prompt_chunks_run_compiled_like_eager(compiled):
 
     graphs.run = counted
     prompts = prompts_of([3, 9, 30, 1, 5, 14, 23], seed=12)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     try:
         got, want = llm.generate(prompts, params), eager.generate(prompts, params)
-        # (the first step, prompts alone, runs compiled too: prompt log-probs sample every row)
-        assert "mixed" in kinds and "decode" in kinds, kinds
+        assert "mixed" in kinds and "decode" in kinds and "prompts" not in kinds, kinds
+        assert_equals_eager_and_hf(path, prompts, got, want, 10)
+        kinds.clear()
+        with_prompts = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+        got, want = llm.generate(prompts, with_prompts), eager.generate(prompts, with_prompts)
+        assert "mixed" not in kinds and "decode" in kinds, kinds
         assert_equals_eager_and_hf(path, prompts, got, want, 10)
         for g, w in zip(got, want, strict=True):
-            assert g.prompt_logprobs[0] is None and w.prompt_logprobs[0] is None
-            for lg, lw in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
-                assert lg.keys() == lw.keys() and max(abs(lg[t] - lw[t]) for t in lw) < 1e-4
+            assert g.prompt_logprobs[0] is None and g.prompt_logprobs == w.prompt_logprobs
         assert llm.engine.blocks.num_free_blocks == OPTIONS["num_kv_blocks"]
     finally:
         llm.shutdown()
@@ -420,6 +441,9 @@ def test_which_steps_the_compiled_graph_takes():
     late = SchedulerOutput([decode(1), StepRow(2, [4, 5, 6], MAX_CHUNK_CONTEXT - 2)], 1, [0, 3])
     assert not compilable(late, 8)
     assert compilable(SchedulerOutput([decode(1), StepRow(2, [4, 5, 6], MAX_CHUNK_CONTEXT - 3)], 1, [0, 3]), 8)
+    # A prompt's log-probs (every token's logits, as a verify chunk's) come from prefill attention.
+    logprobs = SchedulerOutput([decode(1), StepRow(2, [4, 5, 6], 0)], 1, [0, 1, 2, 3], prompt_logprobs=True)
+    assert not compilable(logprobs, 8) and not any(part.prompt_logprobs is False for part in logprobs.split(2))
 
 
 def test_rows_pad_to_a_few_bucket_sizes(compiled):

@@ -349,4 +349,5 @@ def _output(scheduled: list[ScheduledSeq]) -> SchedulerOutput:
             pool_spans.append((offset + span[0], offset + span[1]))
         offset += s.num_tokens
     return SchedulerOutput(rows, sum(s.num_tokens == 1 for s in scheduled), logit_rows, tables,
-                           seqs=scheduled, pool_spans=pool_spans)
+                           seqs=scheduled, pool_spans=pool_spans,
+                           prompt_logprobs=any(s.prompt_logprobs for s in scheduled))

@@ -55,6 +55,9 @@ class SchedulerOutput:
     # (first, end) token rows whose final hidden states are summed, one float32 vector each
     # (embedding requests: actors/pooling_params.py)
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
+    # A row asks for its prompt's log-probs: the step runs eagerly (prefill attention), so they do
+    # not depend on whether the compiled decode step is in use yet (actors/worker/compiled_decode.py)
+    prompt_logprobs: bool = False
 
     def __getstate__(self) -> dict:  # the other ranks need the rows, not rank 0's sequences
         return {**self.__dict__, "seqs": [], "finished": []}
@@ -70,7 +73,7 @@ class SchedulerOutput:
             logit_rows = [r - offset for r in self.logit_rows if offset <= r < offset + n]
             spans = [(a - offset, b - offset) for a, b in self.pool_spans if offset <= a < offset + n]
             out.append(SchedulerOutput(rows, sum(len(r.token_ids) == 1 for r in rows), logit_rows,
-                                       pool_spans=spans))
+                                       pool_spans=spans, prompt_logprobs=self.prompt_logprobs))
             offset += n
         return out
 

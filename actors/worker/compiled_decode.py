@@ -11,7 +11,8 @@ waiting streams ~20-35 ms more than the compiled one (docs/benchmarks.md). A ste
 for the rows sampled from only (an index input). Prompt chunks ending past MAX_CHUNK_CONTEXT
 positions and steps of more rows than the largest bucket (2,048-token prefill chunks) run
 eagerly (each decode row reads its whole context, where prefill attention shares it), and so
-do steps of prompts alone. A batch of one decode runs eagerly too: at one row MKL takes its
+do steps of prompts alone and steps that give a prompt's log-probs (so /loglikelihood and echo
+answer the same before and after the compiled step is loaded). A batch of one decode runs eagerly too: at one row MKL takes its
 matrix-vector path, faster than any compiled 2-row step (14 vs 19 ms a step on the bench
 model, docs/benchmarks.md).
 
@@ -139,9 +140,12 @@ def compilable(output, max_rows: int) -> bool:
     """A step the compiled graph takes: 2 to max_rows token rows (input_batch.padded_decode),
     each a one-token decode or a token of a speculative verify chunk (every token sampled
     from), or else a step with decoding rows whose prompt chunks end within MAX_CHUNK_CONTEXT
-    positions. A step of prompts alone runs eagerly: no stream waits on it between tokens."""
+    positions. A step of prompts alone runs eagerly: no stream waits on it between tokens. So
+    does a step with a prompt's log-probs (/loglikelihood, echo): as decode rows its chunk's
+    attention rounds otherwise than prefill's (~1e-5 in float32, ~0.05 nats in bfloat16), and its
+    answer would change once the compiled step is loaded."""
     tokens = sum(len(r.token_ids) for r in output.rows)
-    if not MIN_ROWS <= tokens <= max_rows:
+    if not MIN_ROWS <= tokens <= max_rows or output.prompt_logprobs:
         return False
     if len(output.logit_rows) == tokens:  # decodes, verify chunks
         return True
