@@ -1,11 +1,12 @@
 """--quantization w8a8_int8: int8 weights times int8 activations quantized per row as they
-arrive (kernels/quantization.py w8a8_linear: oneDNN's int8 linear, shoal's AVX2 kernel or
-`torch._int_mm`).
+arrive (kernels/quantization.py w8a8_linear: shoal's VNNI or AVX2 kernel, oneDNN's int8 linear
+with AMX, or `torch._int_mm`).
 
 The product against an exact emulation (int64 dot of the quantized values, then the float32
-scales), on every weight layout (rows; panels for shoal's kernel, on its AVX2 and portable
-paths, on values that saturate a u8 x s8 pair sum; halves); the kernel each CPU gets (an
-AVX2-only CPU forced here with ONEDNN_MAX_CPU_ISA=AVX2 in a subprocess); a row's output alone
+scales), on every weight layout (rows; panels for shoal's kernel, on its VNNI, AVX2 and
+portable paths, on values that saturate a u8 x s8 pair sum; halves); the kernel each CPU gets
+(an AVX2-only CPU forced here with ONEDNN_MAX_CPU_ISA=AVX2 and ATEN_CPU_CAPABILITY=avx2 in a
+subprocess); a row's output alone
 and in any batch; the engine's greedy tokens against transformers on the dequantised weights with every
 nn.Linear's input quantized the same way (teacher-forced, up to quantization flips: see FLIP),
 eager (compiled: tests/test_compiled_decode.py)."""
