@@ -327,6 +327,13 @@ def w8a8_rows(weight: torch.Tensor, n: int) -> torch.Tensor:
     return weight[:n].short() + weight[n:].short() if weight.shape[0] == 2 * n else weight.short()
 
 
+@functools.cache
+def _panel_path() -> int:
+    """`native.w8a8_sums_op`'s path: the widest (VNNI where the CPU has it, `w8a8_cpu_kernel`)
+    unless torch is held below AVX-512 (ATEN_CPU_CAPABILITY, fixed for the process)."""
+    return 0 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 1
+
+
 def int8_sums(xq: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
     """The exact int32 sums of int8 rows xq [M, K] (or, uint8, shifted by 128:
     quantize_rows_int8) times int8 rows W [N, K] (or its halves or panels: w8a8_weight), as
@@ -338,8 +345,7 @@ def int8_sums(xq: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
         if xq.dtype == torch.uint8:
             xq = _flip_sign_bits(xq, torch.int8)
         out = xq.new_empty((m, n), dtype=torch.float32)
-        widest = torch.backends.cpu.get_cpu_capability() == "AVX512"  # VNNI where it has it (`w8a8_cpu_kernel`)
-        native.w8a8_sums_op()(out, xq.contiguous(), weight, 0 if widest else 1)
+        native.w8a8_sums_op()(out, xq.contiguous(), weight, _panel_path())
         return out
     packed = packed_weights.find(weight) if weight.device.type == "cpu" else None
     if packed is not None:
