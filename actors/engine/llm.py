@@ -1,5 +1,6 @@
-"""In-process use: `LLM(model_path).generate(prompts, SamplingParams(...))`, `.embed(prompts)`.
-No HTTP, no Ray."""
+"""In-process use: `LLM(model_path).generate(prompts, SamplingParams(...))`, `.chat(messages)`,
+`.embed(prompts)`, with vLLM's prompt forms (text, token ids, {"prompt": ...} or
+{"prompt_token_ids": ...}). No HTTP, no Ray."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,16 +34,23 @@ class LLM:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return prompt_ids(self.tokenizer, prompt)
 
+    def get_tokenizer(self):
+        return self.tokenizer
+
     def add_lora(self, name: str, path: str) -> None:
         """Register a PEFT adapter (needs enable_lora=True or lora_modules)."""
         self.engine.add_lora(name, path)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
                     priority: int = 0, lora: str | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue a request (on adapter `lora`, None: the base model); raises ValueError for
         one the engine can never serve. max_tokens None: all the context leaves. pooling: an
         embedding request (params: SamplingParams(max_tokens=0))."""
-        ids = self.encode(prompt)
+        prompt = _prompt(prompt)
+        if isinstance(prompt, tuple):  # the text and its ids
+            prompt, ids = prompt
+        else:
+            ids = self.encode(prompt)
         max_tokens = resolve_max_tokens(params.max_tokens, len(ids), self.max_model_len)
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
@@ -73,6 +81,27 @@ class LLM:
         """lora: one adapter name for every prompt, or one per prompt (None: the base model)."""
         return self._run_prompts(prompts, sampling_params or SamplingParams(), lora, use_tqdm)
 
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             lora: str | list[str | None] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list
+        of them, each rendered by the model's chat template (or `chat_template`), then generated."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt can't both be set")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template or use generate")
+        prompts = [self.tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tools=tools, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {}))
+            for conversation in conversations]
+        # The template wrote any BOS itself: encode without adding specials again.
+        ids = [self.tokenizer.encode(text, add_special_tokens=False) for text in prompts]
+        return self._run_prompts([{"prompt": text, "prompt_token_ids": i} for text, i in zip(prompts, ids)],
+                                 sampling_params or SamplingParams(), lora, use_tqdm)
+
     def embed(self, prompts, pooling: PoolingParams | None = None, use_tqdm: bool = False,
               lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Each prompt's embedding, `output.embedding` (float32 values): its final hidden states
@@ -83,12 +112,46 @@ class LLM:
 
     def _run_prompts(self, prompts, params: SamplingParams | list[SamplingParams], lora, use_tqdm: bool,
                      pooling: PoolingParams | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params] * len(prompts)
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        for name, given in (("sampling_params", params), ("lora", loras)):
+            if len(given) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(given)} {name}")
+        for prompt in prompts:  # every one read before any is queued
+            _prompt(prompt)
         ids = [f"req-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p, name in zip(ids, prompts, params, loras):
-            self.add_request(rid, prompt, p, lora=name, pooling=pooling)
+        try:
+            for rid, prompt, p, name in zip(ids, prompts, params, loras):
+                self.add_request(rid, prompt, p, lora=name, pooling=pooling)
+        except Exception:  # none of this call's prompts stays queued for a later call
+            for rid in ids:
+                self.engine.abort_request(rid)
+            self._pending = [rid for rid in self._pending if rid not in ids]
+            raise
         done = self.run(use_tqdm)
         return [done[rid] for rid in ids]
+
+
+def _prompt(prompt) -> str | list[int] | tuple[str, list[int]]:
+    """One prompt in any of vLLM's forms: text, token ids, {"prompt": text} or
+    {"prompt_token_ids": ids} (both: the ids, with the text kept for the output)."""
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown or not prompt:
+            raise TypeError(f"a prompt dict holds \"prompt\" or \"prompt_token_ids\", got keys {sorted(prompt)}")
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if ids is None:
+            return _prompt(text)
+        ids = _prompt(ids)
+        if text is None:
+            return ids
+        if not isinstance(text, str):
+            raise TypeError(f"\"prompt\" must be text, got {type(text).__name__}")
+        return text, ids
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise TypeError(f"a prompt is text, a list of token ids or a dict of either, got {type(prompt).__name__}")

@@ -1,0 +1,75 @@
+"""The offline `LLM` in vLLM's forms: prompt dicts ({"prompt"} / {"prompt_token_ids"}), `chat`
+through the model's own template against transformers, and a call that cannot be served
+leaving nothing queued behind it."""
+import pytest
+from oracle import hf_greedy
+from test_engine import assert_pool_free, prompts_of
+
+from actors.engine.llm import LLM
+from actors.request import ContextLengthError
+from actors.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_ckpt):
+    engine = LLM(str(llama_ckpt), block_size=4, num_kv_blocks=64, max_model_len=64)
+    yield engine
+    assert_pool_free(engine)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_prompt_dicts_equal_their_plain_forms(llm):
+    ids, text = prompts_of([9])[0], "the cat sat on"
+    plain = tokens(llm.generate([ids, text], GREEDY))
+    assert tokens(llm.generate([{"prompt_token_ids": ids}, {"prompt": text}], GREEDY)) == plain
+    assert tokens(llm.generate({"prompt_token_ids": ids}, GREEDY)) == plain[:1]  # one dict alone
+    both = llm.generate({"prompt": "shown text", "prompt_token_ids": ids}, GREEDY)[0]
+    assert (both.prompt_token_ids, both.prompt, tokens([both])) == (ids, "shown text", plain[:1])
+    assert plain[0] != plain[1]  # (two different prompts: the pairing above means something)
+
+
+def test_chat_renders_the_template_and_equals_transformers(llm, llama_ckpt):
+    tok = llm.get_tokenizer()
+    talk = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    ids = tok.apply_chat_template(talk, add_generation_prompt=True, tokenize=True, return_dict=False)
+    out = llm.chat(talk, GREEDY)
+    assert len(out) == 1 and out[0].prompt_token_ids == list(ids)
+    assert tokens(out) == [hf_greedy(llama_ckpt, list(ids), 8)]
+    # several conversations; continuing the last message instead of opening a new turn
+    other = [{"role": "user", "content": "bye"}]
+    assert tokens(llm.chat([talk, other], GREEDY))[0] == tokens(out)[0]
+    cont = llm.chat(talk + [{"role": "assistant", "content": "Hi"}], GREEDY, add_generation_prompt=False,
+                    continue_final_message=True)[0]
+    assert tok.decode(cont.prompt_token_ids).rstrip().endswith("Hi")
+    own = llm.chat(other, GREEDY, chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}")[0]
+    assert own.prompt_token_ids == tok.encode("<bye>", add_special_tokens=False)
+    with pytest.raises(ValueError, match="can't both"):
+        llm.chat(other, GREEDY, continue_final_message=True)
+
+
+@pytest.mark.parametrize("prompts, params, error, match", [
+    ([{"text": "hi"}], GREEDY, TypeError, "prompt_token_ids"),
+    ([{}], GREEDY, TypeError, "prompt_token_ids"),
+    ([3.5], GREEDY, TypeError, "float"),
+    ([[1, "a"]], GREEDY, TypeError, "list"),
+    ([{"prompt": 5}], GREEDY, TypeError, "text"),
+    (["a", "b"], [GREEDY], ValueError, "2 prompts but 1 sampling_params"),
+])
+def test_prompts_it_cannot_read_are_refused_before_any_is_queued(llm, prompts, params, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(["first", *prompts] if isinstance(params, SamplingParams) else prompts, params)
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_prompt_refused_by_the_engine_leaves_the_others_unqueued(llm):
+    fine, too_long = prompts_of([5])[0], prompts_of([70])[0]
+    with pytest.raises(ContextLengthError):
+        llm.generate([fine, too_long], GREEDY)
+    assert not llm.engine.has_unfinished() and not llm._pending
+    again = llm.generate([fine], GREEDY)  # the next call returns its own prompt only
+    assert len(again) == 1 and again[0].prompt_token_ids == fine
