@@ -16,6 +16,56 @@ CHECKPOINT_FORMATS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_
 DEFAULT_CPU_ITL_TARGET_MS = 75.0
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp8 means e4m3 (kernels/kv_quant.py)
 
+# The engine options' other spellings (vLLM's, SGLang's), by canonical name. app/config.py adds
+# the serving options' to make the one table the CLI, YAML files and SHOAL_* variables read;
+# `LLM(**options)` reads these (vLLM's `LLM(model=..., tensor_parallel_size=..., enforce_eager=...)`).
+ENGINE_ALIASES: dict[str, tuple[str, ...]] = {
+    "model_path": ("model", "model_name_or_path"),
+    "num_kv_blocks": ("num_gpu_blocks_override",),
+    "gpu_memory_utilization": ("mem_fraction_static",),
+    "max_num_batched_tokens": ("chunked_prefill_size",),
+    "max_num_seqs": ("max_running_prompts", "max_running_requests"),
+    "attn_backend": ("attention_backend",),
+    "tp_size": ("tensor_parallel_size", "tp"),
+    "pp_size": ("pipeline_parallel_size", "pp"),
+    "enable_expert_parallel": ("enable_ep",),
+    "ep_size": ("expert_parallel_size", "ep"),
+    "num_redundant_experts": ("ep_num_redundant_experts",),
+    "eplb_step_interval": ("eplb_rebalance_num_iterations",),
+    "eager_decode": ("enforce_eager", "disable_cuda_graph"),
+}
+# Spellings of a boolean option that mean its opposite: SGLang's `disable_radix_cache` turns
+# prefix caching off.
+NEGATED_ALIASES: dict[str, tuple[str, ...]] = {
+    "enable_prefix_caching": ("disable_radix_cache",),
+    "async_scheduling": ("disable_overlap_schedule",),
+}
+# Other spellings of values, by option: `bf16` means bfloat16.
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "dtype": {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
+              "fp32": "float32"},
+}
+
+
+def engine_options(options: dict) -> dict:
+    """Python keyword options under their canonical names (`tensor_parallel_size` -> tp_size,
+    `disable_radix_cache=True` -> enable_prefix_caching=False); other names pass as they are
+    (EngineConfig refuses unknown ones). TypeError where two spellings name one option."""
+    spellings = {alias: (name, False) for name, aliases in ENGINE_ALIASES.items() for alias in aliases}
+    spellings.update({alias: (name, True) for name, aliases in NEGATED_ALIASES.items() for alias in aliases})
+    out, given = {}, {}
+    for key, value in options.items():
+        name, negated = spellings.get(key, (key, False))
+        if name in out:
+            raise TypeError(f"{given[name]!r} and {key!r} both set the option {name}")
+        given[name] = key
+        if negated:
+            value = not value
+        elif isinstance(value, str) and name in VALUE_ALIASES:
+            value = VALUE_ALIASES[name].get(value, value)
+        out[name] = value
+    return out
+
 
 @dataclass
 class EngineConfig:

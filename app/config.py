@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from actors.config import EngineConfig
+from actors.config import ENGINE_ALIASES, NEGATED_ALIASES, VALUE_ALIASES, EngineConfig
 from app.api.settings import ServerSettings
 from kernels.env import truthy
 
@@ -89,34 +89,12 @@ SECTIONS = (EngineConfig, ServerSettings, DeployOptions)
 # `add_option`); YAML files, `serve run` args and SHOAL_* variables resolve them with
 # `canonical()`. Dashes and underscores are the same (`tensor-parallel-size` in YAML works).
 ALIASES: dict[str, tuple[str, ...]] = {
-    "model_path": ("model", "model_name_or_path"),
-    "num_kv_blocks": ("num_gpu_blocks_override",),
-    "gpu_memory_utilization": ("mem_fraction_static",),
-    "max_num_batched_tokens": ("chunked_prefill_size",),
-    "max_num_seqs": ("max_running_prompts", "max_running_requests"),
-    "attn_backend": ("attention_backend",),
-    "tp_size": ("tensor_parallel_size", "tp"),
-    "pp_size": ("pipeline_parallel_size", "pp"),
-    "enable_expert_parallel": ("enable_ep",),
-    "ep_size": ("expert_parallel_size", "ep"),
-    "num_redundant_experts": ("ep_num_redundant_experts",),
-    "eplb_step_interval": ("eplb_rebalance_num_iterations",),
+    **ENGINE_ALIASES,  # actors/config.py: the engine's options, which `LLM(...)` reads too
     "num_replicas": ("data_parallel_size", "dp_size", "dp"),
-    "eager_decode": ("enforce_eager", "disable_cuda_graph"),
 }
-# Spellings of a boolean option that mean its opposite: `--disable-radix-cache` (SGLang) turns
-# prefix caching off; in YAML / SHOAL_* / `serve run` args `disable_radix_cache: true` does the
-# same and `false` turns it on. (argparse's `--no-NAME` forms are command-line only: a file
-# writes `NAME: false`.)
-NEGATED_ALIASES: dict[str, tuple[str, ...]] = {
-    "enable_prefix_caching": ("disable_radix_cache",),
-    "async_scheduling": ("disable_overlap_schedule",),
-}
-# Other spellings of values, by option: `--dtype bf16` and `dtype: bf16` both mean bfloat16.
-VALUE_ALIASES: dict[str, dict[str, str]] = {
-    "dtype": {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
-              "fp32": "float32"},
-}
+# (NEGATED_ALIASES: spellings of a boolean option that mean its opposite, `--disable-radix-cache`;
+# argparse's `--no-NAME` forms are command-line only: a file writes `NAME: false`. VALUE_ALIASES:
+# other spellings of values, `--dtype bf16`. Both from actors/config.py.)
 _SPELLINGS = {alias: (name, False) for name, aliases in ALIASES.items() for alias in aliases}
 _SPELLINGS.update({alias: (name, True) for name, aliases in NEGATED_ALIASES.items()
                    for alias in aliases})

@@ -73,3 +73,17 @@ def test_a_prompt_refused_by_the_engine_leaves_the_others_unqueued(llm):
     assert not llm.engine.has_unfinished() and not llm._pending
     again = llm.generate([fine], GREEDY)  # the next call returns its own prompt only
     assert len(again) == 1 and again[0].prompt_token_ids == fine
+
+
+def test_vllm_option_names_build_the_same_engine(llama_ckpt):
+    llm = LLM(model=str(llama_ckpt), enforce_eager=True, tensor_parallel_size=1, dtype="fp32",
+              disable_radix_cache=True, num_gpu_blocks_override=32, block_size=4)
+    c = llm.config
+    assert (c.model_path, c.eager_decode, c.tp_size, c.dtype, c.enable_prefix_caching, c.num_kv_blocks) == \
+        (str(llama_ckpt), True, 1, "float32", False, 32)
+    ids = prompts_of([6])[0]
+    assert tokens(llm.generate([ids], GREEDY)) == [hf_greedy(llama_ckpt, ids, 8)]
+    with pytest.raises(TypeError, match="'model' and 'model_path' both set the option model_path"):
+        LLM(str(llama_ckpt), model=str(llama_ckpt))
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(str(llama_ckpt), no_such_option=1)

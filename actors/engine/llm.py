@@ -8,7 +8,7 @@ import itertools
 
 from tqdm import tqdm
 
-from actors.config import EngineConfig
+from actors.config import EngineConfig, engine_options
 from actors.engine.llm_engine import LLMEngine
 from actors.outputs import RequestOutput
 from actors.pooling_params import PoolingParams
@@ -18,7 +18,10 @@ from actors.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model_path: str | None = None, placement: tuple | None = None, **options):
-        """options: EngineConfig fields. tp_size * pp_size > 1 starts shard actors on Ray."""
+        """options: EngineConfig fields, or vLLM's and SGLang's names for them (`model=`,
+        `tensor_parallel_size=`, `enforce_eager=`). tp_size * pp_size > 1 starts shard actors on Ray."""
+        options = engine_options({**options, **({"model_path": model_path} if model_path is not None else {})})
+        model_path = options.pop("model_path", None)
         if options.get("itl_target_ms") is None:  # whole requests: nobody waits between tokens
             options["itl_target_ms"] = 0
         self.engine = LLMEngine(EngineConfig(model_path=model_path, **options), placement)
