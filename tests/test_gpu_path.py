@@ -365,11 +365,80 @@ def with_emulated_graphs(llm: LLM, sizes, max_seq_len: int, flash_ops=None, trit
     r = llm.engine.executor.runner
     r.bind_kv_cache(r.num_blocks + 1)  # the spare block the padding rows use
     r.batch = InputBatch(r.config.max_num_seqs, r.batch.tables.shape[1], r.block_size, pad_block=r.num_blocks)
-    r.graphs = DecodeGraphs(r.model, sizes, block_size=r.block_size, max_seq_len=max_seq_len,
+    r.graphs = DecodeGraphs(r.model, sizes, r.batch, block_size=r.block_size, max_seq_len=max_seq_len,
                             hidden_size=r.args.hidden_size, dtype=r.dtype, device=r.device, flash_ops=flash_ops,
-                            triton=triton)
-    r.graphs.capture(r.batch, eager_capture)
+                            triton=triton, capture_fn=eager_capture)
     return r.graphs
+
+
+def test_a_bucket_is_captured_when_it_recurs_and_a_failed_capture_stays_eager(checkpoint_factory, caplog):
+    """Nothing is captured at start; a batch size's first two decode steps run eagerly, the third
+    captures its bucket and replays it, and later steps of that bucket replay without capturing
+    again. A bucket whose capture fails decodes eagerly, with the same tokens, and is not tried
+    again."""
+    path = checkpoint_factory("llama")
+    options = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8)
+    graphed, eager = LLM(str(path), **options), LLM(str(path), **options)
+    captured: list[int] = []
+
+    def counting(fn, pool):
+        captured.append(len(graphs.graphs))
+        return eager_capture(fn, pool)
+
+    graphs = with_emulated_graphs(graphed, [1, 2, 4, 8], max_seq_len=64)
+    graphs.capture_fn = counting
+    assert graphs.graphs == {} and not captured  # nothing at start
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    graphed.generate(prompts_of([5], seed=1), params)  # one decode step of batch 1
+    assert graphs.graphs == {} and graphs.eager_steps == {1: 1}
+    graphed.generate(prompts_of([5], seed=2), params)  # a second
+    assert graphs.graphs == {} and graphs.eager_steps == {1: 2} and graphs.replays == 0
+    one = prompts_of([5], seed=3)
+    longer = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = graphed.generate(one, longer)  # the 3rd step captures bucket 1; 5 replays
+    assert list(graphs.graphs) == [1] and len(captured) == 1 and graphs.replays == 5
+    assert got[0].outputs[0].token_ids == eager.generate(one, longer)[0].outputs[0].token_ids
+    graphed.generate(prompts_of([5], seed=4), longer)
+    assert len(captured) == 1 and graphs.replays == 10  # replayed, not captured again
+
+    def failing(fn, pool):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    graphs.capture_fn = failing
+    three = prompts_of([4, 7, 9], seed=5)  # bucket 4
+    with caplog.at_level(logging.WARNING, logger="shoal.runner"):
+        got = graphed.generate(three, longer)
+    assert graphs.failed == {4} and 4 not in graphs.graphs
+    assert "CUDA graph of decode batch size 4 not captured (CUDA out of memory" in caplog.text
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in eager.generate(three, longer)]
+    steps = graphs.replays
+    graphed.generate(three, longer)
+    assert graphs.failed == {4} and graphs.replays == steps  # not tried again: eager
+    # an idle engine captures what is left, largest first, one bucket per idle call
+    graphs.capture_fn = counting
+    graphed.engine.executor.idle()
+    assert sorted(graphs.graphs) == [1, 8]
+    graphed.engine.executor.idle()
+    assert sorted(graphs.graphs) == [1, 2, 8] and graphs.failed == {4}
+    graphed.engine.executor.idle()  # nothing left to capture
+    assert sorted(graphs.graphs) == [1, 2, 8] and len(captured) == 3
+
+
+def test_a_capture_leaves_the_expert_load_window_as_it_was(checkpoint_factory):
+    """The capture's forwards route padding rows: the recorded window (/stats, re-planning) is
+    restored after it; the graphs' choice buffers are made once, at the largest bucket."""
+    path = checkpoint_factory("qwen3_moe")
+    llm = LLM(str(path), block_size=4, num_kv_blocks=64)
+    r = llm.engine.executor.runner
+    llm.generate(prompts_of([6, 3]), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    before = (r.experts.load.counts.clone(), r.experts.load.row)
+    with r.experts.paused():
+        llm.generate(prompts_of([4]), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert r.experts.load.row != before[1]  # (its forwards did record)
+    assert torch.equal(r.experts.load.counts, before[0]) and r.experts.load.row == before[1]
+    r.experts.hold_graph_rows(16, r.device)
+    blocks = [b for _, b in r.experts.blocks]
+    assert all(b.graph_ids.shape == (16, b.top_k) for b in blocks)
 
 
 @pytest.mark.parametrize("ops", [None, "vllm-flash-attn", "flash-attn"])

@@ -146,9 +146,7 @@ class SparseMoeBlock(nn.Module):
         static buffer instead, recorded after each replay for the step's real rows only
         (actors/worker/expert_balancer.py), padding rows left out."""
         if ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            if self.graph_ids is None or self.graph_ids.shape[0] < ids.shape[0]:
-                self.graph_ids = torch.empty_like(ids)  # the largest graph is captured first
-            self.graph_ids[:ids.shape[0]].copy_(ids)
+            self.graph_ids[:ids.shape[0]].copy_(ids)  # (made by ExpertBalancer.hold_graph_rows)
         else:
             self.load.record(self.load_index, ids)
 

@@ -5,7 +5,14 @@ longest context fits --max-seq-len-to-capture runs as a graph: its inputs are co
 static buffers (padded up to the bucket with rows that write to and read from a spare block
 of the KV pool that the block manager never hands out), the bucket's graph is replayed, and
 the first rows of the static output are the step's hidden states. Any other step runs
-eagerly. Graphs are captured once, largest first, into one shared memory pool (as vLLM does).
+eagerly. All graphs share one memory pool (as vLLM's do).
+
+A bucket is captured when it recurs, not at start-up (issue 46: capturing never makes a run
+slower than eager): its first CAPTURE_AFTER - 1 decode steps run eagerly, and the next one
+captures it (two warm-up forwards and the captured one, about what those eager steps cost)
+and replays it from then on. A run that meets a batch size once or twice never pays for its
+graph, start-up captures nothing, and `make serve` on a GPU starts in seconds. An idle engine
+captures the remaining buckets, largest first, one per idle second (ModelRunner.idle).
 
 Buckets follow vLLM's --cuda-graph-sizes: none given, [1, 2, 4, 8, 16, ...] up to
 min(2 x --max-num-seqs, 512); one value N, the same pattern up to N; several, those sizes;
@@ -14,6 +21,7 @@ never above --max-num-seqs.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 
@@ -27,6 +35,8 @@ from kernels.host_copies import staged
 from kernels.triton_attention import TritonMetadata
 
 log = logging.getLogger("shoal.runner")
+
+CAPTURE_AFTER = 3  # the step of a bucket that captures it: its first two run eagerly
 
 
 def capture_sizes(cuda_graph_sizes: list[int] | None, max_num_seqs: int) -> list[int]:
@@ -47,11 +57,16 @@ def padded_size(batch: int, sizes: list[int]) -> int | None:
 
 
 class DecodeGraphs:
-    """The captured graphs of one runner and their static buffers."""
+    """The captured graphs of one runner and their static buffers.
 
-    def __init__(self, model, sizes: list[int], *, block_size: int, max_seq_len: int,
-                 hidden_size: int, dtype, device, flash_ops=None, triton: bool = False):
-        self.model, self.sizes, self.block_size = model, sizes, block_size
+    capture_fn: (fn, pool) -> (graph, pool), capture_cuda_graph on a GPU (tests emulate it);
+    around_capture: a context manager the captures run in (the expert load recorder's pause)."""
+
+    def __init__(self, model, sizes: list[int], batch: InputBatch, *, block_size: int, max_seq_len: int,
+                 hidden_size: int, dtype, device, flash_ops=None, triton: bool = False,
+                 capture_fn=None, around_capture=contextlib.nullcontext):
+        self.model, self.sizes, self.block_size, self.batch = model, sizes, block_size, batch
+        self.capture_fn, self.around_capture = capture_fn or capture_cuda_graph, around_capture
         self.max_seq_len, self.flash_ops, self.triton = max_seq_len, flash_ops, triton
         self.width = -(-max_seq_len // block_size)
         n = sizes[-1]
@@ -63,12 +78,28 @@ class DecodeGraphs:
         self.keys = torch.arange(self.width * block_size, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, object] = {}
+        self.pool = None  # the graphs' shared memory pool, made by the first capture
+        self.eager_steps: dict[int, int] = {}  # decode steps each uncaptured bucket has run eagerly
+        self.failed: set[int] = set()  # buckets whose capture failed: they stay eager
         self.replays = 0  # decode steps that ran as a graph (the progress line)
+        log.info("CUDA graphs: decode batch sizes %d..%d (%d buckets), each captured when its size recurs "
+                 "(decode step %d of that size)", sizes[0], sizes[-1], len(sizes), CAPTURE_AFTER)
 
     # ---- which steps ----------------------------------------------------------------
     def can_run(self, output) -> bool:
+        """Whether this step runs as a graph: it fits one, and its bucket is captured, or
+        recurs often enough now to be (captured here, before it replays)."""
         rows = output.rows
-        return (bool(rows) and output.num_decodes == len(rows) and len(rows) <= self.sizes[-1] and max(r.start + 1 for r in rows) <= self.max_seq_len)
+        if not (rows and output.num_decodes == len(rows) and len(rows) <= self.sizes[-1]
+                and max(r.start + 1 for r in rows) <= self.max_seq_len):
+            return False
+        size = padded_size(len(rows), self.sizes)
+        if size in self.graphs:
+            return True
+        if size in self.failed:
+            return False
+        self.eager_steps[size] = self.eager_steps.get(size, 0) + 1
+        return self.eager_steps[size] >= CAPTURE_AFTER and self.capture(size)
 
     def run(self, output, batch: InputBatch, pending: PendingTokens | None = None) -> torch.Tensor:
         """Hidden states of the step's rows (a view into the static output); `pending` fills the
@@ -106,16 +137,39 @@ class DecodeGraphs:
             meta.decode_mask = (self.keys[None, :] < ctx[:, None])[:, None, None, :]
         return meta
 
-    def capture(self, batch: InputBatch, capture_fn=None) -> None:
-        """Capture every bucket, largest first (the smaller ones reuse its pool), on padding rows."""
-        capture_fn = capture_fn or capture_cuda_graph
-        start, pool = time.perf_counter(), None
-        self._fill(batch.padded_decode(SchedulerOutput([], 0, []), self.sizes[-1], self.width))
-        with torch.inference_mode():
-            for n in reversed(self.sizes):
-                self.graphs[n], pool = capture_fn(lambda n=n: self.forward(n), pool)
-        log.info("CUDA graphs: %d decode batch sizes (%d..%d) captured in %.1f s",
-                 len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+    def capture(self, size: int) -> bool:
+        """Capture `size`'s graph on padding rows; False (the bucket stays eager) where the
+        capture fails, say for want of memory."""
+        start, free = time.perf_counter(), _free_memory(self.hidden.device)
+        self._fill(self.batch.padded_decode(SchedulerOutput([], 0, []), size, self.width))
+        try:
+            with torch.inference_mode(), self.around_capture():
+                self.graphs[size], self.pool = self.capture_fn(lambda: self.forward(size), self.pool)
+        except RuntimeError as e:
+            self.failed.add(size)
+            log.warning("CUDA graph of decode batch size %d not captured (%s): its steps run eagerly",
+                        size, str(e).splitlines()[0][:200])
+            return False
+        self.eager_steps.pop(size, None)
+        log.info("CUDA graph of decode batch size %d captured in %.0f ms, %.0f MiB (%d of %d buckets)", size,
+                 (time.perf_counter() - start) * 1e3, (free - _free_memory(self.hidden.device)) / 2**20,
+                 len(self.graphs), len(self.sizes))
+        return True
+
+    def capture_next(self) -> bool:
+        """The largest bucket not yet captured (or tried), now: the engine is idle. False when
+        none is left."""
+        left = [n for n in self.sizes if n not in self.graphs and n not in self.failed]
+        return bool(left) and (self.capture(left[-1]) or True)
+
+    def capture_all(self) -> None:
+        """Every bucket now, largest first (benchmarks that time runs without captures)."""
+        while self.capture_next():
+            pass
+
+
+def _free_memory(device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
 
 
 def capture_cuda_graph(fn, pool):

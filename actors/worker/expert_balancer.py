@@ -9,8 +9,11 @@ requests (whose KV cache does not depend on the placement) carry on unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+
+import torch
 
 from actors.models.eplb import ExpertLoad, balancedness, plan_placement, rank_loads
 from actors.worker.loader import load_selected
@@ -28,6 +31,23 @@ class ExpertBalancer:
             block.load, block.load_index = self.load, i
         self.interval = step_interval if self.p.ep_size > 1 else 0
         self.steps = self.rebalances = 0
+
+    def hold_graph_rows(self, rows: int, device) -> None:
+        """Static buffers for the choices of up to `rows` rows made inside CUDA graphs, one per
+        MoE layer, made before any capture: every graph, whatever its size or the order the
+        buckets are captured in, writes into the same one."""
+        for _, block in self.blocks:
+            block.graph_ids = torch.zeros(rows, block.top_k, dtype=torch.long, device=device)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The recorded window as it was before the block: a capture's forwards route padding."""
+        counts = None if self.load.counts is None else self.load.counts.clone()
+        row = self.load.row
+        try:
+            yield
+        finally:
+            self.load.counts, self.load.row = counts, row
 
     def record_graph_rows(self, rows: int) -> None:
         """After a CUDA graph's replay: the routed load of its first `rows` (real) rows."""

@@ -10,6 +10,7 @@ kernels run was decided once at start (actors/worker/kernel_choice.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -117,7 +118,7 @@ class ModelRunner:
         elif self.kernels.decode == "compiled":
             self._compile_decode(spec)
         self._phase("decode", phase)
-        if self.experts is not None:  # the profiling and capture forwards routed padding, not load
+        if self.experts is not None:  # the memory profile's forward routed padding, not load
             self.experts.load.clear()
         log.info("rank %d %s", rank, self.kernels.describe())
         self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
@@ -173,14 +174,15 @@ class ModelRunner:
         self.kv_cache = bind_kv_cache(self.model, blocks, self.block_size, self.kv_dtype, self.device)
 
     def _capture_graphs(self) -> None:
+        """Decode graphs, each captured once its batch size recurs (actors/worker/cuda_graphs.py)."""
+        if self.experts is not None:
+            self.experts.hold_graph_rows(self.graph_sizes[-1], self.device)
         self.graphs = DecodeGraphs(
-            self.model, self.graph_sizes, block_size=self.block_size,
+            self.model, self.graph_sizes, self.batch, block_size=self.block_size,
             max_seq_len=min(self.config.max_seq_len_to_capture, self.max_model_len),
             hidden_size=self.args.hidden_size, dtype=self.dtype, device=self.device,
-            flash_ops=self.flash_ops, triton=self.triton)
-        before = torch.cuda.mem_get_info()[0]
-        self.graphs.capture(self.batch)
-        log.info("CUDA graphs took %.0f MiB", (before - torch.cuda.mem_get_info()[0]) / 2**20)
+            flash_ops=self.flash_ops, triton=self.triton,
+            around_capture=self.experts.paused if self.experts is not None else contextlib.nullcontext)
 
     def _compile_decode(self, spec: ModelSpec) -> None:
         """Decode eagerly until the compiled step pays for its load (actors/worker/compiled_decode.py)."""
@@ -201,7 +203,10 @@ class ModelRunner:
             self._swap_in_compiled()
 
     def idle(self) -> None:
-        """The engine has had nothing to do for a while: a good moment to load the compiled step."""
+        """The engine has had nothing to do for a while: a good moment to load the compiled
+        step, or to capture a decode bucket's CUDA graph."""
+        if isinstance(self.graphs, DecodeGraphs):
+            self.graphs.capture_next()
         self._swap_in_compiled()
 
     def _eager_decode_took(self, seconds: float) -> None:
