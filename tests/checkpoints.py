@@ -343,6 +343,10 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
     return _write_copy(src, dst, tensors, config)
 
 
+# The linear layers the checkpoint writers below quantize: every projection, MLA's fused
+# kv_a_proj_with_mqa and Mixtral's experts (w1 / w2 / w3) included, as LLM Compressor,
+# GPTQModel and AutoAWQ quantize them.
+QUANTIZED_PROJECTIONS = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 FLOAT_UNDER_QUANTIZATION = re.compile(r"\.experts\.|\.shared_experts?\.|kv_b_proj")
 
 
@@ -403,7 +407,7 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
     out = {kind: {} for kind in paths}
     fmax = torch.finfo(torch.float8_e4m3fn).max
     for name, w in tensors.items():
-        if not name.endswith("_proj.weight"):
+        if not name.endswith(QUANTIZED_PROJECTIONS):
             for kind in paths:
                 out[kind][name] = w
             continue
@@ -486,7 +490,7 @@ def int8_copy(src, dst, strategy: str = "channel", activations: str | None = "dy
     out, ref = {}, {}
     for name, w in tensors.items():
         out[name] = ref[name] = w
-        if not name.endswith("_proj.weight"):
+        if not name.endswith(QUANTIZED_PROJECTIONS):
             continue
         wf = w.float()
         top = wf.abs().amax(dim=1, keepdim=True) if strategy == "channel" else wf.abs().max().reshape(1)
@@ -658,7 +662,7 @@ def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, 
     packed, reference = {}, {}
     for name, w in tensors.items():
         module = name.removesuffix(".weight")
-        if not name.endswith("_proj.weight") or module in float_modules:
+        if not name.endswith(QUANTIZED_PROJECTIONS) or module in float_modules:
             packed[name] = reference[name] = w
             continue
         parts, reference[name] = pack_int4(method, w, bits=bits, group_size=group_size, sym=sym,

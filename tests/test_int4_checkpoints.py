@@ -7,7 +7,7 @@ orders are pinned here against words worked out by hand from the writers' packin
 element lowest). The engine then gives transformers' greedy tokens (float32) on a copy of the
 checkpoint holding the weights the packed ones stand for: sym and asym, groups of 32 and 64 and
 per channel, act-order g_idx, GPTQ's v1 and v2 zeros, 4 and 8 bits, Llama / Qwen2 (biases) /
-Qwen3 / Qwen3-MoE (each expert packed), modules left float, LoRA adapters, --quantization int8 on top; a tp=2 rank holds its slices of those
+Qwen3 / Qwen3-MoE and Mixtral (each expert packed), DeepSeek-V3 (MLA), modules left float, LoRA adapters, --quantization int8 on top; a tp=2 rank holds its slices of those
 weights; a config it can't read is refused at start in one line."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from checkpoints import int4_copies, quantized_reference_copy
+from checkpoints import QUANTIZED_PROJECTIONS, int4_copies, quantized_reference_copy
 from oracle import hf_greedy
 from safetensors.torch import load_file
 from test_engine import GREEDY, assert_pool_free, prompts_of
@@ -76,6 +76,8 @@ CASES = {
     "ct-asym-channel": ("qwen3", "compressed-tensors", dict(sym=False, group_size=-1)),
     "gptq-moe-experts": ("qwen3_moe", "gptq", dict(sym=True, act_order=True)),  # each expert packed
     "gptq-actorder-shared": ("llama", "gptq", dict(sym=False, act_order="shared")),  # q/k/v share a g_idx
+    "awq-mixtral-experts": ("mixtral", "awq", dict(sym=False)),  # experts' w1 / w2 / w3 packed
+    "gptq-deepseek-v3": ("deepseek_v3", "gptq", dict(sym=True)),  # MLA's q_a / q_b / kv_a_proj_with_mqa packed
 }
 
 
@@ -103,7 +105,7 @@ def test_dequantised_weights_are_those_the_checkpoint_stands_for(case, copies):
         assert torch.equal(seen[name].to(w.dtype), w), name
     names = set(load_file(paths["packed"] / "model.safetensors"))
     float_modules = CASES[case][2].get("float_modules", ())
-    assert not {n for n in names if n.endswith("_proj.weight") and n.removesuffix(".weight") not in float_modules}
+    assert not {n for n in names if n.endswith(QUANTIZED_PROJECTIONS) and n.removesuffix(".weight") not in float_modules}
 
 
 @pytest.mark.parametrize("case", CASES)

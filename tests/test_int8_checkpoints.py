@@ -110,6 +110,22 @@ def test_a_w8a8_checkpoint_runs_as_w8a8_int8_and_follows_transformers(strategy, 
         llm.shutdown()
 
 
+def test_a_deepseek_w8a8_checkpoint_follows_transformers(checkpoint_factory, tmp_path):
+    """MLA's projections (q_a / q_b, kv_a_proj_with_mqa) from the checkpoint's int8 codes with
+    int8 activations; kv_b_proj, absorbed into the attention, and the MoE experts stay float."""
+    path, reference = int8_copy(checkpoint_factory("deepseek_v3"), tmp_path / "ds", "channel", "dynamic")
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    try:
+        attn = llm.engine.executor.runner.model.model.layers[0].self_attn
+        assert llm.engine.spec.quantization == "w8a8_int8"
+        assert [n for n, p in attn.named_parameters() if p.dtype == torch.int8]  # the MLA projections' codes
+        prompts = prompts_of([5, 17, 33])
+        assert_greedy_up_to_flips(reference, prompts, llm.generate(prompts, GREEDY), float_head=True)
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_compiled_decode_runs_the_checkpoints_layers(copies):
     """The compile job reads no weights: it finds the int8 layers in the files' headers, so its
     graph quantizes the same layers (not the head) and the compiled engine follows transformers

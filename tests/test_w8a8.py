@@ -241,14 +241,15 @@ FLIP = 0.1
 def int8_activations(reference, tp: int = 1, adapter=None, float_head: bool = False):
     """transformers on `reference` (with a PEFT `adapter`) with every linear layer's input
     quantized as w8a8_int8 at tensor-parallel size `tp` quantizes it (an adapter's own matrices
-    take theirs in float, as shoal's do, and so do MoE routers and experts; `float_head`: the LM
+    take theirs in float, as shoal's do, and so do MoE routers and experts and MLA's kv_b_proj; `float_head`: the LM
     head too, as an int8 checkpoint leaves it)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.Linear, "forward", linear_with_int8_activations)
         for name, module in hf_model(reference, adapter).named_modules():
             # float in shoal: adapters' matrices, MoE routers and experts (routed and shared)
+            # (and MLA's kv_b_proj, absorbed into the attention and multiplied in float)
             if ".lora_" in name or ".experts." in name or ".shared_expert" in name or name.endswith("mlp.gate") \
-                    or (float_head and name == "lm_head"):
+                    or name.endswith("kv_b_proj") or (float_head and name == "lm_head"):
                 mp.setattr(module, "tp_parts", 0, raising=False)
             elif name.endswith(("o_proj", "down_proj", "o_proj.base_layer", "down_proj.base_layer")):
                 mp.setattr(module, "tp_parts", tp, raising=False)
