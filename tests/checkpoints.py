@@ -16,6 +16,10 @@ from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model shi
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
          "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "deepseek_v2", "deepseek_v3", "gpt_oss")
+# Image-text checkpoints (their language model's family, their class), a tiny vision tower each
+IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
+              "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
+              "llava": ("llama", "LlavaForConditionalGeneration")}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -187,11 +191,31 @@ FAMILY_DEFAULTS = {
 }
 
 
+def _image_text_config(arch: str, text):
+    """The wrapper config of an image-text checkpoint around the text config `text`: a one-layer
+    vision tower of 28-pixel images, ties as the text model does (transformers ties by the
+    wrapper's setting)."""
+    import transformers
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    common = dict(text_config=text.to_dict(), tie_word_embeddings=text.tie_word_embeddings)
+    if arch == "gemma3_vision":
+        return transformers.Gemma3Config(**common, vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
+                                         mm_tokens_per_image=4, image_token_index=500)
+    if arch == "mistral3":
+        return transformers.Mistral3Config(**common, image_token_index=500, vision_config=transformers.PixtralVisionConfig(
+            **vision, head_dim=16).to_dict())
+    return transformers.LlavaConfig(**common, image_token_index=500,
+                                    vision_config=transformers.CLIPVisionConfig(**vision).to_dict())
+
+
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4Config,
                               GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
+    arch = IMAGE_TEXT[arch][0] if arch in IMAGE_TEXT else arch  # (the language model's family)
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), "vocab_size": vocab_size,
            **overrides}
     if arch != "gemma3":  # Gemma 3's rope_parameters are by layer type
@@ -268,15 +292,22 @@ def make_checkpoint(path, arch: str = "llama", *, sharded: bool = False, seed: i
     config.eos_token_id, config.pad_token_id = eos, pad
     config.initializer_range = init_std
 
+    if arch in IMAGE_TEXT:
+        config = _image_text_config(arch, config)
+        config.eos_token_id, config.pad_token_id = eos, pad
     with torch.random.fork_rng():  # transformers' own init is overwritten; keep global RNG as is
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if arch in IMAGE_TEXT:
+            import transformers
+            model = getattr(transformers, IMAGE_TEXT[arch][1])(config).to(torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed, init_std)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad,
                                                bos_token_id=None, do_sample=False)
     # A shard limit below the model size gives several files + model.safetensors.index.json.
     shard = max(_model_bytes(model) // 3, 1) if sharded else "50GB"
     model.save_pretrained(path, max_shard_size=shard)
-    tok.model_max_length = config.max_position_embeddings
+    tok.model_max_length = config.get_text_config().max_position_embeddings
     tok.save_pretrained(path)
     return path
 

@@ -14,11 +14,15 @@ import torch
 
 @functools.lru_cache(maxsize=16)
 def _load(path: str):
-    from transformers import AutoModelForCausalLM
+    import json
 
-    # eager attention: the plainest float32 reference (no fused-kernel rounding).
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    # eager attention: the plainest float32 reference (no fused-kernel rounding); an
+    # image-text checkpoint (text prompts only) through its own class.
+    image_text = "vision_config" in json.loads((pathlib.Path(path) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 

@@ -7,6 +7,7 @@ import importlib
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
@@ -37,10 +38,22 @@ def resolve_model_path(model: str | None) -> Path:
 LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")
 
 
+# Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA) are served for their text:
+# their language model, by its config's model_type, reads its weights from under
+# `language_model.` (actors/worker/weight_files.py) and the vision tower is never loaded.
+IMAGE_TEXT_ARCHS = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                    "LlavaForConditionalGeneration")
+TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+
+
 def read_config(path: Path) -> dict:
     """config.json, with a legacy GPTQ / AWQ settings file as its quantization_config where it
-    has none (AutoAWQ's names no method: its `w_bit` tells it from GPTQ's `bits`)."""
+    has none (AutoAWQ's names no method: its `w_bit` tells it from GPTQ's `bits`); an
+    image-text checkpoint's is its language model's config."""
     config = json.loads((path / "config.json").read_text())
+    if (config.get("architectures") or [None])[0] in IMAGE_TEXT_ARCHS:
+        config = text_config(config)
     if config.get("quantization_config") is None:
         for name in LEGACY_QUANTIZATION_FILES:
             if (path / name).exists():
@@ -49,6 +62,38 @@ def read_config(path: Path) -> dict:
                 config["quantization_config"] = {**q, "quant_method": method}
                 break
     return config
+
+
+def text_config(config: dict) -> dict:
+    """An image-text checkpoint's language model config, every field filled in: their
+    text_config often names only what differs from the family's defaults (Gemma 3 4B's names
+    5 fields), so transformers' own config class completes it (which imports torch: ~2 s more
+    in a process without it). The wrapper's tie_word_embeddings (what transformers ties by) and
+    quantization_config apply to it."""
+    configs = import_transformers("transformers.models.auto.configuration_auto").CONFIG_MAPPING
+    wrapper, text = config["architectures"][0], config.get("text_config") or {}
+    kind = text.get("model_type", "llama")  # (LLaVA's text_config may leave it out: Llama)
+    if kind not in TEXT_ARCH_OF:
+        raise ValueError(f"{wrapper}'s language model ({kind}) is not one shoal runs; it runs "
+                         f"{', '.join(TEXT_ARCH_OF)} inside image-text checkpoints")
+    full = configs[kind](**text).to_dict()
+    full["architectures"] = [TEXT_ARCH_OF[kind]]
+    full["image_text_architecture"] = wrapper
+    for key in ("tie_word_embeddings", "quantization_config"):
+        if key in config:
+            full[key] = config[key]
+    return full
+
+
+_IMPORTING = threading.Lock()
+
+
+def import_transformers(module: str):
+    """A module of transformers, imported by one thread at a time: the engine loads its tokenizer
+    in a thread while it reads the config, and two threads importing transformers at once can
+    find it half-initialised (ImportError: "partially initialized module")."""
+    with _IMPORTING:
+        return importlib.import_module(module)
 
 
 def load_tokenizer(path: Path, class_path: str | None = None):
@@ -66,9 +111,8 @@ def load_tokenizer(path: Path, class_path: str | None = None):
         class_path = remembered_tokenizer_class(path)
     if class_path is not None and class_path.startswith("transformers."):
         module, name = class_path.split(":")
-        return getattr(importlib.import_module(module), name).from_pretrained(str(path))
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return getattr(import_transformers(module), name).from_pretrained(str(path))
+    tokenizer = import_transformers("transformers").AutoTokenizer.from_pretrained(str(path))
     remember_tokenizer_class(path, tokenizer_class_path(tokenizer))
     return tokenizer
 
@@ -125,8 +169,7 @@ def load_declared_tokenizer(path: Path):
         name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
         if not isinstance(name, str):
             return None
-        import transformers
-        return getattr(transformers, name).from_pretrained(str(path))
+        return getattr(import_transformers("transformers"), name).from_pretrained(str(path))
     except Exception:  # no such file, a class transformers lacks or one that needs what is not installed
         return None
 

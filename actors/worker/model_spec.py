@@ -60,6 +60,9 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
         raise ValueError(f"--max-model-len {config.max_model_len} is over the model's "
                          f"max_position_embeddings {limit}")
     args = ModelArgs.from_hf(hf)
+    if hf.get("image_text_architecture"):
+        log.info("%s: its language model (%s) serves text; the vision tower is not loaded",
+                 hf["image_text_architecture"], args.architecture)
     check_quantization(hf, config.quantization)
     quantization, checkpoint_layers_only = checkpoint_quantization(config.quantization, hf)
     cuda = device_type(config) == "cuda"

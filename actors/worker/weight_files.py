@@ -37,9 +37,53 @@ def weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no weights in {path}: expected *.safetensors or pytorch_model*.bin files")
 
 
+# An image-text checkpoint's language model under the names a text checkpoint gives it, in the
+# layout transformers 4 writes (`language_model.model.`) and the one of 5 (`model.language_model.`);
+# its vision tower and projector are not read (actors/worker/checkpoint_files.py IMAGE_TEXT_ARCHS).
+TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                 "model.language_model.": "model."}
+IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_name(name: str) -> str | None:
+    """A tensor's name as the text model reads it; None for an image part's."""
+    if name.startswith(IMAGE_PREFIXES):
+        return None
+    for prefix, text in TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
+
+
 @contextlib.contextmanager
 def open_weights(file: Path):
-    """The file's tensors, as safetensors' `safe_open(file, framework="pt")` gives them."""
+    """The file's tensors, as safetensors' `safe_open(file, framework="pt")` gives them (an
+    image-text checkpoint's text model's, under a text checkpoint's names: `text_name`)."""
+    with _open(file) as f:
+        keys = list(f.keys())
+        names = {text_name(n): n for n in keys}
+        names.pop(None, None)
+        yield f if len(names) == len(keys) and all(a == b for a, b in names.items()) else _Renamed(f, names)
+
+
+class _Renamed:
+    """A weight file under other names (text name -> the file's)."""
+
+    def __init__(self, f, names: dict[str, str]):
+        self.f, self.names = f, names
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def get_slice(self, name: str):
+        return self.f.get_slice(self.names[name])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.f.get_tensor(self.names[name])
+
+
+@contextlib.contextmanager
+def _open(file: Path):
     if file.suffix == ".safetensors":
         with safe_open(str(file), framework="pt") as f:
             yield f

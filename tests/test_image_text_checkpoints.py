@@ -1,0 +1,91 @@
+"""Image-text checkpoints served for their text (actors/worker/checkpoint_files.py text_config,
+actors/worker/weight_files.py text_name): Gemma 3 (4B-27B ship as Gemma3ForConditionalGeneration),
+Mistral Small 3.x (Mistral3ForConditionalGeneration) and LLaVA give transformers' own greedy tokens
+(the wrapper class on text prompts), in transformers 4's weight layout and 5's, with a text_config
+that names only what differs from the family's defaults (as Gemma 3 4B's does); the vision
+tower is never read."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from checkpoints import IMAGE_TEXT, _write_copy
+from oracle import hf_greedy
+from safetensors.torch import load_file
+from test_engine import assert_pool_free, prompts_of
+
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams
+from actors.worker.checkpoint_files import read_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def assert_follows_transformers(path, reference=None):
+    llm = LLM(str(path), num_kv_blocks=64)
+    try:
+        prompts = prompts_of([5, 17, 30])
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        assert got == [hf_greedy(reference or path, ids, 12) for ids in prompts]
+        assert_pool_free(llm)
+        return llm.engine.spec.args.architecture
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch, overrides", [("gemma3_vision", {}), ("mistral3", {}), ("llava", {}),
+                                             ("llava", {"tie_word_embeddings": True})])
+def test_the_language_model_gives_transformers_tokens(checkpoint_factory, arch, overrides):
+    path = checkpoint_factory(arch, **overrides)
+    names = load_file(path / "model.safetensors")
+    assert any(n.startswith("vision_tower.") for n in names)  # (a real image-text checkpoint)
+    family = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"}
+    assert assert_follows_transformers(path) == family[IMAGE_TEXT[arch][0]]
+
+
+def test_transformers_5_layout_and_a_sparse_text_config(checkpoint_factory, tmp_path):
+    """Weights under `model.language_model.` (transformers 5 writes it), and a text_config with
+    only the fields that differ from Gemma3TextConfig's defaults: shoal fills them in as
+    transformers does."""
+    from transformers import Gemma3TextConfig
+
+    src = checkpoint_factory("gemma3_vision")
+    tensors = {(n.replace("language_model.model.", "model.language_model.", 1)
+                .replace("vision_tower.", "model.vision_tower.", 1)
+                .replace("multi_modal_projector.", "model.multi_modal_projector.", 1)): t
+               for n, t in load_file(src / "model.safetensors").items()}
+    config = json.loads((src / "config.json").read_text())
+    defaults = Gemma3TextConfig().to_dict()
+    text = config["text_config"]
+    config["text_config"] = {k: v for k, v in text.items() if k == "model_type" or defaults.get(k) != v}
+    assert len(config["text_config"]) < len(text) - 5  # (defaults were dropped)
+    (tmp_path / "v5-sparse").mkdir()
+    path = _write_copy(src, tmp_path / "v5-sparse", tensors, config)
+    assert read_config(path)["query_pre_attn_scalar"] == text["query_pre_attn_scalar"]
+    assert assert_follows_transformers(path, reference=src) == "Gemma3ForCausalLM"
+
+
+def test_a_language_model_it_does_not_run_is_refused_in_one_line(checkpoint_factory, tmp_path):
+    src = checkpoint_factory("llava")
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["model_type"] = "phi"
+    (tmp_path / "llava-phi").mkdir()
+    path = _write_copy(src, tmp_path / "llava-phi", load_file(src / "model.safetensors"), config)
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration's language model \(phi\) is not one"):
+        LLM(str(path), num_kv_blocks=16)
+
+
+def test_a_fresh_process_reads_it_while_its_tokenizer_loads(checkpoint_factory):
+    """The engine loads its tokenizer in a thread while it reads the config, and completing an
+    image-text config imports transformers too: two threads importing it at once once failed
+    with "partially initialized module". In a process that has not imported transformers yet:"""
+    import subprocess
+    import sys
+
+    path = checkpoint_factory("gemma3_vision")
+    code = ("from actors.engine.llm import LLM\nfrom actors.sampling_params import SamplingParams\n"
+            f"llm = LLM({str(path)!r}, num_kv_blocks=16)\n"
+            "print(len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids))")
+    for _ in range(2):  # (the second start loads the tokenizer class the first one remembered)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip().endswith("3"), done.stderr[-2000:]
