@@ -232,7 +232,7 @@ def run_server(config: ShoalConfig) -> int:
     phases = [("start", time.perf_counter())]  # start-up phases, in the ready line
     ray.init(address=address, logging_level=logging.WARNING, **resources)
     phases.append(("Ray", time.perf_counter()))
-    stop = StopSignal()
+    stop, failure = StopSignal(), None
     try:
         try:
             app = application(config, listener and listener.path)
@@ -249,7 +249,7 @@ def run_server(config: ShoalConfig) -> int:
             serve.run(app, name=d.app_name, route_prefix="/", blocking=False)
         except RuntimeError:  # a replica that could not start, after Serve's retries
             from app.cli.serve_config import deploy_failure
-            print(f"shoal serve: error: {deploy_failure(d.app_name)}", file=sys.stderr, flush=True)
+            failure = deploy_failure(d.app_name)
             return 1
         phases.append(("replicas", time.perf_counter()))
         print(f"shoal: serving {config.server.served_model_name} at http://{d.host}:{d.port}/v1 "
@@ -263,6 +263,8 @@ def run_server(config: ShoalConfig) -> int:
         shut_down(d.app_name, joined=address != "local")
         if listener is not None:
             listener.close()
+        if failure:  # (after Ray's shutdown: its forwarded log lines can't run into it)
+            print(f"shoal serve: error: {failure}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -310,7 +312,7 @@ def run_serve_config(path: str, address: str | None) -> int:
     ray_settings_for_serving()
     ray.init(address=address, namespace=SERVE_NAMESPACE)  # the dashboard too, as `serve run`
     stop = StopSignal()  # after ray.init, whose SIGTERM handler would exit at once
-    code, ours = 0, names  # the applications to delete at the end (on a joined cluster)
+    code, ours, failure = 0, names, None  # (ours: the applications to delete at the end on a joined cluster)
     try:
         client = serve_start(http_options=schema.http_options.model_dump(),
                              proxy_location=schema.proxy_location,
@@ -320,7 +322,7 @@ def run_serve_config(path: str, address: str | None) -> int:
         http = schema.http_options
         print(f"shoal: deployed {path} ({', '.join(names)}) at http://{http.host}:{http.port} "
               f"(Ray at {address}); Ctrl-C or SIGTERM drains and stops", flush=True)
-        outcome = wait_for_stop(stop, names)
+        outcome, failure = wait_for_stop(stop, names)
         if outcome == "gone":
             print("shoal: Serve was shut down from outside (serve shutdown); stopping", flush=True)
             ours = []
@@ -335,6 +337,8 @@ def run_serve_config(path: str, address: str | None) -> int:
             time.sleep(1.0)  # the last chunks cross the replica, the ingress and the proxy
     finally:
         shut_down(ours, joined=address != "local")
+        if failure:  # (after Ray's shutdown: its forwarded log lines can't run into it)
+            print(f"shoal serve: error: {failure}", file=sys.stderr, flush=True)
     return code
 
 

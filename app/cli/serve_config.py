@@ -65,23 +65,23 @@ def load_serve_config(path: str):
     return schema, timeouts
 
 
-def wait_for_stop(stop: StopSignal, names: list[str]) -> str:
-    """"signal" (SIGTERM / Ctrl-C), "gone" (Serve or every application was deleted from
-    outside) or "failed" (an application failed to deploy; its message is printed)."""
+def wait_for_stop(stop: StopSignal, names: list[str]) -> tuple[str, str | None]:
+    """("signal", None) (SIGTERM / Ctrl-C), ("gone", None) (Serve or every application was
+    deleted from outside) or ("failed", its one-line reason) (an application failed to deploy;
+    the caller prints it once Ray is down, so no forwarded log line runs into it)."""
     from ray import serve
 
     while not stop.wait(STATUS_PERIOD_S):
         try:
             apps = serve.status().applications
         except Exception:  # the controller is gone: `serve shutdown` finished
-            return "gone"
+            return "gone", None
         if not any(name in apps for name in names):
-            return "gone"
+            return "gone", None
         failed = [name for name in names if name in apps and apps[name].status == "DEPLOY_FAILED"]
         if failed:
-            print(f"shoal serve: error: {deploy_failure(failed[0], apps)}", file=sys.stderr, flush=True)
-            return "failed"
-    return "signal"
+            return "failed", deploy_failure(failed[0], apps)
+    return "signal", None
 
 
 def deploy_failure(name: str, apps=None) -> str:
