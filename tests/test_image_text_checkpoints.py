@@ -1,7 +1,8 @@
 """Image-text checkpoints served for their text (actors/worker/checkpoint_files.py text_config,
 actors/worker/weight_files.py text_name): Gemma 3 (4B-27B ship as Gemma3ForConditionalGeneration),
-Mistral Small 3.x (Mistral3ForConditionalGeneration) and LLaVA give transformers' own greedy tokens
-(the wrapper class on text prompts), in transformers 4's weight layout and 5's, with a text_config
+Mistral Small 3.x (Mistral3ForConditionalGeneration), LLaVA and Qwen2.5-VL (M-RoPE, one position
+stream on text) give transformers' own greedy tokens (the wrapper class on text prompts), in
+transformers 4's weight and config layout and 5's, with a text_config
 that names only what differs from the family's defaults (as Gemma 3 4B's does); the vision
 tower is never read."""
 from __future__ import annotations
@@ -34,12 +35,13 @@ def assert_follows_transformers(path, reference=None):
 
 
 @pytest.mark.parametrize("arch, overrides", [("gemma3_vision", {}), ("mistral3", {}), ("llava", {}),
-                                             ("llava", {"tie_word_embeddings": True})])
+                                             ("llava", {"tie_word_embeddings": True}), ("qwen2_5_vl", {})])
 def test_the_language_model_gives_transformers_tokens(checkpoint_factory, arch, overrides):
     path = checkpoint_factory(arch, **overrides)
     names = load_file(path / "model.safetensors")
-    assert any(n.startswith("vision_tower.") for n in names)  # (a real image-text checkpoint)
-    family = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"}
+    assert any(n.startswith(("vision_tower.", "model.visual.", "visual.")) for n in names)  # (an image-text checkpoint)
+    family = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
+              "qwen2": "Qwen2ForCausalLM"}
     assert assert_follows_transformers(path) == family[IMAGE_TEXT[arch][0]]
 
 
@@ -63,6 +65,23 @@ def test_transformers_5_layout_and_a_sparse_text_config(checkpoint_factory, tmp_
     path = _write_copy(src, tmp_path / "v5-sparse", tensors, config)
     assert read_config(path)["query_pre_attn_scalar"] == text["query_pre_attn_scalar"]
     assert assert_follows_transformers(path, reference=src) == "Gemma3ForCausalLM"
+
+
+def test_qwen_vl_as_transformers_4_wrote_it(checkpoint_factory, tmp_path):
+    """Qwen2.5-VL's first release: the text fields at the top of config.json with M-RoPE's
+    `rope_scaling`, the weights under `model.` and `visual.`."""
+    src = checkpoint_factory("qwen2_5_vl")
+    config = json.loads((src / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**text, **config, "model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    tensors = {n.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1): t
+               for n, t in load_file(src / "model.safetensors").items()}
+    assert any(n.startswith("visual.") for n in tensors) and any(n.startswith("model.layers.") for n in tensors)
+    (tmp_path / "flat").mkdir()
+    path = _write_copy(src, tmp_path / "flat", tensors, flat)
+    assert assert_follows_transformers(path, reference=src) == "Qwen2ForCausalLM"
 
 
 def test_a_language_model_it_does_not_run_is_refused_in_one_line(checkpoint_factory, tmp_path):

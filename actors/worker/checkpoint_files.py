@@ -38,13 +38,17 @@ def resolve_model_path(model: str | None) -> Path:
 LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")
 
 
-# Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA) are served for their text:
-# their language model, by its config's model_type, reads its weights from under
-# `language_model.` (actors/worker/weight_files.py) and the vision tower is never loaded.
+# Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / Qwen2.5-VL) are
+# served for their text: their language model, by its config's model_type, reads its weights
+# from under `language_model.` (actors/worker/weight_files.py) and the vision tower is never loaded.
 IMAGE_TEXT_ARCHS = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                    "LlavaForConditionalGeneration")
+                    "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                    "Qwen2_5_VLForConditionalGeneration")
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM"}
+# Qwen-VL's language model is Qwen2's with M-RoPE, whose three position streams (time, height,
+# width) are one and the same on text: the plain rotary of the same frequencies.
+QWEN_VL_TEXT = ("qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 def read_config(path: Path) -> dict:
@@ -71,8 +75,12 @@ def text_config(config: dict) -> dict:
     in a process without it). The wrapper's tie_word_embeddings (what transformers ties by) and
     quantization_config apply to it."""
     configs = import_transformers("transformers.models.auto.configuration_auto").CONFIG_MAPPING
-    wrapper, text = config["architectures"][0], config.get("text_config") or {}
+    wrapper, text = config["architectures"][0], config.get("text_config")
+    if text is None:  # Qwen2-VL as transformers 4 wrote it: the text fields at the top
+        text = {k: v for k, v in config.items() if k not in ("vision_config", "architectures")}
     kind = text.get("model_type", "llama")  # (LLaVA's text_config may leave it out: Llama)
+    if kind in QWEN_VL_TEXT:
+        text, kind = _without_mrope(text), "qwen2"
     if kind not in TEXT_ARCH_OF:
         raise ValueError(f"{wrapper}'s language model ({kind}) is not one shoal runs; it runs "
                          f"{', '.join(TEXT_ARCH_OF)} inside image-text checkpoints")
@@ -83,6 +91,19 @@ def text_config(config: dict) -> dict:
         if key in config:
             full[key] = config[key]
     return full
+
+
+def _without_mrope(text: dict) -> dict:
+    """Qwen-VL's text config with M-RoPE's sections dropped (see QWEN_VL_TEXT)."""
+    text = dict(text, model_type="qwen2")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = text.get(key)
+        if isinstance(rope, dict):
+            rope = {k: v for k, v in rope.items() if k != "mrope_section"}
+            if rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":
+                rope = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "default"}
+            text[key] = rope
+    return text
 
 
 _IMPORTING = threading.Lock()

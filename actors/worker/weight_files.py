@@ -42,7 +42,8 @@ def weight_files(path: Path) -> list[Path]:
 # its vision tower and projector are not read (actors/worker/checkpoint_files.py IMAGE_TEXT_ARCHS).
 TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
                  "model.language_model.": "model."}
-IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                  "visual.", "model.visual.")
 
 
 def text_name(name: str) -> str | None:
