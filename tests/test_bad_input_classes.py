@@ -125,3 +125,14 @@ def test_min_tokens_above_max_tokens_is_refused(url):
                                 "min_tokens")
     assert "min_tokens must be at most max_tokens (2)" in message
     assert post(url, "/v1/completions", {"prompt": "a", "min_tokens": 2, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/a.png"}},
+                                  {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
+def test_a_content_part_that_is_not_text_is_refused_by_name(url, part):
+    """shoal serves text (an image-text checkpoint's language model only): an image or audio part
+    is a 400 that says so, not a request answered without it."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, part]}],
+            "max_tokens": 2}
+    message = assert_openai_400(post(url, "/v1/chat/completions", body), part["type"])
+    assert f"content parts of type {part['type']!r} are not supported" in message

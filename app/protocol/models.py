@@ -65,8 +65,16 @@ class OpenAIModel(BaseModel):
 
 
 class TextPart(OpenAIModel):
-    type: Literal["text"] = "text"
+    type: str = "text"
     text: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":  # image_url, input_audio, file, ...
+            raise ValueError(f"content parts of type {value!r} are not supported: shoal serves text "
+                             "(an image-text checkpoint's language model only)")
+        return value
 
 
 class FunctionCall(OpenAIModel):
