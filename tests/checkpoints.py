@@ -20,7 +20,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
               "llava": ("llama", "LlavaForConditionalGeneration"),
-              "qwen2_5_vl": ("qwen2", "Qwen2_5_VLForConditionalGeneration")}
+              "qwen2_5_vl": ("qwen2", "Qwen2_5_VLForConditionalGeneration"),
+              "qwen3_vl": ("qwen3", "Qwen3VLForConditionalGeneration")}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -207,13 +208,16 @@ def _image_text_config(arch: str, text):
     if arch == "mistral3":
         return transformers.Mistral3Config(**common, image_token_index=500, vision_config=transformers.PixtralVisionConfig(
             **vision, head_dim=16).to_dict())
-    if arch == "qwen2_5_vl":  # M-RoPE's sections: a third of the rotary pairs each
-        half = text.to_dict()["hidden_size"] // text.num_attention_heads // 2
+    if arch in ("qwen2_5_vl", "qwen3_vl"):  # M-RoPE's sections: a third of the rotary pairs each
+        half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
         rope = {**text.rope_parameters, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
-        return transformers.Qwen2_5_VLConfig(
-            **{**common, "text_config": {**text.to_dict(), "rope_parameters": rope}}, image_token_id=500,
-            video_token_id=501, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                                   out_hidden_size=text.hidden_size, fullatt_block_indexes=[0]))
+        if arch == "qwen3_vl":
+            rope["mrope_interleaved"] = True
+        tower = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size)
+        tower.update(fullatt_block_indexes=[0]) if arch == "qwen2_5_vl" else tower.update(deepstack_visual_indexes=[0])
+        wrapper = transformers.Qwen2_5_VLConfig if arch == "qwen2_5_vl" else transformers.Qwen3VLConfig
+        return wrapper(**{**common, "text_config": {**text.to_dict(), "rope_parameters": rope}}, image_token_id=500,
+                       video_token_id=501, vision_config=tower)
     return transformers.LlavaConfig(**common, image_token_index=500,
                                     vision_config=transformers.CLIPVisionConfig(**vision).to_dict())
 

@@ -43,12 +43,14 @@ LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")
 # from under `language_model.` (actors/worker/weight_files.py) and the vision tower is never loaded.
 IMAGE_TEXT_ARCHS = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                     "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                    "Qwen2_5_VLForConditionalGeneration")
+                    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
-# Qwen-VL's language model is Qwen2's with M-RoPE, whose three position streams (time, height,
-# width) are one and the same on text: the plain rotary of the same frequencies.
-QWEN_VL_TEXT = ("qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Qwen-VL's language model is Qwen2's (Qwen3-VL's: Qwen3's) with M-RoPE, whose three position
+# streams (time, height, width) are one and the same on text: the plain rotary of the same
+# frequencies, however its sections are laid out.
+QWEN_VL_TEXT = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2",
+                "qwen3_vl": "qwen3", "qwen3_vl_text": "qwen3"}
 
 
 def read_config(path: Path) -> dict:
@@ -80,7 +82,8 @@ def text_config(config: dict) -> dict:
         text = {k: v for k, v in config.items() if k not in ("vision_config", "architectures")}
     kind = text.get("model_type", "llama")  # (LLaVA's text_config may leave it out: Llama)
     if kind in QWEN_VL_TEXT:
-        text, kind = _without_mrope(text), "qwen2"
+        kind = QWEN_VL_TEXT[kind]
+        text = _without_mrope(text, kind)
     if kind not in TEXT_ARCH_OF:
         raise ValueError(f"{wrapper}'s language model ({kind}) is not one shoal runs; it runs "
                          f"{', '.join(TEXT_ARCH_OF)} inside image-text checkpoints")
@@ -93,13 +96,13 @@ def text_config(config: dict) -> dict:
     return full
 
 
-def _without_mrope(text: dict) -> dict:
-    """Qwen-VL's text config with M-RoPE's sections dropped (see QWEN_VL_TEXT)."""
-    text = dict(text, model_type="qwen2")
+def _without_mrope(text: dict, kind: str) -> dict:
+    """Qwen-VL's text config as `kind`'s, M-RoPE's sections dropped (see QWEN_VL_TEXT)."""
+    text = dict(text, model_type=kind)
     for key in ("rope_scaling", "rope_parameters"):
         rope = text.get(key)
         if isinstance(rope, dict):
-            rope = {k: v for k, v in rope.items() if k != "mrope_section"}
+            rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
             if rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":
                 rope = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "default"}
             text[key] = rope
