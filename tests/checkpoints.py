@@ -15,7 +15,7 @@ import torch
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -161,6 +161,7 @@ _DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, first_k_dense_repla
 # Each family's twists, set so they change the output of a tiny model: windows shorter than the
 # test prompts, soft-caps the scores reach, multipliers far from 1, partial rotary.
 FAMILY_DEFAULTS = {
+    "gemma": dict(head_dim=24),  # (not hidden / heads)
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
                    final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh"),
     "gemma3": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
@@ -223,7 +224,7 @@ def _image_text_config(arch: str, text):
 
 
 def _config(arch: str, vocab_size: int, overrides: dict):
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4Config,
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
                               GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
@@ -254,7 +255,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     if arch == "qwen3_moe":
         cfg.setdefault("head_dim", 32)
         return Qwen3MoeConfig(**common, **cfg)
-    families = {"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config,
+    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config,
                 "granite": GraniteConfig, "glm4": Glm4Config, "deepseek_v2": DeepseekV2Config,
                 "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig}
     if arch in families:

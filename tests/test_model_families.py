@@ -22,6 +22,8 @@ from actors.models.args import ModelArgs  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
 
 FAMILIES = {
+    "gemma": {},
+    "gemma-tied": dict(arch="gemma", tie_word_embeddings=True),
     "gemma2": {},
     "gemma2-tied": dict(arch="gemma2", tie_word_embeddings=True),
     "gemma3": {},
@@ -91,6 +93,11 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
     assert olmo.qk_norm == "all" and olmo.norms == "post"
     assert (granite.embed_scale, granite.residual_scale, granite.attn_scale, granite.logits_divisor) == (3, .5, .2, 2)
     assert glm.rope.interleaved and glm.rope.dim == 8 and glm.qkv_bias and not glm.o_bias and glm.norms == "sandwich"
+    g1 = args("gemma")
+    assert (g1.norm_offset, g1.embed_scale, g1.activation, g1.norms, g1.attn_scale, g1.head_dim) == \
+        (1.0, 8.0, "gelu_tanh", "pre", None, 24)
+    legacy = json.loads((checkpoint(checkpoint_factory, "gemma") / "config.json").read_text()) | {"hidden_act": "gelu"}
+    assert ModelArgs.from_hf(legacy).activation == "gelu_tanh"  # Gemma 1's releases say "gelu", mean tanh
     assert args("qwen2-window").layer_windows == (None, 8)
     assert args("mistral-window").layer_windows == (8, 8)
 

@@ -92,10 +92,11 @@ class MlaArgs:
 
 
 DENSE_ARCHS = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM", "Glm4ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
+    "Glm4ForCausalLM",
 )
-GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -157,6 +158,7 @@ class ModelArgs:
         attention_bias = bool(cfg.get("attention_bias", False))
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
+        gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
         granite = arch == "GraniteForCausalLM"
         rope, local_rope = ropes(arch, cfg, head_dim)
         return cls(
@@ -172,7 +174,7 @@ class ModelArgs:
             rope=rope,
             local_rope=local_rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # Gemma ties by default
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_norms)),  # Gemma ties by default
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
             o_bias=attention_bias and not qwen2 and arch != "Glm4ForCausalLM",
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
@@ -185,12 +187,13 @@ class ModelArgs:
             # Gemma 3's config has the field too, but transformers' Gemma 3 never applies it
             attn_softcap=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
-            norm_offset=1.0 if gemma else 0.0,
-            embed_scale=(cfg["hidden_size"] ** 0.5 if gemma
+            norm_offset=1.0 if gemma_norms else 0.0,
+            embed_scale=(cfg["hidden_size"] ** 0.5 if gemma_norms
                          else cfg.get("embedding_multiplier", 1.0) if granite else 1.0),
             residual_scale=cfg.get("residual_multiplier", 1.0) if granite else 1.0,
             logits_divisor=cfg.get("logits_scaling", 1.0) if granite else 1.0,
-            activation=gated_activation(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            activation=gated_activation(_gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act")
+                                                           or "silu")),
             norms="sandwich" if gemma or arch == "Glm4ForCausalLM" else "post" if arch == "Olmo2ForCausalLM"
             else "pre",
             attn_sinks=arch == GPT_OSS,
@@ -222,6 +225,11 @@ def deepseek_args(arch: str, cfg: dict) -> ModelArgs:
 
 def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _gemma_legacy_gelu(arch: str, name: str) -> str:
+    """Gemma 1's releases say "gelu" and mean its tanh approximation (transformers reads it so)."""
+    return "gelu_pytorch_tanh" if arch == "GemmaForCausalLM" and name == "gelu" else name
 
 
 def gated_activation(name: str) -> str:
