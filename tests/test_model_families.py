@@ -31,6 +31,7 @@ FAMILIES = {
     "olmo2": {},
     "granite": {},
     "glm4": {},
+    "smollm3": {},  # a NoPE layer
     "deepseek_v2": {},  # MLA and DeepSeek's MoE: also tests/test_deepseek.py
     "deepseek_v3": {},
     # sliding windows the configs of older families carry
@@ -98,6 +99,7 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
         (1.0, 8.0, "gelu_tanh", "pre", None, 24)
     legacy = json.loads((checkpoint(checkpoint_factory, "gemma") / "config.json").read_text()) | {"hidden_act": "gelu"}
     assert ModelArgs.from_hf(legacy).activation == "gelu_tanh"  # Gemma 1's releases say "gelu", mean tanh
+    assert args("smollm3").nope_layers == (False, True)
     assert args("qwen2-window").layer_windows == (None, 8)
     assert args("mistral-window").layer_windows == (8, 8)
 

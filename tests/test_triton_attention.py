@@ -294,3 +294,12 @@ def test_backend_choice(monkeypatch, caplog):
         assert kernel_choice.attention_backend(EngineConfig(attn_backend="flash"), torch.bfloat16, 64,
                                                sinks=True) == ("native", None)
     assert "--attn-backend flash can't run here (attention sinks (gpt-oss) are not in its API)" in caplog.text
+
+
+def test_a_layer_without_rotary_through_the_fused_kernel(interpreted, checkpoint_factory):
+    """SmolLM3's NoPE layer rotates by angle 0 in the fused norm-rotary-KV-write kernel (cos 1,
+    sin 0): greedy tokens equal transformers' on the Triton backend, graph path included."""
+    path = checkpoint_factory("smollm3")
+    llm = graphed_triton_matches_hf(path, [[7, 1, 2], list(range(40, 60))], num_kv_blocks=64)
+    assert llm.engine.executor.runner.model.model.layers[1].self_attn.nope
+    assert llm.engine.executor.runner.model.model.layers[1].self_attn.fusable

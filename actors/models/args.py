@@ -94,7 +94,7 @@ class MlaArgs:
 DENSE_ARCHS = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
-    "Glm4ForCausalLM",
+    "Glm4ForCausalLM", "SmolLM3ForCausalLM",
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -131,6 +131,7 @@ class ModelArgs:
     moe: MoeArgs | None = None  # None: a dense model
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: sees everything)
     local_rope: Rope | None = None  # Gemma 3: the sliding layers' own rotary base
+    nope_layers: tuple[bool, ...] = ()  # SmolLM3: True for a layer without rotary (NoPE); (): none
     attn_scale: float | None = None  # query scale; None: head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: scores -> softcap * tanh(scores / softcap)
     final_softcap: float | None = None  # Gemma 2: the same on the logits
@@ -197,6 +198,7 @@ class ModelArgs:
             norms="sandwich" if gemma or arch == "Glm4ForCausalLM" else "post" if arch == "Olmo2ForCausalLM"
             else "pre",
             attn_sinks=arch == GPT_OSS,
+            nope_layers=nope_layers(arch, cfg),
         )
 
 
@@ -227,6 +229,16 @@ def yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def nope_layers(arch: str, cfg: dict) -> tuple[bool, ...]:
+    """SmolLM3's layers without rotary: `no_rope_layers` holds 1 where a layer rotates (its
+    default: every `no_rope_layer_interval`-th layer does not)."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    n, every = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval", 4)
+    uses = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+    return tuple(not use for use in uses)
+
+
 def _gemma_legacy_gelu(arch: str, name: str) -> str:
     """Gemma 1's releases say "gelu" and mean its tanh approximation (transformers reads it so)."""
     return "gelu_pytorch_tanh" if arch == "GemmaForCausalLM" and name == "gelu" else name
@@ -245,7 +257,7 @@ def layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
     config has them (transformers 5 writes them), else each family's rule for older configs."""
     n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
     types = cfg.get("layer_types")
-    if arch in QWEN_WINDOWS and not cfg.get("use_sliding_window"):
+    if arch in (*QWEN_WINDOWS, "SmolLM3ForCausalLM") and not cfg.get("use_sliding_window"):
         window = None  # Qwen configs carry a window they don't use unless use_sliding_window is set
     if not window:
         return (None,) * n

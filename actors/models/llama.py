@@ -1,11 +1,12 @@
 """The dense decoder: Llama and the families built on its block.
 
 Llama (GQA, rope scaling), Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (per-head q/k
-norm), Gemma 2 / 3 (norms before and after each sublayer, (1 + w) RMSNorm, GeGLU, scaled
-embeddings, score and logit soft-capping, alternating sliding and global layers, Gemma 3's
-local rotary base), Phi-3 (fused qkv / gate_up in the checkpoint, longrope, partial rotary),
-OLMo 2 (q/k norm over all heads, norms after each sublayer only), Granite (its four
-multipliers) and GLM-4 (interleaved partial rotary, norms after each sublayer too). What
+norm), Gemma 1 ((1 + w) RMSNorm, GeGLU, scaled embeddings), Gemma 2 / 3 (norms before and
+after each sublayer too, score and logit soft-capping, alternating sliding and global layers,
+Gemma 3's local rotary base), Phi-3 (fused qkv / gate_up in the checkpoint, longrope, partial
+rotary), OLMo 2 (q/k norm over all heads, norms after each sublayer only), Granite (its four
+multipliers), GLM-4 (interleaved partial rotary, norms after each sublayer too) and SmolLM3
+(layers without rotary). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
@@ -97,6 +98,7 @@ class Attention(nn.Module):
         self.window = a.layer_windows[layer] if a.layer_windows else None
         self.softcap = a.attn_softcap
         self.local_rope = a.local_rope is not None and self.window is not None  # Gemma 3's local layers
+        self.nope = bool(a.nope_layers) and a.nope_layers[layer]  # SmolLM3: no rotary in this layer
         self.interleaved = a.rope.interleaved
         rope = a.local_rope if self.local_rope else a.rope
         # Norm, rotary and the KV write in one Triton kernel: whole-head rotate-half rotary.
@@ -237,8 +239,12 @@ class LlamaForCausalLM(nn.Module):
                 x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         rope = (self.rope_cos[positions], self.rope_sin[positions])
         local = (self.rope_local_cos[positions], self.rope_local_sin[positions]) if self.args.local_rope else rope
+        # A NoPE layer rotates by angle 0 (cos 1, sin 0: q and k exactly as they are), so every
+        # attention path, the fused Triton one included, serves it unchanged.
+        nope = (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) if self.args.nope_layers else rope
         for layer in self.model.layers:
-            x = layer(x, *(local if layer.self_attn.local_rope else rope), meta)
+            attn = layer.self_attn
+            x = layer(x, *(nope if attn.nope else local if attn.local_rope else rope), meta)
         if not self.p.last_stage:
             return x
         norm = self.model.norm
