@@ -15,8 +15,8 @@ import torch
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "smollm3", "deepseek_v2", "deepseek_v3",
-         "gpt_oss")
+         "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "deepseek_v2",
+         "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -164,6 +164,11 @@ _DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, first_k_dense_repla
 FAMILY_DEFAULTS = {
     "gemma": dict(head_dim=24),  # (not hidden / heads)
     "smollm3": dict(no_rope_layers=[1, 0]),  # the second layer without rotary (NoPE)
+    # a sliding layer, then a global one with its own (scaled) rotary
+    "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                      "rope_theta": 500000.0}}),
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=4.0,
                    final_logit_softcapping=8.0, hidden_activation="gelu_pytorch_tanh"),
     "gemma3": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
@@ -227,13 +232,13 @@ def _image_text_config(arch: str, text):
 
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
-                              GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                              GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     arch = IMAGE_TEXT[arch][0] if arch in IMAGE_TEXT else arch  # (the language model's family)
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), "vocab_size": vocab_size,
            **overrides}
-    if arch != "gemma3":  # Gemma 3's rope_parameters are by layer type
+    if arch not in ("gemma3", "olmo3"):  # their rope_parameters are by layer type
         cfg["rope_parameters"] = _rope_parameters(cfg)
     cfg.setdefault("tie_word_embeddings", False)
     cfg.setdefault("rms_norm_eps", 1e-6)
@@ -257,7 +262,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     if arch == "qwen3_moe":
         cfg.setdefault("head_dim", 32)
         return Qwen3MoeConfig(**common, **cfg)
-    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config,
+    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config,
                 "granite": GraniteConfig, "glm4": Glm4Config, "smollm3": SmolLM3Config, "deepseek_v2": DeepseekV2Config,
                 "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig}
     if arch in families:

@@ -29,6 +29,7 @@ FAMILIES = {
     "gemma3": {},
     "phi3": {},
     "olmo2": {},
+    "olmo3": {},  # OLMo 2's block, sliding layers with their own rotary
     "granite": {},
     "glm4": {},
     "smollm3": {},  # a NoPE layer
@@ -100,6 +101,9 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
     legacy = json.loads((checkpoint(checkpoint_factory, "gemma") / "config.json").read_text()) | {"hidden_act": "gelu"}
     assert ModelArgs.from_hf(legacy).activation == "gelu_tanh"  # Gemma 1's releases say "gelu", mean tanh
     assert args("smollm3").nope_layers == (False, True)
+    o3 = args("olmo3")
+    assert o3.qk_norm == "all" and o3.norms == "post" and o3.layer_windows == (8, None)
+    assert (o3.rope.theta, o3.rope.scaling["factor"], o3.local_rope.theta, o3.local_rope.scaling) == (5e5, 2.0, 1e4, None)
     assert args("qwen2-window").layer_windows == (None, 8)
     assert args("mistral-window").layer_windows == (8, 8)
 

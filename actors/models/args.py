@@ -94,8 +94,9 @@ class MlaArgs:
 DENSE_ARCHS = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
-    "Glm4ForCausalLM", "SmolLM3ForCausalLM",
+    "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM",
 )
+OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -179,7 +180,7 @@ class ModelArgs:
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
             o_bias=attention_bias and not qwen2 and arch != "Glm4ForCausalLM",
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-                     else "all" if arch == "Olmo2ForCausalLM" else None),
+                     else "all" if arch in OLMO else None),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             moe=MoeArgs.from_hf(arch, cfg),
             layer_windows=layer_windows(arch, cfg),
@@ -195,8 +196,7 @@ class ModelArgs:
             logits_divisor=cfg.get("logits_scaling", 1.0) if granite else 1.0,
             activation=gated_activation(_gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act")
                                                            or "silu")),
-            norms="sandwich" if gemma or arch == "Glm4ForCausalLM" else "post" if arch == "Olmo2ForCausalLM"
-            else "pre",
+            norms="sandwich" if gemma or arch == "Glm4ForCausalLM" else "post" if arch in OLMO else "pre",
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
         )
@@ -265,8 +265,8 @@ def layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
         return tuple(window if t == "sliding_attention" else None for t in types)
     if arch == "Gemma2ForCausalLM":  # even layers slide
         return tuple(window if (i + 1) % 2 else None for i in range(n))
-    if arch == "Gemma3ForCausalLM":  # five local layers, then a global one
-        pattern = cfg.get("sliding_window_pattern", 6)
+    if arch in ("Gemma3ForCausalLM", "Olmo3ForCausalLM"):  # five (OLMo 3: three) local layers, then a global one
+        pattern = cfg.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 4)
         return tuple(window if (i + 1) % pattern else None for i in range(n))
     if arch in QWEN_WINDOWS:  # the layers from max_window_layers on
         return tuple(window if i >= cfg.get("max_window_layers", n) else None for i in range(n))
@@ -274,14 +274,14 @@ def layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
 
 
 def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
-    """(the rotary embedding, Gemma 3's local one or None), from transformers 5's rope_parameters
+    """(the rotary embedding, Gemma 3's or OLMo 3's sliding layers' one or None), from transformers 5's rope_parameters
     (flat, or by layer type) or 4's rope_theta / rope_scaling / rope_local_base_freq."""
     params = cfg.get("rope_parameters") or {}
     by_type = "full_attention" in params
     glob = dict(params["full_attention"] if by_type else params or cfg.get("rope_scaling") or {})
     factor = glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
     dim = int(head_dim * factor)
-    default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10_000.0
+    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0}.get(arch, 10_000.0)
     theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta)
     kind = glob.get("rope_type", glob.get("type", "default"))
     if kind in ("longrope", "su"):  # Phi-3 (early configs said "su"); its lengths sit beside rope_scaling
@@ -295,9 +295,12 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
                                                      or cfg.get("max_position_embeddings", 2048))
         glob["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
     rope = Rope(theta, glob if kind != "default" else None, dim, interleaved=arch == "Glm4ForCausalLM")
-    if arch != "Gemma3ForCausalLM":
+    if arch not in ("Gemma3ForCausalLM", "Olmo3ForCausalLM"):
         return rope, None
+    # The sliding layers' own rotary: Gemma 3's local base (rope_local_base_freq), OLMo 3's
+    # unscaled one (of a default base, 500,000, as transformers reads an older config).
     local = dict(params.get("sliding_attention") or {}) if by_type else {}
-    local_theta = float(local.pop("rope_theta", None) or cfg.get("rope_local_base_freq") or 10_000.0)
+    local_default = (cfg.get("rope_local_base_freq") or 10_000.0) if arch == "Gemma3ForCausalLM" else default_theta
+    local_theta = float(local.pop("rope_theta", None) or local_default)
     kind = local.get("rope_type", local.get("type", "default"))
     return rope, Rope(local_theta, local if kind != "default" else None, dim)

@@ -4,7 +4,8 @@ Llama (GQA, rope scaling), Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (pe
 norm), Gemma 1 ((1 + w) RMSNorm, GeGLU, scaled embeddings), Gemma 2 / 3 (norms before and
 after each sublayer too, score and logit soft-capping, alternating sliding and global layers,
 Gemma 3's local rotary base), Phi-3 (fused qkv / gate_up in the checkpoint, longrope, partial
-rotary), OLMo 2 (q/k norm over all heads, norms after each sublayer only), Granite (its four
+rotary), OLMo 2 / 3 (q/k norm over all heads, norms after each sublayer only; OLMo 3's sliding
+layers' own rotary), Granite (its four
 multipliers), GLM-4 (interleaved partial rotary, norms after each sublayer too) and SmolLM3
 (layers without rotary). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         self.scale = a.attn_scale if a.attn_scale is not None else self.d ** -0.5
         self.window = a.layer_windows[layer] if a.layer_windows else None
         self.softcap = a.attn_softcap
-        self.local_rope = a.local_rope is not None and self.window is not None  # Gemma 3's local layers
+        self.local_rope = a.local_rope is not None and self.window is not None  # Gemma 3's, OLMo 3's local layers
         self.nope = bool(a.nope_layers) and a.nope_layers[layer]  # SmolLM3: no rotary in this layer
         self.interleaved = a.rope.interleaved
         rope = a.local_rope if self.local_rope else a.rope
