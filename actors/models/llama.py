@@ -5,9 +5,8 @@ norm), Gemma 1 ((1 + w) RMSNorm, GeGLU, scaled embeddings), Gemma 2 / 3 (norms b
 after each sublayer too, score and logit soft-capping, alternating sliding and global layers,
 Gemma 3's local rotary base), Phi-3 (fused qkv / gate_up in the checkpoint, longrope, partial
 rotary), OLMo 2 / 3 (q/k norm over all heads, norms after each sublayer only; OLMo 3's sliding
-layers' own rotary), Granite (its four
-multipliers), GLM-4 (interleaved partial rotary, norms after each sublayer too) and SmolLM3
-(layers without rotary). What
+layers' own rotary), Granite (its four multipliers), GLM-4 (interleaved partial rotary, norms
+after each sublayer too) and SmolLM3 (layers without rotary). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
