@@ -15,8 +15,8 @@ import torch
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-         "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "deepseek_v2",
-         "deepseek_v3", "gpt_oss")
+         "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
+         "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -164,6 +164,7 @@ _DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, first_k_dense_repla
 FAMILY_DEFAULTS = {
     "gemma": dict(head_dim=24),  # (not hidden / heads)
     "smollm3": dict(no_rope_layers=[1, 0]),  # the second layer without rotary (NoPE)
+    "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=16),
     # a sliding layer, then a global one with its own (scaled) rotary
     "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -232,7 +233,8 @@ def _image_text_config(arch: str, text):
 
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
-                              GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
+                              GptOssConfig, GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig, MixtralConfig,
+                              Olmo2Config, Olmo3Config,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     arch = IMAGE_TEXT[arch][0] if arch in IMAGE_TEXT else arch  # (the language model's family)
@@ -262,7 +264,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     if arch == "qwen3_moe":
         cfg.setdefault("head_dim", 32)
         return Qwen3MoeConfig(**common, **cfg)
-    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config,
+    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config, "ministral": MinistralConfig,
                 "granite": GraniteConfig, "glm4": Glm4Config, "smollm3": SmolLM3Config, "deepseek_v2": DeepseekV2Config,
                 "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig}
     if arch in families:

@@ -37,6 +37,7 @@ FAMILIES = {
     "deepseek_v3": {},
     # sliding windows the configs of older families carry
     "mistral-window": dict(arch="mistral", sliding_window=8),
+    "ministral": {},  # Mistral's block, sliding and global layers by layer_types
     "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
 }
 SHARED = [random.Random(3).randrange(500) for _ in range(12)]
@@ -106,6 +107,7 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
     assert (o3.rope.theta, o3.rope.scaling["factor"], o3.local_rope.theta, o3.local_rope.scaling) == (5e5, 2.0, 1e4, None)
     assert args("qwen2-window").layer_windows == (None, 8)
     assert args("mistral-window").layer_windows == (8, 8)
+    assert args("ministral").layer_windows == (8, None)
 
 
 def test_unsupported_architecture_fails_at_start_with_one_line(checkpoint_factory, tmp_path):

@@ -94,7 +94,7 @@ class MlaArgs:
 DENSE_ARCHS = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
-    "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM",
+    "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM",
 )
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
