@@ -16,7 +16,7 @@ from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model shi
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
-         "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "seed_oss", "ernie4_5", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -164,6 +164,10 @@ _DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, first_k_dense_repla
 FAMILY_DEFAULTS = {
     "gemma": dict(head_dim=24),  # (not hidden / heads)
     "smollm3": dict(no_rope_layers=[1, 0]),  # the second layer without rotary (NoPE)
+    "seed_oss": dict(head_dim=16, attention_bias=True, attention_out_bias=False),  # q/k/v biased, o not
+    "ernie4_5": dict(head_dim=16, use_bias=True),  # interleaved rotary; every projection biased
+    # a sliding layer with rotary, a global one without (NoPE); q/k norms per head; norms after
+    "exaone4": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=16),
     # a sliding layer, then a global one with its own (scaled) rotary
     "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
@@ -232,7 +236,8 @@ def _image_text_config(arch: str, text):
 
 
 def _config(arch: str, vocab_size: int, overrides: dict):
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Ernie4_5Config, Exaone4Config, Gemma2Config,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, SeedOssConfig,
                               GptOssConfig, GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig, MixtralConfig,
                               Olmo2Config, Olmo3Config,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
@@ -264,7 +269,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     if arch == "qwen3_moe":
         cfg.setdefault("head_dim", 32)
         return Qwen3MoeConfig(**common, **cfg)
-    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config, "ministral": MinistralConfig,
+    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config, "ministral": MinistralConfig, "seed_oss": SeedOssConfig,
+                "ernie4_5": Ernie4_5Config, "exaone4": Exaone4Config,
                 "granite": GraniteConfig, "glm4": Glm4Config, "smollm3": SmolLM3Config, "deepseek_v2": DeepseekV2Config,
                 "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig}
     if arch in families:

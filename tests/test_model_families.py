@@ -38,6 +38,9 @@ FAMILIES = {
     # sliding windows the configs of older families carry
     "mistral-window": dict(arch="mistral", sliding_window=8),
     "ministral": {},  # Mistral's block, sliding and global layers by layer_types
+    "seed_oss": {},
+    "ernie4_5": {},
+    "exaone4": {},
     "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
 }
 SHARED = [random.Random(3).randrange(500) for _ in range(12)]
@@ -108,6 +111,11 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
     assert args("qwen2-window").layer_windows == (None, 8)
     assert args("mistral-window").layer_windows == (8, 8)
     assert args("ministral").layer_windows == (8, None)
+    seed, ernie, exaone = args("seed_oss"), args("ernie4_5"), args("exaone4")
+    assert seed.qkv_bias and not seed.o_bias
+    assert ernie.rope.interleaved and ernie.qkv_bias and ernie.o_bias and ernie.mlp_bias
+    assert exaone.qk_norm == "head" and exaone.norms == "post" and exaone.layer_windows == (8, None)
+    assert exaone.nope_layers == (False, True)
 
 
 def test_unsupported_architecture_fails_at_start_with_one_line(checkpoint_factory, tmp_path):

@@ -7,6 +7,17 @@ from dataclasses import dataclass
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
+# Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
+# served for their text: their language model (by its config's model_type, else the one named
+# here, as transformers reads it) runs as the text architecture below, its weights read from
+# under `language_model.` (actors/worker/checkpoint_files.py text_config, weight_files.py); the
+# vision tower is never loaded.
+IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral",
+                    "LlavaForConditionalGeneration": "llama", "Qwen2VLForConditionalGeneration": "qwen2_vl_text",
+                    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text",
+                    "Qwen3VLForConditionalGeneration": "qwen3_vl_text"}
+TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -94,9 +105,11 @@ class MlaArgs:
 DENSE_ARCHS = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
-    "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM",
+    "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
+    "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
 )
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
+INTERLEAVED_ROPE = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM")  # rotary on (even, odd) pairs
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -157,7 +170,7 @@ class ModelArgs:
             return deepseek_args(arch, cfg)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        attention_bias = bool(cfg.get("attention_bias", False))
+        attention_bias = bool(cfg.get("attention_bias", False) or cfg.get("use_bias", False))  # (ERNIE's name)
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
         gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
@@ -178,10 +191,12 @@ class ModelArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_norms)),  # Gemma ties by default
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
-            o_bias=attention_bias and not qwen2 and arch != "Glm4ForCausalLM",
-            qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
+                    else attention_bias and not qwen2 and arch != "Glm4ForCausalLM"),
+            qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                                        "Exaone4ForCausalLM")
                      else "all" if arch in OLMO else None),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False) or cfg.get("use_bias", False)),
             moe=MoeArgs.from_hf(arch, cfg),
             layer_windows=layer_windows(arch, cfg),
             attn_scale=(cfg["query_pre_attn_scalar"] ** -0.5 if gemma
@@ -196,7 +211,8 @@ class ModelArgs:
             logits_divisor=cfg.get("logits_scaling", 1.0) if granite else 1.0,
             activation=gated_activation(_gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act")
                                                            or "silu")),
-            norms="sandwich" if gemma or arch == "Glm4ForCausalLM" else "post" if arch in OLMO else "pre",
+            norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
+                   else "post" if arch in (*OLMO, "Exaone4ForCausalLM") else "pre"),
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
         )
@@ -230,8 +246,10 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def nope_layers(arch: str, cfg: dict) -> tuple[bool, ...]:
-    """SmolLM3's layers without rotary: `no_rope_layers` holds 1 where a layer rotates (its
-    default: every `no_rope_layer_interval`-th layer does not)."""
+    """The layers without rotary: SmolLM3's, where `no_rope_layers` holds 0 (its default: every
+    `no_rope_layer_interval`-th layer); EXAONE 4's global layers where its config has a window."""
+    if arch == "Exaone4ForCausalLM":  # (as transformers: whenever the config names a window)
+        return tuple(w is None for w in layer_windows(arch, cfg)) if cfg.get("sliding_window") else ()
     if arch != "SmolLM3ForCausalLM":
         return ()
     n, every = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval", 4)
@@ -294,7 +312,7 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
                                                      or glob.get("original_max_position_embeddings")
                                                      or cfg.get("max_position_embeddings", 2048))
         glob["max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
-    rope = Rope(theta, glob if kind != "default" else None, dim, interleaved=arch == "Glm4ForCausalLM")
+    rope = Rope(theta, glob if kind != "default" else None, dim, interleaved=arch in INTERLEAVED_ROPE)
     if arch not in ("Gemma3ForCausalLM", "Olmo3ForCausalLM"):
         return rope, None
     # The sliding layers' own rotary: Gemma 3's local base (rope_local_base_freq), OLMo 3's

@@ -6,7 +6,9 @@ after each sublayer too, score and logit soft-capping, alternating sliding and g
 Gemma 3's local rotary base), Phi-3 (fused qkv / gate_up in the checkpoint, longrope, partial
 rotary), OLMo 2 / 3 (q/k norm over all heads, norms after each sublayer only; OLMo 3's sliding
 layers' own rotary), Granite (its four multipliers), GLM-4 (interleaved partial rotary, norms
-after each sublayer too) and SmolLM3 (layers without rotary). What
+after each sublayer too), SmolLM3 (layers without rotary), Seed-OSS (biased q/k/v), ERNIE 4.5
+(interleaved rotary, biases) and EXAONE 4 (per-head q/k norms, norms after each sublayer,
+global layers without rotary). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
