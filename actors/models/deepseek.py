@@ -37,7 +37,7 @@ class LatentAttention(nn.Module):
             raise ValueError(f"tensor parallel size {p.tp_size} must divide the attention heads ({a.num_heads})")
         self.h, self.kvh, self.d = a.num_heads // p.tp_size, 1, a.head_dim  # d: the cached entry's width
         self.m, self.scale, self.interleaved = m, a.attn_scale, a.rope.interleaved
-        self.local_rope = False  # one rotary table for every layer
+        self.local_rope = self.nope = False  # one rotary table for every layer
         qk = m.nope_dim + m.rope_dim
         if m.q_lora_rank:
             self.q_a_proj = ColumnParallelLinear(a.hidden_size, m.q_lora_rank, a.qkv_bias)  # replicated
