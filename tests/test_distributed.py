@@ -189,3 +189,37 @@ def test_bad_layouts_fail_before_start(checkpoint_factory):
         LLM(str(checkpoint_factory("llama")), tp_size=3)
     with pytest.raises(ValueError, match="pp-layer-split"):
         LLM(str(checkpoint_factory("llama")), pp_size=2, pp_layer_split="1,2")
+
+
+@pytest.mark.parametrize("layout", [dict(tp_size=2), dict(pp_size=2)])
+def test_a_step_that_breaks_on_rank_0_still_shuts_down(checkpoint_factory, layout):
+    """A step that raises on rank 0 after it was broadcast leaves the shard ranks inside it
+    (waiting on a collective, or for the first stage's activations), not listening for STOP:
+    shutdown kills them instead of waiting for them forever (it once hung a test run)."""
+    import time
+
+    llm = LLM(str(checkpoint_factory("llama")), **POOL, shard_cpus=0.5, **layout)
+    runner = llm.engine.executor.runner
+    pids = [info["pid"] for info in llm.engine.executor.rank_infos()[1:]]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug on rank 0, mid-step")
+    runner.execute = broken
+    with pytest.raises(RuntimeError, match="mid-step"):
+        llm.generate(prompts_of([5]), SamplingParams(temperature=0, max_tokens=4))
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids and not any(alive(pid) for pid in pids)
+
+
+def alive(pid: int) -> bool:
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -34,6 +34,7 @@ class Executor:
         log.info("rank 0 loaded in %.2f s: %s; peak RSS %.0f MiB", time.perf_counter() - start,
                  self.runner.describe_startup(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         self.shards = None
+        self.mid_step = False  # a multi-rank step was broadcast and has not returned on this rank
         if self.runner.p.world_size > 1:
             from actors.executor.shards import start_shards  # Ray: only for multi-rank layouts
             self.shards = start_shards(config, spec, self.runner, placement)
@@ -68,12 +69,16 @@ class Executor:
         """previous: the step before, not read yet (runs_ahead)."""
         if not output.seqs:
             return RunnerOutput([], [], [])
-        if self.shards is not None:
-            rebalance = self.runner.experts is not None and self.runner.experts.due()
-            broadcast_step(self.runner.p, (REBALANCE, output) if rebalance else output)
-            if rebalance:  # every rank re-plans at this same step
-                self.runner.experts.rebalance()
-        return self.runner.execute(output, previous)
+        if self.shards is None:
+            return self.runner.execute(output, previous)
+        rebalance = self.runner.experts is not None and self.runner.experts.due()
+        self.mid_step = True
+        broadcast_step(self.runner.p, (REBALANCE, output) if rebalance else output)
+        if rebalance:  # every rank re-plans at this same step
+            self.runner.experts.rebalance()
+        result = self.runner.execute(output, previous)
+        self.mid_step = False  # (an exception leaves it set: the shard ranks may wait inside the step)
+        return result
 
     def idle(self) -> None:
         """Nothing to run for a while (rank 0's runner may load its compiled decode step)."""
@@ -94,10 +99,13 @@ class Executor:
         """Stop the shard ranks' loops and actors, and leave the process group."""
         if self.shards is None:
             return
-        try:
-            broadcast_step(self.runner.p, STOP)
-        except Exception as exc:  # a shard already gone: killing them below is all that is left
-            log.warning("could not stop the shard loops cleanly: %s", exc)
+        if self.mid_step:  # a step broke off on this rank: the others wait inside it, not for STOP
+            log.warning("a step broke off: the shard ranks are stopped without their loops' goodbye")
+        else:
+            try:
+                broadcast_step(self.runner.p, STOP)
+            except Exception as exc:  # a shard already gone: killing them below is all that is left
+                log.warning("could not stop the shard loops cleanly: %s", exc)
         self.shards.shutdown()
         self.shards = None
         import torch.distributed as dist
