@@ -87,3 +87,69 @@ def test_vllm_option_names_build_the_same_engine(llama_ckpt):
         LLM(str(llama_ckpt), model=str(llama_ckpt))
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(str(llama_ckpt), no_such_option=1)
+
+
+def test_a_request_failing_mid_run_leaves_the_engine_usable(llm):
+    """A request whose post-processing raises fails the call (as in vLLM); the call's other
+    requests end with it, and the next call gets its own outputs only, the pool all free."""
+    from actors.errors import RequestFailedError
+
+    for rid, ids in zip("abc", prompts_of([4, 6, 8], seed=9)):
+        llm.add_request(rid, ids, GREEDY)
+
+    def broken(token, check_stop=True):
+        raise KeyError("a bug in one request's handling")
+    llm.engine.requests["b"].detoks[0].add = broken
+    with pytest.raises(RequestFailedError, match="KeyError"):
+        llm.run()
+    assert not llm.engine.has_unfinished() and not llm._pending
+    again = llm.generate(["later"], GREEDY)
+    assert len(again) == 1 and again[0].prompt == "later"
+    assert_pool_free(llm)
+
+
+def test_an_interrupted_call_leaves_the_engine_usable(llm, monkeypatch):
+    steps, step = 0, llm.engine.step
+
+    def interrupted():
+        nonlocal steps
+        steps += 1
+        if steps == 2:
+            raise KeyboardInterrupt
+        return step()
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts_of([5, 7], seed=4), GREEDY)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished() and not llm._pending
+    assert len(llm.generate([[3, 4, 5]], GREEDY)) == 1
+    assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("prompts, params, match", [
+    (3.5, GREEDY, "got float"),
+    (None, GREEDY, "got NoneType"),
+    ([{"prompt_token_ids": "hello"}], GREEDY, "must be a list of token ids"),
+    ([[1.0, 2.0]], GREEDY, "other than ints"),
+    (["a", "b"], (GREEDY, {"temperature": 0}), "got dict"),
+    ("hi", {"temperature": 0}, "got dict"),
+])
+def test_argument_types_it_cannot_read_are_named(llm, prompts, params, match):
+    with pytest.raises(TypeError, match=match):
+        llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_tuple_of_sampling_params_is_one_per_prompt(llm):
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate(["a", "b"], (GREEDY, short))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 2]
+
+
+def test_chat_refuses_a_part_that_is_not_text(llm):
+    talk = [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/a.png"}}]}]
+    with pytest.raises(ValueError, match="message 0, content part 1: parts of type 'image_url' are not supported"):
+        llm.chat(talk, GREEDY)
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+    assert len(llm.chat(text_parts, GREEDY)) == 1

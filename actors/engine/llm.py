@@ -68,13 +68,20 @@ class LLM:
         """Step until every queued request has finished; their outputs by request id."""
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(self._pending), desc="requests", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():  # whole requests: each output is a finished one
-                done[out.request_id] = out
-                bar.update(1)
-            for _, exc in self.engine.take_failures():
-                raise exc
-        bar.close()
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():  # whole requests: each output is a finished one
+                    done[out.request_id] = out
+                    bar.update(1)
+                for _, exc in self.engine.take_failures():
+                    raise exc
+        except BaseException:  # a failed request, Ctrl-C: the call's others end too, the engine stays usable
+            for rid in self._pending:
+                self.engine.abort_request(rid)
+            self._pending = []
+            raise
+        finally:
+            bar.close()
         done = {rid: done[rid] for rid in self._pending}
         self._pending = []
         return done
@@ -92,6 +99,8 @@ class LLM:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list
         of them, each rendered by the model's chat template (or `chat_template`), then generated."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for c, conversation in enumerate(conversations):
+            _check_text_only(c, conversation)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt can't both be set")
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
@@ -115,9 +124,16 @@ class LLM:
 
     def _run_prompts(self, prompts, params: SamplingParams | list[SamplingParams], lora, use_tqdm: bool,
                      pooling: PoolingParams | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params if isinstance(params, list) else [params] * len(prompts)
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts are text, token ids, a prompt dict or a list of them, "
+                            f"got {type(prompts).__name__}")
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params is a SamplingParams or a list of them, got "
+                            + ", ".join(sorted({type(p).__name__ for p in params if not isinstance(p, SamplingParams)})))
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
         for name, given in (("sampling_params", params), ("lora", loras)):
             if len(given) != len(prompts):
@@ -147,7 +163,9 @@ def _prompt(prompt) -> str | list[int] | tuple[str, list[int]]:
         text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         if ids is None:
             return _prompt(text)
-        ids = _prompt(ids)
+        if not _token_ids(ids):
+            raise TypeError(f"\"prompt_token_ids\" must be a list of token ids (ints), got {type(ids).__name__}")
+        ids = list(ids)
         if text is None:
             return ids
         if not isinstance(text, str):
@@ -155,6 +173,23 @@ def _prompt(prompt) -> str | list[int] | tuple[str, list[int]]:
         return text, ids
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _token_ids(prompt):
         return list(prompt)
-    raise TypeError(f"a prompt is text, a list of token ids or a dict of either, got {type(prompt).__name__}")
+    what = "a list holding other than ints" if isinstance(prompt, (list, tuple)) else type(prompt).__name__
+    raise TypeError(f"a prompt is text, a list of token ids (ints) or a dict of either, got {what}")
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_text_only(c: int, conversation) -> None:
+    """A chat's content parts are text (as the server's API): a template would drop an image
+    part, or put placeholders for an image no model here sees."""
+    for m, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"conversation {c}, message {m}, content part {i}: parts of type {kind!r} are "
+                                 "not supported: shoal serves text")
