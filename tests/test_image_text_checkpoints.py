@@ -85,6 +85,26 @@ def test_qwen_vl_as_transformers_4_wrote_it(checkpoint_factory, tmp_path):
     assert assert_follows_transformers(path, reference=src) == "Qwen2ForCausalLM"
 
 
+def test_a_text_config_without_its_model_type_is_the_wrappers_language_model(checkpoint_factory, tmp_path):
+    """(transformers reads a Gemma 3 wrapper's text_config as Gemma 3 text where it names none)"""
+    src = checkpoint_factory("gemma3_vision")
+    config = json.loads((src / "config.json").read_text())
+    del config["text_config"]["model_type"]
+    (tmp_path / "unnamed").mkdir()
+    path = _write_copy(src, tmp_path / "unnamed", load_file(src / "model.safetensors"), config)
+    assert assert_follows_transformers(path, reference=src) == "Gemma3ForCausalLM"
+
+
+@pytest.mark.parametrize("text_config", ["oops", [1, 2]])
+def test_a_text_config_that_is_not_a_mapping_is_refused_in_one_line(checkpoint_factory, tmp_path, text_config):
+    src = checkpoint_factory("llava")
+    config = json.loads((src / "config.json").read_text()) | {"text_config": text_config}
+    (tmp_path / "bad").mkdir()
+    path = _write_copy(src, tmp_path / "bad", load_file(src / "model.safetensors"), config)
+    with pytest.raises(ValueError, match="LlavaForConditionalGeneration's text_config must be a mapping"):
+        read_config(path)
+
+
 def test_a_language_model_it_does_not_run_is_refused_in_one_line(checkpoint_factory, tmp_path):
     src = checkpoint_factory("llava")
     config = json.loads((src / "config.json").read_text())

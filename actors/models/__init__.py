@@ -1,7 +1,7 @@
 """Model definitions. Each architecture name maps to the class that implements it. The names
 are known without importing torch (the `shoal serve` driver checks a checkpoint's before it
 starts Ray); the classes are imported when one is asked for."""
-from actors.models.args import DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_OSS, MOE_ARCHS
+from actors.models.args import DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_OSS, IMAGE_TEXT_ARCHS, MOE_ARCHS
 
 ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS)
 
@@ -10,7 +10,8 @@ def check_architecture(architecture: str) -> None:
     """ValueError (one line) for an architecture shoal does not implement."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {architecture!r}; "
-                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
+                         f"supported: {', '.join(sorted([*ARCHITECTURES, *IMAGE_TEXT_ARCHS]))} "
+                         "(the image-text ones for their text)")
 
 
 def model_class(architecture: str):

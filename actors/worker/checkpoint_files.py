@@ -10,6 +10,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from actors.models.args import IMAGE_TEXT_ARCHS, TEXT_ARCH_OF
+
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
 
@@ -38,14 +40,6 @@ def resolve_model_path(model: str | None) -> Path:
 LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")
 
 
-# Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / Qwen2.5-VL) are
-# served for their text: their language model, by its config's model_type, reads its weights
-# from under `language_model.` (actors/worker/weight_files.py) and the vision tower is never loaded.
-IMAGE_TEXT_ARCHS = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                    "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
-TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Qwen-VL's language model is Qwen2's (Qwen3-VL's: Qwen3's) with M-RoPE, whose three position
 # streams (time, height, width) are one and the same on text: the plain rotary of the same
 # frequencies, however its sections are laid out.
@@ -79,8 +73,11 @@ def text_config(config: dict) -> dict:
     configs = import_transformers("transformers.models.auto.configuration_auto").CONFIG_MAPPING
     wrapper, text = config["architectures"][0], config.get("text_config")
     if text is None:  # Qwen2-VL as transformers 4 wrote it: the text fields at the top
-        text = {k: v for k, v in config.items() if k not in ("vision_config", "architectures")}
-    kind = text.get("model_type", "llama")  # (LLaVA's text_config may leave it out: Llama)
+        text = {k: v for k, v in config.items() if k not in ("vision_config", "architectures", "model_type")}
+    if not isinstance(text, dict):
+        raise ValueError(f"{wrapper}'s text_config must be a mapping of the language model's settings, "
+                         f"got {type(text).__name__}")
+    kind = text.get("model_type") or IMAGE_TEXT_ARCHS[wrapper]
     if kind in QWEN_VL_TEXT:
         kind = QWEN_VL_TEXT[kind]
         text = _without_mrope(text, kind)

@@ -39,7 +39,7 @@ def weight_files(path: Path) -> list[Path]:
 
 # An image-text checkpoint's language model under the names a text checkpoint gives it, in the
 # layout transformers 4 writes (`language_model.model.`) and the one of 5 (`model.language_model.`);
-# its vision tower and projector are not read (actors/worker/checkpoint_files.py IMAGE_TEXT_ARCHS).
+# its vision tower and projector are not read (actors/models/args.py IMAGE_TEXT_ARCHS).
 TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
                  "model.language_model.": "model."}
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",

@@ -72,8 +72,7 @@ class TextPart(OpenAIModel):
     @classmethod
     def _text_only(cls, value: str) -> str:
         if value != "text":  # image_url, input_audio, file, ...
-            raise ValueError(f"content parts of type {value!r} are not supported: shoal serves text "
-                             "(an image-text checkpoint's language model only)")
+            raise ValueError(f"content parts of type {value!r} are not supported: shoal serves text only")
         return value
 
 
