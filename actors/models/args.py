@@ -145,7 +145,7 @@ class ModelArgs:
     moe: MoeArgs | None = None  # None: a dense model
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: sees everything)
     local_rope: Rope | None = None  # Gemma 3: the sliding layers' own rotary base
-    nope_layers: tuple[bool, ...] = ()  # SmolLM3: True for a layer without rotary (NoPE); (): none
+    nope_layers: tuple[bool, ...] = ()  # SmolLM3, EXAONE 4: True for a layer without rotary (NoPE); (): none
     attn_scale: float | None = None  # query scale; None: head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2: scores -> softcap * tanh(scores / softcap)
     final_softcap: float | None = None  # Gemma 2: the same on the logits
@@ -170,7 +170,8 @@ class ModelArgs:
             return deepseek_args(arch, cfg)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        attention_bias = bool(cfg.get("attention_bias", False) or cfg.get("use_bias", False))  # (ERNIE's name)
+        ernie_bias = arch == "Ernie4_5ForCausalLM" and bool(cfg.get("use_bias", False))  # every projection
+        attention_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
         gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
@@ -196,7 +197,7 @@ class ModelArgs:
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                                         "Exaone4ForCausalLM")
                      else "all" if arch in OLMO else None),
-            mlp_bias=bool(cfg.get("mlp_bias", False) or cfg.get("use_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)) or ernie_bias,
             moe=MoeArgs.from_hf(arch, cfg),
             layer_windows=layer_windows(arch, cfg),
             attn_scale=(cfg["query_pre_attn_scalar"] ** -0.5 if gemma

@@ -84,6 +84,9 @@ def text_config(config: dict) -> dict:
     if kind not in TEXT_ARCH_OF:
         raise ValueError(f"{wrapper}'s language model ({kind}) is not one shoal runs; it runs "
                          f"{', '.join(TEXT_ARCH_OF)} inside image-text checkpoints")
+    if kind not in configs:  # an older transformers than the checkpoint's
+        raise ValueError(f"{wrapper}'s language model ({kind}) needs a newer transformers than the one "
+                         "installed to read its settings")
     full = configs[kind](**text).to_dict()
     full["architectures"] = [TEXT_ARCH_OF[kind]]
     full["image_text_architecture"] = wrapper
