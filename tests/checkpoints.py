@@ -14,7 +14,8 @@ import torch
 
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2",
+         "glm4_moe_lite",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
@@ -53,6 +54,17 @@ MOE_DEFAULTS = {
                       shared_expert_intermediate_size=64, norm_topk_prob=False),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),
+    # q/k norms over all heads, clamped q/k/v (a bound the tiny model's projections reach)
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, clip_qkv=2.0),
+    # DeepSeek-V3's routing (4 groups, the best 2 eligible, a bias on the choice, scaled) on GQA
+    # attention with per-head q/k norms, q/k/v biases, half the head rotated; a dense first layer
+    "glm4_moe": dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     norm_topk_prob=True, use_qk_norm=True, attention_bias=True, head_dim=16),
+    # sigmoid routing with a bias, q/k norms over all heads, half the head rotated (its releases'
+    # `rotary_dim` spelling)
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+                       rotary_dim=8),
 }
 # Random weights at std 0.02 give a near-uniform next-token distribution and greedy
 # output that repeats one token; a larger std gives confident, varied argmax choices.
@@ -198,6 +210,9 @@ FAMILY_DEFAULTS = {
                         topk_method="group_limited_greedy", routed_scaling_factor=1.5),
     "deepseek_v3": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
                         routed_scaling_factor=2.5),
+    # GLM-4.7-Flash: V3's latent attention and GLM-4.5's MoE; its dense layers by mlp_layer_types
+    "glm4_moe_lite": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
+                          routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse", "dense"]),
     # alternating windows of 8 keys, a SwiGLU limit the tiny experts reach, gpt-oss's YaRN (factor 32 = 512 / 16)
     "gpt_oss": dict(head_dim=16, sliding_window=8, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                     swiglu_limit=2.0, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
@@ -237,7 +252,8 @@ def _image_text_config(arch: str, text):
 
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (DeepseekV2Config, DeepseekV3Config, Ernie4_5Config, Exaone4Config, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, SeedOssConfig,
+                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config,
+                              OlmoeConfig, SeedOssConfig,
                               GptOssConfig, GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig, MixtralConfig,
                               Olmo2Config, Olmo3Config,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
@@ -272,7 +288,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config, "ministral": MinistralConfig, "seed_oss": SeedOssConfig,
                 "ernie4_5": Ernie4_5Config, "exaone4": Exaone4Config,
                 "granite": GraniteConfig, "glm4": Glm4Config, "smollm3": SmolLM3Config, "deepseek_v2": DeepseekV2Config,
-                "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig}
+                "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig, "olmoe": OlmoeConfig,
+                "glm4_moe": Glm4MoeConfig, "minimax_m2": MiniMaxM2Config, "glm4_moe_lite": Glm4MoeLiteConfig}
     if arch in families:
         return families[arch](**common, **cfg)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -293,7 +310,7 @@ def _init_weights(model, seed: int, std: float) -> None:
                 param.copy_(0.1 * noise)
             else:
                 param.copy_(std * noise)
-        for name, buffer in sorted(model.named_buffers()):  # DeepSeek-V3's routing bias is a buffer
+        for name, buffer in sorted(model.named_buffers()):  # DeepSeek-V3's (GLM-4.5's, MiniMax-M2's) routing bias
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
 

@@ -27,6 +27,10 @@ MOE_CASES = {
     "qwen2_moe": ("qwen2_moe", {}),  # shared expert + sigmoid gate, top-k not renormalised
     "qwen3_moe": ("qwen3_moe", {}),  # q/k norm, top-k renormalised
     "qwen2_moe-dense-layer": ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "olmoe": ("olmoe", {}),  # all-heads q/k norms, clamped q/k/v, top-k not renormalised
+    "glm4_moe": ("glm4_moe", {}),  # DeepSeek-V3's grouped sigmoid routing, a dense first layer, partial rotary
+    "minimax_m2": ("minimax_m2", {}),  # sigmoid routing with a bias, all-heads q/k norms, partial rotary
+    "glm4_moe_lite": ("glm4_moe_lite", {}),  # DeepSeek-V3's latent attention, a dense layer after the MoE one
 }
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
 
@@ -111,6 +115,37 @@ def test_moe_models_match_transformers(checkpoint_factory, case):
     assert_pool_free(llm)
 
 
+def test_moe_configs_as_released_are_read_as_transformers_reads_them():
+    """Fields the releases spell their own way or leave out: GLM-4.5-Air's (top-level partial
+    rotary, no groups), a GLM config without its routing fields (transformers' defaults: half the
+    head rotated, a dense first layer, renormalised), MiniMax-M2's `rotary_dim`."""
+    from actors.models.args import ModelArgs
+
+    shape = dict(hidden_size=4096, intermediate_size=10944, num_attention_heads=96, num_key_value_heads=8,
+                 head_dim=128, num_hidden_layers=46, vocab_size=151552)
+    air = ModelArgs.from_hf(dict(shape, architectures=["Glm4MoeForCausalLM"], attention_bias=True,
+                                 first_k_dense_replace=1, moe_intermediate_size=1408, n_group=1, n_routed_experts=128,
+                                 n_shared_experts=1, norm_topk_prob=True, num_experts_per_tok=8,
+                                 partial_rotary_factor=0.5, rope_theta=1000000, routed_scaling_factor=1.0,
+                                 topk_group=1, use_qk_norm=False, num_nextn_predict_layers=1))
+    assert (air.rope.dim, air.rope.theta, air.rope.interleaved, air.qk_norm) == (64, 1e6, False, None)
+    assert air.qkv_bias and not air.o_bias and air.norms == "pre"
+    m = air.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.shared_intermediate_size) == (128, 8, 1408, 1408)
+    assert m.dense_layers == (0,) and m.renormalize and m.routing.scoring == "sigmoid" and m.routing.score_bias
+    sparse = ModelArgs.from_hf(dict(shape, architectures=["Glm4MoeForCausalLM"], moe_intermediate_size=1408,
+                                    n_routed_experts=128, num_experts_per_tok=8))
+    assert sparse.rope.dim == 64 and sparse.moe.dense_layers == (0,) and sparse.moe.renormalize
+    assert (sparse.moe.shared_intermediate_size, sparse.moe.routing.scale) == (1408, 1.0)
+    m2 = ModelArgs.from_hf(dict(architectures=["MiniMaxM2ForCausalLM"], hidden_size=3072, intermediate_size=1536,
+                                num_attention_heads=48, num_key_value_heads=8, head_dim=128, num_hidden_layers=62,
+                                vocab_size=200064, num_local_experts=256, num_experts_per_tok=8, rotary_dim=64,
+                                rope_theta=5000000, use_qk_norm=True, qk_norm_type="per_layer"))
+    assert (m2.rope.dim, m2.rope.theta, m2.qk_norm) == (64, 5e6, "all")
+    assert (m2.moe.num_experts, m2.moe.intermediate_size, m2.moe.renormalize, m2.moe.dense_layers) == (256, 1536, True, ())
+    assert m2.moe.routing.score_bias and m2.moe.routing.group_score is None
+
+
 def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
     engine = AsyncEngine(EngineConfig(model_path=str(checkpoint_factory("qwen3_moe")), num_kv_blocks=32,
                                       eplb_window_size=4))
@@ -177,7 +212,7 @@ def all_expert_params(a) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arch):
     """EP=2 == transformers (== EP=1, above); each rank holds half the experts (DeepSeek: its
     shared expert split by width, its grouped routing on both ranks)."""
@@ -203,10 +238,11 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "minimax_m2"])
 def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_factory, arch):
     """tp=2: each rank holds half of every expert's width (DeepSeek: and half the heads, the
-    latent cache whole); DeepSeek also through the feature mix."""
+    latent cache whole; MiniMax-M2: its all-heads q/k norms over both ranks); DeepSeek also through
+    the feature mix."""
     path = checkpoint_factory(arch)
     llm = LLM(str(path), tp_size=2, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5)
     try:

@@ -224,6 +224,16 @@ def test_gpt_oss_on_the_triton_backend_matches_transformers(interpreted, checkpo
                               num_kv_blocks=64, max_num_batched_tokens=16)
 
 
+@pytest.mark.slow  # ~10 s interpreted
+@pytest.mark.parametrize("arch", ["glm4_moe", "minimax_m2"])
+def test_sigmoid_routed_moe_on_the_triton_backend_matches_transformers(interpreted, checkpoint_factory, arch):
+    """GLM-4.5 (grouped sigmoid routing, shared experts, a dense first layer, per-head q/k norms)
+    and MiniMax-M2 (all-heads q/k norms): half the head rotated, so q/k take the unfused path,
+    their experts through kernels/triton_moe.py, decodes through the graph path (emulated)."""
+    graphed_triton_matches_hf(checkpoint_factory(arch), [[7, 1, 2], list(range(40, 62))],
+                              num_kv_blocks=64, max_num_batched_tokens=16)
+
+
 def test_graph_decode_with_triton_metadata_equals_eager(interpreted, checkpoint_factory, monkeypatch):
     """The CUDA-graph path's static buffers feed the kernel (graphs emulated on CPU). The fused
     kernels stay off (3x the interpreter's time): the MoE test below runs them through graphs."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
+# (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
@@ -35,7 +37,8 @@ class Routing:
 
 @dataclass
 class MoeArgs:
-    """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, gpt-oss)."""
+    """The mixture-of-experts part of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5,
+    MiniMax-M2, DeepSeek, gpt-oss)."""
     num_experts: int
     top_k: int
     intermediate_size: int  # of each routed expert
@@ -58,8 +61,14 @@ class MoeArgs:
                        swiglu=(cfg.get("swiglu_alpha", 1.702), cfg.get("swiglu_limit", 7.0)))
         if arch == "MixtralForCausalLM":  # every layer is sparse; top-k always renormalised
             return cls(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], 0, True, 1, ())
-        if arch in DEEPSEEK_ARCHS:
+        if arch in (*DEEPSEEK_ARCHS, "Glm4MoeForCausalLM"):
             return deepseek_moe(arch, cfg)
+        if arch == "MiniMaxM2ForCausalLM":  # every layer sparse; sigmoid scores, chosen with a bias, renormalised
+            return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0, True, 1, (),
+                       Routing(scoring="sigmoid", score_bias=True))
+        if arch == "OlmoeForCausalLM":  # every layer sparse, its experts intermediate_size wide
+            return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0,
+                       bool(cfg.get("norm_topk_prob", False)), 1, ())
         if arch not in MOE_ARCHS:
             return None
         return cls(experts, cfg.get("num_experts_per_tok", 4), cfg["moe_intermediate_size"],
@@ -68,21 +77,38 @@ class MoeArgs:
                    tuple(cfg.get("mlp_only_layers") or ()))
 
 
+# What transformers' config class assumes where a DeepSeek-style config leaves a routing field out
+MOE_FIELD_DEFAULTS = {
+    "DeepseekV2ForCausalLM": dict(n_shared_experts=2, routed_scaling_factor=1.0, first_k_dense_replace=0,
+                                  norm_topk_prob=False, n_group=1, topk_group=1),
+    "DeepseekV3ForCausalLM": dict(n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=3,
+                                  norm_topk_prob=True, n_group=8, topk_group=4),
+    "Glm4MoeForCausalLM": dict(n_shared_experts=1, routed_scaling_factor=1.0, first_k_dense_replace=1,
+                               norm_topk_prob=True, n_group=1, topk_group=1),
+    "Glm4MoeLiteForCausalLM": dict(n_shared_experts=1, routed_scaling_factor=1.8, first_k_dense_replace=1,
+                                   norm_topk_prob=True, n_group=1, topk_group=1),
+}
+
+
 def deepseek_moe(arch: str, cfg: dict) -> MoeArgs:
     """DeepSeek's MoE as transformers reads it: the first first_k_dense_replace layers dense, shared
     experts beside the routed ones; V2 scores by softmax (grouped by each group's best expert
-    under "group_limited_greedy") and never renormalises; V3 by sigmoid, grouped by each group's
-    best two, with a bias on the choice."""
-    v3 = arch == "DeepseekV3ForCausalLM"
+    under "group_limited_greedy") and never renormalises; V3 (and GLM-4.5, which routes as V3 does)
+    by sigmoid, grouped by each group's best two, with a bias on the choice."""
+    cfg = {**MOE_FIELD_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
+    v3 = arch != "DeepseekV2ForCausalLM"
     grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
     routing = Routing(scoring="sigmoid" if v3 else "softmax",
                       group_score=("top2" if v3 else "max") if grouped else None,
-                      n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1, score_bias=v3,
-                      scale=float(cfg.get("routed_scaling_factor") or 1.0))
-    width, shared = cfg["moe_intermediate_size"], cfg.get("n_shared_experts") or 0
-    return MoeArgs(cfg["n_routed_experts"], cfg["num_experts_per_tok"], width, width * shared,
-                   v3 and bool(cfg.get("norm_topk_prob")), 1, tuple(range(cfg.get("first_k_dense_replace") or 0)),
-                   routing, shared_gate=False)
+                      n_group=cfg["n_group"], topk_group=cfg["topk_group"], score_bias=v3,
+                      scale=float(cfg["routed_scaling_factor"]))
+    width = cfg["moe_intermediate_size"]
+    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    types = cfg.get("mlp_layer_types")  # (Glm4MoeLite's spelling of which layers stay dense)
+    dense = (tuple(i for i, t in enumerate(types) if t == "dense") if types
+             else tuple(range(cfg["first_k_dense_replace"])))
+    return MoeArgs(experts, cfg["num_experts_per_tok"], width, width * cfg["n_shared_experts"],
+                   v3 and bool(cfg["norm_topk_prob"]), 1, dense, routing, shared_gate=False)
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,8 @@ DENSE_ARCHS = (
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
 )
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
+ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
+GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
 INTERLEAVED_ROPE = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM")  # rotary on (even, odd) pairs
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -157,6 +185,7 @@ class ModelArgs:
     norms: str = "pre"  # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2)
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
 
     @property
     def kv_planes(self) -> int:
@@ -193,10 +222,12 @@ class ModelArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_norms)),  # Gemma ties by default
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
-                    else attention_bias and not qwen2 and arch != "Glm4ForCausalLM"),
+                    else attention_bias and not qwen2 and arch not in GLM),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                                         "Exaone4ForCausalLM")
-                     else "all" if arch in OLMO else None),
+                     or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
+                     else "all" if arch in ALL_HEADS_QK_NORM else None),
+            clip_qkv=cfg.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
             mlp_bias=bool(cfg.get("mlp_bias", False)) or ernie_bias,
             moe=MoeArgs.from_hf(arch, cfg),
             layer_windows=layer_windows(arch, cfg),
@@ -298,9 +329,12 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     params = cfg.get("rope_parameters") or {}
     by_type = "full_attention" in params
     glob = dict(params["full_attention"] if by_type else params or cfg.get("rope_scaling") or {})
-    factor = glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
+    factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
+              or (cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else None)  # MiniMax-M2's releases
+              or (0.5 if arch == "Glm4MoeForCausalLM" else 1.0))
     dim = int(head_dim * factor)
-    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0}.get(arch, 10_000.0)
+    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
+                     "MiniMaxM2ForCausalLM": 5_000_000.0}.get(arch, 10_000.0)
     theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta)
     kind = glob.get("rope_type", glob.get("type", "default"))
     if kind in ("longrope", "su"):  # Phi-3 (early configs said "su"); its lengths sit beside rope_scaling

@@ -105,7 +105,8 @@ class Attention(nn.Module):
         rope = a.local_rope if self.local_rope else a.rope
         # Norm, rotary and the KV write in one Triton kernel: whole-head rotate-half rotary.
         self.fusable = (a.qk_norm != "all" and rope.dim == self.d and not rope.interleaved
-                        and triton_fused.enabled())
+                        and a.clip_qkv is None and triton_fused.enabled())
+        self.clip = a.clip_qkv
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
         self.sinks = nn.Parameter(torch.empty(self.h)) if a.attn_sinks else None  # gpt-oss: this rank's heads'
         self.k_cache = self.v_cache = None  # views into the engine's KV pool, set at start-up
@@ -126,6 +127,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:  # OLMoE: q and k after their norms
+            q, k, v = (t_.clamp(-self.clip, self.clip) for t_ in (q, k, v))
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
         if self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
