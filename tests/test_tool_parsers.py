@@ -61,6 +61,16 @@ CASES = [
              '{"type": "function", "function": {"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}}]\n```',
      "", [W, A]),
     ("json", '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}', "", [A]),
+    # the XML formats (no schemas here: a value that reads as JSON is JSON, others are strings)
+    ("qwen3_coder", "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+                    "<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>", "Sure.", [W, A]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+              "<tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key>"
+              "<arg_value>2</arg_value></tool_call>", "", [W, A]),  # 4.5's layout, then 4.7's
+    ("minimax_m2", 'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+                   '</parameter>\n</invoke>\n<invoke name="add">\n<parameter name="a">1</parameter>\n'
+                   '<parameter name="b">2</parameter>\n</invoke>\n</minimax:tool_call>', "Checking.", [W, A]),
 ]
 
 
@@ -85,6 +95,12 @@ MALFORMED = [
     ("gemma", "```tool_code\nadd(a=open('x'))\n```"),  # not a literal
     ("json", '{"name": "Bob", "age": 3}'),  # a JSON answer
     ("json", '{"a": 1} {"b": 2}'),
+    ("qwen3_coder", "<tool_call>\n<parameter=a>\n1\n</parameter>\n</tool_call>"),  # no function
+    ("qwen3_coder", "<tool_call>\n<function=add>\nstray text\n</function>\n</tool_call>"),
+    ("glm45", "<tool_call>add\n<arg_key>a</arg_key> no value</tool_call>"),
+    ("glm45", "<tool_call>two words<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"),
+    ("minimax_m2", '<minimax:tool_call>\n<invoke name="add">\n<parameter name="a">1</invoke>\n</minimax:tool_call>'),
+    ("minimax_m2", "<minimax:tool_call>just text</minimax:tool_call>"),
 ]
 
 
@@ -119,6 +135,64 @@ def test_stream_never_shows_markup_before_a_call_completes():
     assert "<" not in shown and shown == "Let me check."
 
 
+SCHEMAS = {"book": {"type": "object", "properties": {
+    "city": {"type": "string"}, "nights": {"type": "integer"}, "price": {"type": "number"},
+    "late": {"type": "boolean"}, "guests": {"type": "array"}, "extras": {"type": "object"},
+    "note": {"type": ["string", "null"]}, "code": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}}
+XML_BOOKINGS = {  # every value as the format's template writes it
+    "qwen3_coder": "<tool_call>\n<function=book>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in
+        [("city", "42"), ("nights", "3"), ("price", "99.5"), ("late", "true"), ("guests", '["ann", "bo"]'),
+         ("extras", "{'wifi': True}"), ("note", "null"), ("code", "A1"), ("other", "[1, 2]")])
+        + "</function>\n</tool_call>",
+    "glm45": "<tool_call>book\n" + "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in
+        [("city", "42"), ("nights", "3"), ("price", "99.5"), ("late", "true"), ("guests", '["ann", "bo"]'),
+         ("extras", "{'wifi': True}"), ("note", "null"), ("code", "A1"), ("other", "[1, 2]")]) + "</tool_call>",
+    "minimax_m2": '<minimax:tool_call>\n<invoke name="book">\n' + "".join(
+        f'<parameter name="{k}">{v}</parameter>\n' for k, v in
+        [("city", "42"), ("nights", "3"), ("price", "99.5"), ("late", "true"), ("guests", '["ann", "bo"]'),
+         ("extras", "{'wifi': True}"), ("note", "null"), ("code", "A1"), ("other", "[1, 2]")])
+        + "</invoke>\n</minimax:tool_call>",
+}
+
+
+@pytest.mark.parametrize("fmt", list(XML_BOOKINGS))
+def test_xml_arguments_are_typed_by_the_tools_schema(fmt):
+    """A string stays a string even when it looks like a number; other types are read as the
+    schema says (Python literals too, as vLLM's parsers read them); a parameter the schema
+    does not name is JSON if it reads as JSON. A value that cannot be its type leaves the block text."""
+    found = ToolCallScanner(FORMATS[fmt], ["book"], SCHEMAS).feed(XML_BOOKINGS[fmt], final=True)
+    assert found.content == "" and [c.name for c in found.calls] == ["book"]
+    assert json.loads(found.calls[0].arguments) == dict(
+        city="42", nights=3, price=99.5, late=True, guests=["ann", "bo"], extras={"wifi": True}, note=None,
+        code="A1", other=[1, 2])
+    bad = XML_BOOKINGS[fmt].replace("99.5", "cheap")
+    assert ToolCallScanner(FORMATS[fmt], ["book"], SCHEMAS).feed(bad, final=True).calls == []
+
+
+def test_a_glm_chat_is_planned_with_its_format_its_reasoning_and_the_tools_schemas():
+    """The wiring: GLM-4.5's template picks its format, its model_type the <think> split, and
+    the request's tool schemas reach the scanner, so a string that looks like a number stays one."""
+    from app.protocol.chat_output import plan_output
+    from app.protocol.model_parsers import model_parsers
+    from app.protocol.models import ChatCompletionRequest
+
+    class Tok:
+        chat_template = "{% for tc in m.tool_calls %}<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key>{% endfor %}"
+
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Book Paris"}],
+                                 tools=[{"type": "function", "function": {"name": "book", **{"parameters": SCHEMAS["book"]}}}])
+    settings = ServerSettings(**model_parsers({"model_type": "glm4_moe"}))
+    plan = plan_output(settings, Tok(), body, "<|assistant|>")
+    assert plan.tool_format.name == "glm45" and plan.reasoning is not None
+    out = plan.parser().feed("<think>Book it.</think>\n<tool_call>book\n<arg_key>city</arg_key>\n"
+                             "<arg_value>42</arg_value>\n<arg_key>nights</arg_key>\n<arg_value>2</arg_value>\n"
+                             "</tool_call>", final=True)
+    assert out.reasoning == "Book it." and out.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("book", {"city": "42", "nights": 2})]
+
+
 # --------------------------------------------------------------------------- choosing
 
 def test_choose_format_by_name_or_template():
@@ -129,6 +203,10 @@ def test_choose_format_by_name_or_template():
     assert tool_format("Llama3-JSON").name == "llama3_json"
     Tok.chat_template = "{{ '[TOOL_CALLS]' }}"
     assert detect(Tok()).name == "mistral"
+    for markup, name in (("<tool_call>\n<function=", "qwen3_coder"), ("<tool_call>{{ name }}<arg_key>", "glm45"),
+                         ("<minimax:tool_call>\n<invoke", "minimax_m2")):
+        Tok.chat_template = f"... {markup} ..."  # (their templates say <tool_call> too)
+        assert detect(Tok()).name == name
     Tok.chat_template = None
     assert detect(Tok()).name == "json"
     with pytest.raises(ValueError, match="unknown tool call parser"):
@@ -196,7 +274,9 @@ def test_reasoning_start_follows_the_prompt():
 
 # --------------------------------------------------------------------------- fuzz
 
-FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "call>", "<think>", "</think>", "[TOOL_CALLS]",
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<function=add>", "<parameter=a>", "</parameter>", "</function>",
+             "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<minimax:tool_call>", "</minimax:tool_call>",
+             '<invoke name="add">', "</invoke>", '<parameter name="a">', "<tool", "call>", "<think>", "</think>", "[TOOL_CALLS]",
              "[ARGS]", "```tool_code", "```", "```json", "<|python_tag|>", '{"name": "add", ',
              '"arguments": {"a": 1}}', '"parameters": {}}', '{"name": "get_weather", "arguments": {}}',
              "add(a=1)", "get_weather(city='x')", "[", "]", "{", "}", '"', "\\", ";", ",", "\n", " ",

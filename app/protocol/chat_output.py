@@ -17,6 +17,7 @@ from app.protocol.structured_outputs import (
     chat_constraint, check_tool_choice, forced_tools, request_constraint, tool_names,
 )
 from app.protocol.tool_parsers import FORMATS, JSON_FORMAT, ParsedCall, ToolCallScanner, ToolFormat, tool_format
+from app.protocol.tool_parsers.calls import parameters_schema
 
 HARMONY_STOPS = ("<|return|>", "<|call|>")  # harmony's end of a turn and of a call
 
@@ -33,6 +34,7 @@ class OutputPlan:
     reasoning: tuple[str, bool] | None = None  # the scanner's start (state, implied_open)
     tool_format: ToolFormat | None = None
     tool_names: list[str] = field(default_factory=list)
+    tool_schemas: dict = field(default_factory=dict)  # name -> parameters, for formats typed by them
     max_calls: int | None = None  # parallel_tool_calls false: 1 (later calls dropped, as vLLM)
     channels: Channels | None = None  # harmony output: split by channel, not by the above
     stop_token_ids: list[int] = field(default_factory=list)  # ends of output the model's eos may miss
@@ -45,7 +47,8 @@ class OutputPlan:
         if self.channels is not None:
             return ChoiceParser(None, None, self.max_calls, HarmonyScanner(self.channels))
         reasoning = ReasoningScanner(*self.reasoning) if self.reasoning else None
-        tools = ToolCallScanner(self.tool_format, self.tool_names) if self.tool_format else None
+        tools = (ToolCallScanner(self.tool_format, self.tool_names, self.tool_schemas)
+                 if self.tool_format else None)
         return ChoiceParser(reasoning, tools, self.max_calls)
 
 
@@ -103,6 +106,7 @@ def plan_output(settings, tokenizer, body: ChatCompletionRequest,
         if forced_tools(body) is not None and fmt.call_begin is None:
             fmt = JSON_FORMAT  # forced calls need a JSON spelling; the parser reads it back
         plan.tool_format, plan.tool_names = fmt, tool_names(body)
+        plan.tool_schemas = {t.function.name: parameters_schema(t) for t in body.tools or []}
         plan.max_calls = 1 if body.parallel_tool_calls is False else None
     return plan
 

@@ -23,7 +23,8 @@ from app.protocol.tool_parsers import tool_format
 log = logging.getLogger("shoal.api")
 
 FIELDS = ("reasoning_parser", "tool_call_parser")
-FAMILY_REASONING = {"qwen3": "qwen3", "qwen3_moe": "qwen3"}  # model_type -> parser
+FAMILY_REASONING = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "glm4_moe": "qwen3",  # model_type -> parser
+                    "glm4_moe_lite": "qwen3", "minimax_m2": "deepseek_r1"}
 NAME_REASONING = (("deepseek-r1", "deepseek_r1"), ("qwq", "qwen3"))  # in the checkpoint's name
 HARMONY_PARSERS = {"reasoning_parser": HARMONY, "tool_call_parser": HARMONY}  # gpt-oss: both
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 OPEN, CLOSE = "<think>", "</think>"
 HARMONY = "harmony"  # gpt-oss's analysis channel: read by app/protocol/harmony.py, not here
 PARSERS = ("qwen3", "deepseek_r1", HARMONY)
-ALIASES = {"openai_gptoss": HARMONY, "gpt_oss": HARMONY, "openai": HARMONY}  # vLLM: openai_gptoss
+# vLLM's names: openai_gptoss; glm45 (GLM-4.5's <think> blocks, as Qwen3's); minimax_m2 (its prompt
+# opens the block, the output closes it, as R1's)
+ALIASES = {"openai_gptoss": HARMONY, "gpt_oss": HARMONY, "openai": HARMONY, "glm45": "qwen3",
+           "minimax_m2": "deepseek_r1"}
 
 START, REASONING, CONTENT = "start", "reasoning", "content"
 

@@ -5,7 +5,7 @@ tells: the markup it teaches the model is the markup the model writes.
 """
 from __future__ import annotations
 
-from app.protocol.tool_parsers import gemma, harmony, hermes, json_calls, llama3_json, mistral
+from app.protocol.tool_parsers import gemma, glm45, harmony, hermes, json_calls, llama3_json, minimax_m2, mistral, qwen3_coder
 from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat
 from app.protocol.tool_parsers.scanner import ScanResult, ToolCallScanner
 
@@ -17,11 +17,16 @@ FORMATS: dict[str, ToolFormat] = {
     "gemma": gemma.FORMAT, "pythonic": gemma.FORMAT,
     "json": json_calls.FORMAT, "generic": json_calls.FORMAT,
     "harmony": harmony.FORMAT, "openai": harmony.FORMAT, "gpt_oss": harmony.FORMAT,
+    "qwen3_coder": qwen3_coder.FORMAT, "qwen3_xml": qwen3_coder.FORMAT,
+    "glm45": glm45.FORMAT, "glm47": glm45.FORMAT, "glm4_moe": glm45.FORMAT,
+    "minimax_m2": minimax_m2.FORMAT, "minimax": minimax_m2.FORMAT,
 }
 JSON_FORMAT = json_calls.FORMAT
 
-# Markup in a chat template -> the format its model writes (first match wins).
-TEMPLATE_HINTS = (("<|channel|>", harmony.FORMAT), ("<tool_call>", hermes.FORMAT),
+# Markup in a chat template -> the format its model writes (first match wins: the XML formats
+# before hermes, whose `<tool_call>` they share).
+TEMPLATE_HINTS = (("<|channel|>", harmony.FORMAT), ("<minimax:tool_call>", minimax_m2.FORMAT),
+                  ("<arg_key>", glm45.FORMAT), ("<function=", qwen3_coder.FORMAT), ("<tool_call>", hermes.FORMAT),
                   ("[TOOL_CALLS]", mistral.FORMAT), ("tool_code", gemma.FORMAT),
                   ("<|python_tag|>", llama3_json.FORMAT), ("ipython", llama3_json.FORMAT))
 

@@ -32,6 +32,7 @@ class ToolFormat:
     wrap: tuple[str, str] = ("", "")  # around all forced calls
     quote_name: bool = True  # {name} in call_begin as a JSON string; False: as it is (harmony)
     channels: bool = False  # harmony: the output is channel messages (app/protocol/harmony.py)
+    typed_by_schema: bool = False  # arguments parse as text, typed by the tool's schema (xml_args.py)
 
 
 # Lenient about raw control characters in strings: models (and grammars) let them through.

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat
+from app.protocol.tool_parsers.xml_args import typed
 
 
 @dataclass
@@ -22,9 +23,12 @@ class ScanResult:
 
 
 class ToolCallScanner:
-    def __init__(self, fmt: ToolFormat, tool_names=None):
+    def __init__(self, fmt: ToolFormat, tool_names=None, schemas: dict | None = None):
+        """schemas: each tool's parameters (a JSON schema) by name, for formats whose
+        arguments are typed by them."""
         self.fmt = fmt
         self.names = set(tool_names or [])
+        self.schemas = schemas or {}
         self.text = ""
         self.pos = 0  # everything before it has been released or resolved
         self.pending_ws = ""  # trailing whitespace held until we know what follows
@@ -122,6 +126,9 @@ class ToolCallScanner:
     def _parse(self, block: str) -> list[ParsedCall] | None:
         try:
             calls = self.fmt.parse_block(block)
+            if calls and self.fmt.typed_by_schema:
+                calls = [typed(c, self.schemas.get(c.name)) for c in calls]
+                calls = None if None in calls else calls
         except Exception:  # a parser bug must not cost the response: the block stays text
             return None
         if calls and self.fmt.known_names_only and self.names:
