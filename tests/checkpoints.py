@@ -23,7 +23,8 @@ IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
               "llava": ("llama", "LlavaForConditionalGeneration"),
               "qwen2_5_vl": ("qwen2", "Qwen2_5_VLForConditionalGeneration"),
-              "qwen3_vl": ("qwen3", "Qwen3VLForConditionalGeneration")}
+              "qwen3_vl": ("qwen3", "Qwen3VLForConditionalGeneration"),
+              "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeForConditionalGeneration")}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -236,14 +237,15 @@ def _image_text_config(arch: str, text):
     if arch == "mistral3":
         return transformers.Mistral3Config(**common, image_token_index=500, vision_config=transformers.PixtralVisionConfig(
             **vision, head_dim=16).to_dict())
-    if arch in ("qwen2_5_vl", "qwen3_vl"):  # M-RoPE's sections: a third of the rotary pairs each
+    if arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # M-RoPE's sections: a third of the rotary pairs each
         half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
         rope = {**text.rope_parameters, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
-        if arch == "qwen3_vl":
+        if arch != "qwen2_5_vl":
             rope["mrope_interleaved"] = True
         tower = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size)
         tower.update(fullatt_block_indexes=[0]) if arch == "qwen2_5_vl" else tower.update(deepstack_visual_indexes=[0])
-        wrapper = transformers.Qwen2_5_VLConfig if arch == "qwen2_5_vl" else transformers.Qwen3VLConfig
+        wrapper = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig, "qwen3_vl": transformers.Qwen3VLConfig,
+                   "qwen3_vl_moe": transformers.Qwen3VLMoeConfig}[arch]
         return wrapper(**{**common, "text_config": {**text.to_dict(), "rope_parameters": rope}}, image_token_id=500,
                        video_token_id=501, vision_config=tower)
     return transformers.LlavaConfig(**common, image_token_index=500,
@@ -258,9 +260,12 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                               Olmo2Config, Olmo3Config,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
+    # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
+    # them only where the shape tells the layouts apart
+    wrapper = {"moe_intermediate_size": 24} if arch == "qwen3_vl_moe" else {}
     arch = IMAGE_TEXT[arch][0] if arch in IMAGE_TEXT else arch  # (the language model's family)
-    cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), "vocab_size": vocab_size,
-           **overrides}
+    cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), **wrapper,
+           "vocab_size": vocab_size, **overrides}
     if arch not in ("gemma3", "olmo3"):  # their rope_parameters are by layer type
         cfg["rope_parameters"] = _rope_parameters(cfg)
     cfg.setdefault("tie_word_embeddings", False)
@@ -351,10 +356,25 @@ def make_checkpoint(path, arch: str = "llama", *, sharded: bool = False, seed: i
                                                bos_token_id=None, do_sample=False)
     # A shard limit below the model size gives several files + model.safetensors.index.json.
     shard = max(_model_bytes(model) // 3, 1) if sharded else "50GB"
-    model.save_pretrained(path, max_shard_size=shard)
+    if arch == "qwen3_vl_moe":  # (transformers 5.24 fails to revert its experts' layout on save)
+        model.save_pretrained(path, max_shard_size=shard, save_original_format=False)
+        _stack_experts_as_released(path)
+    else:
+        model.save_pretrained(path, max_shard_size=shard)
     tok.model_max_length = config.get_text_config().max_position_embeddings
     tok.save_pretrained(path)
     return path
+
+
+def _stack_experts_as_released(path: pathlib.Path) -> None:
+    """Qwen3-VL-MoE's releases stack each layer's experts for `x @ W`: gate_up_proj [E, H, 2I],
+    down_proj [E, I, H] (transformers transposes them on load)."""
+    from safetensors.torch import load_file, save_file
+
+    for file in path.glob("*.safetensors"):
+        tensors = {name: t.transpose(1, 2).contiguous() if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                   else t for name, t in load_file(file).items()}
+        save_file(tensors, file, metadata={"format": "pt"})
 
 
 def _model_bytes(model) -> int:

@@ -1,7 +1,7 @@
 """Image-text checkpoints served for their text (actors/worker/checkpoint_files.py text_config,
 actors/worker/weight_files.py text_name): Gemma 3 (4B-27B ship as Gemma3ForConditionalGeneration),
-Mistral Small 3.x (Mistral3ForConditionalGeneration), LLaVA, Qwen2.5-VL and Qwen3-VL (M-RoPE, one position
-stream on text) give transformers' own greedy tokens (the wrapper class on text prompts), in
+Mistral Small 3.x (Mistral3ForConditionalGeneration), LLaVA, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (M-RoPE,
+one position stream on text; the MoE's experts stacked in one tensor per projection) give transformers' own greedy tokens (the wrapper class on text prompts), in
 transformers 4's weight and config layout and 5's, with a text_config
 that names only what differs from the family's defaults (as Gemma 3 4B's does); the vision
 tower is never read."""
@@ -36,13 +36,13 @@ def assert_follows_transformers(path, reference=None):
 
 @pytest.mark.parametrize("arch, overrides", [("gemma3_vision", {}), ("mistral3", {}), ("llava", {}),
                                              ("llava", {"tie_word_embeddings": True}), ("qwen2_5_vl", {}),
-                                             ("qwen3_vl", {})])
+                                             ("qwen3_vl", {}), ("qwen3_vl_moe", {})])
 def test_the_language_model_gives_transformers_tokens(checkpoint_factory, arch, overrides):
     path = checkpoint_factory(arch, **overrides)
     names = load_file(path / "model.safetensors")
     assert any(n.startswith(("vision_tower.", "model.visual.", "visual.")) for n in names)  # (an image-text checkpoint)
     family = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
-              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     assert assert_follows_transformers(path) == family[IMAGE_TEXT[arch][0]]
 
 

@@ -212,7 +212,7 @@ def all_expert_params(a) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_vl_moe"])
 def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arch):
     """EP=2 == transformers (== EP=1, above); each rank holds half the experts (DeepSeek: its
     shared expert split by width, its grouped routing on both ranks)."""
@@ -238,11 +238,11 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "minimax_m2"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "minimax_m2", "qwen3_vl_moe"])
 def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_factory, arch):
     """tp=2: each rank holds half of every expert's width (DeepSeek: and half the heads, the
-    latent cache whole; MiniMax-M2: its all-heads q/k norms over both ranks); DeepSeek also through
-    the feature mix."""
+    latent cache whole; MiniMax-M2: its all-heads q/k norms over both ranks; Qwen3-VL-MoE: each
+    rank's slice of the experts stacked in one tensor); DeepSeek also through the feature mix."""
     path = checkpoint_factory(arch)
     llm = LLM(str(path), tp_size=2, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5)
     try:

@@ -17,9 +17,10 @@ GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral",
                     "LlavaForConditionalGeneration": "llama", "Qwen2VLForConditionalGeneration": "qwen2_vl_text",
                     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text",
-                    "Qwen3VLForConditionalGeneration": "qwen3_vl_text"}
+                    "Qwen3VLForConditionalGeneration": "qwen3_vl_text",
+                    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text"}
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)

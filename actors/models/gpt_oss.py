@@ -25,8 +25,7 @@ from torch import nn
 
 from actors.distributed.parallel import Parallel
 from actors.models.args import ModelArgs
-from actors.models.llama import LlamaForCausalLM
-from actors.models.moe import MoeForCausalLM, SparseMoeBlock
+from actors.models.moe import MoeForCausalLM, SparseMoeBlock, stacked_down
 from kernels import swiglu_moe, triton_moe
 
 
@@ -103,46 +102,14 @@ def _gate_up_bias(expert: int, start: int, width: int):
     return take
 
 
-def _down(expert: int, start: int, width: int):
-    """[E, I, H] -> this expert's [H, width] (its columns start..)."""
-    return lambda t: t[expert:expert + 1, start:start + width][0].t()
-
-
 def _down_bias(expert: int, start: int, width: int):
     return lambda t: t[expert:expert + 1][0]  # whole: added once (GptOssMoeBlock.adds_down_bias)
 
 
 EXPERT_PARTS = {"gate_up_proj": _gate_up, "gate_up_proj_bias": _gate_up_bias,
-                "down_proj": _down, "down_proj_bias": _down_bias}
+                "down_proj": stacked_down, "down_proj_bias": _down_bias}
 
 
 class GptOssForCausalLM(MoeForCausalLM):
     def make_mlp(self, layer: int) -> nn.Module:
         return GptOssMoeBlock(self.args, self.p)
-
-    def _layer_rule(self, prefix: str, rest: str):
-        if not rest.startswith("mlp."):
-            return LlamaForCausalLM._layer_rule(self, prefix, rest)
-        block = self.model.layers[int(prefix.split(".")[2])].mlp
-        return _under(f"{prefix}mlp.", block.weight_rule(rest[len("mlp."):]))
-
-    def expert_reload_rule(self, plans: dict[int, list[int]], changed: dict[int, set[int]]):
-        """MoeForCausalLM.expert_reload_rule for the stacked expert tensors."""
-        def rule(name: str):
-            m = re.match(r"model\.layers\.(\d+)\.mlp\.(experts\..*)", name)
-            layer = int(m.group(1)) if m else None
-            if layer not in plans:
-                return None
-            block = self.model.layers[layer - self.first_layer].mlp
-            return _under(f"model.layers.{layer - self.first_layer}.mlp.",
-                          block.weight_rule(m.group(2), plans[layer], changed[layer]))
-        return rule
-
-
-def _under(prefix: str, rule):
-    """A block's rule (None, one, or a list) with its target names under `prefix`."""
-    if rule is None:
-        return None
-    if isinstance(rule, list):
-        return [(prefix + r[0], *r[1:]) for r in rule]
-    return (prefix + rule[0], *rule[1:])

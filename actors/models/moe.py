@@ -166,6 +166,13 @@ class SparseMoeBlock(nn.Module):
 
         placement/only: load for that placement, into those local slots only (re-planning).
         """
+        m = re.match(r"experts\.(gate_up_proj|down_proj)$", rest)
+        if m:  # every expert in one tensor (Qwen3-VL-MoE's releases): one rule per local slot
+            start = 0 if self.p.expert_parallel else self.p.tp_rank * self.width
+            take = STACKED_PARTS[m.group(1)]
+            rules = [(f"experts.{m.group(1)}", 0, take(expert, start, self.width), 0, 0, slot)
+                     for slot, expert in enumerate(self.local_slots(placement)) if only is None or slot in only]
+            return rules or None
         m = re.match(r"experts\.(\d+)\.(\w+)\.weight$", rest)
         if m:
             slots = [j for j, e in enumerate(self.local_slots(placement))
@@ -183,6 +190,24 @@ class SparseMoeBlock(nn.Module):
         if rest == "e_score_correction_bias":  # MiniMax-M2 keeps the routing bias beside its router
             return ("gate.e_score_correction_bias", 0, None, 0, 0)
         return (rest, 0, None, 0, 0)  # the router and the shared expert's gate: whole on every rank
+
+
+def stacked_gate_up(expert: int, start: int, width: int):
+    """[E, H, 2I] (gate columns, then up columns, as `x @ W` takes them) -> this expert's
+    [2 * width, H]: gate rows start.., then up rows start.."""
+    def take(t):
+        cols = t[expert:expert + 1][0]
+        half = cols.shape[1] // 2
+        return torch.cat((cols[:, start:start + width], cols[:, half + start:half + start + width]), 1).t()
+    return take
+
+
+def stacked_down(expert: int, start: int, width: int):
+    """[E, I, H] -> this expert's [H, width] (its columns start..)."""
+    return lambda t: t[expert:expert + 1, start:start + width][0].t()
+
+
+STACKED_PARTS = {"gate_up_proj": stacked_gate_up, "down_proj": stacked_down}
 
 
 def _ffn_rule(prefix: str, suffix: str, part: str, start: int, width: int, *slot):
@@ -208,8 +233,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         block = self.model.layers[int(prefix.split(".")[2])].mlp
         if not (isinstance(block, SparseMoeBlock) and rest.startswith("mlp.")):
             return super()._layer_rule(prefix, rest)
-        rule = block.weight_rule(rest[len("mlp."):])
-        return rule and (f"{prefix}mlp.{rule[0]}", *rule[1:])
+        return _under(f"{prefix}mlp.", block.weight_rule(rest[len("mlp."):]))
 
     def expert_reload_rule(self, plans: dict[int, list[int]], changed: dict[int, set[int]]):
         """weight_rule for fetching only the experts that `plans` (global layer -> placement)
@@ -220,6 +244,15 @@ class MoeForCausalLM(LlamaForCausalLM):
             if layer not in plans:
                 return None
             block = self.model.layers[layer - self.first_layer].mlp
-            r = block.weight_rule(m.group(2), plans[layer], changed[layer])
-            return r and (f"model.layers.{layer - self.first_layer}.mlp.{r[0]}", *r[1:])
+            return _under(f"model.layers.{layer - self.first_layer}.mlp.",
+                          block.weight_rule(m.group(2), plans[layer], changed[layer]))
         return rule
+
+
+def _under(prefix: str, rule):
+    """A block's rule (None, one, or a list) with its target names under `prefix`."""
+    if rule is None:
+        return None
+    if isinstance(rule, list):
+        return [(prefix + r[0], *r[1:]) for r in rule]
+    return (prefix + rule[0], *rule[1:])

@@ -44,7 +44,11 @@ LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")
 # streams (time, height, width) are one and the same on text: the plain rotary of the same
 # frequencies, however its sections are laid out.
 QWEN_VL_TEXT = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2",
-                "qwen3_vl": "qwen3", "qwen3_vl_text": "qwen3"}
+                "qwen3_vl": "qwen3", "qwen3_vl_text": "qwen3", "qwen3_vl_moe": "qwen3_moe",
+                "qwen3_vl_moe_text": "qwen3_moe"}
+# What a Qwen-VL language model does that its text family's config must be told: Qwen3-VL-MoE's
+# router always renormalises its top-k weights (Qwen3-MoE's reads norm_topk_prob, default off)
+QWEN_VL_FIXED = {"qwen3_moe": {"norm_topk_prob": True}}
 
 
 def read_config(path: Path) -> dict:
@@ -98,7 +102,7 @@ def text_config(config: dict) -> dict:
 
 def _without_mrope(text: dict, kind: str) -> dict:
     """Qwen-VL's text config as `kind`'s, M-RoPE's sections dropped (see QWEN_VL_TEXT)."""
-    text = dict(text, model_type=kind)
+    text = dict(text, model_type=kind, **QWEN_VL_FIXED.get(kind, {}))
     for key in ("rope_scaling", "rope_parameters"):
         rope = text.get(key)
         if isinstance(rope, dict):
