@@ -31,6 +31,8 @@ MOE_CASES = {
     "glm4_moe": ("glm4_moe", {}),  # DeepSeek-V3's grouped sigmoid routing, a dense first layer, partial rotary
     "minimax_m2": ("minimax_m2", {}),  # sigmoid routing with a bias, all-heads q/k norms, partial rotary
     "glm4_moe_lite": ("glm4_moe_lite", {}),  # DeepSeek-V3's latent attention, a dense layer after the MoE one
+    "ernie4_5_moe": ("ernie4_5_moe", {}),  # softmax routing steered by a bias, shared experts, interleaved rotary
+    "ernie4_5_moe-interval": ("ernie4_5_moe", dict(num_hidden_layers=4, moe_layer_interval=2, moe_layer_end_index=2)),
 }
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
 
@@ -118,7 +120,8 @@ def test_moe_models_match_transformers(checkpoint_factory, case):
 def test_moe_configs_as_released_are_read_as_transformers_reads_them():
     """Fields the releases spell their own way or leave out: GLM-4.5-Air's (top-level partial
     rotary, no groups), a GLM config without its routing fields (transformers' defaults: half the
-    head rotated, a dense first layer, renormalised), MiniMax-M2's `rotary_dim`."""
+    head rotated, a dense first layer, renormalised), MiniMax-M2's `rotary_dim`, ERNIE 4.5 MoE's own
+    field names (moe_num_experts, moe_k, its MoE layer range)."""
     from actors.models.args import ModelArgs
 
     shape = dict(hidden_size=4096, intermediate_size=10944, num_attention_heads=96, num_key_value_heads=8,
@@ -144,6 +147,34 @@ def test_moe_configs_as_released_are_read_as_transformers_reads_them():
     assert (m2.rope.dim, m2.rope.theta, m2.qk_norm) == (64, 5e6, "all")
     assert (m2.moe.num_experts, m2.moe.intermediate_size, m2.moe.renormalize, m2.moe.dense_layers) == (256, 1536, True, ())
     assert m2.moe.routing.score_bias and m2.moe.routing.group_score is None
+    ernie = ModelArgs.from_hf(dict(architectures=["Ernie4_5_MoeForCausalLM"], hidden_size=2560, intermediate_size=12288,
+                                   num_attention_heads=20, num_key_value_heads=4, num_hidden_layers=28, vocab_size=103424,
+                                   rope_theta=500000, tie_word_embeddings=True, use_bias=False, moe_num_experts=64,
+                                   moe_num_shared_experts=2, moe_layer_start_index=1, moe_intermediate_size=1536, moe_k=6,
+                                   moe_layer_interval=1))
+    assert (ernie.head_dim, ernie.rope.interleaved, ernie.tie_word_embeddings) == (128, True, True)
+    e = ernie.moe
+    assert (e.num_experts, e.top_k, e.shared_intermediate_size, e.dense_layers) == (64, 6, 3072, (0,))
+    assert e.renormalize and e.routing.scoring == "softmax" and e.routing.score_bias and not e.shared_gate
+
+
+def test_multi_token_prediction_modules_beside_the_model_are_skipped(checkpoint_factory, tmp_path):
+    """ERNIE 4.5's releases carry MTP modules under their own names (mtp_block, mtp_emb_norm, ...):
+    loaded as nothing, not refused as unexpected weights."""
+    import json
+
+    from checkpoints import _write_copy
+    from safetensors.torch import load_file
+
+    src = checkpoint_factory("ernie4_5_moe")
+    tensors = load_file(src / "model.safetensors")
+    tensors |= {"model.mtp_block.0.self_attn.q_proj.weight": torch.ones(64, 64),
+                "model.mtp_emb_norm.0.weight": torch.ones(64), "model.mtp_linear_proj.0.weight": torch.ones(64, 128)}
+    (tmp_path / "mtp").mkdir()
+    path = _write_copy(src, tmp_path / "mtp", tensors, json.loads((src / "config.json").read_text()))
+    llm = LLM(str(path), block_size=8, num_kv_blocks=32)
+    prompts = prompts_of([9])
+    assert_matches_hf(src, prompts, llm.generate(prompts, PARAMS))
 
 
 def test_expert_load_is_in_the_engine_stats(checkpoint_factory):

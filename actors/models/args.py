@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
+             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM")
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
@@ -67,6 +67,8 @@ class MoeArgs:
         if arch == "MiniMaxM2ForCausalLM":  # every layer sparse; sigmoid scores, chosen with a bias, renormalised
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0, True, 1, (),
                        Routing(scoring="sigmoid", score_bias=True))
+        if arch == "Ernie4_5_MoeForCausalLM":
+            return ernie_moe(cfg)
         if arch == "OlmoeForCausalLM":  # every layer sparse, its experts intermediate_size wide
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0,
                        bool(cfg.get("norm_topk_prob", False)), 1, ())
@@ -76,6 +78,21 @@ class MoeArgs:
                    cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0,
                    bool(cfg.get("norm_topk_prob", False)), cfg.get("decoder_sparse_step", 1) or 1,
                    tuple(cfg.get("mlp_only_layers") or ()))
+
+
+def ernie_moe(cfg: dict) -> MoeArgs:
+    """ERNIE 4.5's MoE as transformers reads it: softmax scores, the choice steered by a bias
+    (`moe_statics`), renormalised; shared experts beside the routed ones; sparse every
+    moe_layer_interval-th layer from moe_layer_start_index to moe_layer_end_index."""
+    if cfg.get("use_bias"):
+        raise ValueError("ERNIE 4.5 MoE with use_bias (biased shared experts) is not supported")
+    n = cfg["num_hidden_layers"]
+    first, last = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_end_index", -1)
+    last = n - 1 if last in (-1, None) else last
+    width = cfg.get("moe_intermediate_size", 1536)
+    return MoeArgs(cfg.get("moe_num_experts", 64), cfg.get("moe_k", 6), width,
+                   width * (cfg.get("moe_num_shared_experts") or 0), True, cfg.get("moe_layer_interval") or 1,
+                   tuple(i for i in range(n) if not first <= i <= last), Routing(score_bias=True), shared_gate=False)
 
 
 # What transformers' config class assumes where a DeepSeek-style config leaves a routing field out
@@ -138,7 +155,8 @@ DENSE_ARCHS = (
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
-INTERLEAVED_ROPE = ("Glm4ForCausalLM", "Ernie4_5ForCausalLM")  # rotary on (even, odd) pairs
+ERNIE = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
+INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE)  # rotary on (even, odd) pairs
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -199,8 +217,9 @@ class ModelArgs:
         if arch in DEEPSEEK_ARCHS:
             return deepseek_args(arch, cfg)
         heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        ernie_bias = arch == "Ernie4_5ForCausalLM" and bool(cfg.get("use_bias", False))  # every projection
+        head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
+                    ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
+        ernie_bias = arch in ERNIE and bool(cfg.get("use_bias", False))  # every projection
         attention_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
@@ -335,7 +354,7 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
               or (0.5 if arch == "Glm4MoeForCausalLM" else 1.0))
     dim = int(head_dim * factor)
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
-                     "MiniMaxM2ForCausalLM": 5_000_000.0}.get(arch, 10_000.0)
+                     "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)
     theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta)
     kind = glob.get("rope_type", glob.get("type", "default"))
     if kind in ("longrope", "su"):  # Phi-3 (early configs said "su"); its lengths sit beside rope_scaling

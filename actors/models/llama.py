@@ -42,6 +42,9 @@ NORM_NAMES = {
                  "pre_feedforward_layernorm": "pre_mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
     "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
 }
+# Multi-token-prediction modules some releases carry beside the model (ERNIE 4.5's mtp_block,
+# MiMo's mtp_layers): not run (DeepSeek's and GLM's sit in a layer past the last, skipped as such)
+MTP_WEIGHTS = re.compile(r"(^|\.)mtp[._]")
 GLM4_NORM_NAMES = {"input_layernorm": "input_layernorm", "post_self_attn_layernorm": "post_attn_norm",
                    "post_attention_layernorm": "pre_mlp_norm", "post_mlp_layernorm": "post_mlp_norm"}
 
@@ -274,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
         dim/start/size pick this rank's slice of the checkpoint tensor (dim None: all of it).
         """
         a, p = self.args, self.p
-        if "rotary_emb.inv_freq" in name:
+        if "rotary_emb.inv_freq" in name or MTP_WEIGHTS.search(name):
             return None
         m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
         if m:

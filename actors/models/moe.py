@@ -1,5 +1,6 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE, OLMoE,
-GLM-4.5 (DeepSeek-V3's routing on GQA attention), MiniMax-M2 (sigmoid routing with a bias), and
+GLM-4.5 (DeepSeek-V3's routing on GQA attention), MiniMax-M2 (sigmoid routing with a bias), ERNIE 4.5
+(softmax routing with a bias), and
 the MoE half of DeepSeek (shared experts, grouped routing; its attention: actors/models/deepseek.py).
 
 The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
@@ -189,6 +190,8 @@ class SparseMoeBlock(nn.Module):
             return _ffn_rule("shared_expert.", ".weight", EXPERT_PROJ[m.group(1)], self.p.tp_rank * w, w)
         if rest == "e_score_correction_bias":  # MiniMax-M2 keeps the routing bias beside its router
             return ("gate.e_score_correction_bias", 0, None, 0, 0)
+        if rest == "moe_statics.e_score_correction_bias":  # ERNIE 4.5's: [1, experts]
+            return ("gate.e_score_correction_bias", 0, lambda t: t[:].reshape(-1), 0, 0)
         return (rest, 0, None, 0, 0)  # the router and the shared expert's gate: whole on every rank
 
 
