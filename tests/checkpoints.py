@@ -15,7 +15,7 @@ import torch
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2",
-         "glm4_moe_lite", "ernie4_5_moe",
+         "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
@@ -69,6 +69,12 @@ MOE_DEFAULTS = {
     # softmax routing steered by a bias, shared experts, the first layer dense; ERNIE's interleaved rotary
     "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
                          moe_layer_start_index=1, num_hidden_layers=3),
+    # Granite's multipliers far from 1 (as "granite" below); experts stacked; Shared: an ungated shared MLP
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,
+                       residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
+    "granitemoeshared": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                             shared_intermediate_size=48, embedding_multiplier=3.0, residual_multiplier=0.5,
+                             attention_multiplier=0.2, logits_scaling=2.0),
 }
 # Random weights at std 0.02 give a near-uniform next-token distribution and greedy
 # output that repeats one token; a larger std gives confident, varied argmax choices.
@@ -256,12 +262,13 @@ def _image_text_config(arch: str, text):
 
 
 def _config(arch: str, vocab_size: int, overrides: dict):
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Ernie4_5Config, Ernie4_5_MoeConfig, Exaone4Config, Gemma2Config,
-                              Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, Glm4MoeLiteConfig, MiniMaxM2Config,
-                              OlmoeConfig, SeedOssConfig,
-                              GptOssConfig, GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig, MixtralConfig,
-                              Olmo2Config, Olmo3Config,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (
+        DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config,
+        Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, Glm4MoeLiteConfig, GptOssConfig, GraniteConfig,
+        GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MiniMaxM2Config, MinistralConfig, MistralConfig,
+        MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+        Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
+    )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
     # them only where the shape tells the layouts apart
@@ -298,7 +305,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "granite": GraniteConfig, "glm4": Glm4Config, "smollm3": SmolLM3Config, "deepseek_v2": DeepseekV2Config,
                 "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig, "olmoe": OlmoeConfig,
                 "glm4_moe": Glm4MoeConfig, "minimax_m2": MiniMaxM2Config, "glm4_moe_lite": Glm4MoeLiteConfig,
-                "ernie4_5_moe": Ernie4_5_MoeConfig}
+                "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig,
+                "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")

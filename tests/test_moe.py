@@ -32,6 +32,8 @@ MOE_CASES = {
     "minimax_m2": ("minimax_m2", {}),  # sigmoid routing with a bias, all-heads q/k norms, partial rotary
     "glm4_moe_lite": ("glm4_moe_lite", {}),  # DeepSeek-V3's latent attention, a dense layer after the MoE one
     "ernie4_5_moe": ("ernie4_5_moe", {}),  # softmax routing steered by a bias, shared experts, interleaved rotary
+    "granitemoe": ("granitemoe", {}),  # experts stacked, softmax over the top-k logits, Granite's multipliers
+    "granitemoeshared": ("granitemoeshared", {}),  # and an ungated shared MLP beside the block
     "ernie4_5_moe-interval": ("ernie4_5_moe", dict(num_hidden_layers=4, moe_layer_interval=2, moe_layer_end_index=2)),
 }
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
@@ -177,6 +179,44 @@ def test_multi_token_prediction_modules_beside_the_model_are_skipped(checkpoint_
     assert_matches_hf(src, prompts, llm.generate(prompts, PARAMS))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_vl_moe", "granitemoe"])
+def test_stacked_experts_fill_their_slots_and_reload_after_a_replan(checkpoint_factory, arch):
+    """Experts stacked in one tensor per projection (Qwen3-VL-MoE's [E, H, 2I] / [E, I, H],
+    Granite's [E, 2I, H] / [E, H, I]): rank 1 of ep=2 with 2 redundant slots (built in process,
+    weights only) holds each slot's expert as transformers' model holds it; after a re-plan that
+    swaps the ranks' experts, only the stacked tensors are read again."""
+    from oracle import hf_model
+
+    from actors.distributed.parallel import Parallel
+    from actors.worker.checkpoint_files import read_config
+    from actors.worker.loader import build_model, load_selected
+
+    path = checkpoint_factory(arch)
+    p = Parallel(tp_size=2, rank=1, expert_parallel=True, redundant_experts=2)
+    model = build_model(path, read_config(path), torch.float32, torch.device("cpu"), 64, p)
+    hf = hf_model(path).model
+    experts = ([x.block_sparse_moe.experts for x in hf.layers] if arch == "granitemoe"
+               else [x.mlp.experts for x in hf.language_model.layers])
+    theirs = [(e.gate_up_proj, e.down_proj) for e in experts]  # (transformers' layout is ours)
+    blocks = [layer.mlp for layer in model.model.layers]
+
+    def check():
+        for block, (gate_up, down) in zip(blocks, theirs):
+            for slot, e in enumerate(block.local_slots()):
+                assert torch.equal(block.experts.gate_up_proj[slot], gate_up[e])
+                assert torch.equal(block.experts.down_proj[slot], down[e])
+
+    check()
+    assert blocks[0].slots_per_rank == 5
+    plans = {i: b.placement[5:] + b.placement[:5] for i, b in enumerate(blocks)}
+    assert set(blocks[0].local_slots(plans[0])) != set(blocks[0].local_slots())
+    read = load_selected(model, path, model.expert_reload_rule(plans, {i: set(range(5)) for i in plans}))
+    assert read == 2 * len(blocks)  # per layer: the stacked gate/up and down
+    for i, block in enumerate(blocks):
+        block.set_placement(plans[i])
+    check()
+
+
 def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
     engine = AsyncEngine(EngineConfig(model_path=str(checkpoint_factory("qwen3_moe")), num_kv_blocks=32,
                                       eplb_window_size=4))
@@ -269,11 +309,12 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "minimax_m2", "qwen3_vl_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "minimax_m2", "qwen3_vl_moe", "granitemoeshared"])
 def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_factory, arch):
     """tp=2: each rank holds half of every expert's width (DeepSeek: and half the heads, the
     latent cache whole; MiniMax-M2: its all-heads q/k norms over both ranks; Qwen3-VL-MoE: each
-    rank's slice of the experts stacked in one tensor); DeepSeek also through the feature mix."""
+    rank's slice of the experts stacked in one tensor; GraniteMoeShared: its stacked experts and fused
+    shared MLP); DeepSeek also through the feature mix."""
     path = checkpoint_factory(arch)
     llm = LLM(str(path), tp_size=2, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5)
     try:

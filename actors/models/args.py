@@ -5,7 +5,9 @@ import math
 from dataclasses import dataclass
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM")
+             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM",
+             "GraniteMoeSharedForCausalLM")
+GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # the four multipliers
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
@@ -62,6 +64,9 @@ class MoeArgs:
                        swiglu=(cfg.get("swiglu_alpha", 1.702), cfg.get("swiglu_limit", 7.0)))
         if arch == "MixtralForCausalLM":  # every layer is sparse; top-k always renormalised
             return cls(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], 0, True, 1, ())
+        if arch in GRANITE[1:]:  # every layer sparse, softmax over the top-k logits; Shared: an ungated shared MLP
+            return cls(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"],
+                       cfg.get("shared_intermediate_size") or 0, True, 1, (), shared_gate=False)
         if arch in (*DEEPSEEK_ARCHS, "Glm4MoeForCausalLM"):
             return deepseek_moe(arch, cfg)
         if arch == "MiniMaxM2ForCausalLM":  # every layer sparse; sigmoid scores, chosen with a bias, renormalised
@@ -224,7 +229,7 @@ class ModelArgs:
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
         gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
-        granite = arch == "GraniteForCausalLM"
+        granite = arch in GRANITE
         rope, local_rope = ropes(arch, cfg, head_dim)
         return cls(
             architecture=arch,

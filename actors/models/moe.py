@@ -1,7 +1,7 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE, OLMoE,
 GLM-4.5 (DeepSeek-V3's routing on GQA attention), MiniMax-M2 (sigmoid routing with a bias), ERNIE 4.5
-(softmax routing with a bias), and
-the MoE half of DeepSeek (shared experts, grouped routing; its attention: actors/models/deepseek.py).
+(softmax routing with a bias), Granite MoE (its experts stacked, an ungated shared MLP), and the
+MoE half of DeepSeek (shared experts, grouped routing; its attention: actors/models/deepseek.py).
 
 The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
 Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/models/eplb.py):
@@ -174,6 +174,13 @@ class SparseMoeBlock(nn.Module):
             rules = [(f"experts.{m.group(1)}", 0, take(expert, start, self.width), 0, 0, slot)
                      for slot, expert in enumerate(self.local_slots(placement)) if only is None or slot in only]
             return rules or None
+        m = re.match(r"(input|output)_linear\.weight$", rest)
+        if m:  # Granite's MoE: every expert in one tensor, already [E, 2I, H] / [E, H, I]
+            start = 0 if self.p.expert_parallel else self.p.tp_rank * self.width
+            name, take = ("gate_up_proj", stacked_rows) if m.group(1) == "input" else ("down_proj", stacked_columns)
+            rules = [(f"experts.{name}", 0, take(expert, start, self.width), 0, 0, slot)
+                     for slot, expert in enumerate(self.local_slots(placement)) if only is None or slot in only]
+            return rules or None
         m = re.match(r"experts\.(\d+)\.(\w+)\.weight$", rest)
         if m:
             slots = [j for j, e in enumerate(self.local_slots(placement))
@@ -190,6 +197,8 @@ class SparseMoeBlock(nn.Module):
             return _ffn_rule("shared_expert.", ".weight", EXPERT_PROJ[m.group(1)], self.p.tp_rank * w, w)
         if rest == "e_score_correction_bias":  # MiniMax-M2 keeps the routing bias beside its router
             return ("gate.e_score_correction_bias", 0, None, 0, 0)
+        if rest == "router.layer.weight":  # Granite's router
+            return ("gate.weight", 0, None, 0, 0)
         if rest == "moe_statics.e_score_correction_bias":  # ERNIE 4.5's: [1, experts]
             return ("gate.e_score_correction_bias", 0, lambda t: t[:].reshape(-1), 0, 0)
         return (rest, 0, None, 0, 0)  # the router and the shared expert's gate: whole on every rank
@@ -208,6 +217,20 @@ def stacked_gate_up(expert: int, start: int, width: int):
 def stacked_down(expert: int, start: int, width: int):
     """[E, I, H] -> this expert's [H, width] (its columns start..)."""
     return lambda t: t[expert:expert + 1, start:start + width][0].t()
+
+
+def stacked_rows(expert: int, start: int, width: int):
+    """[E, 2I, H] (gate rows, then up rows: our own layout) -> this expert's [2 * width, H]."""
+    def take(t):
+        rows = t[expert:expert + 1][0]
+        half = rows.shape[0] // 2
+        return torch.cat((rows[start:start + width], rows[half + start:half + start + width]))
+    return take
+
+
+def stacked_columns(expert: int, start: int, width: int):
+    """[E, H, I] (our own layout) -> this expert's [H, width]."""
+    return lambda t: t[expert:expert + 1, :, start:start + width][0]
 
 
 STACKED_PARTS = {"gate_up_proj": stacked_gate_up, "down_proj": stacked_down}
@@ -233,6 +256,13 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def _layer_rule(self, prefix: str, rest: str):
         rest = rest.replace("block_sparse_moe.", "mlp.", 1)  # Mixtral's name for the block
+        if rest.startswith("shared_mlp."):  # GraniteMoeShared's, beside the block: [gate; up] fused
+            w = self.model.layers[int(prefix.split(".")[2])].mlp.shared_expert.down_proj.in_features
+            full = self.args.moe.shared_intermediate_size
+            if rest == "shared_mlp.input_linear.weight":
+                return [(f"{prefix}mlp.shared_expert.gate_up_proj.weight", 0, 0, self.p.tp_rank * w, w),
+                        (f"{prefix}mlp.shared_expert.gate_up_proj.weight", w, 0, full + self.p.tp_rank * w, w)]
+            return (f"{prefix}mlp.shared_expert.down_proj.weight", 0, 1, self.p.tp_rank * w, w)
         block = self.model.layers[int(prefix.split(".")[2])].mlp
         if not (isinstance(block, SparseMoeBlock) and rest.startswith("mlp.")):
             return super()._layer_rule(prefix, rest)
@@ -242,7 +272,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         """weight_rule for fetching only the experts that `plans` (global layer -> placement)
         moves into new local slots (`changed`: global layer -> those slots)."""
         def rule(name: str):
-            m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\..*)", name)
+            m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\..*|(?:in|out)put_linear\.weight)",
+                         name)
             layer = int(m.group(1)) if m else None
             if layer not in plans:
                 return None
