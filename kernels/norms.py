@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 exactly as Hugging Face Llama/Qwen (or Gemma) do."""
+"""RMSNorm, computed in float32 exactly as Hugging Face Llama/Qwen (or Gemma) do; Cohere's LayerNorm."""
 import torch
 from torch import nn
 
@@ -28,3 +28,19 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (offset + weight.float())).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Cohere's LayerNorm: mean-centred, a weight and no bias, in float32. A 2-D weight
+    [heads, head_dim] (Cohere's q/k norms) gives each head its own."""
+
+    def __init__(self, size, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        centred = xf - xf.mean(-1, keepdim=True)
+        xf = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(torch.float32) * xf).to(x.dtype)

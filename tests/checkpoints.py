@@ -17,7 +17,7 @@ from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model shi
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2",
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
-         "seed_oss", "ernie4_5", "exaone4", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -191,6 +191,10 @@ FAMILY_DEFAULTS = {
     # a sliding layer with rotary, a global one without (NoPE); q/k norms per head; norms after
     "exaone4": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=16),
+    # LayerNorm, attention and MLP in parallel, interleaved rotary, a logit scale; Cohere's per-head
+    # q/k LayerNorms (Command R+); Cohere 2's sliding layers with rotary, global ones without
+    "cohere": dict(logit_scale=0.5, use_qk_norm=True, layer_norm_eps=1e-5),
+    "cohere2": dict(logit_scale=0.5, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     # a sliding layer, then a global one with its own (scaled) rotary
     "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -263,7 +267,7 @@ def _image_text_config(arch: str, text):
 
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
-        DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config,
+        Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config,
         Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, Glm4MoeLiteConfig, GptOssConfig, GraniteConfig,
         GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MiniMaxM2Config, MinistralConfig, MistralConfig,
         MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
@@ -305,7 +309,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "granite": GraniteConfig, "glm4": Glm4Config, "smollm3": SmolLM3Config, "deepseek_v2": DeepseekV2Config,
                 "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig, "olmoe": OlmoeConfig,
                 "glm4_moe": Glm4MoeConfig, "minimax_m2": MiniMaxM2Config, "glm4_moe_lite": Glm4MoeLiteConfig,
-                "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig,
+                "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig, "cohere": CohereConfig,
+                "cohere2": Cohere2Config,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

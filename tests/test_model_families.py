@@ -41,6 +41,9 @@ FAMILIES = {
     "seed_oss": {},
     "ernie4_5": {},
     "exaone4": {},
+    "cohere": {},  # Command R+: per-head q/k LayerNorms (use_qk_norm)
+    "cohere-aya": dict(arch="cohere", use_qk_norm=False),  # Command R, Aya Expanse
+    "cohere2": {},  # Command R7B, Command A
     "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
 }
 SHARED = [random.Random(3).randrange(500) for _ in range(12)]
@@ -116,6 +119,10 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
     assert ernie.rope.interleaved and ernie.qkv_bias and ernie.o_bias and ernie.mlp_bias
     assert exaone.qk_norm == "head" and exaone.norms == "post" and exaone.layer_windows == (8, None)
     assert exaone.nope_layers == (False, True)
+    cohere, cohere2 = args("cohere"), args("cohere2")
+    assert (cohere.norms, cohere.norm_kind, cohere.qk_norm, cohere.logit_scale) == ("parallel", "layer", "head_layer", 0.5)
+    assert cohere.rope.interleaved and cohere.rms_norm_eps == 1e-5
+    assert cohere2.layer_windows == (8, None) and cohere2.nope_layers == (False, True) and cohere2.qk_norm is None
 
 
 def test_unsupported_architecture_fails_at_start_with_one_line(checkpoint_factory, tmp_path):
@@ -144,7 +151,8 @@ def local_ray():
 @pytest.mark.parametrize("name,options", [
     ("gemma2", {}), ("gemma3", {}), ("phi3", {}), ("granite", {}), ("glm4", {}),
     ("olmo2", dict(num_key_value_heads=1)),  # its all-heads k norm with the one KV head on both ranks
-], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1"])  # DeepSeek at tp=2: tests/test_moe.py
+    ("cohere", {}),  # each rank its heads' q/k LayerNorm weights
+], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

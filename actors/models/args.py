@@ -155,13 +155,14 @@ DENSE_ARCHS = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
-    "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
+    "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
 )
+COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
 ERNIE = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
-INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE)  # rotary on (even, odd) pairs
+INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE, *COHERE)  # rotary on (even, odd) pairs
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -192,7 +193,9 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2, GLM-4, or Llama's attention_bias
     o_bias: bool  # Llama's attention_bias
-    qk_norm: str | None  # "head": per head (Qwen3, Gemma 3); "all": over all heads (OLMo 2)
+    # "head": per head (Qwen3, Gemma 3); "all": over all heads (OLMo 2); "head_layer": Cohere's
+    # LayerNorm per head, each head its own weights
+    qk_norm: str | None
     mlp_bias: bool
     moe: MoeArgs | None = None  # None: a dense model
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: sees everything)
@@ -206,7 +209,11 @@ class ModelArgs:
     residual_scale: float = 1.0  # Granite: each block's output is scaled before it is added
     logits_divisor: float = 1.0  # Granite: logits / logits_scaling
     activation: str = "silu"  # of the gated MLP: silu | gelu_tanh (Gemma's GeGLU)
-    norms: str = "pre"  # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2)
+    # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2) | parallel (Cohere: one
+    # norm, attention and MLP both read it, both added to the residual)
+    norms: str = "pre"
+    norm_kind: str = "rms"  # rms | layer (Cohere: mean-centred, weight only)
+    logit_scale: float = 1.0  # Cohere: the logits are multiplied by it
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
@@ -240,18 +247,19 @@ class ModelArgs:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("layer_norm_eps", 1e-5) if arch in COHERE else cfg.get("rms_norm_eps", 1e-6),
             rope=rope,
             local_rope=local_rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_norms)),  # Gemma ties by default
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_norms or arch in COHERE)),  # tied by default
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in GLM),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                                         "Exaone4ForCausalLM")
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
-                     else "all" if arch in ALL_HEADS_QK_NORM else None),
+                     else "all" if arch in ALL_HEADS_QK_NORM
+                     else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm") else None),
             clip_qkv=cfg.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
             mlp_bias=bool(cfg.get("mlp_bias", False)) or ernie_bias,
             moe=MoeArgs.from_hf(arch, cfg),
@@ -269,7 +277,9 @@ class ModelArgs:
             activation=gated_activation(_gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act")
                                                            or "silu")),
             norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
-                   else "post" if arch in (*OLMO, "Exaone4ForCausalLM") else "pre"),
+                   else "post" if arch in (*OLMO, "Exaone4ForCausalLM") else "parallel" if arch in COHERE else "pre"),
+            norm_kind="layer" if arch in COHERE else "rms",
+            logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
         )
@@ -307,6 +317,8 @@ def nope_layers(arch: str, cfg: dict) -> tuple[bool, ...]:
     `no_rope_layer_interval`-th layer); EXAONE 4's global layers where its config has a window."""
     if arch == "Exaone4ForCausalLM":  # (as transformers: whenever the config names a window)
         return tuple(w is None for w in layer_windows(arch, cfg)) if cfg.get("sliding_window") else ()
+    if arch == "Cohere2ForCausalLM":  # rotary in its sliding layers only
+        return tuple(w is None for w in layer_windows(arch, cfg))
     if arch != "SmolLM3ForCausalLM":
         return ()
     n, every = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval", 4)
@@ -340,8 +352,8 @@ def layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:
         return tuple(window if t == "sliding_attention" else None for t in types)
     if arch == "Gemma2ForCausalLM":  # even layers slide
         return tuple(window if (i + 1) % 2 else None for i in range(n))
-    if arch in ("Gemma3ForCausalLM", "Olmo3ForCausalLM"):  # five (OLMo 3: three) local layers, then a global one
-        pattern = cfg.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 4)
+    if arch in ("Gemma3ForCausalLM", "Olmo3ForCausalLM", "Cohere2ForCausalLM"):  # five (OLMo 3, Cohere 2: three)
+        pattern = cfg.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 4)  # local, one global
         return tuple(window if (i + 1) % pattern else None for i in range(n))
     if arch in QWEN_WINDOWS:  # the layers from max_window_layers on
         return tuple(window if i >= cfg.get("max_window_layers", n) else None for i in range(n))

@@ -7,8 +7,9 @@ Gemma 3's local rotary base), Phi-3 (fused qkv / gate_up in the checkpoint, long
 rotary), OLMo 2 / 3 (q/k norm over all heads, norms after each sublayer only; OLMo 3's sliding
 layers' own rotary), Granite (its four multipliers), GLM-4 (interleaved partial rotary, norms
 after each sublayer too), SmolLM3 (layers without rotary), Seed-OSS (biased q/k/v), ERNIE 4.5
-(interleaved rotary, biases) and EXAONE 4 (per-head q/k norms, norms after each sublayer,
-global layers without rotary). What
+(interleaved rotary, biases), EXAONE 4 (per-head q/k norms, norms after each sublayer,
+global layers without rotary) and Cohere / Cohere 2 (LayerNorm, attention and MLP in parallel
+off one norm, a logit scale; Cohere's per-head q/k LayerNorms). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
@@ -31,7 +32,7 @@ from actors.models.layers import (
 from kernels import kv_quant, triton_fused
 from kernels.activation import gated_activation
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
-from kernels.norms import RMSNorm
+from kernels.norms import LayerNorm, RMSNorm
 from kernels.rotary import apply_rotary, cos_sin_cache
 
 # Checkpoint norm names -> ours, by where the family puts its norms (ModelArgs.norms). Ours:
@@ -41,6 +42,7 @@ NORM_NAMES = {
     "sandwich": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attn_norm",
                  "pre_feedforward_layernorm": "pre_mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
     "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
+    "parallel": {"input_layernorm": "input_layernorm"},
 }
 # Multi-token-prediction modules some releases carry beside the model (ERNIE 4.5's mtp_block,
 # MiMo's mtp_layers): not run (DeepSeek's and GLM's sit in a layer past the last, skipped as such)
@@ -94,11 +96,14 @@ class Attention(nn.Module):
         if a.qk_norm == "head":
             self.q_norm = RMSNorm(self.d, a.rms_norm_eps, a.norm_offset)
             self.k_norm = RMSNorm(self.d, a.rms_norm_eps, a.norm_offset)
+        elif a.qk_norm == "head_layer":  # Cohere: this rank's heads' own weights
+            self.q_norm = LayerNorm((self.h, self.d), a.rms_norm_eps)
+            self.k_norm = LayerNorm((self.kvh, self.d), a.rms_norm_eps)
         elif a.qk_norm == "all":
             copies = max(1, p.tp_size // a.num_kv_heads)
             self.q_norm = AllHeadsNorm(self.h * self.d, a.num_heads * self.d, a.rms_norm_eps, p)
             self.k_norm = AllHeadsNorm(self.kvh * self.d, a.num_kv_heads * self.d, a.rms_norm_eps, p, copies)
-        self.per_head_norm = a.qk_norm == "head"
+        self.per_head_norm = a.qk_norm in ("head", "head_layer")
         self.scale = a.attn_scale if a.attn_scale is not None else self.d ** -0.5
         self.window = a.layer_windows[layer] if a.layer_windows else None
         self.softcap = a.attn_softcap
@@ -107,7 +112,7 @@ class Attention(nn.Module):
         self.interleaved = a.rope.interleaved
         rope = a.local_rope if self.local_rope else a.rope
         # Norm, rotary and the KV write in one Triton kernel: whole-head rotate-half rotary.
-        self.fusable = (a.qk_norm != "all" and rope.dim == self.d and not rope.interleaved
+        self.fusable = (a.qk_norm in (None, "head") and rope.dim == self.d and not rope.interleaved
                         and a.clip_qkv is None and triton_fused.enabled())
         self.clip = a.clip_qkv
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
@@ -163,11 +168,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
-        norm = lambda: RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)  # noqa: E731
+        norm = lambda: make_norm(a)  # noqa: E731
         self.input_layernorm = norm() if a.norms != "post" else None
-        self.pre_mlp_norm = norm() if a.norms != "post" else None
-        self.post_attn_norm = norm() if a.norms != "pre" else None
-        self.post_mlp_norm = norm() if a.norms != "pre" else None
+        self.pre_mlp_norm = norm() if a.norms in ("pre", "sandwich") else None
+        self.post_attn_norm = norm() if a.norms in ("post", "sandwich") else None
+        self.post_mlp_norm = norm() if a.norms in ("post", "sandwich") else None
+        self.parallel = a.norms == "parallel"
         self.residual_scale = a.residual_scale
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
         self.fusable = fused_block(a)
@@ -175,6 +181,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, meta):
         if meta.triton is not None and self.fusable:
             return self._fused(x, cos, sin, meta)
+        if self.parallel:  # Cohere: both sublayers read the one norm
+            h = self.input_layernorm(x)
+            return x + self.self_attn(h, cos, sin, meta) + self.mlp(h)
         x = x + self._scaled(self.post_attn_norm, self.self_attn(_norm(self.input_layernorm, x), cos, sin, meta))
         return x + self._scaled(self.post_mlp_norm, self.mlp(_norm(self.pre_mlp_norm, x)))
 
@@ -192,9 +201,15 @@ class DecoderLayer(nn.Module):
 
 
 def fused_block(a: ModelArgs) -> bool:
-    """Whether a decoder layer runs its Triton-backend steps through the fused kernels: norms
+    """Whether a decoder layer runs its Triton-backend steps through the fused kernels: RMS norms
     before each sublayer only, so the residual add and the next norm fuse."""
-    return a.norms == "pre" and a.residual_scale == 1.0 and triton_fused.enabled()
+    return a.norms == "pre" and a.norm_kind == "rms" and a.residual_scale == 1.0 and triton_fused.enabled()
+
+
+def make_norm(a: ModelArgs) -> nn.Module:
+    if a.norm_kind == "layer":
+        return LayerNorm(a.hidden_size, a.rms_norm_eps)
+    return RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
 
 
 def _norm(norm, x):
@@ -208,7 +223,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, p)
         self.layers = nn.ModuleList(DecoderLayer(a, p, make_attention(i), make_mlp(i)) for i in p.layers(a.num_layers))
         if p.last_stage:
-            self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
+            self.norm = make_norm(a)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -217,7 +232,8 @@ class LlamaForCausalLM(nn.Module):
         self.args, self.p = args, p or Parallel()
         self.model = LlamaModel(args, self.p, self.make_attention, self.make_mlp)
         self.first_layer = self.p.layers(args.num_layers).start
-        self.fused_norm = triton_fused.enabled()  # the final norm, on steps of the Triton backend
+        # the final norm, on steps of the Triton backend
+        self.fused_norm = triton_fused.enabled() and args.norm_kind == "rms"
         if self.p.last_stage:
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, self.p)
         # Room for the rotary tables only: the model is built on the meta device, where
@@ -265,6 +281,8 @@ class LlamaForCausalLM(nn.Module):
         a = self.args
         if a.logits_divisor != 1.0:  # Granite
             logits = logits / a.logits_divisor
+        if a.logit_scale != 1.0:  # Cohere
+            logits = logits * a.logit_scale
         if a.final_softcap:  # Gemma 2
             logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
@@ -324,6 +342,9 @@ class LlamaForCausalLM(nn.Module):
         if a.qk_norm == "all":  # OLMo 2: this rank's heads' channels
             rules["self_attn.q_norm"] = ("self_attn.q_norm", 0, 0, p.tp_rank * h * d, h * d)
             rules["self_attn.k_norm"] = ("self_attn.k_norm", 0, 0, kv0 * d, kvh * d)
+        if a.qk_norm == "head_layer":  # Cohere: this rank's heads' rows
+            rules["self_attn.q_norm"] = ("self_attn.q_norm", 0, 0, p.tp_rank * h, h)
+            rules["self_attn.k_norm"] = ("self_attn.k_norm", 0, 0, kv0, kvh)
         if rest == "self_attn.sinks":  # gpt-oss: one per head, split like the heads
             return (f"{prefix}self_attn.sinks", 0, 0, p.tp_rank * h, h)
         module = rest.rsplit(".", 1)[0]
