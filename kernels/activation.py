@@ -1,4 +1,5 @@
-"""Gated activations over a fused gate/up projection (gate rows first, then up)."""
+"""Gated activations over a fused gate/up projection (gate rows first, then up), and the plain
+ones of ungated MLPs."""
 import torch
 import torch.nn.functional as F
 
@@ -16,3 +17,7 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gated_activation(name: str):
     return {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[name]
+
+
+def plain_activation(name: str):
+    return {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}[name]

@@ -17,7 +17,7 @@ from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model shi
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2",
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
-         "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -195,6 +195,8 @@ FAMILY_DEFAULTS = {
     # q/k LayerNorms (Command R+); Cohere 2's sliding layers with rotary, global ones without
     "cohere": dict(logit_scale=0.5, use_qk_norm=True, layer_norm_eps=1e-5),
     "cohere2": dict(logit_scale=0.5, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    # LayerNorms with biases, an ungated GELU MLP, every projection biased, a window on every layer
+    "starcoder2": dict(sliding_window=8, norm_epsilon=1e-5),
     # a sliding layer, then a global one with its own (scaled) rotary
     "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -271,7 +273,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, Glm4MoeLiteConfig, GptOssConfig, GraniteConfig,
         GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MiniMaxM2Config, MinistralConfig, MistralConfig,
         MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-        Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
+        Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
@@ -310,7 +312,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig, "olmoe": OlmoeConfig,
                 "glm4_moe": Glm4MoeConfig, "minimax_m2": MiniMaxM2Config, "glm4_moe_lite": Glm4MoeLiteConfig,
                 "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig, "cohere": CohereConfig,
-                "cohere2": Cohere2Config,
+                "cohere2": Cohere2Config, "starcoder2": Starcoder2Config,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -324,7 +326,7 @@ def _init_weights(model, seed: int, std: float) -> None:
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if "norm" in name:
+            if "norm" in name and not name.endswith(".bias"):  # (a LayerNorm's bias: as any bias)
                 param.copy_(1.0 + 0.1 * noise)
             elif name.endswith(".sinks"):  # gpt-oss: logits that outweigh some heads' keys
                 param.copy_(2.0 * noise)

@@ -44,6 +44,7 @@ FAMILIES = {
     "cohere": {},  # Command R+: per-head q/k LayerNorms (use_qk_norm)
     "cohere-aya": dict(arch="cohere", use_qk_norm=False),  # Command R, Aya Expanse
     "cohere2": {},  # Command R7B, Command A
+    "starcoder2": {},
     "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
 }
 SHARED = [random.Random(3).randrange(500) for _ in range(12)]
@@ -152,7 +153,8 @@ def local_ray():
     ("gemma2", {}), ("gemma3", {}), ("phi3", {}), ("granite", {}), ("glm4", {}),
     ("olmo2", dict(num_key_value_heads=1)),  # its all-heads k norm with the one KV head on both ranks
     ("cohere", {}),  # each rank its heads' q/k LayerNorm weights
-], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere"])  # DeepSeek at tp=2: tests/test_moe.py
+    ("starcoder2", {}),  # its ungated MLP's biased up rows split, the down bias added once
+], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

@@ -155,9 +155,10 @@ DENSE_ARCHS = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
-    "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
+    "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
+PLAIN_MLP = ("Starcoder2ForCausalLM",)  # up -> activation -> down, no gate; LayerNorms with biases
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
@@ -212,7 +213,8 @@ class ModelArgs:
     # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2) | parallel (Cohere: one
     # norm, attention and MLP both read it, both added to the residual)
     norms: str = "pre"
-    norm_kind: str = "rms"  # rms | layer (Cohere: mean-centred, weight only)
+    norm_kind: str = "rms"  # rms | layer (Cohere: mean-centred, weight only) | layer_bias (torch's LayerNorm)
+    gated_mlp: bool = True  # False: up -> activation -> down (StarCoder2)
     logit_scale: float = 1.0  # Cohere: the logits are multiplied by it
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
@@ -231,7 +233,9 @@ class ModelArgs:
         heads = cfg["num_attention_heads"]
         head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
                     ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
-        ernie_bias = arch in ERNIE and bool(cfg.get("use_bias", False))  # every projection
+        # every projection biased: ERNIE 4.5 with use_bias, StarCoder2 unless use_bias is off
+        ernie_bias = (arch in ERNIE and bool(cfg.get("use_bias", False))
+                      or arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)))
         attention_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
@@ -247,11 +251,12 @@ class ModelArgs:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("layer_norm_eps", 1e-5) if arch in COHERE else cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in COHERE
+                          else cfg.get("norm_epsilon", 1e-5) if arch in PLAIN_MLP else cfg.get("rms_norm_eps", 1e-6)),
             rope=rope,
             local_rope=local_rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_norms or arch in COHERE)),  # tied by default
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_norms or arch in (*COHERE, *PLAIN_MLP))),
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in GLM),
@@ -274,11 +279,12 @@ class ModelArgs:
                          else cfg.get("embedding_multiplier", 1.0) if granite else 1.0),
             residual_scale=cfg.get("residual_multiplier", 1.0) if granite else 1.0,
             logits_divisor=cfg.get("logits_scaling", 1.0) if granite else 1.0,
-            activation=gated_activation(_gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act")
-                                                           or "silu")),
+            activation=(plain_activation if arch in PLAIN_MLP else gated_activation)(
+                _gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")),
+            gated_mlp=arch not in PLAIN_MLP,
             norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
                    else "post" if arch in (*OLMO, "Exaone4ForCausalLM") else "parallel" if arch in COHERE else "pre"),
-            norm_kind="layer" if arch in COHERE else "rms",
+            norm_kind="layer" if arch in COHERE else "layer_bias" if arch in PLAIN_MLP else "rms",
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
@@ -337,6 +343,15 @@ def gated_activation(name: str) -> str:
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
         return "gelu_tanh"
     raise ValueError(f"unsupported MLP activation {name!r}; supported: silu, gelu_pytorch_tanh")
+
+
+def plain_activation(name: str) -> str:
+    """The activation of an ungated MLP (StarCoder2)."""
+    found = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+             "gelu_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}.get(name)
+    if found is None:
+        raise ValueError(f"unsupported MLP activation {name!r}; supported: gelu_pytorch_tanh, gelu_new, gelu, relu")
+    return found
 
 
 def layer_windows(arch: str, cfg: dict) -> tuple[int | None, ...]:

@@ -9,7 +9,8 @@ layers' own rotary), Granite (its four multipliers), GLM-4 (interleaved partial 
 after each sublayer too), SmolLM3 (layers without rotary), Seed-OSS (biased q/k/v), ERNIE 4.5
 (interleaved rotary, biases), EXAONE 4 (per-head q/k norms, norms after each sublayer,
 global layers without rotary) and Cohere / Cohere 2 (LayerNorm, attention and MLP in parallel
-off one norm, a logit scale; Cohere's per-head q/k LayerNorms). What
+off one norm, a logit scale; Cohere's per-head q/k LayerNorms), StarCoder2 (LayerNorms with
+biases, an ungated MLP). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
@@ -30,7 +31,7 @@ from actors.models.layers import (
     ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard,
 )
 from kernels import kv_quant, triton_fused
-from kernels.activation import gated_activation
+from kernels.activation import gated_activation, plain_activation
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.norms import LayerNorm, RMSNorm
 from kernels.rotary import apply_rotary, cos_sin_cache
@@ -163,6 +164,20 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+class PlainMLP(nn.Module):
+    """up -> activation -> down, no gate (StarCoder2's c_fc / c_proj)."""
+
+    def __init__(self, a: ModelArgs, p: Parallel):
+        super().__init__()
+        width = a.intermediate_size // p.tp_size
+        self.up_proj = ColumnParallelLinear(a.hidden_size, width, a.mlp_bias)
+        self.down_proj = RowParallelLinear(width, a.hidden_size, a.mlp_bias, p)
+        self.act = plain_activation(a.activation)
+
+    def forward(self, x, fused: bool = False):
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs, p: Parallel, attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -209,6 +224,8 @@ def fused_block(a: ModelArgs) -> bool:
 def make_norm(a: ModelArgs) -> nn.Module:
     if a.norm_kind == "layer":
         return LayerNorm(a.hidden_size, a.rms_norm_eps)
+    if a.norm_kind == "layer_bias":
+        return nn.LayerNorm(a.hidden_size, a.rms_norm_eps)
     return RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
 
 
@@ -249,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, layer: int) -> nn.Module:
         """The feed-forward block of (global) layer `layer`; MoE models put their experts here."""
-        return MLP(self.args, self.p)
+        return MLP(self.args, self.p) if self.args.gated_mlp else PlainMLP(self.args, self.p)
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings and self.p.first_stage and self.p.last_stage:
@@ -332,6 +349,9 @@ class LlamaForCausalLM(nn.Module):
             "mlp.gate_proj": ("mlp.gate_up_proj", 0, 0, p.tp_rank * width, width),
             "mlp.up_proj": ("mlp.gate_up_proj", width, 0, p.tp_rank * width, width),
             "mlp.down_proj": ("mlp.down_proj", 0, row_parallel, p.tp_rank * width, width),
+            # an ungated MLP (StarCoder2's names)
+            "mlp.c_fc": ("mlp.up_proj", 0, 0, p.tp_rank * width, width),
+            "mlp.c_proj": ("mlp.down_proj", 0, row_parallel, p.tp_rank * width, width),
             # fused in the checkpoint (Phi-3, GLM-4's MLP): each part's slice of its rows
             "self_attn.qkv_proj": [("self_attn.qkv_proj", 0, 0, p.tp_rank * h * d, h * d),
                                    ("self_attn.qkv_proj", h * d, 0, q_rows + kv0 * d, kvh * d),
