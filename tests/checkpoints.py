@@ -17,7 +17,7 @@ from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model shi
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2",
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
-         "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -79,6 +79,7 @@ MOE_DEFAULTS = {
 # Random weights at std 0.02 give a near-uniform next-token distribution and greedy
 # output that repeats one token; a larger std gives confident, varied argmax choices.
 INIT_STD = 0.2
+FAMILY_INIT_STD = {"gpt2": 0.3}  # (its tiny model's top-2 logits sit too close at 0.2)
 SEED = 1234
 
 # --------------------------------------------------------------------------- corpus
@@ -280,6 +281,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     # them only where the shape tells the layouts apart
     wrapper = {"moe_intermediate_size": 24} if arch == "qwen3_vl_moe" else {}
     arch = IMAGE_TEXT[arch][0] if arch in IMAGE_TEXT else arch  # (the language model's family)
+    if arch in ("opt", "gpt2"):
+        return _learned_positions_config(arch, vocab_size, overrides)
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), **wrapper,
            "vocab_size": vocab_size, **overrides}
     if arch not in ("gemma3", "olmo3"):  # their rope_parameters are by layer type
@@ -319,6 +322,24 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
+def _learned_positions_config(arch: str, vocab_size: int, overrides: dict):
+    """OPT and GPT-2 in their own config fields: DEFAULTS' shape, learned positions."""
+    from transformers import GPT2Config, OPTConfig
+
+    d = DEFAULTS
+    common = dict(bos_token_id=None, dtype="float32", vocab_size=vocab_size)
+    overrides = {"tie_word_embeddings": False, **overrides}
+    if arch == "opt":
+        return OPTConfig(**common, **{**dict(hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+                                             num_attention_heads=d["num_attention_heads"], ffn_dim=d["intermediate_size"],
+                                             max_position_embeddings=d["max_position_embeddings"],
+                                             word_embed_proj_dim=d["hidden_size"], activation_function="relu"),
+                                          **overrides})
+    return GPT2Config(**common, **{**dict(n_embd=d["hidden_size"], n_layer=d["num_hidden_layers"],
+                                          n_head=d["num_attention_heads"], n_inner=d["intermediate_size"],
+                                          n_positions=d["max_position_embeddings"]), **overrides})
+
+
 def _init_weights(model, seed: int, std: float) -> None:
     """Seeded, scaled-up init. Norm weights and biases are random too (not 1 / 0) so a
     loader that forgets to load them gives different logits."""
@@ -340,7 +361,7 @@ def _init_weights(model, seed: int, std: float) -> None:
 
 
 def make_checkpoint(path, arch: str = "llama", *, sharded: bool = False, seed: int = SEED,
-                    init_std: float = INIT_STD, **overrides) -> pathlib.Path:
+                    init_std: float | None = None, **overrides) -> pathlib.Path:
     """Write a tiny random `arch` checkpoint (float32) with tokenizer and chat template.
 
     `overrides` are config fields (hidden_size, num_hidden_layers, num_attention_heads,
@@ -359,6 +380,7 @@ def make_checkpoint(path, arch: str = "llama", *, sharded: bool = False, seed: i
         raise ValueError(f"vocab_size must be >= the tokenizer's {len(tok)} ids")
     config = _config(arch, len(tok), overrides)
     config.eos_token_id, config.pad_token_id = eos, pad
+    init_std = init_std or FAMILY_INIT_STD.get(arch, INIT_STD)
     config.initializer_range = init_std
 
     if arch in IMAGE_TEXT:
@@ -463,6 +485,11 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
 # GPTQModel and AutoAWQ quantize them.
 QUANTIZED_PROJECTIONS = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 FLOAT_UNDER_QUANTIZATION = re.compile(r"\.experts\.|\.shared_experts?\.|kv_b_proj")
+# What --quantization quantizes, under each family's names: the linear layers (OPT's fc1 / fc2 /
+# out_proj, GPT-2's and StarCoder2's c_attn / c_fc / c_proj too), and which of them are row-parallel
+LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|\.c_fc|\.c_attn|\.fc1|\.fc2)\.weight$")
+ROW_PARALLEL_WEIGHTS = re.compile(r"(o_proj|down_proj|out_proj|\.fc2|\.c_proj)\.weight$")
+EMBEDDINGS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "transformer.wte.weight")
 
 
 def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathlib.Path:
@@ -487,16 +514,19 @@ def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathl
     tensors = {}
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
+    embedding = next(n for n in EMBEDDINGS if n in tensors)
     if "lm_head.weight" not in tensors:  # tied: the head gets its own copy
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors["lm_head.weight"] = tensors[embedding].clone()
     config["tie_word_embeddings"] = False
+    conv1d = config.get("model_type") == "gpt2"  # GPT-2's projections are stored [in, out]
     for name, t in tensors.items():
         if FLOAT_UNDER_QUANTIZATION.search(name):  # MoE experts and MLA's absorbed kv_b_proj stay float
             continue
-        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) or (
-                kind in ("int8", "w8a8_int8") and name in ("lm_head.weight", "model.embed_tokens.weight")):
-            parts = t.chunk(tp, dim=1) if name.endswith(("o_proj.weight", "down_proj.weight")) else [t]
-            tensors[name] = torch.cat([dequantize(*quantize(part, kind)) for part in parts], dim=1).to(t.dtype)
+        if LINEAR_WEIGHTS.search(name) or (kind in ("int8", "w8a8_int8") and name in ("lm_head.weight", embedding)):
+            w = t.t() if conv1d and ".h." in name else t  # (as the engine holds it: [out, in])
+            parts = w.chunk(tp, dim=1) if ROW_PARALLEL_WEIGHTS.search(name) else [w]
+            w = torch.cat([dequantize(*quantize(part, kind)) for part in parts], dim=1).to(t.dtype)
+            tensors[name] = w.t().contiguous() if conv1d and ".h." in name else w
     return _write_copy(src, dst, tensors, config)
 
 

@@ -114,7 +114,8 @@ def test_arch_loads_and_is_not_degenerate(checkpoint_factory, arch):
     config = AutoConfig.from_pretrained(path)
     # MLA (DeepSeek, GLM-4.7-Flash): K/V heads = heads (transformers repeats by the ratio); 3 layers
     mla = arch.startswith("deepseek") or arch == "glm4_moe_lite"
-    assert config.num_attention_heads == 4 and config.num_key_value_heads == (4 if mla else 2)
+    kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)  # (OPT, GPT-2: multi-head)
+    assert config.num_attention_heads == 4 and kv_heads == (4 if mla or arch in ("opt", "gpt2") else 2)
     assert config.hidden_size == 64 and config.num_hidden_layers == (3 if mla or arch in ("glm4_moe", "ernie4_5_moe") else 2)
     assert config.vocab_size == 512 and config.max_position_embeddings == 512
     assert config.eos_token_id == 507 and config.pad_token_id == 505

@@ -45,6 +45,10 @@ FAMILIES = {
     "cohere-aya": dict(arch="cohere", use_qk_norm=False),  # Command R, Aya Expanse
     "cohere2": {},  # Command R7B, Command A
     "starcoder2": {},
+    # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
+    "opt": {},
+    "gpt2": {},  # Conv1D weights stored [in, out], q/k/v fused
+    "gpt2-tied": dict(arch="gpt2", tie_word_embeddings=True),
     "qwen2-window": dict(arch="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
 }
 SHARED = [random.Random(3).randrange(500) for _ in range(12)]
@@ -126,6 +130,43 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
     assert cohere2.layer_windows == (8, None) and cohere2.nope_layers == (False, True) and cohere2.qk_norm is None
 
 
+def test_gpt2_as_its_first_release_wrote_it(checkpoint_factory, tmp_path):
+    """`gpt2`'s own files: names without the `transformer.` prefix, the causal-mask buffers
+    (`attn.bias`, `attn.masked_bias`) beside the weights, no lm_head (tied)."""
+    import json
+
+    import torch
+    from checkpoints import _write_copy
+    from safetensors.torch import load_file
+
+    src = checkpoint_factory("gpt2", tie_word_embeddings=True)
+    tensors = {n.removeprefix("transformer."): t for n, t in load_file(src / "model.safetensors").items()}
+    for i in range(2):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 512, 512))
+        tensors[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    (tmp_path / "gpt2").mkdir()
+    path = _write_copy(src, tmp_path / "gpt2", tensors, json.loads((src / "config.json").read_text()))
+    assert "lm_head.weight" not in tensors and "wte.weight" in tensors
+    llm = LLM(str(path), num_kv_blocks=32)
+    try:
+        ids = PROMPTS[0]
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert out[0].outputs[0].token_ids == hf_greedy(src, ids, MAX_TOKENS)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("fields", [dict(do_layer_norm_before=False), dict(word_embed_proj_dim=32)])
+def test_opt_350m_layouts_are_refused_in_one_line(checkpoint_factory, tmp_path, fields):
+    import json
+    import shutil
+
+    path = shutil.copytree(checkpoint_factory("opt"), tmp_path / "opt")
+    (path / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text()) | fields))
+    with pytest.raises(ValueError, match="OPT-350m"):
+        LLM(str(path))
+
+
 def test_unsupported_architecture_fails_at_start_with_one_line(checkpoint_factory, tmp_path):
     import json
     import shutil
@@ -154,7 +195,8 @@ def local_ray():
     ("olmo2", dict(num_key_value_heads=1)),  # its all-heads k norm with the one KV head on both ranks
     ("cohere", {}),  # each rank its heads' q/k LayerNorm weights
     ("starcoder2", {}),  # its ungated MLP's biased up rows split, the down bias added once
-], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2"])  # DeepSeek at tp=2: tests/test_moe.py
+    ("gpt2", {}),  # each rank's heads and MLP columns cut from Conv1D weights stored [in, out]
+], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)
@@ -162,10 +204,10 @@ def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss", "opt"])
 def test_pp2_matches_transformers(local_ray, checkpoint_factory, arch):
     """Two pipeline stages: DeepSeek-V3's latent caches and MoE layers split 2 + 1, gpt-oss's
-    sliding and full layers (and their sinks) one per stage."""
+    sliding and full layers (and their sinks) one per stage, OPT's position table on the first."""
     check(checkpoint_factory(arch), pp_size=2, shard_cpus=0.5)
 
 

@@ -1,9 +1,9 @@
 """Model definitions. Each architecture name maps to the class that implements it. The names
 are known without importing torch (the `shoal serve` driver checks a checkpoint's before it
 starts Ray); the classes are imported when one is asked for."""
-from actors.models.args import DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_OSS, IMAGE_TEXT_ARCHS, MOE_ARCHS
+from actors.models.args import DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_OSS, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS, MOE_ARCHS
 
-ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS)
+ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS)
 
 
 def check_architecture(architecture: str) -> None:
@@ -25,5 +25,8 @@ def model_class(architecture: str):
     if architecture == GPT_OSS:
         from actors.models.gpt_oss import GptOssForCausalLM
         return GptOssForCausalLM
+    if architecture in LEARNED_POSITIONS:
+        from actors.models.gpt import GptForCausalLM
+        return GptForCausalLM
     from actors.models.llama import LlamaForCausalLM
     return LlamaForCausalLM

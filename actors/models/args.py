@@ -11,6 +11,7 @@ GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCa
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
+LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.py
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
 # here, as transformers reads it) runs as the text architecture below, its weights read from
@@ -218,6 +219,8 @@ class ModelArgs:
     logit_scale: float = 1.0  # Cohere: the logits are multiplied by it
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
+    learned_positions: int = 0  # OPT, GPT-2: a table of this many position embeddings (no rotary)
+    position_offset: int = 0  # OPT: position p reads row p + 2
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
 
     @property
@@ -230,6 +233,8 @@ class ModelArgs:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch in DEEPSEEK_ARCHS:
             return deepseek_args(arch, cfg)
+        if arch in LEARNED_POSITIONS:
+            return learned_position_args(arch, cfg)
         heads = cfg["num_attention_heads"]
         head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
                     ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
@@ -312,6 +317,36 @@ def deepseek_args(arch: str, cfg: dict) -> ModelArgs:
         qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=None, mlp_bias=False, moe=MoeArgs.from_hf(arch, cfg), layer_windows=(None,) * cfg["num_hidden_layers"],
         attn_scale=scale, activation=gated_activation(cfg.get("hidden_act") or "silu"), mla=mla)
+
+
+def learned_position_args(arch: str, cfg: dict) -> ModelArgs:
+    """OPT and GPT-2 as transformers reads them: learned absolute positions, LayerNorms with
+    biases before each sublayer, an ungated MLP, every projection biased, full attention."""
+    if arch == "OPTForCausalLM":
+        hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        width, positions, eps = cfg["ffn_dim"], cfg.get("max_position_embeddings", 2048), 1e-5
+        act, bias, offset = cfg.get("activation_function", "relu"), bool(cfg.get("enable_bias", True)), 2
+        if not cfg.get("do_layer_norm_before", True) or cfg.get("word_embed_proj_dim", hidden) != hidden:
+            raise ValueError("OPT with its norms after each sublayer or an embedding projection (OPT-350m) "
+                             "is not supported")
+        scale = None
+    else:
+        hidden, heads, layers = cfg["n_embd"], cfg["n_head"], cfg["n_layer"]
+        width, positions, eps = cfg.get("n_inner") or 4 * hidden, cfg.get("n_positions", 1024), cfg.get(
+            "layer_norm_epsilon", 1e-5)
+        act, bias, offset = cfg.get("activation_function", "gelu_new"), True, 0
+        if cfg.get("scale_attn_by_inverse_layer_idx"):
+            raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx is not supported")
+        scale = None if cfg.get("scale_attn_weights", True) else 1.0
+    head_dim = hidden // heads
+    return ModelArgs(
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=hidden, intermediate_size=width,
+        num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, rms_norm_eps=eps,
+        rope=Rope(10_000.0, None, head_dim), max_position_embeddings=positions,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qkv_bias=bias, o_bias=bias, qk_norm=None,
+        mlp_bias=bias, layer_windows=(None,) * layers, nope_layers=(True,) * layers, attn_scale=scale,
+        activation=plain_activation(act), gated_mlp=False, norm_kind="layer_bias",
+        learned_positions=positions + offset, position_offset=offset)
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -238,6 +238,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         if p.first_stage:
             self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, p)
+        if p.first_stage and a.learned_positions:  # OPT, GPT-2 (actors/models/gpt.py)
+            self.embed_positions = nn.Embedding(a.learned_positions, a.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(a, p, make_attention(i), make_mlp(i)) for i in p.layers(a.num_layers))
         if p.last_stage:
             self.norm = make_norm(a)
@@ -278,6 +280,8 @@ class LlamaForCausalLM(nn.Module):
             x = self.model.embed_tokens(x)
             if self.args.embed_scale != 1.0:  # Gemma: sqrt(hidden) rounded to the dtype, as transformers does
                 x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+            if self.args.learned_positions:
+                x = x + self.model.embed_positions(positions + self.args.position_offset)
         rope = (self.rope_cos[positions], self.rope_sin[positions])
         local = (self.rope_local_cos[positions], self.rope_local_sin[positions]) if self.args.local_rope else rope
         # A NoPE layer rotates by angle 0 (cos 1, sin 0: q and k exactly as they are), so every

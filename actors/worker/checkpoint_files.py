@@ -38,6 +38,9 @@ def resolve_model_path(model: str | None) -> Path:
 # Where older GPTQ / AWQ releases (AutoGPTQ, AutoAWQ) keep their quantization settings when
 # config.json has no quantization_config.
 LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")
+# transformers' GPT2Config.attribute_map: the engine reads the common names
+GPT2_FIELDS = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
+               "max_position_embeddings": "n_positions"}
 
 
 # Qwen-VL's language model is Qwen2's (Qwen3-VL's: Qwen3's) with M-RoPE, whose three position
@@ -58,6 +61,9 @@ def read_config(path: Path) -> dict:
     config = json.loads((path / "config.json").read_text())
     if (config.get("architectures") or [None])[0] in IMAGE_TEXT_ARCHS:
         config = text_config(config)
+    for ours, theirs in GPT2_FIELDS.items():  # GPT-2's own names for the common fields
+        if ours not in config and theirs in config:
+            config[ours] = config[theirs]
     if config.get("quantization_config") is None:
         for name in LEGACY_QUANTIZATION_FILES:
             if (path / name).exists():

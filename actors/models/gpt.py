@@ -1,0 +1,69 @@
+"""OPT and GPT-2 (vLLM's and transformers' first examples, `facebook/opt-125m`, `gpt2`): the
+Llama block with learned absolute positions instead of rotary (ModelArgs.learned_positions; every
+layer rotates by angle 0), LayerNorms with biases, an ungated MLP and biased projections
+(actors/models/args.py learned_position_args). Only their checkpoints' names differ: each is
+translated to the Llama block's, and GPT-2's Conv1D weights, stored [in, out], are transposed.
+"""
+from __future__ import annotations
+
+import re
+
+from actors.models.llama import LlamaForCausalLM
+
+OPT_NAMES = (  # (pattern, replacement) on names without their "model." / "transformer." prefix
+    (r"^decoder\.embed_tokens\.", "model.embed_tokens."),
+    (r"^decoder\.embed_positions\.", "model.embed_positions."),
+    (r"^decoder\.final_layer_norm\.", "model.norm."),
+    (r"^decoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^decoder\.layers\.(\d+)\.self_attn\.", r"model.layers.\1.self_attn."),
+    (r"^decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^decoder\.layers\.(\d+)\.final_layer_norm\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^decoder\.layers\.(\d+)\.fc1\.", r"model.layers.\1.mlp.c_fc."),
+    (r"^decoder\.layers\.(\d+)\.fc2\.", r"model.layers.\1.mlp.c_proj."),
+)
+GPT2_NAMES = (
+    (r"^wte\.", "model.embed_tokens."),
+    (r"^wpe\.", "model.embed_positions."),
+    (r"^ln_f\.", "model.norm."),
+    (r"^h\.(\d+)\.ln_1\.", r"model.layers.\1.input_layernorm."),
+    (r"^h\.(\d+)\.ln_2\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^h\.(\d+)\.attn\.c_attn\.", r"model.layers.\1.self_attn.qkv_proj."),
+    (r"^h\.(\d+)\.attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^h\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
+)
+GPT2_CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+GPT2_MASKS = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # old checkpoints' causal-mask buffers
+
+
+class GptForCausalLM(LlamaForCausalLM):
+    def weight_rule(self, name: str):
+        if name == "lm_head.weight":
+            return super().weight_rule(name)
+        gpt2 = self.args.architecture == "GPT2LMHeadModel"
+        bare = re.sub(r"^(transformer|model)\.", "", name)
+        if gpt2 and GPT2_MASKS.match(bare):
+            return None
+        ours = bare
+        for pattern, replacement in GPT2_NAMES if gpt2 else OPT_NAMES:
+            ours, found = re.subn(pattern, replacement, ours)
+            if found:
+                break
+        if ours == "model.embed_positions.weight":  # whole, on the first stage
+            return (ours, 0, None, 0, 0) if self.p.first_stage else None
+        rule = super().weight_rule(ours)
+        return _transposed(rule) if gpt2 and GPT2_CONV1D.match(bare) else rule
+
+
+def _transposed(rule):
+    """Rules for a weight stored [in, out] (GPT-2's Conv1D): each part cut from the stored
+    tensor as the rule would cut its transpose, then transposed."""
+    if rule is None or isinstance(rule, list):
+        return rule and [_transposed(r) for r in rule]
+    target, offset, dim, start, size, *slot = rule
+    if dim is None:
+        take = lambda t: t[:].t()  # noqa: E731
+    elif dim == 0:  # rows of the transpose: columns here
+        take = lambda t: t[:, start:start + size].t()  # noqa: E731
+    else:
+        take = lambda t: t[start:start + size].t()  # noqa: E731
+    return (target, offset, take, 0, 0, *slot)
