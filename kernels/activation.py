@@ -20,4 +20,5 @@ def gated_activation(name: str):
 
 
 def plain_activation(name: str):
-    return {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu}[name]
+    return {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "relu": F.relu,
+            "relu2": lambda x: torch.square(F.relu(x))}[name]

@@ -44,3 +44,10 @@ class LayerNorm(nn.Module):
         centred = xf - xf.mean(-1, keepdim=True)
         xf = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.to(torch.float32) * xf).to(x.dtype)
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """Nemotron's: torch's LayerNorm (with bias) scaling by 1 + weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)

@@ -17,7 +17,8 @@ from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model shi
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2",
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
-         "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
+         "arcee", "nemotron", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -198,6 +199,10 @@ FAMILY_DEFAULTS = {
     "cohere2": dict(logit_scale=0.5, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     # LayerNorms with biases, an ungated GELU MLP, every projection biased, a window on every layer
     "starcoder2": dict(sliding_window=8, norm_epsilon=1e-5),
+    # an ungated squared-ReLU MLP (Nemotron's also: LayerNorms scaling by 1 + weight, half the head rotated)
+    "arcee": dict(hidden_act="relu2"),
+    "nemotron": dict(hidden_act="relu2", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.5}),
     # a sliding layer, then a global one with its own (scaled) rotary
     "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -270,11 +275,12 @@ def _image_text_config(arch: str, text):
 
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
-        Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config,
-        Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig, Glm4MoeLiteConfig, GptOssConfig, GraniteConfig,
-        GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig, MiniMaxM2Config, MinistralConfig, MistralConfig,
-        MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-        Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, Starcoder2Config,
+        ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
+        Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
+        Glm4MoeLiteConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
+        MiniMaxM2Config, MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
+        OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
+        SmolLM3Config, Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
@@ -315,7 +321,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig, "olmoe": OlmoeConfig,
                 "glm4_moe": Glm4MoeConfig, "minimax_m2": MiniMaxM2Config, "glm4_moe_lite": Glm4MoeLiteConfig,
                 "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig, "cohere": CohereConfig,
-                "cohere2": Cohere2Config, "starcoder2": Starcoder2Config,
+                "cohere2": Cohere2Config, "starcoder2": Starcoder2Config, "arcee": ArceeConfig,
+                "nemotron": NemotronConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

@@ -583,21 +583,30 @@ def test_shoal_serve_compiles_decode_by_default(checkpoint_factory, tmp_path):
 
 
 def test_the_cache_folder_keeps_the_newest_artifacts(tmp_path):
+    """Beyond the newest `keep`, old artifacts go; none written in the last hour does (more
+    engines than `keep` compiling at once each find their own: the every-family test below
+    starts 17)."""
+    import time
+
     from actors.worker.compile_job import prune
 
     for i in range(5):
         (tmp_path / f"decode-{i}.bin").write_bytes(b"x")
         os.utime(tmp_path / f"decode-{i}.bin", (1000 + i, 1000 + i))
+    for i in range(3):
+        (tmp_path / f"decode-fresh-{i}.bin").write_bytes(b"x")
+        os.utime(tmp_path / f"decode-fresh-{i}.bin", (time.time() - 60,) * 2)
     (tmp_path / "other.txt").write_text("kept")
     prune(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-3.bin", "decode-4.bin", "other.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "decode-fresh-0.bin", "decode-fresh-1.bin", "decode-fresh-2.bin", "other.txt"]
 
 
 # The dense families not covered above (llama and the Gemma 3 with every twist): each family's
 # own twists (sliding windows, soft-caps, q/k norms, post-norms, fused projections, partial
 # rotary, scaled residuals) inside the traced step.
 OTHER_DENSE = ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "olmo3", "granite", "glm4",
-               "smollm3", "ernie4_5", "exaone4", "cohere", "starcoder2", "gpt2")
+               "smollm3", "ernie4_5", "exaone4", "cohere", "starcoder2", "gpt2", "nemotron")
 # (their one layer: without rotary; sliding, with its own rotary; global, without rotary)
 ONE_LAYER = {"smollm3": dict(no_rope_layers=[0]), "olmo3": dict(layer_types=["sliding_attention"]),
              "exaone4": dict(layer_types=["full_attention"])}

@@ -45,6 +45,8 @@ FAMILIES = {
     "cohere-aya": dict(arch="cohere", use_qk_norm=False),  # Command R, Aya Expanse
     "cohere2": {},  # Command R7B, Command A
     "starcoder2": {},
+    "arcee": {},
+    "nemotron": {},
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
     "opt": {},
     "gpt2": {},  # Conv1D weights stored [in, out], q/k/v fused

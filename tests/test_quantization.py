@@ -148,7 +148,8 @@ def test_dynamic_fp8_matmul_equals_its_float_emulation():
         assert_rounding_close(got, x, w, bias, 2 * 2.0**-4)  # both operands within half an e4m3 step
 
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "cohere", "starcoder2", "opt", "gpt2")
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "cohere",
+         "starcoder2", "opt", "gpt2", "nemotron")
 
 
 @pytest.mark.parametrize("kind,arch", [("int8", arch) for arch in DENSE] + [("fp8", "llama"), ("fp8", "qwen3"), ("fp8", "gemma3")]

@@ -157,9 +157,11 @@ DENSE_ARCHS = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
+    "ArceeForCausalLM", "NemotronForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
-PLAIN_MLP = ("Starcoder2ForCausalLM",)  # up -> activation -> down, no gate; LayerNorms with biases
+PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM")  # up -> activation -> down
+NORM_KINDS = {"Starcoder2ForCausalLM": "layer_bias", "NemotronForCausalLM": "layer_1p", **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
@@ -214,8 +216,10 @@ class ModelArgs:
     # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2) | parallel (Cohere: one
     # norm, attention and MLP both read it, both added to the residual)
     norms: str = "pre"
-    norm_kind: str = "rms"  # rms | layer (Cohere: mean-centred, weight only) | layer_bias (torch's LayerNorm)
-    gated_mlp: bool = True  # False: up -> activation -> down (StarCoder2)
+    # rms | layer (Cohere: mean-centred, weight only) | layer_bias (torch's LayerNorm) | layer_1p
+    # (Nemotron: torch's LayerNorm scaled by 1 + weight)
+    norm_kind: str = "rms"
+    gated_mlp: bool = True  # False: up -> activation -> down (StarCoder2, Arcee, Nemotron)
     logit_scale: float = 1.0  # Cohere: the logits are multiplied by it
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
@@ -257,11 +261,13 @@ class ModelArgs:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in COHERE
-                          else cfg.get("norm_epsilon", 1e-5) if arch in PLAIN_MLP else cfg.get("rms_norm_eps", 1e-6)),
+                          else cfg.get("norm_epsilon", 1e-5) if arch == "Starcoder2ForCausalLM"
+                          else cfg.get("norm_eps", 1e-5) if arch == "NemotronForCausalLM" else cfg.get("rms_norm_eps", 1e-6)),
             rope=rope,
             local_rope=local_rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma_norms or arch in (*COHERE, *PLAIN_MLP))),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                             gemma_norms or arch in (*COHERE, "Starcoder2ForCausalLM"))),
             qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in GLM),
@@ -289,7 +295,7 @@ class ModelArgs:
             gated_mlp=arch not in PLAIN_MLP,
             norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
                    else "post" if arch in (*OLMO, "Exaone4ForCausalLM") else "parallel" if arch in COHERE else "pre"),
-            norm_kind="layer" if arch in COHERE else "layer_bias" if arch in PLAIN_MLP else "rms",
+            norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
@@ -381,11 +387,12 @@ def gated_activation(name: str) -> str:
 
 
 def plain_activation(name: str) -> str:
-    """The activation of an ungated MLP (StarCoder2)."""
+    """The activation of an ungated MLP (StarCoder2's GELU, Arcee's and Nemotron's squared ReLU)."""
     found = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
-             "gelu_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}.get(name)
+             "gelu_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}.get(name)
     if found is None:
-        raise ValueError(f"unsupported MLP activation {name!r}; supported: gelu_pytorch_tanh, gelu_new, gelu, relu")
+        raise ValueError(f"unsupported MLP activation {name!r}; supported: gelu_pytorch_tanh, gelu_new, gelu, relu, "
+                         "relu2")
     return found
 
 
@@ -418,7 +425,7 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     glob = dict(params["full_attention"] if by_type else params or cfg.get("rope_scaling") or {})
     factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
               or (cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else None)  # MiniMax-M2's releases
-              or (0.5 if arch == "Glm4MoeForCausalLM" else 1.0))
+              or (0.5 if arch in ("Glm4MoeForCausalLM", "NemotronForCausalLM") else 1.0))
     dim = int(head_dim * factor)
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
                      "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)

@@ -33,7 +33,7 @@ from actors.models.layers import (
 from kernels import kv_quant, triton_fused
 from kernels.activation import gated_activation, plain_activation
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
-from kernels.norms import LayerNorm, RMSNorm
+from kernels.norms import LayerNorm, LayerNorm1P, RMSNorm
 from kernels.rotary import apply_rotary, cos_sin_cache
 
 # Checkpoint norm names -> ours, by where the family puts its norms (ModelArgs.norms). Ours:
@@ -165,7 +165,7 @@ class MLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """up -> activation -> down, no gate (StarCoder2's c_fc / c_proj)."""
+    """up -> activation -> down, no gate (StarCoder2's c_fc / c_proj; Arcee's, Nemotron's up / down)."""
 
     def __init__(self, a: ModelArgs, p: Parallel):
         super().__init__()
@@ -226,6 +226,8 @@ def make_norm(a: ModelArgs) -> nn.Module:
         return LayerNorm(a.hidden_size, a.rms_norm_eps)
     if a.norm_kind == "layer_bias":
         return nn.LayerNorm(a.hidden_size, a.rms_norm_eps)
+    if a.norm_kind == "layer_1p":
+        return LayerNorm1P(a.hidden_size, a.rms_norm_eps)
     return RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
 
 
@@ -363,6 +365,8 @@ class LlamaForCausalLM(nn.Module):
             "mlp.gate_up_proj": [("mlp.gate_up_proj", 0, 0, p.tp_rank * width, width),
                                  ("mlp.gate_up_proj", width, 0, a.intermediate_size + p.tp_rank * width, width)],
         }
+        if not a.gated_mlp:  # an ungated MLP's up_proj (Arcee, Nemotron) is its own layer
+            rules["mlp.up_proj"] = ("mlp.up_proj", 0, 0, p.tp_rank * width, width)
         if a.qk_norm == "all":  # OLMo 2: this rank's heads' channels
             rules["self_attn.q_norm"] = ("self_attn.q_norm", 0, 0, p.tp_rank * h * d, h * d)
             rules["self_attn.k_norm"] = ("self_attn.k_norm", 0, 0, kv0 * d, kvh * d)

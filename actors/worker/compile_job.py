@@ -24,6 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger("shoal.runner")
 KEEP = 16  # compiled steps kept in the cache folder
+FRESH_S = 3600.0  # ... and any younger than this: an engine may not have loaded it yet
 
 
 class BackgroundCompile:
@@ -123,10 +124,13 @@ def main(job: str, parent: int) -> None:
 
 def prune(folder: Path, keep: int = KEEP) -> None:
     """Delete all but the `keep` most recently written artifacts (each model, source tree and
-    torch version leaves its own, ~1-5 MB)."""
+    torch version leaves its own, ~1-5 MB), sparing those written in the last hour: more engines
+    than `keep` compiling at once must each still find its own."""
+    now = time.time()
     artifacts = sorted(folder.glob("decode-*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in artifacts[keep:]:
-        old.unlink(missing_ok=True)
+        if now - old.stat().st_mtime > FRESH_S:
+            old.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
