@@ -47,6 +47,7 @@ FAMILIES = {
     "starcoder2": {},
     "arcee": {},
     "nemotron": {},
+    "phi": {},  # Phi-2
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
     "opt": {},
     "gpt2": {},  # Conv1D weights stored [in, out], q/k/v fused
@@ -198,7 +199,8 @@ def local_ray():
     ("cohere", {}),  # each rank its heads' q/k LayerNorm weights
     ("starcoder2", {}),  # its ungated MLP's biased up rows split, the down bias added once
     ("gpt2", {}),  # each rank's heads and MLP columns cut from Conv1D weights stored [in, out]
-], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2"])  # DeepSeek at tp=2: tests/test_moe.py
+    ("phi", {}),  # each rank its vocabulary rows of the LM head's bias
+], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

@@ -157,11 +157,13 @@ DENSE_ARCHS = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-    "ArceeForCausalLM", "NemotronForCausalLM",
+    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
-PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM")  # up -> activation -> down
-NORM_KINDS = {"Starcoder2ForCausalLM": "layer_bias", "NemotronForCausalLM": "layer_1p", **dict.fromkeys(COHERE, "layer")}
+# up -> activation -> down
+PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM")
+NORM_KINDS = {"Starcoder2ForCausalLM": "layer_bias", "PhiForCausalLM": "layer_bias", "NemotronForCausalLM": "layer_1p",
+              **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
@@ -221,6 +223,7 @@ class ModelArgs:
     norm_kind: str = "rms"
     gated_mlp: bool = True  # False: up -> activation -> down (StarCoder2, Arcee, Nemotron)
     logit_scale: float = 1.0  # Cohere: the logits are multiplied by it
+    lm_head_bias: bool = False  # Phi-2
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     learned_positions: int = 0  # OPT, GPT-2: a table of this many position embeddings (no rotary)
@@ -242,9 +245,11 @@ class ModelArgs:
         heads = cfg["num_attention_heads"]
         head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
                     ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
-        # every projection biased: ERNIE 4.5 with use_bias, StarCoder2 unless use_bias is off
+        # every projection biased: ERNIE 4.5 with use_bias, StarCoder2 unless use_bias is off, Phi-2
         ernie_bias = (arch in ERNIE and bool(cfg.get("use_bias", False))
-                      or arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)))
+                      or arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)) or arch == "PhiForCausalLM")
+        if arch == "PhiForCausalLM" and cfg.get("qk_layernorm"):
+            raise ValueError("Phi with qk_layernorm is not supported")
         attention_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
@@ -260,7 +265,7 @@ class ModelArgs:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in COHERE
+            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in (*COHERE, "PhiForCausalLM")
                           else cfg.get("norm_epsilon", 1e-5) if arch == "Starcoder2ForCausalLM"
                           else cfg.get("norm_eps", 1e-5) if arch == "NemotronForCausalLM" else cfg.get("rms_norm_eps", 1e-6)),
             rope=rope,
@@ -294,9 +299,11 @@ class ModelArgs:
                 _gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")),
             gated_mlp=arch not in PLAIN_MLP,
             norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
-                   else "post" if arch in (*OLMO, "Exaone4ForCausalLM") else "parallel" if arch in COHERE else "pre"),
+                   else "post" if arch in (*OLMO, "Exaone4ForCausalLM")
+                   else "parallel" if arch in (*COHERE, "PhiForCausalLM") else "pre"),
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
+            lm_head_bias=arch == "PhiForCausalLM",
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
         )
@@ -425,7 +432,7 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     glob = dict(params["full_attention"] if by_type else params or cfg.get("rope_scaling") or {})
     factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
               or (cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else None)  # MiniMax-M2's releases
-              or (0.5 if arch in ("Glm4MoeForCausalLM", "NemotronForCausalLM") else 1.0))
+              or (0.5 if arch in ("Glm4MoeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM") else 1.0))
     dim = int(head_dim * factor)
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
                      "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)

@@ -18,8 +18,8 @@ OPT_NAMES = (  # (pattern, replacement) on names without their "model." / "trans
     (r"^decoder\.layers\.(\d+)\.self_attn\.", r"model.layers.\1.self_attn."),
     (r"^decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"model.layers.\1.input_layernorm."),
     (r"^decoder\.layers\.(\d+)\.final_layer_norm\.", r"model.layers.\1.post_attention_layernorm."),
-    (r"^decoder\.layers\.(\d+)\.fc1\.", r"model.layers.\1.mlp.c_fc."),
-    (r"^decoder\.layers\.(\d+)\.fc2\.", r"model.layers.\1.mlp.c_proj."),
+    (r"^decoder\.layers\.(\d+)\.fc1\.", r"model.layers.\1.mlp.fc1."),
+    (r"^decoder\.layers\.(\d+)\.fc2\.", r"model.layers.\1.mlp.fc2."),
 )
 GPT2_NAMES = (
     (r"^wte\.", "model.embed_tokens."),

@@ -87,13 +87,14 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    def __init__(self, vocab: int, hidden: int, p: Parallel):
+    def __init__(self, vocab: int, hidden: int, p: Parallel, bias: bool = False):
         super().__init__()
         self.p, self.vocab = p, vocab
         _, rows = vocab_shard(vocab, p)
         self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None  # Phi-2's
         self.register_buffer("weight_scale", None)  # 8-bit weights' scales (kernels/quantization.py)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.p.all_gather_last_dim(linear(hidden, self.weight, scale=self.weight_scale))
+        logits = self.p.all_gather_last_dim(linear(hidden, self.weight, self.bias, scale=self.weight_scale))
         return logits[..., :self.vocab]

@@ -10,7 +10,8 @@ after each sublayer too), SmolLM3 (layers without rotary), Seed-OSS (biased q/k/
 (interleaved rotary, biases), EXAONE 4 (per-head q/k norms, norms after each sublayer,
 global layers without rotary) and Cohere / Cohere 2 (LayerNorm, attention and MLP in parallel
 off one norm, a logit scale; Cohere's per-head q/k LayerNorms), StarCoder2 (LayerNorms with
-biases, an ungated MLP). What
+biases, an ungated MLP), Arcee and Nemotron (a squared-ReLU ungated MLP; Nemotron's LayerNorm1P),
+Phi-2 (Cohere's parallel block with biased LayerNorms, partial rotary, a biased LM head). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
@@ -256,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         # the final norm, on steps of the Triton backend
         self.fused_norm = triton_fused.enabled() and args.norm_kind == "rms"
         if self.p.last_stage:
-            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, self.p)
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, self.p, args.lm_head_bias)
         # Room for the rotary tables only: the model is built on the meta device, where
         # computing them would import torch._dynamo (seconds of start-up); the loader fills them.
         for name, rope in (("rope", args.rope), ("rope_local", args.local_rope)):
@@ -332,10 +333,11 @@ class LlamaForCausalLM(nn.Module):
             if p.last_stage and a.tie_word_embeddings and not p.first_stage:
                 return ("lm_head.weight", 0, 0, vocab_start, rows)
             return ("model.embed_tokens.weight", 0, 0, vocab_start, rows) if p.first_stage else None
-        if name == "lm_head.weight":
-            if a.tie_word_embeddings:  # some tied checkpoints store a copy; the embedding is the one
+        if name in ("lm_head.weight", "lm_head.bias"):
+            if a.tie_word_embeddings and name == "lm_head.weight":  # some tied checkpoints store a copy
                 return None
-            return ("lm_head.weight", 0, 0, vocab_start, rows) if p.last_stage else None
+            return (name, 0, 0, vocab_start, rows) if p.last_stage else None
+        name = name.replace("model.final_layernorm.", "model.norm.", 1)  # (Phi's name)
         if name.startswith("model.norm."):
             return (name, 0, None, 0, 0) if p.last_stage else None
         return (name, 0, None, 0, 0)
@@ -355,9 +357,12 @@ class LlamaForCausalLM(nn.Module):
             "mlp.gate_proj": ("mlp.gate_up_proj", 0, 0, p.tp_rank * width, width),
             "mlp.up_proj": ("mlp.gate_up_proj", width, 0, p.tp_rank * width, width),
             "mlp.down_proj": ("mlp.down_proj", 0, row_parallel, p.tp_rank * width, width),
-            # an ungated MLP (StarCoder2's names)
+            # an ungated MLP (StarCoder2's names, Phi's)
             "mlp.c_fc": ("mlp.up_proj", 0, 0, p.tp_rank * width, width),
             "mlp.c_proj": ("mlp.down_proj", 0, row_parallel, p.tp_rank * width, width),
+            "mlp.fc1": ("mlp.up_proj", 0, 0, p.tp_rank * width, width),
+            "mlp.fc2": ("mlp.down_proj", 0, row_parallel, p.tp_rank * width, width),
+            "self_attn.dense": ("self_attn.o_proj", 0, row_parallel, p.tp_rank * h * d, h * d),  # (Phi's name)
             # fused in the checkpoint (Phi-3, GLM-4's MLP): each part's slice of its rows
             "self_attn.qkv_proj": [("self_attn.qkv_proj", 0, 0, p.tp_rank * h * d, h * d),
                                    ("self_attn.qkv_proj", h * d, 0, q_rows + kv0 * d, kvh * d),
