@@ -18,7 +18,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
-         "arcee", "nemotron", "phi", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "arcee", "nemotron", "phi", "stablelm", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -203,6 +203,9 @@ FAMILY_DEFAULTS = {
     "arcee": dict(hidden_act="relu2"),
     # Phi-2: Cohere's parallel block with biased LayerNorms, GELU, partial rotary, a biased LM head
     "phi": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # StableLM 2: biased LayerNorms, q/k/v biases, a quarter of the head rotated; Llama's gated MLP
+    "stablelm": dict(use_qkv_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "partial_rotary_factor": 0.25}),
     "nemotron": dict(hidden_act="relu2", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                           "partial_rotary_factor": 0.5}),
     # a sliding layer, then a global one with its own (scaled) rotary
@@ -282,7 +285,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         Glm4MoeLiteConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
         MiniMaxM2Config, MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
         OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
-        SmolLM3Config, Starcoder2Config,
+        SmolLM3Config, StableLmConfig, Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
@@ -324,7 +327,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "glm4_moe": Glm4MoeConfig, "minimax_m2": MiniMaxM2Config, "glm4_moe_lite": Glm4MoeLiteConfig,
                 "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig, "cohere": CohereConfig,
                 "cohere2": Cohere2Config, "starcoder2": Starcoder2Config, "arcee": ArceeConfig,
-                "nemotron": NemotronConfig, "phi": PhiConfig,
+                "nemotron": NemotronConfig, "phi": PhiConfig, "stablelm": StableLmConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

@@ -48,6 +48,8 @@ FAMILIES = {
     "arcee": {},
     "nemotron": {},
     "phi": {},  # Phi-2
+    "stablelm": {},
+    "stablelm-parallel": dict(arch="stablelm", use_parallel_residual=True),  # its parallel-residual option
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
     "opt": {},
     "gpt2": {},  # Conv1D weights stored [in, out], q/k/v fused

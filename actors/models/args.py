@@ -157,13 +157,13 @@ DENSE_ARCHS = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
+    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
 PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM")
-NORM_KINDS = {"Starcoder2ForCausalLM": "layer_bias", "PhiForCausalLM": "layer_bias", "NemotronForCausalLM": "layer_1p",
-              **dict.fromkeys(COHERE, "layer")}
+NORM_KINDS = {"Starcoder2ForCausalLM": "layer_bias", "PhiForCausalLM": "layer_bias", "StableLmForCausalLM": "layer_bias",
+              "NemotronForCausalLM": "layer_1p", **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
@@ -248,8 +248,9 @@ class ModelArgs:
         # every projection biased: ERNIE 4.5 with use_bias, StarCoder2 unless use_bias is off, Phi-2
         ernie_bias = (arch in ERNIE and bool(cfg.get("use_bias", False))
                       or arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)) or arch == "PhiForCausalLM")
-        if arch == "PhiForCausalLM" and cfg.get("qk_layernorm"):
-            raise ValueError("Phi with qk_layernorm is not supported")
+        if arch in ("PhiForCausalLM", "StableLmForCausalLM") and cfg.get("qk_layernorm"):
+            raise ValueError(f"{arch} with qk_layernorm is not supported")
+        stablelm = arch == "StableLmForCausalLM"
         attention_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
@@ -265,7 +266,7 @@ class ModelArgs:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in (*COHERE, "PhiForCausalLM")
+            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in (*COHERE, "PhiForCausalLM", "StableLmForCausalLM")
                           else cfg.get("norm_epsilon", 1e-5) if arch == "Starcoder2ForCausalLM"
                           else cfg.get("norm_eps", 1e-5) if arch == "NemotronForCausalLM" else cfg.get("rms_norm_eps", 1e-6)),
             rope=rope,
@@ -273,7 +274,8 @@ class ModelArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              gemma_norms or arch in (*COHERE, "Starcoder2ForCausalLM"))),
-            qkv_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else attention_bias,
+            qkv_bias=(bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("use_qkv_bias")) if stablelm
+                      else attention_bias),
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in GLM),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
@@ -300,7 +302,8 @@ class ModelArgs:
             gated_mlp=arch not in PLAIN_MLP,
             norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
                    else "post" if arch in (*OLMO, "Exaone4ForCausalLM")
-                   else "parallel" if arch in (*COHERE, "PhiForCausalLM") else "pre"),
+                   else "parallel" if arch in (*COHERE, "PhiForCausalLM") or stablelm and cfg.get("use_parallel_residual")
+                   else "pre"),
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
             lm_head_bias=arch == "PhiForCausalLM",
@@ -432,7 +435,8 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     glob = dict(params["full_attention"] if by_type else params or cfg.get("rope_scaling") or {})
     factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
               or (cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else None)  # MiniMax-M2's releases
-              or (0.5 if arch in ("Glm4MoeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM") else 1.0))
+              or {"Glm4MoeForCausalLM": 0.5, "NemotronForCausalLM": 0.5, "PhiForCausalLM": 0.5,
+                  "StableLmForCausalLM": 0.25}.get(arch, 1.0))
     dim = int(head_dim * factor)
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
                      "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)
