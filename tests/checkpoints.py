@@ -18,7 +18,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
-         "arcee", "nemotron", "phi", "stablelm", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -203,6 +203,8 @@ FAMILY_DEFAULTS = {
     "arcee": dict(hidden_act="relu2"),
     # Phi-2: Cohere's parallel block with biased LayerNorms, GELU, partial rotary, a biased LM head
     "phi": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # the parallel block with a norm per sublayer, a quarter of the head rotated, q/k/v fused per head
+    "gpt_neox": dict(rotary_pct=0.25, use_parallel_residual=True),
     # StableLM 2: biased LayerNorms, q/k/v biases, a quarter of the head rotated; Llama's gated MLP
     "stablelm": dict(use_qkv_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                          "partial_rotary_factor": 0.25}),
@@ -282,7 +284,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
         ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
         Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
-        Glm4MoeLiteConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
+        Glm4MoeLiteConfig, GptOssConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
         MiniMaxM2Config, MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
         OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
         SmolLM3Config, StableLmConfig, Starcoder2Config,
@@ -328,6 +330,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig, "cohere": CohereConfig,
                 "cohere2": Cohere2Config, "starcoder2": Starcoder2Config, "arcee": ArceeConfig,
                 "nemotron": NemotronConfig, "phi": PhiConfig, "stablelm": StableLmConfig,
+                "gpt_neox": GPTNeoXConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -499,9 +502,11 @@ QUANTIZED_PROJECTIONS = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", 
 FLOAT_UNDER_QUANTIZATION = re.compile(r"\.experts\.|\.shared_experts?\.|kv_b_proj")
 # What --quantization quantizes, under each family's names: the linear layers (OPT's fc1 / fc2 /
 # out_proj, GPT-2's and StarCoder2's c_attn / c_fc / c_proj too), and which of them are row-parallel
-LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|\.c_fc|\.c_attn|\.fc1|\.fc2)\.weight$")
-ROW_PARALLEL_WEIGHTS = re.compile(r"(o_proj|down_proj|out_proj|\.fc2|\.c_proj)\.weight$")
-EMBEDDINGS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "transformer.wte.weight")
+LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|\.c_fc|\.c_attn|\.fc1|\.fc2|\.dense|\.query_key_value|"
+                            r"\.dense_h_to_4h|\.dense_4h_to_h)\.weight$")
+ROW_PARALLEL_WEIGHTS = re.compile(r"(o_proj|down_proj|out_proj|\.fc2|\.c_proj|\.dense|\.dense_4h_to_h)\.weight$")
+EMBEDDINGS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "transformer.wte.weight",
+              "gpt_neox.embed_in.weight")
 
 
 def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathlib.Path:
@@ -527,14 +532,15 @@ def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathl
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(f))
     embedding = next(n for n in EMBEDDINGS if n in tensors)
-    if "lm_head.weight" not in tensors:  # tied: the head gets its own copy
-        tensors["lm_head.weight"] = tensors[embedding].clone()
+    head = "embed_out.weight" if "embed_out.weight" in tensors else "lm_head.weight"  # (GPT-NeoX's name)
+    if head not in tensors:  # tied: the head gets its own copy
+        tensors[head] = tensors[embedding].clone()
     config["tie_word_embeddings"] = False
     conv1d = config.get("model_type") == "gpt2"  # GPT-2's projections are stored [in, out]
     for name, t in tensors.items():
         if FLOAT_UNDER_QUANTIZATION.search(name):  # MoE experts and MLA's absorbed kv_b_proj stay float
             continue
-        if LINEAR_WEIGHTS.search(name) or (kind in ("int8", "w8a8_int8") and name in ("lm_head.weight", embedding)):
+        if LINEAR_WEIGHTS.search(name) or (kind in ("int8", "w8a8_int8") and name in (head, embedding)):
             w = t.t() if conv1d and ".h." in name else t  # (as the engine holds it: [out, in])
             parts = w.chunk(tp, dim=1) if ROW_PARALLEL_WEIGHTS.search(name) else [w]
             w = torch.cat([dequantize(*quantize(part, kind)) for part in parts], dim=1).to(t.dtype)

@@ -115,13 +115,14 @@ def test_arch_loads_and_is_not_degenerate(checkpoint_factory, arch):
     # MLA (DeepSeek, GLM-4.7-Flash): K/V heads = heads (transformers repeats by the ratio); 3 layers
     mla = arch.startswith("deepseek") or arch == "glm4_moe_lite"
     kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)  # (OPT, GPT-2: multi-head)
+    # (GPT-NeoX's config keeps the builder's num_key_value_heads, which its attention never reads)
     assert config.num_attention_heads == 4 and kv_heads == (4 if mla or arch in ("opt", "gpt2") else 2)
     assert config.hidden_size == 64 and config.num_hidden_layers == (3 if mla or arch in ("glm4_moe", "ernie4_5_moe") else 2)
     assert config.vocab_size == 512 and config.max_position_embeddings == 512
     assert config.eos_token_id == 507 and config.pad_token_id == 505
     assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
     names = _tensor_names(path)
-    assert "lm_head.weight" in names
+    assert ("embed_out.weight" if arch == "gpt_neox" else "lm_head.weight") in names
     if arch == "mistral":
         assert config.sliding_window is None
     if arch == "qwen2":

@@ -50,6 +50,8 @@ FAMILIES = {
     "phi": {},  # Phi-2
     "stablelm": {},
     "stablelm-parallel": dict(arch="stablelm", use_parallel_residual=True),  # its parallel-residual option
+    "gpt_neox": {},  # Pythia
+    "gpt_neox-sequential": dict(arch="gpt_neox", use_parallel_residual=False),
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
     "opt": {},
     "gpt2": {},  # Conv1D weights stored [in, out], q/k/v fused
@@ -202,7 +204,8 @@ def local_ray():
     ("starcoder2", {}),  # its ungated MLP's biased up rows split, the down bias added once
     ("gpt2", {}),  # each rank's heads and MLP columns cut from Conv1D weights stored [in, out]
     ("phi", {}),  # each rank its vocabulary rows of the LM head's bias
-], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi"])  # DeepSeek at tp=2: tests/test_moe.py
+    ("gpt_neox", {}),  # each rank its heads' q, k and v rows out of the per-head fused query_key_value
+], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi", "gpt_neox"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

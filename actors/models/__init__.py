@@ -1,7 +1,9 @@
 """Model definitions. Each architecture name maps to the class that implements it. The names
 are known without importing torch (the `shoal serve` driver checks a checkpoint's before it
 starts Ray); the classes are imported when one is asked for."""
-from actors.models.args import DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_OSS, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS, MOE_ARCHS
+from actors.models.args import (
+    DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_NEOX, GPT_OSS, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS, MOE_ARCHS,
+)
 
 ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS)
 
@@ -28,5 +30,8 @@ def model_class(architecture: str):
     if architecture in LEARNED_POSITIONS:
         from actors.models.gpt import GptForCausalLM
         return GptForCausalLM
+    if architecture == GPT_NEOX:
+        from actors.models.gpt import GptNeoXForCausalLM
+        return GptNeoXForCausalLM
     from actors.models.llama import LlamaForCausalLM
     return LlamaForCausalLM

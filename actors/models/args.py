@@ -12,6 +12,7 @@ GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCa
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.py
+GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
 # here, as transformers reads it) runs as the text architecture below, its weights read from
@@ -157,13 +158,13 @@ DENSE_ARCHS = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM",
+    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX,
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
-PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM")
+PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
 NORM_KINDS = {"Starcoder2ForCausalLM": "layer_bias", "PhiForCausalLM": "layer_bias", "StableLmForCausalLM": "layer_bias",
-              "NemotronForCausalLM": "layer_1p", **dict.fromkeys(COHERE, "layer")}
+              "GPTNeoXForCausalLM": "layer_bias", "NemotronForCausalLM": "layer_1p", **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
@@ -216,7 +217,8 @@ class ModelArgs:
     logits_divisor: float = 1.0  # Granite: logits / logits_scaling
     activation: str = "silu"  # of the gated MLP: silu | gelu_tanh (Gemma's GeGLU)
     # pre (Llama) | sandwich (pre and post: Gemma, GLM-4) | post (OLMo 2) | parallel (Cohere: one
-    # norm, attention and MLP both read it, both added to the residual)
+    # norm, attention and MLP both read it, both added to the residual) | parallel2 (GPT-NeoX: the
+    # same with a norm each)
     norms: str = "pre"
     # rms | layer (Cohere: mean-centred, weight only) | layer_bias (torch's LayerNorm) | layer_1p
     # (Nemotron: torch's LayerNorm scaled by 1 + weight)
@@ -247,7 +249,8 @@ class ModelArgs:
                     ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
         # every projection biased: ERNIE 4.5 with use_bias, StarCoder2 unless use_bias is off, Phi-2
         ernie_bias = (arch in ERNIE and bool(cfg.get("use_bias", False))
-                      or arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)) or arch == "PhiForCausalLM")
+                      or arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)) or arch == "PhiForCausalLM"
+                      or arch == GPT_NEOX and bool(cfg.get("attention_bias", True)))
         if arch in ("PhiForCausalLM", "StableLmForCausalLM") and cfg.get("qk_layernorm"):
             raise ValueError(f"{arch} with qk_layernorm is not supported")
         stablelm = arch == "StableLmForCausalLM"
@@ -264,9 +267,9 @@ class ModelArgs:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            num_kv_heads=(cfg.get("num_key_value_heads") if arch != GPT_NEOX else None) or heads,  # (NeoX: MHA)
             head_dim=head_dim,
-            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in (*COHERE, "PhiForCausalLM", "StableLmForCausalLM")
+            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in (*COHERE, "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX)
                           else cfg.get("norm_epsilon", 1e-5) if arch == "Starcoder2ForCausalLM"
                           else cfg.get("norm_eps", 1e-5) if arch == "NemotronForCausalLM" else cfg.get("rms_norm_eps", 1e-6)),
             rope=rope,
@@ -303,7 +306,7 @@ class ModelArgs:
             norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
                    else "post" if arch in (*OLMO, "Exaone4ForCausalLM")
                    else "parallel" if arch in (*COHERE, "PhiForCausalLM") or stablelm and cfg.get("use_parallel_residual")
-                   else "pre"),
+                   else "parallel2" if arch == GPT_NEOX and cfg.get("use_parallel_residual", True) else "pre"),
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
             lm_head_bias=arch == "PhiForCausalLM",
@@ -433,14 +436,14 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     params = cfg.get("rope_parameters") or {}
     by_type = "full_attention" in params
     glob = dict(params["full_attention"] if by_type else params or cfg.get("rope_scaling") or {})
-    factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor")
+    factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or cfg.get("rotary_pct")
               or (cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else None)  # MiniMax-M2's releases
               or {"Glm4MoeForCausalLM": 0.5, "NemotronForCausalLM": 0.5, "PhiForCausalLM": 0.5,
-                  "StableLmForCausalLM": 0.25}.get(arch, 1.0))
+                  "StableLmForCausalLM": 0.25, GPT_NEOX: 0.25}.get(arch, 1.0))
     dim = int(head_dim * factor)
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
                      "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)
-    theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or default_theta)
+    theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or cfg.get("rotary_emb_base") or default_theta)
     kind = glob.get("rope_type", glob.get("type", "default"))
     if kind in ("longrope", "su"):  # Phi-3 (early configs said "su"); its lengths sit beside rope_scaling
         kind = glob["rope_type"] = "longrope"

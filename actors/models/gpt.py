@@ -1,4 +1,5 @@
-"""OPT and GPT-2 (vLLM's and transformers' first examples, `facebook/opt-125m`, `gpt2`): the
+"""Checkpoints of the GPT lineage, whose names differ from Llama's: GPT-NeoX (below), and OPT and
+GPT-2 (vLLM's and transformers' first examples, `facebook/opt-125m`, `gpt2`): the
 Llama block with learned absolute positions instead of rotary (ModelArgs.learned_positions; every
 layer rotates by angle 0), LayerNorms with biases, an ungated MLP and biased projections
 (actors/models/args.py learned_position_args). Only their checkpoints' names differ: each is
@@ -67,3 +68,50 @@ def _transposed(rule):
     else:
         take = lambda t: t[start:start + size].t()  # noqa: E731
     return (target, offset, take, 0, 0, *slot)
+
+
+NEOX_NAMES = (  # GPT-NeoX (Pythia, Dolly, RedPajama-INCITE), on names without their "gpt_neox." prefix
+    (r"^embed_in\.", "model.embed_tokens."),
+    (r"^final_layer_norm\.", "model.norm."),
+    (r"^embed_out\.", "lm_head."),
+    (r"^layers\.(\d+)\.attention\.dense\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^layers\.(\d+)\.mlp\.dense_h_to_4h\.", r"model.layers.\1.mlp.fc1."),
+    (r"^layers\.(\d+)\.mlp\.dense_4h_to_h\.", r"model.layers.\1.mlp.fc2."),
+    (r"^layers\.(\d+)\.", r"model.layers.\1."),  # input_layernorm, post_attention_layernorm
+)
+NEOX_QKV = re.compile(r"^layers\.(\d+)\.attention\.query_key_value\.(weight|bias)$")
+NEOX_BUFFERS = re.compile(r"^layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
+
+
+class GptNeoXForCausalLM(LlamaForCausalLM):
+    """GPT-NeoX: the parallel block with a norm per sublayer (norms "parallel2"); its fused
+    query_key_value holds each head's q, k and v rows together ([heads, 3, head_dim]), cut here
+    into this rank's heads of q, then k, then v."""
+
+    def weight_rule(self, name: str):
+        bare = re.sub(r"^gpt_neox\.", "", name)
+        if NEOX_BUFFERS.match(bare):
+            return None
+        m = NEOX_QKV.match(bare)
+        if m:
+            layer = int(m.group(1))
+            if layer not in self.p.layers(self.args.num_layers):
+                return None
+            target = f"model.layers.{layer - self.first_layer}.self_attn.qkv_proj.{m.group(2)}"
+            heads, d = self.args.num_heads // self.p.tp_size, self.args.head_dim
+            first = self.p.tp_rank * heads
+            return [(target, part * heads * d, _neox_part(first, heads, part, d), 0, 0) for part in range(3)]
+        ours = bare
+        for pattern, replacement in NEOX_NAMES:
+            ours, found = re.subn(pattern, replacement, ours)
+            if found:
+                break
+        return super().weight_rule(ours)
+
+
+def _neox_part(first: int, heads: int, part: int, d: int):
+    """Rows (or bias entries) of q (part 0), k (1) or v (2) of heads first.. first + heads."""
+    def take(t):
+        t = t[:]
+        return t.view(-1, 3, d, *t.shape[1:])[first:first + heads, part].reshape(heads * d, *t.shape[1:])
+    return take

@@ -11,7 +11,8 @@ after each sublayer too), SmolLM3 (layers without rotary), Seed-OSS (biased q/k/
 global layers without rotary) and Cohere / Cohere 2 (LayerNorm, attention and MLP in parallel
 off one norm, a logit scale; Cohere's per-head q/k LayerNorms), StarCoder2 (LayerNorms with
 biases, an ungated MLP), Arcee and Nemotron (a squared-ReLU ungated MLP; Nemotron's LayerNorm1P),
-Phi-2 (Cohere's parallel block with biased LayerNorms, partial rotary, a biased LM head). What
+Phi-2 (Cohere's parallel block with biased LayerNorms, partial rotary, a biased LM head), StableLM
+and GPT-NeoX (the parallel block with a norm per sublayer). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
@@ -45,6 +46,7 @@ NORM_NAMES = {
                  "pre_feedforward_layernorm": "pre_mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
     "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
     "parallel": {"input_layernorm": "input_layernorm"},
+    "parallel2": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_norm"},
 }
 # Multi-token-prediction modules some releases carry beside the model (ERNIE 4.5's mtp_block,
 # MiMo's mtp_layers): not run (DeepSeek's and GLM's sit in a layer past the last, skipped as such)
@@ -186,10 +188,10 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         norm = lambda: make_norm(a)  # noqa: E731
         self.input_layernorm = norm() if a.norms != "post" else None
-        self.pre_mlp_norm = norm() if a.norms in ("pre", "sandwich") else None
+        self.pre_mlp_norm = norm() if a.norms in ("pre", "sandwich", "parallel2") else None
         self.post_attn_norm = norm() if a.norms in ("post", "sandwich") else None
         self.post_mlp_norm = norm() if a.norms in ("post", "sandwich") else None
-        self.parallel = a.norms == "parallel"
+        self.parallel = a.norms in ("parallel", "parallel2")
         self.residual_scale = a.residual_scale
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
         self.fusable = fused_block(a)
@@ -197,9 +199,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, meta):
         if meta.triton is not None and self.fusable:
             return self._fused(x, cos, sin, meta)
-        if self.parallel:  # Cohere: both sublayers read the one norm
+        if self.parallel:  # Cohere: both sublayers read the one norm (GPT-NeoX: a norm each)
             h = self.input_layernorm(x)
-            return x + self.self_attn(h, cos, sin, meta) + self.mlp(h)
+            return x + self.self_attn(h, cos, sin, meta) + self.mlp(h if self.pre_mlp_norm is None else self.pre_mlp_norm(x))
         x = x + self._scaled(self.post_attn_norm, self.self_attn(_norm(self.input_layernorm, x), cos, sin, meta))
         return x + self._scaled(self.post_mlp_norm, self.mlp(_norm(self.pre_mlp_norm, x)))
 
