@@ -18,14 +18,15 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
-         "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
               "llava": ("llama", "LlavaForConditionalGeneration"),
               "qwen2_5_vl": ("qwen2", "Qwen2_5_VLForConditionalGeneration"),
               "qwen3_vl": ("qwen3", "Qwen3VLForConditionalGeneration"),
-              "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeForConditionalGeneration")}
+              "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeForConditionalGeneration"),
+              "llama4_vision": ("llama4", "Llama4ForConditionalGeneration")}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -203,6 +204,11 @@ FAMILY_DEFAULTS = {
     "arcee": dict(hidden_act="relu2"),
     # Phi-2: Cohere's parallel block with biased LayerNorms, GELU, partial rotary, a biased LM head
     "phi": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # Llama 4: 4 layers, the last without rotary; MoE in layers 1 and 3 (interleave step 2), one of 8
+    # experts, a shared expert; a dense MLP of its own width in layers 0 and 2; weightless q/k norms
+    "llama4": dict(num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=8,
+                   num_experts_per_tok=1, interleave_moe_layer_step=2, head_dim=16, attention_chunk_size=256,
+                   floor_scale=300, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     # the parallel block with a norm per sublayer, a quarter of the head rotated, q/k/v fused per head
     "gpt_neox": dict(rotary_pct=0.25, use_parallel_residual=True),
     # StableLM 2: biased LayerNorms, q/k/v biases, a quarter of the head rotated; Llama's gated MLP
@@ -276,6 +282,12 @@ def _image_text_config(arch: str, text):
                    "qwen3_vl_moe": transformers.Qwen3VLMoeConfig}[arch]
         return wrapper(**{**common, "text_config": {**text.to_dict(), "rope_parameters": rope}}, image_token_id=500,
                        video_token_id=501, vision_config=tower)
+    if arch == "llama4_vision":
+        tower = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                intermediate_size=64, image_size=28, patch_size=14,
+                                                vision_output_dim=32, projector_input_dim=32,
+                                                projector_output_dim=text.hidden_size)
+        return transformers.Llama4Config(**common, vision_config=tower.to_dict(), image_token_index=500)
     return transformers.LlavaConfig(**common, image_token_index=500,
                                     vision_config=transformers.CLIPVisionConfig(**vision).to_dict())
 
@@ -284,10 +296,10 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
         ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
         Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
-        Glm4MoeLiteConfig, GptOssConfig, GPTNeoXConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig, LlamaConfig,
-        MiniMaxM2Config, MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
-        OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig,
-        SmolLM3Config, StableLmConfig, Starcoder2Config,
+        Glm4MoeLiteConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+        Llama4TextConfig, LlamaConfig, MiniMaxM2Config, MinistralConfig, MistralConfig, MixtralConfig,
+        NemotronConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
+        Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
@@ -330,7 +342,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig, "cohere": CohereConfig,
                 "cohere2": Cohere2Config, "starcoder2": Starcoder2Config, "arcee": ArceeConfig,
                 "nemotron": NemotronConfig, "phi": PhiConfig, "stablelm": StableLmConfig,
-                "gpt_neox": GPTNeoXConfig,
+                "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

@@ -32,6 +32,9 @@ MOE_CASES = {
     "minimax_m2": ("minimax_m2", {}),  # sigmoid routing with a bias, all-heads q/k norms, partial rotary
     "glm4_moe_lite": ("glm4_moe_lite", {}),  # DeepSeek-V3's latent attention, a dense layer after the MoE one
     "ernie4_5_moe": ("ernie4_5_moe", {}),  # softmax routing steered by a bias, shared experts, interleaved rotary
+    # the router's sigmoid weight on the expert's input, a shared expert, MoE every other layer, NoPE
+    # and weightless q/k norms
+    "llama4": ("llama4", {}),
     "granitemoe": ("granitemoe", {}),  # experts stacked, softmax over the top-k logits, Granite's multipliers
     "granitemoeshared": ("granitemoeshared", {}),  # and an ungated shared MLP beside the block
     "ernie4_5_moe-interval": ("ernie4_5_moe", dict(num_hidden_layers=4, moe_layer_interval=2, moe_layer_end_index=2)),
@@ -217,6 +220,33 @@ def test_stacked_experts_fill_their_slots_and_reload_after_a_replan(checkpoint_f
     check()
 
 
+def test_llama4_is_served_up_to_its_attention_chunk(checkpoint_factory):
+    """Llama 4's rotary layers attend within chunks (and its NoPE layers' queries scale with the
+    position past floor_scale): neither is implemented, so its context stops where both are
+    no-ops (here the chunk, 256 tokens, below floor_scale 300); a longer --max-model-len is refused
+    in one line. Scout's released fields give 8,191 tokens."""
+    from actors.models.args import ModelArgs, llama4_context
+
+    path = checkpoint_factory("llama4")
+    llm = LLM(str(path), num_kv_blocks=16)
+    try:
+        assert llm.engine.spec.max_model_len == 256
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="chunked attention") as e:
+        LLM(str(path), max_model_len=400)
+    assert "\n" not in str(e.value)
+    scout = dict(attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192)
+    assert llama4_context(scout) == 8191 and llama4_context(dict(scout, attn_temperature_tuning=False)) == 8192
+    args = ModelArgs.from_hf(dict(architectures=["Llama4ForCausalLM"], hidden_size=5120, intermediate_size=8192,
+                                  intermediate_size_mlp=16384, num_attention_heads=40, num_key_value_heads=8,
+                                  head_dim=128, num_hidden_layers=48, vocab_size=202048, num_local_experts=16,
+                                  interleave_moe_layer_step=1, rope_theta=500000.0, use_qk_norm=True, **scout))
+    assert args.nope_layers[:4] == (False, False, False, True) and args.qk_norm == "l2" and args.rope.interleaved
+    assert args.moe.dense_layers == () and args.moe.weight_input and args.moe.shared_intermediate_size == 8192
+    assert args.intermediate_size == 16384  # (the dense MLP's; Scout has none)
+
+
 def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
     engine = AsyncEngine(EngineConfig(model_path=str(checkpoint_factory("qwen3_moe")), num_kv_blocks=32,
                                       eplb_window_size=4))
@@ -283,7 +313,8 @@ def all_expert_params(a) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_vl_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "qwen3_vl_moe",
+                                  "llama4"])
 def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arch):
     """EP=2 == transformers (== EP=1, above); each rank holds half the experts (DeepSeek: its
     shared expert split by width, its grouped routing on both ranks)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
              "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM",
-             "GraniteMoeSharedForCausalLM")
+             "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM")
 GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # the four multipliers
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
@@ -22,9 +22,11 @@ IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3Fo
                     "LlavaForConditionalGeneration": "llama", "Qwen2VLForConditionalGeneration": "qwen2_vl_text",
                     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text",
                     "Qwen3VLForConditionalGeneration": "qwen3_vl_text",
-                    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text"}
+                    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
+                    "Llama4ForConditionalGeneration": "llama4_text"}
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "llama4_text": "Llama4ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class MoeArgs:
     routing: Routing = Routing()
     shared_gate: bool = True  # Qwen2-MoE gates its shared expert by a sigmoid; DeepSeek adds it as is
     swiglu: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU (alpha, limit); None: SiLU x up
+    weight_input: bool = False  # Llama 4: the router's weight scales the expert's input, not its output
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -76,6 +79,8 @@ class MoeArgs:
                        Routing(scoring="sigmoid", score_bias=True))
         if arch == "Ernie4_5_MoeForCausalLM":
             return ernie_moe(cfg)
+        if arch == "Llama4ForCausalLM":
+            return llama4_moe(cfg)
         if arch == "OlmoeForCausalLM":  # every layer sparse, its experts intermediate_size wide
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0,
                        bool(cfg.get("norm_topk_prob", False)), 1, ())
@@ -85,6 +90,21 @@ class MoeArgs:
                    cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0,
                    bool(cfg.get("norm_topk_prob", False)), cfg.get("decoder_sparse_step", 1) or 1,
                    tuple(cfg.get("mlp_only_layers") or ()))
+
+
+def llama4_moe(cfg: dict) -> MoeArgs:
+    """Llama 4's MoE as transformers reads it: the top-k router logits through a sigmoid weigh
+    each chosen expert's input; a shared expert of the same width; MoE layers `moe_layers`
+    (default: every interleave_moe_layer_step-th), the others a dense MLP intermediate_size_mlp wide."""
+    n, k = cfg["num_hidden_layers"], cfg.get("num_experts_per_tok", 1)
+    if k != 1:
+        raise ValueError(f"Llama 4 with {k} experts per token is not supported (its releases route to one)")
+    step = cfg.get("interleave_moe_layer_step") or 1
+    sparse = set(cfg["moe_layers"] if cfg.get("moe_layers") is not None else range(step - 1, n, step))
+    width = cfg.get("intermediate_size", 8192)
+    return MoeArgs(cfg.get("num_local_experts", 16), k, width, width, False, 1,
+                   tuple(i for i in range(n) if i not in sparse), Routing(scoring="sigmoid"), shared_gate=False,
+                   weight_input=True)
 
 
 def ernie_moe(cfg: dict) -> MoeArgs:
@@ -169,7 +189,7 @@ OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer onl
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
 ERNIE = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
-INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE, *COHERE)  # rotary on (even, odd) pairs
+INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE, *COHERE, "Llama4ForCausalLM")  # rotary on (even, odd) pairs
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -201,7 +221,8 @@ class ModelArgs:
     qkv_bias: bool  # Qwen2, GLM-4, or Llama's attention_bias
     o_bias: bool  # Llama's attention_bias
     # "head": per head (Qwen3, Gemma 3); "all": over all heads (OLMo 2); "head_layer": Cohere's
-    # LayerNorm per head, each head its own weights
+    # LayerNorm per head, each head its own weights; "l2": Llama 4's, per head without weights,
+    # after the rotary, in rotary layers only
     qk_norm: str | None
     mlp_bias: bool
     moe: MoeArgs | None = None  # None: a dense model
@@ -229,6 +250,9 @@ class ModelArgs:
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     learned_positions: int = 0  # OPT, GPT-2: a table of this many position embeddings (no rotary)
+    # Llama 4: the longest context served exactly (its chunked attention and NoPE layers' temperature
+    # tuning, not implemented, are no-ops below it); None: max_position_embeddings
+    max_context: int | None = None
     position_offset: int = 0  # OPT: position p reads row p + 2
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
 
@@ -264,7 +288,7 @@ class ModelArgs:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg["intermediate_size_mlp" if arch == "Llama4ForCausalLM" else "intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=(cfg.get("num_key_value_heads") if arch != GPT_NEOX else None) or heads,  # (NeoX: MHA)
@@ -285,7 +309,8 @@ class ModelArgs:
                                         "Exaone4ForCausalLM")
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
                      else "all" if arch in ALL_HEADS_QK_NORM
-                     else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm") else None),
+                     else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
+                     else "l2" if arch == "Llama4ForCausalLM" and cfg.get("use_qk_norm", True) else None),
             clip_qkv=cfg.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
             mlp_bias=bool(cfg.get("mlp_bias", False)) or ernie_bias,
             moe=MoeArgs.from_hf(arch, cfg),
@@ -310,6 +335,7 @@ class ModelArgs:
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
             lm_head_bias=arch == "PhiForCausalLM",
+            max_context=llama4_context(cfg) if arch == "Llama4ForCausalLM" else None,
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
         )
@@ -379,11 +405,25 @@ def nope_layers(arch: str, cfg: dict) -> tuple[bool, ...]:
         return tuple(w is None for w in layer_windows(arch, cfg)) if cfg.get("sliding_window") else ()
     if arch == "Cohere2ForCausalLM":  # rotary in its sliding layers only
         return tuple(w is None for w in layer_windows(arch, cfg))
+    if arch == "Llama4ForCausalLM":  # no_rope_layers: 1 where a layer rotates (default: not every 4th)
+        n = cfg["num_hidden_layers"]
+        uses = cfg.get("no_rope_layers") or [int((i + 1) % cfg.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
+        return tuple(not use for use in uses)
     if arch != "SmolLM3ForCausalLM":
         return ()
     n, every = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval", 4)
     uses = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
     return tuple(not use for use in uses)
+
+
+def llama4_context(cfg: dict) -> int | None:
+    """Llama 4's rotary layers attend within chunks of attention_chunk_size tokens and its NoPE
+    layers scale queries by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1: below
+    both bounds the first is full causal attention and the second 1, which is what shoal runs."""
+    bounds = [cfg["attention_chunk_size"]] if cfg.get("attention_chunk_size") else []
+    if cfg.get("attn_temperature_tuning", True):
+        bounds.append(cfg.get("floor_scale", 8192) - 1)
+    return min(bounds) if bounds else None
 
 
 def _gemma_legacy_gelu(arch: str, name: str) -> str:

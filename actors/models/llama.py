@@ -12,7 +12,8 @@ global layers without rotary) and Cohere / Cohere 2 (LayerNorm, attention and ML
 off one norm, a logit scale; Cohere's per-head q/k LayerNorms), StarCoder2 (LayerNorms with
 biases, an ungated MLP), Arcee and Nemotron (a squared-ReLU ungated MLP; Nemotron's LayerNorm1P),
 Phi-2 (Cohere's parallel block with biased LayerNorms, partial rotary, a biased LM head), StableLM
-and GPT-NeoX (the parallel block with a norm per sublayer). What
+and GPT-NeoX (the parallel block with a norm per sublayer), Llama 4's attention (interleaved
+rotary, NoPE layers, weightless q/k norms after the rotary; its MoE: actors/models/moe.py). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
@@ -113,6 +114,7 @@ class Attention(nn.Module):
         self.softcap = a.attn_softcap
         self.local_rope = a.local_rope is not None and self.window is not None  # Gemma 3's, OLMo 3's local layers
         self.nope = bool(a.nope_layers) and a.nope_layers[layer]  # SmolLM3: no rotary in this layer
+        self.l2_norm = a.qk_norm == "l2" and not self.nope  # Llama 4: q and k L2-normed after the rotary
         self.interleaved = a.rope.interleaved
         rope = a.local_rope if self.local_rope else a.rope
         # Norm, rotary and the KV write in one Triton kernel: whole-head rotate-half rotary.
@@ -145,6 +147,8 @@ class Attention(nn.Module):
         if self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin, self.interleaved)
+        if self.l2_norm:
+            q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
         write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v, self.k_scale, self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.window, self.softcap,
                             self.sinks, self.k_scale, self.v_scale)
@@ -216,6 +220,12 @@ class DecoderLayer(nn.Module):
     def _scaled(self, norm, y):
         y = _norm(norm, y)
         return y if self.residual_scale == 1.0 else y * self.residual_scale  # Granite
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's q/k norm: RMS-normalised per head, no weight, in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def fused_block(a: ModelArgs) -> bool:

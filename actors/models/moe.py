@@ -1,7 +1,7 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE, OLMoE,
 GLM-4.5 (DeepSeek-V3's routing on GQA attention), MiniMax-M2 (sigmoid routing with a bias), ERNIE 4.5
-(softmax routing with a bias), Granite MoE (its experts stacked, an ungated shared MLP), and the
-MoE half of DeepSeek (shared experts, grouped routing; its attention: actors/models/deepseek.py).
+(softmax routing with a bias), Granite MoE (its experts stacked, an ungated shared MLP), Llama 4
+(a sigmoid weight on one expert's input, a shared expert), and the MoE half of DeepSeek (shared experts, grouped routing; its attention: actors/models/deepseek.py).
 
 The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
 Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/models/eplb.py):
@@ -74,7 +74,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         m, ep = a.moe, p.ep_size
         self.p, self.top_k, self.renormalize, self.num_experts = p, m.top_k, m.renormalize, m.num_experts
-        self.routing = m.routing
+        self.routing, self.weight_input = m.routing, m.weight_input
         self.plain_routing = m.routing == Routing()  # softmax, top-k (decided once, not per step)
         slots = m.num_experts + p.redundant_experts
         if slots % ep or p.redundant_experts > m.num_experts * (ep - 1):
@@ -127,7 +127,11 @@ class SparseMoeBlock(nn.Module):
             self._record(ids)
         e = self.experts
         experts = triton_moe.grouped_experts if fused else grouped_experts
-        y = experts(x, weights, self._local_ids(ids), e.gate_up_proj, e.down_proj)
+        if self.weight_input:  # Llama 4 (one expert per token): the weight scales what the expert reads
+            y = experts(x * weights.to(x.dtype), torch.ones_like(weights), self._local_ids(ids), e.gate_up_proj,
+                        e.down_proj)
+        else:
+            y = experts(x, weights, self._local_ids(ids), e.gate_up_proj, e.down_proj)
         if self.shared_expert_gate is not None:  # the gate is replicated: gating each rank's part is exact
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, fused)
         elif self.shared_expert is not None:
@@ -197,7 +201,7 @@ class SparseMoeBlock(nn.Module):
             return _ffn_rule("shared_expert.", ".weight", EXPERT_PROJ[m.group(1)], self.p.tp_rank * w, w)
         if rest == "e_score_correction_bias":  # MiniMax-M2 keeps the routing bias beside its router
             return ("gate.e_score_correction_bias", 0, None, 0, 0)
-        if rest == "router.layer.weight":  # Granite's router
+        if rest in ("router.layer.weight", "router.weight"):  # Granite's router, Llama 4's
             return ("gate.weight", 0, None, 0, 0)
         if rest == "moe_statics.e_score_correction_bias":  # ERNIE 4.5's: [1, experts]
             return ("gate.e_score_correction_bias", 0, lambda t: t[:].reshape(-1), 0, 0)
@@ -255,7 +259,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 if isinstance(layer.mlp, SparseMoeBlock)]
 
     def _layer_rule(self, prefix: str, rest: str):
-        rest = rest.replace("block_sparse_moe.", "mlp.", 1)  # Mixtral's name for the block
+        rest = rest.replace("block_sparse_moe.", "mlp.", 1).replace("feed_forward.", "mlp.", 1)  # (Mixtral's, Llama 4's)
         if rest.startswith("shared_mlp."):  # GraniteMoeShared's, beside the block: [gate; up] fused
             w = self.model.layers[int(prefix.split(".")[2])].mlp.shared_expert.down_proj.in_features
             full = self.args.moe.shared_intermediate_size
@@ -272,7 +276,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         """weight_rule for fetching only the experts that `plans` (global layer -> placement)
         moves into new local slots (`changed`: global layer -> those slots)."""
         def rule(name: str):
-            m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\..*|(?:in|out)put_linear\.weight)",
+            m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(experts\..*|(?:in|out)put_linear\.weight)",
                          name)
             layer = int(m.group(1)) if m else None
             if layer not in plans:

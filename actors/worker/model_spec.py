@@ -60,6 +60,13 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
         raise ValueError(f"--max-model-len {config.max_model_len} is over the model's "
                          f"max_position_embeddings {limit}")
     args = ModelArgs.from_hf(hf)
+    if args.max_context and args.max_context < (config.max_model_len or limit):
+        if config.max_model_len:
+            raise ValueError(f"--max-model-len {config.max_model_len} is over the {args.max_context} tokens "
+                             f"{args.architecture} is served for (its chunked attention is not implemented)")
+        log.info("%s: contexts up to %d tokens (its chunked attention beyond that is not implemented)",
+                 args.architecture, args.max_context)
+        limit = args.max_context
     if hf.get("image_text_architecture"):
         log.info("%s: its language model (%s) serves text; the vision tower is not loaded",
                  hf["image_text_architecture"], args.architecture)

@@ -43,7 +43,7 @@ def weight_files(path: Path) -> list[Path]:
 TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
                  "model.language_model.": "model."}
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                  "visual.", "model.visual.")
+                  "visual.", "model.visual.", "vision_model.", "model.vision_model.")  # (Llama 4's: vision_model)
 
 
 def text_name(name: str) -> str | None:
