@@ -334,15 +334,16 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     if arch == "qwen3_moe":
         cfg.setdefault("head_dim", 32)
         return Qwen3MoeConfig(**common, **cfg)
-    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "olmo2": Olmo2Config, "olmo3": Olmo3Config, "ministral": MinistralConfig, "seed_oss": SeedOssConfig,
-                "ernie4_5": Ernie4_5Config, "exaone4": Exaone4Config,
-                "granite": GraniteConfig, "glm4": Glm4Config, "smollm3": SmolLM3Config, "deepseek_v2": DeepseekV2Config,
-                "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig, "olmoe": OlmoeConfig,
-                "glm4_moe": Glm4MoeConfig, "minimax_m2": MiniMaxM2Config, "glm4_moe_lite": Glm4MoeLiteConfig,
-                "ernie4_5_moe": Ernie4_5_MoeConfig, "granitemoe": GraniteMoeConfig, "cohere": CohereConfig,
-                "cohere2": Cohere2Config, "starcoder2": Starcoder2Config, "arcee": ArceeConfig,
-                "nemotron": NemotronConfig, "phi": PhiConfig, "stablelm": StableLmConfig,
-                "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
+    families = {"gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
+                "olmo2": Olmo2Config, "olmo3": Olmo3Config, "ministral": MinistralConfig,
+                "seed_oss": SeedOssConfig, "ernie4_5": Ernie4_5Config, "exaone4": Exaone4Config,
+                "granite": GraniteConfig, "glm4": Glm4Config, "smollm3": SmolLM3Config,
+                "deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config, "gpt_oss": GptOssConfig,
+                "olmoe": OlmoeConfig, "glm4_moe": Glm4MoeConfig, "minimax_m2": MiniMaxM2Config,
+                "glm4_moe_lite": Glm4MoeLiteConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
+                "granitemoe": GraniteMoeConfig, "cohere": CohereConfig, "cohere2": Cohere2Config,
+                "starcoder2": Starcoder2Config, "arcee": ArceeConfig, "nemotron": NemotronConfig, "phi": PhiConfig,
+                "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -357,11 +358,11 @@ def _learned_positions_config(arch: str, vocab_size: int, overrides: dict):
     common = dict(bos_token_id=None, dtype="float32", vocab_size=vocab_size)
     overrides = {"tie_word_embeddings": False, **overrides}
     if arch == "opt":
-        return OPTConfig(**common, **{**dict(hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
-                                             num_attention_heads=d["num_attention_heads"], ffn_dim=d["intermediate_size"],
-                                             max_position_embeddings=d["max_position_embeddings"],
-                                             word_embed_proj_dim=d["hidden_size"], activation_function="relu"),
-                                          **overrides})
+        shape = dict(hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+                     num_attention_heads=d["num_attention_heads"], ffn_dim=d["intermediate_size"],
+                     max_position_embeddings=d["max_position_embeddings"], word_embed_proj_dim=d["hidden_size"],
+                     activation_function="relu")
+        return OPTConfig(**common, **{**shape, **overrides})
     return GPT2Config(**common, **{**dict(n_embd=d["hidden_size"], n_layer=d["num_hidden_layers"],
                                           n_head=d["num_attention_heads"], n_inner=d["intermediate_size"],
                                           n_positions=d["max_position_embeddings"]), **overrides})

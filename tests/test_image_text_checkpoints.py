@@ -1,10 +1,10 @@
 """Image-text checkpoints served for their text (actors/worker/checkpoint_files.py text_config,
 actors/worker/weight_files.py text_name): Gemma 3 (4B-27B ship as Gemma3ForConditionalGeneration),
-Mistral Small 3.x (Mistral3ForConditionalGeneration), LLaVA, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (M-RoPE,
-one position stream on text; the MoE's experts stacked in one tensor per projection) give transformers' own greedy tokens (the wrapper class on text prompts), in
-transformers 4's weight and config layout and 5's, with a text_config
-that names only what differs from the family's defaults (as Gemma 3 4B's does); the vision
-tower is never read."""
+Mistral Small 3.x (Mistral3ForConditionalGeneration), LLaVA, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE
+(M-RoPE, one position stream on text; the MoE's experts stacked in one tensor per projection) and
+Llama 4 give transformers' own greedy tokens (the wrapper class on text prompts; Llama 4's text
+model), in transformers 4's weight and config layout and 5's, with a text_config that names only
+what differs from the family's defaults (as Gemma 3 4B's does); the vision tower is never read."""
 from __future__ import annotations
 
 import json

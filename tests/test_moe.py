@@ -150,13 +150,14 @@ def test_moe_configs_as_released_are_read_as_transformers_reads_them():
                                 vocab_size=200064, num_local_experts=256, num_experts_per_tok=8, rotary_dim=64,
                                 rope_theta=5000000, use_qk_norm=True, qk_norm_type="per_layer"))
     assert (m2.rope.dim, m2.rope.theta, m2.qk_norm) == (64, 5e6, "all")
-    assert (m2.moe.num_experts, m2.moe.intermediate_size, m2.moe.renormalize, m2.moe.dense_layers) == (256, 1536, True, ())
+    assert (m2.moe.num_experts, m2.moe.intermediate_size, m2.moe.renormalize) == (256, 1536, True)
+    assert m2.moe.dense_layers == ()
     assert m2.moe.routing.score_bias and m2.moe.routing.group_score is None
-    ernie = ModelArgs.from_hf(dict(architectures=["Ernie4_5_MoeForCausalLM"], hidden_size=2560, intermediate_size=12288,
-                                   num_attention_heads=20, num_key_value_heads=4, num_hidden_layers=28, vocab_size=103424,
-                                   rope_theta=500000, tie_word_embeddings=True, use_bias=False, moe_num_experts=64,
-                                   moe_num_shared_experts=2, moe_layer_start_index=1, moe_intermediate_size=1536, moe_k=6,
-                                   moe_layer_interval=1))
+    ernie = ModelArgs.from_hf(dict(
+        architectures=["Ernie4_5_MoeForCausalLM"], hidden_size=2560, intermediate_size=12288, num_attention_heads=20,
+        num_key_value_heads=4, num_hidden_layers=28, vocab_size=103424, rope_theta=500000, tie_word_embeddings=True,
+        use_bias=False, moe_num_experts=64, moe_num_shared_experts=2, moe_layer_start_index=1,
+        moe_intermediate_size=1536, moe_k=6, moe_layer_interval=1))
     assert (ernie.head_dim, ernie.rope.interleaved, ernie.tie_word_embeddings) == (128, True, True)
     e = ernie.moe
     assert (e.num_experts, e.top_k, e.shared_intermediate_size, e.dense_layers) == (64, 6, 3072, (0,))

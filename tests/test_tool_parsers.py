@@ -181,8 +181,8 @@ def test_a_glm_chat_is_planned_with_its_format_its_reasoning_and_the_tools_schem
     class Tok:
         chat_template = "{% for tc in m.tool_calls %}<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key>{% endfor %}"
 
-    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Book Paris"}],
-                                 tools=[{"type": "function", "function": {"name": "book", **{"parameters": SCHEMAS["book"]}}}])
+    book = {"type": "function", "function": {"name": "book", "parameters": SCHEMAS["book"]}}
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Book Paris"}], tools=[book])
     settings = ServerSettings(**model_parsers({"model_type": "glm4_moe"}))
     plan = plan_output(settings, Tok(), body, "<|assistant|>")
     assert plan.tool_format.name == "glm45" and plan.reasoning is not None
@@ -276,8 +276,8 @@ def test_reasoning_start_follows_the_prompt():
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<function=add>", "<parameter=a>", "</parameter>", "</function>",
              "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<minimax:tool_call>", "</minimax:tool_call>",
-             '<invoke name="add">', "</invoke>", '<parameter name="a">', "<tool", "call>", "<think>", "</think>", "[TOOL_CALLS]",
-             "[ARGS]", "```tool_code", "```", "```json", "<|python_tag|>", '{"name": "add", ',
+             '<invoke name="add">', "</invoke>", '<parameter name="a">', "<tool", "call>", "<think>", "</think>",
+             "[TOOL_CALLS]", "[ARGS]", "```tool_code", "```", "```json", "<|python_tag|>", '{"name": "add", ',
              '"arguments": {"a": 1}}', '"parameters": {}}', '{"name": "get_weather", "arguments": {}}',
              "add(a=1)", "get_weather(city='x')", "[", "]", "{", "}", '"', "\\", ";", ",", "\n", " ",
              "\t", "hello", "é", "🐟", "NaN", "null", "1e999", "\x00"]

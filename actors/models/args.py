@@ -183,8 +183,9 @@ DENSE_ARCHS = (
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
 PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
-NORM_KINDS = {"Starcoder2ForCausalLM": "layer_bias", "PhiForCausalLM": "layer_bias", "StableLmForCausalLM": "layer_bias",
-              "GPTNeoXForCausalLM": "layer_bias", "NemotronForCausalLM": "layer_1p", **dict.fromkeys(COHERE, "layer")}
+NORM_KINDS = {**dict.fromkeys(("Starcoder2ForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTNeoXForCausalLM"),
+                              "layer_bias"),
+              "NemotronForCausalLM": "layer_1p", **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
@@ -293,9 +294,7 @@ class ModelArgs:
             num_heads=heads,
             num_kv_heads=(cfg.get("num_key_value_heads") if arch != GPT_NEOX else None) or heads,  # (NeoX: MHA)
             head_dim=head_dim,
-            rms_norm_eps=(cfg.get("layer_norm_eps", 1e-5) if arch in (*COHERE, "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX)
-                          else cfg.get("norm_epsilon", 1e-5) if arch == "Starcoder2ForCausalLM"
-                          else cfg.get("norm_eps", 1e-5) if arch == "NemotronForCausalLM" else cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=norm_eps(arch, cfg),
             rope=rope,
             local_rope=local_rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -330,7 +329,8 @@ class ModelArgs:
             gated_mlp=arch not in PLAIN_MLP,
             norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
                    else "post" if arch in (*OLMO, "Exaone4ForCausalLM")
-                   else "parallel" if arch in (*COHERE, "PhiForCausalLM") or stablelm and cfg.get("use_parallel_residual")
+                   else "parallel" if arch in (*COHERE, "PhiForCausalLM")
+                   or stablelm and cfg.get("use_parallel_residual")
                    else "parallel2" if arch == GPT_NEOX and cfg.get("use_parallel_residual", True) else "pre"),
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
@@ -414,6 +414,17 @@ def nope_layers(arch: str, cfg: dict) -> tuple[bool, ...]:
     n, every = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval", 4)
     uses = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
     return tuple(not use for use in uses)
+
+
+def norm_eps(arch: str, cfg: dict) -> float:
+    """The norms' epsilon, under each family's name for it."""
+    if arch in (*COHERE, "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX):
+        return cfg.get("layer_norm_eps", 1e-5)
+    if arch == "Starcoder2ForCausalLM":
+        return cfg.get("norm_epsilon", 1e-5)
+    if arch == "NemotronForCausalLM":
+        return cfg.get("norm_eps", 1e-5)
+    return cfg.get("rms_norm_eps", 1e-6)
 
 
 def llama4_context(cfg: dict) -> int | None:

@@ -205,7 +205,8 @@ class DecoderLayer(nn.Module):
             return self._fused(x, cos, sin, meta)
         if self.parallel:  # Cohere: both sublayers read the one norm (GPT-NeoX: a norm each)
             h = self.input_layernorm(x)
-            return x + self.self_attn(h, cos, sin, meta) + self.mlp(h if self.pre_mlp_norm is None else self.pre_mlp_norm(x))
+            h_mlp = h if self.pre_mlp_norm is None else self.pre_mlp_norm(x)
+            return x + self.self_attn(h, cos, sin, meta) + self.mlp(h_mlp)
         x = x + self._scaled(self.post_attn_norm, self.self_attn(_norm(self.input_layernorm, x), cos, sin, meta))
         return x + self._scaled(self.post_mlp_norm, self.mlp(_norm(self.pre_mlp_norm, x)))
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE, OLMoE,
 GLM-4.5 (DeepSeek-V3's routing on GQA attention), MiniMax-M2 (sigmoid routing with a bias), ERNIE 4.5
 (softmax routing with a bias), Granite MoE (its experts stacked, an ungated shared MLP), Llama 4
-(a sigmoid weight on one expert's input, a shared expert), and the MoE half of DeepSeek (shared experts, grouped routing; its attention: actors/models/deepseek.py).
+(a sigmoid weight on one expert's input, a shared expert), and the MoE half of DeepSeek (shared
+experts, grouped routing; its attention: actors/models/deepseek.py).
 
 The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
 Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/models/eplb.py):
@@ -259,7 +260,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 if isinstance(layer.mlp, SparseMoeBlock)]
 
     def _layer_rule(self, prefix: str, rest: str):
-        rest = rest.replace("block_sparse_moe.", "mlp.", 1).replace("feed_forward.", "mlp.", 1)  # (Mixtral's, Llama 4's)
+        rest = re.sub(r"^(block_sparse_moe|feed_forward)\.", "mlp.", rest)  # (Mixtral's, Llama 4's name for it)
         if rest.startswith("shared_mlp."):  # GraniteMoeShared's, beside the block: [gate; up] fused
             w = self.model.layers[int(prefix.split(".")[2])].mlp.shared_expert.down_proj.in_features
             full = self.args.moe.shared_intermediate_size
@@ -276,8 +277,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         """weight_rule for fetching only the experts that `plans` (global layer -> placement)
         moves into new local slots (`changed`: global layer -> those slots)."""
         def rule(name: str):
-            m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(experts\..*|(?:in|out)put_linear\.weight)",
-                         name)
+            m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\."
+                         r"(experts\..*|(?:in|out)put_linear\.weight)", name)
             layer = int(m.group(1)) if m else None
             if layer not in plans:
                 return None

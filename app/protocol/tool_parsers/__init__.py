@@ -5,7 +5,9 @@ tells: the markup it teaches the model is the markup the model writes.
 """
 from __future__ import annotations
 
-from app.protocol.tool_parsers import gemma, glm45, harmony, hermes, json_calls, llama3_json, minimax_m2, mistral, qwen3_coder
+from app.protocol.tool_parsers import (
+    gemma, glm45, harmony, hermes, json_calls, llama3_json, minimax_m2, mistral, qwen3_coder,
+)
 from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat
 from app.protocol.tool_parsers.scanner import ScanResult, ToolCallScanner
 
