@@ -18,7 +18,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
-         "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -26,7 +26,8 @@ IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "qwen2_5_vl": ("qwen2", "Qwen2_5_VLForConditionalGeneration"),
               "qwen3_vl": ("qwen3", "Qwen3VLForConditionalGeneration"),
               "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeForConditionalGeneration"),
-              "llama4_vision": ("llama4", "Llama4ForConditionalGeneration")}
+              "llama4_vision": ("llama4", "Llama4ForConditionalGeneration"),
+              "ministral3_vision": ("ministral3", "Mistral3ForConditionalGeneration")}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -204,11 +205,18 @@ FAMILY_DEFAULTS = {
     "arcee": dict(hidden_act="relu2"),
     # Phi-2: Cohere's parallel block with biased LayerNorms, GELU, partial rotary, a biased LM head
     "phi": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-    # Llama 4: 4 layers, the last without rotary; MoE in layers 1 and 3 (interleave step 2), one of 8
-    # experts, a shared expert; a dense MLP of its own width in layers 0 and 2; weightless q/k norms
+    # Llama 4: 4 layers, the last without rotary, its queries scaled past every 8th position; MoE in
+    # layers 1 and 3 (interleave step 2), one of 8 experts, a shared expert; a dense MLP of its own
+    # width in layers 0 and 2; weightless q/k norms
     "llama4": dict(num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=8,
                    num_experts_per_tok=1, interleave_moe_layer_step=2, head_dim=16, attention_chunk_size=256,
-                   floor_scale=300, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+                   floor_scale=8, attn_scale=0.5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # Ministral 3: Mistral's block, queries scaled past every 16th position (llama_4_scaling_beta),
+    # YaRN over an original 16 positions
+    "ministral3": dict(head_dim=16, rope_parameters={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 32.0,
+                                                     "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                                                     "llama_4_scaling_beta": 0.5}),
     # the parallel block with a norm per sublayer, a quarter of the head rotated, q/k/v fused per head
     "gpt_neox": dict(rotary_pct=0.25, use_parallel_residual=True),
     # StableLM 2: biased LayerNorms, q/k/v biases, a quarter of the head rotated; Llama's gated MLP
@@ -268,7 +276,7 @@ def _image_text_config(arch: str, text):
     if arch == "gemma3_vision":
         return transformers.Gemma3Config(**common, vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
                                          mm_tokens_per_image=4, image_token_index=500)
-    if arch == "mistral3":
+    if arch in ("mistral3", "ministral3_vision"):
         return transformers.Mistral3Config(**common, image_token_index=500, vision_config=transformers.PixtralVisionConfig(
             **vision, head_dim=16).to_dict())
     if arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # M-RoPE's sections: a third of the rotary pairs each
@@ -297,7 +305,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
         Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
         Glm4MoeLiteConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-        Llama4TextConfig, LlamaConfig, MiniMaxM2Config, MinistralConfig, MistralConfig, MixtralConfig,
+        Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
         NemotronConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
         Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
     )
@@ -344,6 +352,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "granitemoe": GraniteMoeConfig, "cohere": CohereConfig, "cohere2": Cohere2Config,
                 "starcoder2": Starcoder2Config, "arcee": ArceeConfig, "nemotron": NemotronConfig, "phi": PhiConfig,
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
+                "ministral3": Ministral3Config,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

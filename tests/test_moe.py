@@ -222,11 +222,11 @@ def test_stacked_experts_fill_their_slots_and_reload_after_a_replan(checkpoint_f
 
 
 def test_llama4_is_served_up_to_its_attention_chunk(checkpoint_factory):
-    """Llama 4's rotary layers attend within chunks (and its NoPE layers' queries scale with the
-    position past floor_scale): neither is implemented, so its context stops where both are
-    no-ops (here the chunk, 256 tokens, below floor_scale 300); a longer --max-model-len is refused
-    in one line. Scout's released fields give 8,191 tokens."""
-    from actors.models.args import ModelArgs, llama4_context
+    """Llama 4's rotary layers attend within chunks of attention_chunk_size tokens: not
+    implemented, so its context stops there (here 256 tokens; Scout's 8,192), and a longer
+    --max-model-len is refused in one line. Its NoPE layers' query scaling by position is
+    implemented (the family test above crosses floor_scale, 8)."""
+    from actors.models.args import ModelArgs
 
     path = checkpoint_factory("llama4")
     llm = LLM(str(path), num_kv_blocks=16)
@@ -237,15 +237,15 @@ def test_llama4_is_served_up_to_its_attention_chunk(checkpoint_factory):
     with pytest.raises(ValueError, match="chunked attention") as e:
         LLM(str(path), max_model_len=400)
     assert "\n" not in str(e.value)
-    scout = dict(attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192)
-    assert llama4_context(scout) == 8191 and llama4_context(dict(scout, attn_temperature_tuning=False)) == 8192
-    args = ModelArgs.from_hf(dict(architectures=["Llama4ForCausalLM"], hidden_size=5120, intermediate_size=8192,
-                                  intermediate_size_mlp=16384, num_attention_heads=40, num_key_value_heads=8,
-                                  head_dim=128, num_hidden_layers=48, vocab_size=202048, num_local_experts=16,
-                                  interleave_moe_layer_step=1, rope_theta=500000.0, use_qk_norm=True, **scout))
-    assert args.nope_layers[:4] == (False, False, False, True) and args.qk_norm == "l2" and args.rope.interleaved
-    assert args.moe.dense_layers == () and args.moe.weight_input and args.moe.shared_intermediate_size == 8192
-    assert args.intermediate_size == 16384  # (the dense MLP's; Scout has none)
+    scout = ModelArgs.from_hf(dict(
+        architectures=["Llama4ForCausalLM"], hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, num_hidden_layers=48, vocab_size=202048,
+        num_local_experts=16, interleave_moe_layer_step=1, rope_theta=500000.0, use_qk_norm=True,
+        attention_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1))
+    assert scout.max_context == 8192 and scout.q_position_scale == (0.1, 8192, 1)
+    assert scout.nope_layers[:4] == (False, False, False, True) and scout.qk_norm == "l2" and scout.rope.interleaved
+    assert scout.moe.dense_layers == () and scout.moe.weight_input and scout.moe.shared_intermediate_size == 8192
+    assert scout.intermediate_size == 16384  # (the dense MLP's; Scout has none)
 
 
 def test_expert_load_is_in_the_engine_stats(checkpoint_factory):

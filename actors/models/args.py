@@ -26,7 +26,7 @@ IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3Fo
                     "Llama4ForConditionalGeneration": "llama4_text"}
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "llama4_text": "Llama4ForCausalLM"}
+                "llama4_text": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ DENSE_ARCHS = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX,
+    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX, "Ministral3ForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
@@ -251,9 +251,12 @@ class ModelArgs:
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     learned_positions: int = 0  # OPT, GPT-2: a table of this many position embeddings (no rotary)
-    # Llama 4: the longest context served exactly (its chunked attention and NoPE layers' temperature
-    # tuning, not implemented, are no-ops below it); None: max_position_embeddings
+    # Llama 4: the longest context served exactly (its chunked attention, not implemented, is full
+    # attention below it); None: max_position_embeddings
     max_context: int | None = None
+    # Queries scaled by position (Llama 4's NoPE layers, Ministral 3): (beta, span, shift) gives
+    # 1 + beta * log(1 + floor((position + shift) / span))
+    q_position_scale: tuple[float, int, int] | None = None
     position_offset: int = 0  # OPT: position p reads row p + 2
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
 
@@ -335,7 +338,8 @@ class ModelArgs:
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
             lm_head_bias=arch == "PhiForCausalLM",
-            max_context=llama4_context(cfg) if arch == "Llama4ForCausalLM" else None,
+            max_context=cfg.get("attention_chunk_size") if arch == "Llama4ForCausalLM" else None,
+            q_position_scale=q_position_scale(arch, cfg),
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
         )
@@ -427,14 +431,16 @@ def norm_eps(arch: str, cfg: dict) -> float:
     return cfg.get("rms_norm_eps", 1e-6)
 
 
-def llama4_context(cfg: dict) -> int | None:
-    """Llama 4's rotary layers attend within chunks of attention_chunk_size tokens and its NoPE
-    layers scale queries by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1: below
-    both bounds the first is full causal attention and the second 1, which is what shoal runs."""
-    bounds = [cfg["attention_chunk_size"]] if cfg.get("attention_chunk_size") else []
-    if cfg.get("attn_temperature_tuning", True):
-        bounds.append(cfg.get("floor_scale", 8192) - 1)
-    return min(bounds) if bounds else None
+def q_position_scale(arch: str, cfg: dict) -> tuple[float, int, int] | None:
+    """Llama 4's NoPE layers' temperature tuning (attn_scale, floor_scale, shift 1) and Ministral
+    3's llama_4_scaling_beta (over the rotary's original length, shift 0), as transformers applies
+    them: queries times 1 + beta * log(1 + floor((position + shift) / span))."""
+    if arch == "Llama4ForCausalLM" and cfg.get("attn_temperature_tuning", True):
+        return float(cfg.get("attn_scale", 0.1)), int(cfg.get("floor_scale", 8192)), 1
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if arch == "Ministral3ForCausalLM" and rope.get("llama_4_scaling_beta") is not None:
+        return float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]), 0
+    return None
 
 
 def _gemma_legacy_gelu(arch: str, name: str) -> str:

@@ -115,11 +115,13 @@ class Attention(nn.Module):
         self.local_rope = a.local_rope is not None and self.window is not None  # Gemma 3's, OLMo 3's local layers
         self.nope = bool(a.nope_layers) and a.nope_layers[layer]  # SmolLM3: no rotary in this layer
         self.l2_norm = a.qk_norm == "l2" and not self.nope  # Llama 4: q and k L2-normed after the rotary
+        # Queries scaled by position (Ministral 3; Llama 4's NoPE layers): the model passes q_scale
+        self.scales_q = a.q_position_scale is not None and (a.architecture != "Llama4ForCausalLM" or self.nope)
         self.interleaved = a.rope.interleaved
         rope = a.local_rope if self.local_rope else a.rope
         # Norm, rotary and the KV write in one Triton kernel: whole-head rotate-half rotary.
         self.fusable = (a.qk_norm in (None, "head") and rope.dim == self.d and not rope.interleaved
-                        and a.clip_qkv is None and triton_fused.enabled())
+                        and a.clip_qkv is None and not self.scales_q and triton_fused.enabled())
         self.clip = a.clip_qkv
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
         self.sinks = nn.Parameter(torch.empty(self.h)) if a.attn_sinks else None  # gpt-oss: this rank's heads'
@@ -127,7 +129,8 @@ class Attention(nn.Module):
         # An fp8 pool's scales (a stored 1.0 means this much): the checkpoint's, else 1.0
         self.k_scale = self.v_scale = 1.0
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale: torch.Tensor | None = None):
+        """q_scale: [T] per-token factors on the queries (scales_q layers)."""
         t = x.shape[0]
         # (the fused kernel writes float K/V: an fp8 pool is written by write_kv below)
         if meta.triton is not None and self.fusable and not kv_quant.is_fp8(self.k_cache):
@@ -149,6 +152,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, k, cos, sin, self.interleaved)
         if self.l2_norm:
             q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
+        if q_scale is not None:
+            q = q * q_scale[:, None, None]
         write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v, self.k_scale, self.v_scale)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.window, self.softcap,
                             self.sinks, self.k_scale, self.v_scale)
@@ -200,14 +205,16 @@ class DecoderLayer(nn.Module):
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
         self.fusable = fused_block(a)
 
-    def forward(self, x, cos, sin, meta):
+    def forward(self, x, cos, sin, meta, q_scale=None):
         if meta.triton is not None and self.fusable:
             return self._fused(x, cos, sin, meta)
+        extra = {} if q_scale is None else {"q_scale": q_scale}  # (only Llama's attention takes it)
         if self.parallel:  # Cohere: both sublayers read the one norm (GPT-NeoX: a norm each)
             h = self.input_layernorm(x)
             h_mlp = h if self.pre_mlp_norm is None else self.pre_mlp_norm(x)
-            return x + self.self_attn(h, cos, sin, meta) + self.mlp(h_mlp)
-        x = x + self._scaled(self.post_attn_norm, self.self_attn(_norm(self.input_layernorm, x), cos, sin, meta))
+            return x + self.self_attn(h, cos, sin, meta, **extra) + self.mlp(h_mlp)
+        attn = self.self_attn(_norm(self.input_layernorm, x), cos, sin, meta, **extra)
+        x = x + self._scaled(self.post_attn_norm, attn)
         return x + self._scaled(self.post_mlp_norm, self.mlp(_norm(self.pre_mlp_norm, x)))
 
     def _fused(self, x, cos, sin, meta):
@@ -303,15 +310,22 @@ class LlamaForCausalLM(nn.Module):
         # A NoPE layer rotates by angle 0 (cos 1, sin 0: q and k exactly as they are), so every
         # attention path, the fused Triton one included, serves it unchanged.
         nope = (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) if self.args.nope_layers else rope
+        q_scale = self._q_scale(positions, x.dtype) if self.args.q_position_scale else None
         for layer in self.model.layers:
             attn = layer.self_attn
-            x = layer(x, *(nope if attn.nope else local if attn.local_rope else rope), meta)
+            scaled = q_scale if getattr(attn, "scales_q", False) else None
+            x = layer(x, *(nope if attn.nope else local if attn.local_rope else rope), meta, scaled)
         if not self.p.last_stage:
             return x
         norm = self.model.norm
         if meta.triton is not None and self.fused_norm:
             return triton_fused.rms_norm(x, norm.weight, norm.eps, norm.offset)
         return norm(x)
+
+    def _q_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each token's query factor, 1 + beta * log(1 + floor((position + shift) / span))."""
+        beta, span, shift = self.args.q_position_scale
+        return (1 + beta * torch.log1p(torch.floor((positions.float() + shift) / span))).to(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
