@@ -18,7 +18,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
-         "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
+         "hunyuan_v1_dense", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -217,6 +218,9 @@ FAMILY_DEFAULTS = {
                                                      "original_max_position_embeddings": 16, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                                      "llama_4_scaling_beta": 0.5}),
+    # HunYuan: per-head q/k norms after the rotary, its NTK-alpha rotary base
+    "hunyuan_v1_dense": dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                           "alpha": 1000.0, "factor": 1.0}),
     # the parallel block with a norm per sublayer, a quarter of the head rotated, q/k/v fused per head
     "gpt_neox": dict(rotary_pct=0.25, use_parallel_residual=True),
     # StableLM 2: biased LayerNorms, q/k/v biases, a quarter of the head rotated; Llama's gated MLP
@@ -305,9 +309,10 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
         Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
         Glm4MoeLiteConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-        Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
-        NemotronConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig,
-        Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
+        HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig,
+        MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PhiConfig,
+        Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig,
+        Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
@@ -352,7 +357,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "granitemoe": GraniteMoeConfig, "cohere": CohereConfig, "cohere2": Cohere2Config,
                 "starcoder2": Starcoder2Config, "arcee": ArceeConfig, "nemotron": NemotronConfig, "phi": PhiConfig,
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
-                "ministral3": Ministral3Config,
+                "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

@@ -52,6 +52,7 @@ FAMILIES = {
     "stablelm-parallel": dict(arch="stablelm", use_parallel_residual=True),  # its parallel-residual option
     "gpt_neox": {},  # Pythia
     "ministral3": {},  # queries scaled by position
+    "hunyuan_v1_dense": {},
     "gpt_neox-sequential": dict(arch="gpt_neox", use_parallel_residual=False),
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
     "opt": {},

@@ -179,6 +179,7 @@ DENSE_ARCHS = (
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
     "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX, "Ministral3ForCausalLM",
+    "HunYuanDenseV1ForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
@@ -254,6 +255,7 @@ class ModelArgs:
     # Llama 4: the longest context served exactly (its chunked attention, not implemented, is full
     # attention below it); None: max_position_embeddings
     max_context: int | None = None
+    qk_norm_after_rope: bool = False  # HunYuan: the per-head q/k norms follow the rotary
     # Queries scaled by position (Llama 4's NoPE layers, Ministral 3): (beta, span, shift) gives
     # 1 + beta * log(1 + floor((position + shift) / span))
     q_position_scale: tuple[float, int, int] | None = None
@@ -308,7 +310,7 @@ class ModelArgs:
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in GLM),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                        "Exaone4ForCausalLM")
+                                        "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM")
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
                      else "all" if arch in ALL_HEADS_QK_NORM
                      else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
@@ -340,6 +342,7 @@ class ModelArgs:
             lm_head_bias=arch == "PhiForCausalLM",
             max_context=cfg.get("attention_chunk_size") if arch == "Llama4ForCausalLM" else None,
             q_position_scale=q_position_scale(arch, cfg),
+            qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
         )
@@ -502,6 +505,9 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
                      "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)
     theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or cfg.get("rotary_emb_base") or default_theta)
     kind = glob.get("rope_type", glob.get("type", "default"))
+    if kind == "dynamic" and glob.get("alpha"):  # HunYuan's NTK alpha: a fixed, larger base
+        theta *= float(glob["alpha"]) ** (dim / (dim - 2))
+        kind = "default"
     if kind in ("longrope", "su"):  # Phi-3 (early configs said "su"); its lengths sit beside rope_scaling
         kind = glob["rope_type"] = "longrope"
         glob.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))

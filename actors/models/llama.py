@@ -13,7 +13,8 @@ off one norm, a logit scale; Cohere's per-head q/k LayerNorms), StarCoder2 (Laye
 biases, an ungated MLP), Arcee and Nemotron (a squared-ReLU ungated MLP; Nemotron's LayerNorm1P),
 Phi-2 (Cohere's parallel block with biased LayerNorms, partial rotary, a biased LM head), StableLM
 and GPT-NeoX (the parallel block with a norm per sublayer), Llama 4's attention (interleaved
-rotary, NoPE layers, weightless q/k norms after the rotary; its MoE: actors/models/moe.py). What
+rotary, NoPE layers, weightless q/k norms after the rotary; its MoE: actors/models/moe.py),
+Ministral 3 (queries scaled by position), HunYuan (per-head q/k norms after the rotary). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
@@ -109,6 +110,7 @@ class Attention(nn.Module):
             self.q_norm = AllHeadsNorm(self.h * self.d, a.num_heads * self.d, a.rms_norm_eps, p)
             self.k_norm = AllHeadsNorm(self.kvh * self.d, a.num_kv_heads * self.d, a.rms_norm_eps, p, copies)
         self.per_head_norm = a.qk_norm in ("head", "head_layer")
+        self.norm_after_rope = a.qk_norm_after_rope  # HunYuan
         self.scale = a.attn_scale if a.attn_scale is not None else self.d ** -0.5
         self.window = a.layer_windows[layer] if a.layer_windows else None
         self.softcap = a.attn_softcap
@@ -120,7 +122,8 @@ class Attention(nn.Module):
         self.interleaved = a.rope.interleaved
         rope = a.local_rope if self.local_rope else a.rope
         # Norm, rotary and the KV write in one Triton kernel: whole-head rotate-half rotary.
-        self.fusable = (a.qk_norm in (None, "head") and rope.dim == self.d and not rope.interleaved
+        self.fusable = (a.qk_norm in (None, "head") and not a.qk_norm_after_rope and rope.dim == self.d
+                        and not rope.interleaved
                         and a.clip_qkv is None and not self.scales_q and triton_fused.enabled())
         self.clip = a.clip_qkv
         self.eps, self.norm_offset = a.rms_norm_eps, a.norm_offset
@@ -147,9 +150,11 @@ class Attention(nn.Module):
         if self.clip is not None:  # OLMoE: q and k after their norms
             q, k, v = (t_.clamp(-self.clip, self.clip) for t_ in (q, k, v))
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
-        if self.per_head_norm:
+        if self.per_head_norm and not self.norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos, sin, self.interleaved)
+        if self.norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.l2_norm:
             q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
         if q_scale is not None:
@@ -408,6 +413,8 @@ class LlamaForCausalLM(nn.Module):
         if rest == "self_attn.sinks":  # gpt-oss: one per head, split like the heads
             return (f"{prefix}self_attn.sinks", 0, 0, p.tp_rank * h, h)
         module = rest.rsplit(".", 1)[0]
+        module = {"self_attn.query_layernorm": "self_attn.q_norm", "self_attn.key_layernorm": "self_attn.k_norm"}.get(
+            module, module)  # (HunYuan's names)
         if module in rules:
             rule = rules[module]
             if isinstance(rule, list):
@@ -417,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
         norms = GLM4_NORM_NAMES if a.architecture == "Glm4ForCausalLM" else NORM_NAMES[a.norms]
         if module in norms:
             return (f"{prefix}{norms[module]}.{kind}", 0, None, 0, 0)
-        return (prefix + rest, 0, None, 0, 0)
+        return (f"{prefix}{module}.{kind}", 0, None, 0, 0)
 
 
 def rope_tables(a: ModelArgs, max_positions: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
