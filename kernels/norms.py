@@ -51,3 +51,14 @@ class LayerNorm1P(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
+
+
+class PlainLayerNorm(nn.Module):
+    """OLMo's: LayerNorm without weight or bias, in float32."""
+
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__()
+        self.size, self.eps = size, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.float(), (self.size,), None, None, self.eps).to(x.dtype)

@@ -19,7 +19,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
-         "hunyuan_v1_dense", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "hunyuan_v1_dense", "olmo", "gptj", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -83,7 +83,7 @@ MOE_DEFAULTS = {
 # Random weights at std 0.02 give a near-uniform next-token distribution and greedy
 # output that repeats one token; a larger std gives confident, varied argmax choices.
 INIT_STD = 0.2
-FAMILY_INIT_STD = {"gpt2": 0.3}  # (its tiny model's top-2 logits sit too close at 0.2)
+FAMILY_INIT_STD = {"gpt2": 0.3, "gptj": 0.3}  # (their tiny models repeat or sit near ties at 0.2)
 SEED = 1234
 
 # --------------------------------------------------------------------------- corpus
@@ -218,6 +218,8 @@ FAMILY_DEFAULTS = {
                                                      "original_max_position_embeddings": 16, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                                      "llama_4_scaling_beta": 0.5}),
+    # OLMo (1): LayerNorms without parameters, clamped q/k/v (a bound the tiny model reaches)
+    "olmo": dict(clip_qkv=2.0),
     # HunYuan: per-head q/k norms after the rotary, its NTK-alpha rotary base
     "hunyuan_v1_dense": dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                            "alpha": 1000.0, "factor": 1.0}),
@@ -310,17 +312,17 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
         Glm4MoeLiteConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
         HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig,
-        MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PhiConfig,
-        Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig,
-        Starcoder2Config,
+        MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
+        PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
+        StableLmConfig, Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
     # them only where the shape tells the layouts apart
     wrapper = {"moe_intermediate_size": 24} if arch == "qwen3_vl_moe" else {}
     arch = IMAGE_TEXT[arch][0] if arch in IMAGE_TEXT else arch  # (the language model's family)
-    if arch in ("opt", "gpt2"):
-        return _learned_positions_config(arch, vocab_size, overrides)
+    if arch in ("opt", "gpt2", "gptj"):
+        return _gpt_config(arch, vocab_size, overrides)
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), **wrapper,
            "vocab_size": vocab_size, **overrides}
     if arch not in ("gemma3", "olmo3"):  # their rope_parameters are by layer type
@@ -358,15 +360,17 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "starcoder2": Starcoder2Config, "arcee": ArceeConfig, "nemotron": NemotronConfig, "phi": PhiConfig,
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
+                "olmo": OlmoConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
-def _learned_positions_config(arch: str, vocab_size: int, overrides: dict):
-    """OPT and GPT-2 in their own config fields: DEFAULTS' shape, learned positions."""
-    from transformers import GPT2Config, OPTConfig
+def _gpt_config(arch: str, vocab_size: int, overrides: dict):
+    """OPT, GPT-2 and GPT-J in their own config fields: DEFAULTS' shape (GPT-J: a quarter of each
+    head rotated)."""
+    from transformers import GPT2Config, GPTJConfig, OPTConfig
 
     d = DEFAULTS
     common = dict(bos_token_id=None, dtype="float32", vocab_size=vocab_size)
@@ -377,9 +381,11 @@ def _learned_positions_config(arch: str, vocab_size: int, overrides: dict):
                      max_position_embeddings=d["max_position_embeddings"], word_embed_proj_dim=d["hidden_size"],
                      activation_function="relu")
         return OPTConfig(**common, **{**shape, **overrides})
-    return GPT2Config(**common, **{**dict(n_embd=d["hidden_size"], n_layer=d["num_hidden_layers"],
-                                          n_head=d["num_attention_heads"], n_inner=d["intermediate_size"],
-                                          n_positions=d["max_position_embeddings"]), **overrides})
+    shape = dict(n_embd=d["hidden_size"], n_layer=d["num_hidden_layers"], n_head=d["num_attention_heads"],
+                 n_inner=d["intermediate_size"], n_positions=d["max_position_embeddings"])
+    if arch == "gptj":
+        return GPTJConfig(**common, **{**shape, "rotary_dim": 4, **overrides})
+    return GPT2Config(**common, **{**shape, **overrides})
 
 
 def _init_weights(model, seed: int, std: float) -> None:

@@ -116,7 +116,7 @@ def test_arch_loads_and_is_not_degenerate(checkpoint_factory, arch):
     mla = arch.startswith("deepseek") or arch == "glm4_moe_lite"
     kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)  # (OPT, GPT-2: multi-head)
     # (GPT-NeoX's config keeps the builder's num_key_value_heads, which its attention never reads)
-    assert config.num_attention_heads == 4 and kv_heads == (4 if mla or arch in ("opt", "gpt2") else 2)
+    assert config.num_attention_heads == 4 and kv_heads == (4 if mla or arch in ("opt", "gpt2", "gptj") else 2)
     layers = 4 if arch == "llama4" else 3 if mla or arch in ("glm4_moe", "ernie4_5_moe") else 2
     assert config.hidden_size == 64 and config.num_hidden_layers == layers
     assert config.vocab_size == 512 and config.max_position_embeddings == 512

@@ -53,6 +53,8 @@ FAMILIES = {
     "gpt_neox": {},  # Pythia
     "ministral3": {},  # queries scaled by position
     "hunyuan_v1_dense": {},
+    "olmo": {},  # OLMo 1
+    "gptj": {},
     "gpt_neox-sequential": dict(arch="gpt_neox", use_parallel_residual=False),
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
     "opt": {},
@@ -208,8 +210,9 @@ def local_ray():
     ("gpt2", {}),  # each rank's heads and MLP columns cut from Conv1D weights stored [in, out]
     ("phi", {}),  # each rank its vocabulary rows of the LM head's bias
     ("gpt_neox", {}),  # each rank its heads' q, k and v rows out of the per-head fused query_key_value
+    ("gptj", {}),  # the parallel block, a biased LM head, interleaved partial rotary
 ], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi",
-        "gpt_neox"])  # DeepSeek at tp=2: tests/test_moe.py
+        "gpt_neox", "gptj"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

@@ -149,7 +149,7 @@ def test_dynamic_fp8_matmul_equals_its_float_emulation():
 
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4", "cohere",
-         "starcoder2", "opt", "gpt2", "nemotron", "phi", "gpt_neox")
+         "starcoder2", "opt", "gpt2", "nemotron", "phi", "gpt_neox", "gptj", "olmo")
 
 
 @pytest.mark.parametrize("kind,arch", [("int8", arch) for arch in DENSE]

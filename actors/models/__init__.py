@@ -2,7 +2,7 @@
 are known without importing torch (the `shoal serve` driver checks a checkpoint's before it
 starts Ray); the classes are imported when one is asked for."""
 from actors.models.args import (
-    DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_NEOX, GPT_OSS, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS, MOE_ARCHS,
+    DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_NEOX, GPT_OSS, GPTJ, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS, MOE_ARCHS,
 )
 
 ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS)
@@ -27,7 +27,7 @@ def model_class(architecture: str):
     if architecture == GPT_OSS:
         from actors.models.gpt_oss import GptOssForCausalLM
         return GptOssForCausalLM
-    if architecture in LEARNED_POSITIONS:
+    if architecture in (*LEARNED_POSITIONS, GPTJ):
         from actors.models.gpt import GptForCausalLM
         return GptForCausalLM
     if architecture == GPT_NEOX:

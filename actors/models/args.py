@@ -12,6 +12,7 @@ GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCa
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.py
+GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt.py
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
@@ -179,19 +180,21 @@ DENSE_ARCHS = (
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
     "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX, "Ministral3ForCausalLM",
-    "HunYuanDenseV1ForCausalLM",
+    GPTJ,
+    "HunYuanDenseV1ForCausalLM", "OlmoForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
-PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
-NORM_KINDS = {**dict.fromkeys(("Starcoder2ForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTNeoXForCausalLM"),
-                              "layer_bias"),
-              "NemotronForCausalLM": "layer_1p", **dict.fromkeys(COHERE, "layer")}
+PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
+             "GPTJForCausalLM")
+NORM_KINDS = {**dict.fromkeys(("Starcoder2ForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTNeoXForCausalLM",
+                               "GPTJForCausalLM"), "layer_bias"),
+              "NemotronForCausalLM": "layer_1p", "OlmoForCausalLM": "layer_plain", **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
 GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
 ERNIE = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
-INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE, *COHERE, "Llama4ForCausalLM")  # rotary on (even, odd) pairs
+INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE, *COHERE, "Llama4ForCausalLM", "GPTJForCausalLM")  # (even, odd) pairs
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -244,7 +247,7 @@ class ModelArgs:
     # same with a norm each)
     norms: str = "pre"
     # rms | layer (Cohere: mean-centred, weight only) | layer_bias (torch's LayerNorm) | layer_1p
-    # (Nemotron: torch's LayerNorm scaled by 1 + weight)
+    # (Nemotron: torch's LayerNorm scaled by 1 + weight) | layer_plain (OLMo: no weight, no bias)
     norm_kind: str = "rms"
     gated_mlp: bool = True  # False: up -> activation -> down (StarCoder2, Arcee, Nemotron)
     logit_scale: float = 1.0  # Cohere: the logits are multiplied by it
@@ -260,7 +263,7 @@ class ModelArgs:
     # 1 + beta * log(1 + floor((position + shift) / span))
     q_position_scale: tuple[float, int, int] | None = None
     position_offset: int = 0  # OPT: position p reads row p + 2
-    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+    clip_qkv: float | None = None  # OLMo, OLMoE: q, k and v clamped to [-clip, clip]
 
     @property
     def kv_planes(self) -> int:
@@ -294,7 +297,8 @@ class ModelArgs:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size_mlp" if arch == "Llama4ForCausalLM" else "intermediate_size"],
+            intermediate_size=(cfg.get("n_inner") or 4 * cfg["hidden_size"] if arch == GPTJ
+                               else cfg["intermediate_size_mlp" if arch == "Llama4ForCausalLM" else "intermediate_size"]),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=(cfg.get("num_key_value_heads") if arch != GPT_NEOX else None) or heads,  # (NeoX: MHA)
@@ -315,8 +319,8 @@ class ModelArgs:
                      else "all" if arch in ALL_HEADS_QK_NORM
                      else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
                      else "l2" if arch == "Llama4ForCausalLM" and cfg.get("use_qk_norm", True) else None),
-            clip_qkv=cfg.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) or ernie_bias,
+            clip_qkv=cfg.get("clip_qkv") if arch in ("OlmoeForCausalLM", "OlmoForCausalLM") else None,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) or ernie_bias or arch == GPTJ,
             moe=MoeArgs.from_hf(arch, cfg),
             layer_windows=layer_windows(arch, cfg),
             attn_scale=(cfg["query_pre_attn_scalar"] ** -0.5 if gemma
@@ -330,16 +334,17 @@ class ModelArgs:
             residual_scale=cfg.get("residual_multiplier", 1.0) if granite else 1.0,
             logits_divisor=cfg.get("logits_scaling", 1.0) if granite else 1.0,
             activation=(plain_activation if arch in PLAIN_MLP else gated_activation)(
-                _gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu")),
+                _gemma_legacy_gelu(arch, cfg.get("hidden_activation") or cfg.get("hidden_act")
+                                   or cfg.get("activation_function") or "silu")),  # (GPT-J's name)
             gated_mlp=arch not in PLAIN_MLP,
             norms=("sandwich" if gemma or arch == "Glm4ForCausalLM"
                    else "post" if arch in (*OLMO, "Exaone4ForCausalLM")
-                   else "parallel" if arch in (*COHERE, "PhiForCausalLM")
+                   else "parallel" if arch in (*COHERE, "PhiForCausalLM", GPTJ)
                    or stablelm and cfg.get("use_parallel_residual")
                    else "parallel2" if arch == GPT_NEOX and cfg.get("use_parallel_residual", True) else "pre"),
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
-            lm_head_bias=arch == "PhiForCausalLM",
+            lm_head_bias=arch in ("PhiForCausalLM", GPTJ),
             max_context=cfg.get("attention_chunk_size") if arch == "Llama4ForCausalLM" else None,
             q_position_scale=q_position_scale(arch, cfg),
             qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
@@ -429,6 +434,10 @@ def norm_eps(arch: str, cfg: dict) -> float:
         return cfg.get("layer_norm_eps", 1e-5)
     if arch == "Starcoder2ForCausalLM":
         return cfg.get("norm_epsilon", 1e-5)
+    if arch == GPTJ:
+        return cfg.get("layer_norm_epsilon", 1e-5)
+    if arch == "OlmoForCausalLM":
+        return 1e-5  # (its LayerNorm's, fixed)
     if arch == "NemotronForCausalLM":
         return cfg.get("norm_eps", 1e-5)
     return cfg.get("rms_norm_eps", 1e-6)

@@ -1,5 +1,6 @@
-"""Checkpoints of the GPT lineage, whose names differ from Llama's: GPT-NeoX (below), and OPT and
-GPT-2 (vLLM's and transformers' first examples, `facebook/opt-125m`, `gpt2`): the
+"""Checkpoints of the GPT lineage, whose names differ from Llama's: GPT-J (Llama's parallel block,
+actors/models/args.py), GPT-NeoX (below), and OPT and GPT-2 (vLLM's and transformers' first
+examples, `facebook/opt-125m`, `gpt2`): the
 Llama block with learned absolute positions instead of rotary (ModelArgs.learned_positions; every
 layer rotates by angle 0), LayerNorms with biases, an ungated MLP and biased projections
 (actors/models/args.py learned_position_args). Only their checkpoints' names differ: each is
@@ -32,20 +33,30 @@ GPT2_NAMES = (
     (r"^h\.(\d+)\.attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
     (r"^h\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
 )
+GPTJ_NAMES = (
+    (r"^wte\.", "model.embed_tokens."),
+    (r"^ln_f\.", "model.norm."),
+    (r"^h\.(\d+)\.ln_1\.", r"model.layers.\1.input_layernorm."),
+    (r"^h\.(\d+)\.attn\.out_proj\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^h\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
+    (r"^h\.(\d+)\.mlp\.fc_in\.", r"model.layers.\1.mlp.fc1."),
+    (r"^h\.(\d+)\.mlp\.fc_out\.", r"model.layers.\1.mlp.fc2."),
+)
+NAMES = {"OPTForCausalLM": OPT_NAMES, "GPT2LMHeadModel": GPT2_NAMES, "GPTJForCausalLM": GPTJ_NAMES}
 GPT2_CONV1D = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
-GPT2_MASKS = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # old checkpoints' causal-mask buffers
+GPT2_MASKS = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # old checkpoints' causal-mask buffers (GPT-J's too)
 
 
 class GptForCausalLM(LlamaForCausalLM):
     def weight_rule(self, name: str):
-        if name == "lm_head.weight":
+        if name in ("lm_head.weight", "lm_head.bias"):
             return super().weight_rule(name)
         gpt2 = self.args.architecture == "GPT2LMHeadModel"
         bare = re.sub(r"^(transformer|model)\.", "", name)
-        if gpt2 and GPT2_MASKS.match(bare):
+        if GPT2_MASKS.match(bare):
             return None
         ours = bare
-        for pattern, replacement in GPT2_NAMES if gpt2 else OPT_NAMES:
+        for pattern, replacement in NAMES[self.args.architecture]:
             ours, found = re.subn(pattern, replacement, ours)
             if found:
                 break

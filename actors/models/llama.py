@@ -37,7 +37,7 @@ from actors.models.layers import (
 from kernels import kv_quant, triton_fused
 from kernels.activation import gated_activation, plain_activation
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
-from kernels.norms import LayerNorm, LayerNorm1P, RMSNorm
+from kernels.norms import LayerNorm, LayerNorm1P, PlainLayerNorm, RMSNorm
 from kernels.rotary import apply_rotary, cos_sin_cache
 
 # Checkpoint norm names -> ours, by where the family puts its norms (ModelArgs.norms). Ours:
@@ -147,7 +147,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip is not None:  # OLMoE: q and k after their norms
+        if self.clip is not None:  # OLMo, OLMoE: q and k after their norms
             q, k, v = (t_.clamp(-self.clip, self.clip) for t_ in (q, k, v))
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
         if self.per_head_norm and not self.norm_after_rope:
@@ -254,6 +254,8 @@ def make_norm(a: ModelArgs) -> nn.Module:
         return nn.LayerNorm(a.hidden_size, a.rms_norm_eps)
     if a.norm_kind == "layer_1p":
         return LayerNorm1P(a.hidden_size, a.rms_norm_eps)
+    if a.norm_kind == "layer_plain":
+        return PlainLayerNorm(a.hidden_size, a.rms_norm_eps)
     return RMSNorm(a.hidden_size, a.rms_norm_eps, a.norm_offset)
 
 
