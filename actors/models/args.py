@@ -179,8 +179,8 @@ DENSE_ARCHS = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
     "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM", "SeedOssForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX, "Ministral3ForCausalLM",
-    GPTJ,
+    "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX,
+    "Ministral3ForCausalLM", GPTJ,
     "HunYuanDenseV1ForCausalLM", "OlmoForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
@@ -297,8 +297,7 @@ class ModelArgs:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=(cfg.get("n_inner") or 4 * cfg["hidden_size"] if arch == GPTJ
-                               else cfg["intermediate_size_mlp" if arch == "Llama4ForCausalLM" else "intermediate_size"]),
+            intermediate_size=mlp_width(arch, cfg),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=(cfg.get("num_key_value_heads") if arch != GPT_NEOX else None) or heads,  # (NeoX: MHA)
@@ -426,6 +425,13 @@ def nope_layers(arch: str, cfg: dict) -> tuple[bool, ...]:
     n, every = cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval", 4)
     uses = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
     return tuple(not use for use in uses)
+
+
+def mlp_width(arch: str, cfg: dict) -> int:
+    """The dense MLP's width: GPT-J's n_inner (4 x hidden when unnamed), Llama 4's intermediate_size_mlp."""
+    if arch == GPTJ:
+        return cfg.get("n_inner") or 4 * cfg["hidden_size"]
+    return cfg["intermediate_size_mlp" if arch == "Llama4ForCausalLM" else "intermediate_size"]
 
 
 def norm_eps(arch: str, cfg: dict) -> float:
