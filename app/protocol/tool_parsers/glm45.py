@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat, strip_markers
-from app.protocol.tool_parsers.xml_args import raw_call
+from app.protocol.tool_parsers.xml_args import raw_call, tiled
 
 START, END = "<tool_call>", "</tool_call>"
 PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -21,15 +21,8 @@ def parse_block(block: str) -> list[ParsedCall] | None:
     body = strip_markers(block, START, END)
     cut = body.find("<arg_key>")
     name, rest = (body, "") if cut < 0 else (body[:cut], body[cut:])
-    args, at = {}, 0
-    for m in PAIR.finditer(rest):
-        if m.start() != at:
-            return None
-        args[m[1].strip()] = m[2]
-        at = m.end()
-    if rest[at:].strip():
-        return None
-    call = raw_call(name, args)
+    pairs = tiled(PAIR, rest)
+    call = raw_call(name, {m[1].strip(): m[2] for m in pairs}) if pairs is not None else None
     return [call] if call else None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat, strip_markers
-from app.protocol.tool_parsers.xml_args import raw_call
+from app.protocol.tool_parsers.xml_args import raw_call, tiled
 
 START, END = "<minimax:tool_call>", "</minimax:tool_call>"
 INVOKE = re.compile(r"\s*<invoke name=\"([^\"]*)\">(.*?)</invoke>", re.S)
@@ -20,28 +20,14 @@ PARAMETER = re.compile(r"\s*<parameter name=\"([^\"]*)\">(.*?)</parameter>", re.
 
 
 def parse_block(block: str) -> list[ParsedCall] | None:
-    body = strip_markers(block, START, END)
-    calls, at = [], 0
-    for m in INVOKE.finditer(body):
-        if m.start() != at:
-            return None
-        args = _arguments(m[2])
-        call = raw_call(m[1], args) if args is not None else None
+    calls = []
+    for invoke in tiled(INVOKE, strip_markers(block, START, END)) or ():
+        parameters = tiled(PARAMETER, invoke[2])
+        call = raw_call(invoke[1], {m[1].strip(): m[2] for m in parameters}) if parameters is not None else None
         if call is None:
             return None
         calls.append(call)
-        at = m.end()
-    return calls if calls and not body[at:].strip() else None
-
-
-def _arguments(body: str) -> dict[str, str] | None:
-    args, at = {}, 0
-    for m in PARAMETER.finditer(body):
-        if m.start() != at:
-            return None
-        args[m[1].strip()] = m[2]
-        at = m.end()
-    return args if not body[at:].strip() else None
+    return calls or None
 
 
 # Forced calls need a JSON spelling (xgrammar's JSON-schema content): they use the JSON format.

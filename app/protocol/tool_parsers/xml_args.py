@@ -10,9 +10,22 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from typing import Any
 
 from app.protocol.tool_parsers.calls import ParsedCall, dumps, loads
+
+
+def tiled(pattern: re.Pattern, text: str) -> list[re.Match] | None:
+    """The matches of `pattern` that cover `text` back to back (blanks after the last allowed);
+    None if anything else is in between."""
+    found, at = [], 0
+    for m in pattern.finditer(text):
+        if m.start() != at:
+            return None
+        found.append(m)
+        at = m.end()
+    return found if not text[at:].strip() else None
 
 
 def raw_call(name: str, arguments: dict[str, str]) -> ParsedCall | None:
