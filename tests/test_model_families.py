@@ -56,6 +56,7 @@ FAMILIES = {
     "olmo": {},  # OLMo 1
     "gptj": {},
     "gpt_neox-sequential": dict(arch="gpt_neox", use_parallel_residual=False),
+    "gpt_neox-unbiased-attention": dict(arch="gpt_neox", attention_bias=False),  # (its MLP keeps its biases)
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
     "opt": {},
     "gpt2": {},  # Conv1D weights stored [in, out], q/k/v fused

@@ -249,7 +249,7 @@ class ModelArgs:
     # rms | layer (Cohere: mean-centred, weight only) | layer_bias (torch's LayerNorm) | layer_1p
     # (Nemotron: torch's LayerNorm scaled by 1 + weight) | layer_plain (OLMo: no weight, no bias)
     norm_kind: str = "rms"
-    gated_mlp: bool = True  # False: up -> activation -> down (StarCoder2, Arcee, Nemotron)
+    gated_mlp: bool = True  # False: up -> activation -> down (PLAIN_MLP: StarCoder2, GPT-J, Phi-2, ...)
     logit_scale: float = 1.0  # Cohere: the logits are multiplied by it
     lm_head_bias: bool = False  # Phi-2
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
@@ -281,13 +281,12 @@ class ModelArgs:
         head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
                     ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
         # every projection biased: ERNIE 4.5 with use_bias, StarCoder2 unless use_bias is off, Phi-2
-        ernie_bias = (arch in ERNIE and bool(cfg.get("use_bias", False))
-                      or arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)) or arch == "PhiForCausalLM"
-                      or arch == GPT_NEOX and bool(cfg.get("attention_bias", True)))
+        all_biased = (arch in ERNIE and bool(cfg.get("use_bias", False))
+                      or arch == "Starcoder2ForCausalLM" and bool(cfg.get("use_bias", True)) or arch == "PhiForCausalLM")
         if arch in ("PhiForCausalLM", "StableLmForCausalLM") and cfg.get("qk_layernorm"):
             raise ValueError(f"{arch} with qk_layernorm is not supported")
         stablelm = arch == "StableLmForCausalLM"
-        attention_bias = bool(cfg.get("attention_bias", False)) or ernie_bias
+        attention_bias = bool(cfg.get("attention_bias", arch == GPT_NEOX)) or all_biased  # (NeoX: on by default)
         qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         gemma = arch in GEMMA
         gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
@@ -319,7 +318,7 @@ class ModelArgs:
                      else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
                      else "l2" if arch == "Llama4ForCausalLM" and cfg.get("use_qk_norm", True) else None),
             clip_qkv=cfg.get("clip_qkv") if arch in ("OlmoeForCausalLM", "OlmoForCausalLM") else None,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) or ernie_bias or arch == GPTJ,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) or all_biased or arch in (GPTJ, GPT_NEOX),
             moe=MoeArgs.from_hf(arch, cfg),
             layer_windows=layer_windows(arch, cfg),
             attn_scale=(cfg["query_pre_attn_scalar"] ** -0.5 if gemma
