@@ -55,15 +55,20 @@ class GptForCausalLM(LlamaForCausalLM):
         bare = re.sub(r"^(transformer|model)\.", "", name)
         if GPT2_MASKS.match(bare):
             return None
-        ours = bare
-        for pattern, replacement in NAMES[self.args.architecture]:
-            ours, found = re.subn(pattern, replacement, ours)
-            if found:
-                break
+        ours = translated(bare, NAMES[self.args.architecture])
         if ours == "model.embed_positions.weight":  # whole, on the first stage
             return (ours, 0, None, 0, 0) if self.p.first_stage else None
         rule = super().weight_rule(ours)
         return _transposed(rule) if gpt2 and GPT2_CONV1D.match(bare) else rule
+
+
+def translated(name: str, table) -> str:
+    """`name` under the first (pattern, replacement) of `table` that matches it, else as it is."""
+    for pattern, replacement in table:
+        ours, found = re.subn(pattern, replacement, name)
+        if found:
+            return ours
+    return name
 
 
 def _transposed(rule):
@@ -112,12 +117,7 @@ class GptNeoXForCausalLM(LlamaForCausalLM):
             heads, d = self.args.num_heads // self.p.tp_size, self.args.head_dim
             first = self.p.tp_rank * heads
             return [(target, part * heads * d, _neox_part(first, heads, part, d), 0, 0) for part in range(3)]
-        ours = bare
-        for pattern, replacement in NEOX_NAMES:
-            ours, found = re.subn(pattern, replacement, ours)
-            if found:
-                break
-        return super().weight_rule(ours)
+        return super().weight_rule(translated(bare, NEOX_NAMES))
 
 
 def _neox_part(first: int, heads: int, part: int, d: int):

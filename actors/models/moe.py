@@ -173,19 +173,12 @@ class SparseMoeBlock(nn.Module):
         placement/only: load for that placement, into those local slots only (re-planning).
         """
         m = re.match(r"experts\.(gate_up_proj|down_proj)$", rest)
-        if m:  # every expert in one tensor (Qwen3-VL-MoE's releases): one rule per local slot
-            start = 0 if self.p.expert_parallel else self.p.tp_rank * self.width
-            take = STACKED_PARTS[m.group(1)]
-            rules = [(f"experts.{m.group(1)}", 0, take(expert, start, self.width), 0, 0, slot)
-                     for slot, expert in enumerate(self.local_slots(placement)) if only is None or slot in only]
-            return rules or None
+        if m:  # every expert in one tensor (Qwen3-VL-MoE's releases)
+            return self._stacked_rule(m.group(1), STACKED_PARTS[m.group(1)], placement, only)
         m = re.match(r"(input|output)_linear\.weight$", rest)
         if m:  # Granite's MoE: every expert in one tensor, already [E, 2I, H] / [E, H, I]
-            start = 0 if self.p.expert_parallel else self.p.tp_rank * self.width
-            name, take = ("gate_up_proj", stacked_rows) if m.group(1) == "input" else ("down_proj", stacked_columns)
-            rules = [(f"experts.{name}", 0, take(expert, start, self.width), 0, 0, slot)
-                     for slot, expert in enumerate(self.local_slots(placement)) if only is None or slot in only]
-            return rules or None
+            part, take = ("gate_up_proj", stacked_rows) if m.group(1) == "input" else ("down_proj", stacked_columns)
+            return self._stacked_rule(part, take, placement, only)
         m = re.match(r"experts\.(\d+)\.(\w+)\.weight$", rest)
         if m:
             slots = [j for j, e in enumerate(self.local_slots(placement))
@@ -207,6 +200,14 @@ class SparseMoeBlock(nn.Module):
         if rest == "moe_statics.e_score_correction_bias":  # ERNIE 4.5's: [1, experts]
             return ("gate.e_score_correction_bias", 0, lambda t: t[:].reshape(-1), 0, 0)
         return (rest, 0, None, 0, 0)  # the router and the shared expert's gate: whole on every rank
+
+    def _stacked_rule(self, part: str, take, placement: list[int] | None, only: set[int] | None):
+        """One rule per local slot for a tensor stacking every expert: `take(expert, start, width)`
+        cuts that expert's part (this rank's slice of its width) in our layout."""
+        start = 0 if self.p.expert_parallel else self.p.tp_rank * self.width
+        rules = [(f"experts.{part}", 0, take(expert, start, self.width), 0, 0, slot)
+                 for slot, expert in enumerate(self.local_slots(placement)) if only is None or slot in only]
+        return rules or None
 
 
 def stacked_gate_up(expert: int, start: int, width: int):
