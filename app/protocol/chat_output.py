@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from app.protocol.harmony import Channels, HarmonyScanner
 from app.protocol.models import ChatCompletionRequest
-from app.protocol.reasoning import HARMONY, ReasoningScanner, initial_state, reasoning_parser_name
+from app.protocol.reasoning import (
+    HARMONY, MARKERS, THINK, Markers, ReasoningScanner, initial_state, reasoning_parser_name,
+)
 from app.protocol.structured_outputs import (
     chat_constraint, check_tool_choice, forced_tools, request_constraint, tool_names,
 )
@@ -32,6 +34,7 @@ class ParsedText:
 @dataclass
 class OutputPlan:
     reasoning: tuple[str, bool] | None = None  # the scanner's start (state, implied_open)
+    reasoning_markers: Markers = THINK  # <think>, or Gemma 4's thinking channel
     tool_format: ToolFormat | None = None
     tool_names: list[str] = field(default_factory=list)
     tool_schemas: dict = field(default_factory=dict)  # name -> parameters, for formats typed by them
@@ -46,7 +49,7 @@ class OutputPlan:
     def parser(self) -> ChoiceParser:
         if self.channels is not None:
             return ChoiceParser(None, None, self.max_calls, HarmonyScanner(self.channels))
-        reasoning = ReasoningScanner(*self.reasoning) if self.reasoning else None
+        reasoning = ReasoningScanner(*self.reasoning, self.reasoning_markers) if self.reasoning else None
         tools = (ToolCallScanner(self.tool_format, self.tool_names, self.tool_schemas)
                  if self.tool_format else None)
         return ChoiceParser(reasoning, tools, self.max_calls)
@@ -102,6 +105,7 @@ def plan_output(settings, tokenizer, body: ChatCompletionRequest,
         fmt = FORMATS[HARMONY] if fmt is not None else None  # forced calls spelled as harmony's
     elif parser:
         plan.reasoning = initial_state(parser, prompt_text, thinking_disabled(settings, body))
+        plan.reasoning_markers = MARKERS[parser]
     if fmt is not None:
         if forced_tools(body) is not None and fmt.call_begin is None:
             fmt = JSON_FORMAT  # forced calls need a JSON spelling; the parser reads it back

@@ -4,10 +4,11 @@ A checkpoint declares them in its config.json, next to the architecture they bel
     "reasoning_parser": "qwen3", "tool_call_parser": "hermes"
 (the bundled demo model does). A checkpoint that declares nothing gets its family's
 reasoning parser: Qwen3 and QwQ think in `<think>` blocks, DeepSeek-R1 distills (Qwen2 or
-Llama by architecture, R1 by name) start inside one; gpt-oss (and any checkpoint whose chat
-template writes harmony's channels) gets the harmony parsers. Its tool calls are then read in
-the markup its chat template teaches (app/protocol/tool_parsers). A flag always wins, and
-`--reasoning-parser none` turns the split off.
+Llama by architecture, R1 by name) start inside one, Gemma 4 thinks in its `<|channel>`;
+gpt-oss (and any checkpoint whose chat template writes harmony's channels) gets the harmony
+parsers. Its tool calls are then read in the markup its chat template teaches
+(app/protocol/tool_parsers). A flag always wins, and `--reasoning-parser none` turns the split
+off.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ log = logging.getLogger("shoal.api")
 
 FIELDS = ("reasoning_parser", "tool_call_parser")
 FAMILY_REASONING = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "glm4_moe": "qwen3",  # model_type -> parser
-                    "glm4_moe_lite": "qwen3", "minimax_m2": "deepseek_r1"}
+                    "glm4_moe_lite": "qwen3", "minimax_m2": "deepseek_r1",
+                    "gemma4": "gemma4", "gemma4_text": "gemma4"}
 NAME_REASONING = (("deepseek-r1", "deepseek_r1"), ("qwq", "qwen3"))  # in the checkpoint's name
 HARMONY_PARSERS = {"reasoning_parser": HARMONY, "tool_call_parser": HARMONY}  # gpt-oss: both
 

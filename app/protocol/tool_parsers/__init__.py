@@ -6,7 +6,7 @@ tells: the markup it teaches the model is the markup the model writes.
 from __future__ import annotations
 
 from app.protocol.tool_parsers import (
-    gemma, glm45, harmony, hermes, json_calls, llama3_json, minimax_m2, mistral, qwen3_coder,
+    gemma, gemma4, glm45, harmony, hermes, json_calls, llama3_json, minimax_m2, mistral, qwen3_coder,
 )
 from app.protocol.tool_parsers.calls import ParsedCall, ToolFormat
 from app.protocol.tool_parsers.scanner import ScanResult, ToolCallScanner
@@ -16,7 +16,7 @@ FORMATS: dict[str, ToolFormat] = {
     "qwen3": hermes.FORMAT, "minicpm": hermes.FORMAT,
     "llama3_json": llama3_json.FORMAT, "llama3": llama3_json.FORMAT, "llama": llama3_json.FORMAT,
     "mistral": mistral.FORMAT,
-    "gemma": gemma.FORMAT, "pythonic": gemma.FORMAT,
+    "gemma": gemma.FORMAT, "pythonic": gemma.FORMAT, "gemma4": gemma4.FORMAT,
     "json": json_calls.FORMAT, "generic": json_calls.FORMAT,
     "harmony": harmony.FORMAT, "openai": harmony.FORMAT, "gpt_oss": harmony.FORMAT,
     "qwen3_coder": qwen3_coder.FORMAT, "qwen3_xml": qwen3_coder.FORMAT,
@@ -26,8 +26,9 @@ FORMATS: dict[str, ToolFormat] = {
 JSON_FORMAT = json_calls.FORMAT
 
 # Markup in a chat template -> the format its model writes (first match wins: the XML formats
-# before hermes, whose `<tool_call>` they share).
-TEMPLATE_HINTS = (("<|channel|>", harmony.FORMAT), ("<minimax:tool_call>", minimax_m2.FORMAT),
+# before hermes, whose `<tool_call>` they share). Gemma 4's `<|tool_call>` is none of the others'.
+TEMPLATE_HINTS = (("<|channel|>", harmony.FORMAT), ("<|tool_call>", gemma4.FORMAT),
+                  ("<minimax:tool_call>", minimax_m2.FORMAT),
                   ("<arg_key>", glm45.FORMAT), ("<function=", qwen3_coder.FORMAT), ("<tool_call>", hermes.FORMAT),
                   ("[TOOL_CALLS]", mistral.FORMAT), ("tool_code", gemma.FORMAT),
                   ("<|python_tag|>", llama3_json.FORMAT), ("ipython", llama3_json.FORMAT))
