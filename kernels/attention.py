@@ -56,6 +56,17 @@ class AttentionMetadata:
     triton: triton_attention.TritonMetadata | None = None  # set: the triton backend runs the step
     # Built by the step's first layer: the short continuation chunks as decode-kernel rows
     short_chunks: "ShortChunks | None" = None
+    recurrent: "RecurrentRows | None" = None  # set: the model has linear-attention layers
+
+
+@dataclass
+class RecurrentRows:
+    """Where a step's sequences keep their linear-attention state (actors/models/hybrid.py): a
+    state row each, the input-batch row the sequence holds while it runs."""
+    num_decodes: int  # the first rows: one token each
+    decode_rows: torch.Tensor  # [num_decodes] their state rows (on the device)
+    chunks: list[tuple[int, int, int]]  # the other rows: (first token row, tokens, state row)
+    fresh: torch.Tensor | None  # state rows of sequences computed from position 0 this step: reset first
 
 
 # A chunk that continues its sequence (a prefix-cache hit's last tokens, say) and has at most

@@ -19,7 +19,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
-         "hunyuan_v1_dense", "olmo", "gptj", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "hunyuan_v1_dense", "olmo", "gptj", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_5_moe")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -28,7 +28,9 @@ IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "qwen3_vl": ("qwen3", "Qwen3VLForConditionalGeneration"),
               "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeForConditionalGeneration"),
               "llama4_vision": ("llama4", "Llama4ForConditionalGeneration"),
-              "ministral3_vision": ("ministral3", "Mistral3ForConditionalGeneration")}
+              "ministral3_vision": ("ministral3", "Mistral3ForConditionalGeneration"),
+              "qwen3_5_vl": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+              "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -79,7 +81,14 @@ MOE_DEFAULTS = {
     "granitemoeshared": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                              shared_intermediate_size=48, embedding_multiplier=3.0, residual_multiplier=0.5,
                              attention_multiplier=0.2, logits_scaling=2.0),
+    # Qwen3.5-MoE: the hybrid layers of "qwen3_5" below, every MLP sparse with a gated shared expert
+    "qwen3_5_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48),
 }
+# Qwen3.5: Gated DeltaNet layers around a gated full-attention one; 2 key heads for 4 value heads
+_HYBRID = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+               head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=8, linear_conv_kernel_dim=4)
 # Random weights at std 0.02 give a near-uniform next-token distribution and greedy
 # output that repeats one token; a larger std gives confident, varied argmax choices.
 INIT_STD = 0.2
@@ -218,6 +227,8 @@ FAMILY_DEFAULTS = {
                                                      "original_max_position_embeddings": 16, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                                      "llama_4_scaling_beta": 0.5}),
+    "qwen3_5": _HYBRID,
+    "qwen3_5_moe": _HYBRID,
     # OLMo (1): LayerNorms without parameters, clamped q/k/v (a bound the tiny model reaches)
     "olmo": dict(clip_qkv=2.0),
     # HunYuan: per-head q/k norms after the rotary, its NTK-alpha rotary base
@@ -285,15 +296,21 @@ def _image_text_config(arch: str, text):
     if arch in ("mistral3", "ministral3_vision"):
         return transformers.Mistral3Config(**common, image_token_index=500, vision_config=transformers.PixtralVisionConfig(
             **vision, head_dim=16).to_dict())
-    if arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # M-RoPE's sections: a third of the rotary pairs each
-        half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
+    if arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl"):
+        # M-RoPE's sections: a third of the rotary pairs each
+        head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        half = int(head * text.rope_parameters.get("partial_rotary_factor", 1.0)) // 2
         rope = {**text.rope_parameters, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
         if arch != "qwen2_5_vl":
             rope["mrope_interleaved"] = True
         tower = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size)
-        tower.update(fullatt_block_indexes=[0]) if arch == "qwen2_5_vl" else tower.update(deepstack_visual_indexes=[0])
+        if arch == "qwen2_5_vl":
+            tower.update(fullatt_block_indexes=[0])
+        elif arch in ("qwen3_vl", "qwen3_vl_moe"):
+            tower.update(deepstack_visual_indexes=[0])
         wrapper = {"qwen2_5_vl": transformers.Qwen2_5_VLConfig, "qwen3_vl": transformers.Qwen3VLConfig,
-                   "qwen3_vl_moe": transformers.Qwen3VLMoeConfig}[arch]
+                   "qwen3_vl_moe": transformers.Qwen3VLMoeConfig, "qwen3_5_vl": transformers.Qwen3_5Config,
+                   "qwen3_5_moe_vl": transformers.Qwen3_5MoeConfig}[arch]
         return wrapper(**{**common, "text_config": {**text.to_dict(), "rope_parameters": rope}}, image_token_id=500,
                        video_token_id=501, vision_config=tower)
     if arch == "llama4_vision":
@@ -313,7 +330,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         Glm4MoeLiteConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
         HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig,
         MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
-        PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
+        PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
+        Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
         StableLmConfig, Starcoder2Config,
     )
 
@@ -360,7 +378,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "starcoder2": Starcoder2Config, "arcee": ArceeConfig, "nemotron": NemotronConfig, "phi": PhiConfig,
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
-                "olmo": OlmoConfig,
+                "olmo": OlmoConfig, "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -534,8 +552,9 @@ def draft_copy(src, dst, layers: list[int]) -> pathlib.Path:
 QUANTIZED_PROJECTIONS = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 FLOAT_UNDER_QUANTIZATION = re.compile(r"\.experts\.|\.shared_experts?\.|kv_b_proj")
 # What --quantization quantizes, under each family's names: the linear layers (OPT's fc1 / fc2 /
-# out_proj, GPT-2's and StarCoder2's c_attn / c_fc / c_proj too), and which of them are row-parallel
-LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|\.c_fc|\.c_attn|\.fc1|\.fc2|\.dense|\.query_key_value|"
+# out_proj, GPT-2's and StarCoder2's c_attn / c_fc / c_proj, Gated DeltaNet's in_proj_qkv / z / a / b
+# too), and which of them are row-parallel
+LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|_proj_(?:qkv|z|a|b)|\.c_fc|\.c_attn|\.fc1|\.fc2|\.dense|\.query_key_value|"
                             r"\.dense_h_to_4h|\.dense_4h_to_h)\.weight$")
 ROW_PARALLEL_WEIGHTS = re.compile(r"(o_proj|down_proj|out_proj|\.fc2|\.c_proj|\.dense|\.dense_4h_to_h)\.weight$")
 EMBEDDINGS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "transformer.wte.weight",

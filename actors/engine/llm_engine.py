@@ -74,7 +74,7 @@ class LLMEngine:
         self.executor = Executor(config, self.spec, placement, draft.block_bytes() if draft else 0)
         self.rank_infos = self.executor.rank_infos()
         windows = self.spec.args.layer_windows
-        self.blocks = BlockManager(self.executor.num_blocks, self.spec.block_size, config.enable_prefix_caching,
+        self.blocks = BlockManager(self.executor.num_blocks, self.spec.block_size, self._prefix_caching(config),
                                    sliding_window=max(windows) if windows and all(windows) else None)
         device = self.executor.device.type
         self.scheduler = Scheduler(config, self.blocks, self.max_model_len, self.eos_ids, Speculator.create(
@@ -91,6 +91,14 @@ class LLMEngine:
         self._launched = None  # async scheduling: (output, result, start) of the step launched ahead
         self._busy_end = None  # when the last step ended, if it left requests running
         freeze_startup_heap()  # no 350 ms full collections mid-step (actors/worker/process_tuning.py)
+
+    def _prefix_caching(self, config: EngineConfig) -> bool:
+        """--enable-prefix-caching, except for linear-attention models: a cached prefix's K/V
+        would skip tokens their layers' state has to see (actors/models/hybrid.py)."""
+        if config.enable_prefix_caching and self.spec.args.linear_attn is not None:
+            log.info("prefix caching off: %s keeps a linear-attention state per sequence", self.spec.args.architecture)
+            return False
+        return config.enable_prefix_caching
 
     @property
     def tokenizer(self):

@@ -2,10 +2,11 @@
 are known without importing torch (the `shoal serve` driver checks a checkpoint's before it
 starts Ray); the classes are imported when one is asked for."""
 from actors.models.args import (
-    DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_NEOX, GPT_OSS, GPTJ, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS, MOE_ARCHS,
+    DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_NEOX, GPT_OSS, GPTJ, HYBRID_ARCHS, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS,
+    MOE_ARCHS,
 )
 
-ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS)
+ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS, *HYBRID_ARCHS)
 
 
 def check_architecture(architecture: str) -> None:
@@ -18,6 +19,9 @@ def check_architecture(architecture: str) -> None:
 
 def model_class(architecture: str):
     check_architecture(architecture)
+    if architecture in HYBRID_ARCHS:
+        from actors.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
+        return HybridMoeForCausalLM if architecture == "Qwen3_5MoeForCausalLM" else HybridForCausalLM
     if architecture in MOE_ARCHS:
         from actors.models.moe import MoeForCausalLM
         return MoeForCausalLM

@@ -14,6 +14,8 @@ GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.py
 GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt.py
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
+# Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
+HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
 # here, as transformers reads it) runs as the text architecture below, its weights read from
@@ -24,10 +26,13 @@ IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3Fo
                     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl_text",
                     "Qwen3VLForConditionalGeneration": "qwen3_vl_text",
                     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
-                    "Llama4ForConditionalGeneration": "llama4_text"}
+                    "Llama4ForConditionalGeneration": "llama4_text",
+                    "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
+                    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text"}
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "llama4_text": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM"}
+                "llama4_text": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM",
+                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,9 @@ class MoeArgs:
             return ernie_moe(cfg)
         if arch == "Llama4ForCausalLM":
             return llama4_moe(cfg)
+        if arch == "Qwen3_5MoeForCausalLM":  # every layer sparse, renormalised, a sigmoid-gated shared expert
+            return cls(experts or 256, cfg.get("num_experts_per_tok", 8), cfg.get("moe_intermediate_size", 512),
+                       cfg.get("shared_expert_intermediate_size", 512), True, 1, ())
         if arch == "OlmoeForCausalLM":  # every layer sparse, its experts intermediate_size wide
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0,
                        bool(cfg.get("norm_topk_prob", False)), 1, ())
@@ -200,6 +208,36 @@ QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "
 
 
 @dataclass(frozen=True)
+class LinearAttnArgs:
+    """Gated DeltaNet's shape (Qwen3.5): key heads (q and k), value heads (each key head serves
+    v_heads // k_heads of them), their widths, and the depthwise convolution's kernel."""
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LinearAttnArgs":
+        return cls(cfg.get("linear_num_key_heads", 16), cfg.get("linear_num_value_heads", 32),
+                   cfg.get("linear_key_head_dim", 128), cfg.get("linear_value_head_dim", 128),
+                   cfg.get("linear_conv_kernel_dim", 4))
+
+
+def linear_layers(cfg: dict) -> tuple[bool, ...]:
+    """True for each linear-attention layer: `layer_types`, else every full_attention_interval-th
+    layer is full attention (transformers' default for an older config)."""
+    n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
+    if types:
+        unknown = set(types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"{cfg['architectures'][0]} layer types {sorted(unknown)} are not supported")
+        return tuple(t == "linear_attention" for t in types)
+    every = cfg.get("full_attention_interval", 4)
+    return tuple(bool((i + 1) % every) for i in range(n))
+
+
+@dataclass(frozen=True)
 class Rope:
     """One rotary embedding: base, Hugging Face rope_scaling dict (None: plain), rotated dims."""
     theta: float
@@ -264,6 +302,15 @@ class ModelArgs:
     q_position_scale: tuple[float, int, int] | None = None
     position_offset: int = 0  # OPT: position p reads row p + 2
     clip_qkv: float | None = None  # OLMo, OLMoE: q, k and v clamped to [-clip, clip]
+    # Qwen3.5: Gated DeltaNet in the layers marked True (a recurrent state per sequence, no KV
+    # cache), full attention with a sigmoid output gate (attn_output_gate) in the others
+    linear_attn: LinearAttnArgs | None = None
+    linear_layers: tuple[bool, ...] = ()
+    attn_output_gate: bool = False
+
+    def caches_kv(self, layer: int) -> bool:
+        """Whether layer `layer` keeps K/V in the pool (a linear-attention layer keeps a state)."""
+        return not (self.linear_layers and self.linear_layers[layer])
 
     @property
     def kv_planes(self) -> int:
@@ -291,6 +338,7 @@ class ModelArgs:
         gemma = arch in GEMMA
         gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
         granite = arch in GRANITE
+        hybrid = arch in HYBRID_ARCHS
         rope, local_rope = ropes(arch, cfg, head_dim)
         return cls(
             architecture=arch,
@@ -312,7 +360,7 @@ class ModelArgs:
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in GLM),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                        "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM")
+                                        "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", *HYBRID_ARCHS)
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
                      else "all" if arch in ALL_HEADS_QK_NORM
                      else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
@@ -326,7 +374,7 @@ class ModelArgs:
             # Gemma 3's config has the field too, but transformers' Gemma 3 never applies it
             attn_softcap=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
-            norm_offset=1.0 if gemma_norms else 0.0,
+            norm_offset=1.0 if gemma_norms or hybrid else 0.0,  # (Qwen3.5's zero-centred norms too)
             embed_scale=(cfg["hidden_size"] ** 0.5 if gemma_norms
                          else cfg.get("embedding_multiplier", 1.0) if granite else 1.0),
             residual_scale=cfg.get("residual_multiplier", 1.0) if granite else 1.0,
@@ -348,6 +396,9 @@ class ModelArgs:
             qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
+            linear_attn=LinearAttnArgs.from_hf(cfg) if hybrid else None,
+            linear_layers=linear_layers(cfg) if hybrid else (),
+            attn_output_gate=hybrid,
         )
 
 
@@ -430,6 +481,8 @@ def mlp_width(arch: str, cfg: dict) -> int:
     """The dense MLP's width: GPT-J's n_inner (4 x hidden when unnamed), Llama 4's intermediate_size_mlp."""
     if arch == GPTJ:
         return cfg.get("n_inner") or 4 * cfg["hidden_size"]
+    if arch == "Qwen3_5MoeForCausalLM":  # (no dense MLP: every layer is sparse)
+        return cfg.get("intermediate_size") or cfg.get("moe_intermediate_size", 512)
     return cfg["intermediate_size_mlp" if arch == "Llama4ForCausalLM" else "intermediate_size"]
 
 
@@ -513,7 +566,7 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or cfg.get("rotary_pct")
               or (cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else None)  # MiniMax-M2's releases
               or {"Glm4MoeForCausalLM": 0.5, "NemotronForCausalLM": 0.5, "PhiForCausalLM": 0.5,
-                  "StableLmForCausalLM": 0.25, GPT_NEOX: 0.25}.get(arch, 1.0))
+                  "StableLmForCausalLM": 0.25, GPT_NEOX: 0.25, **dict.fromkeys(HYBRID_ARCHS, 0.25)}.get(arch, 1.0))
     dim = int(head_dim * factor)
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
                      "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)

@@ -21,7 +21,7 @@ import torch
 from actors.core.sequence import PLACEHOLDER
 from actors.core.step import SchedulerOutput
 from kernels import flash_attention, triton_attention
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, RecurrentRows
 from kernels.host_copies import to_device
 
 
@@ -81,9 +81,24 @@ def ints(values: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
+def recurrent_rows(output: SchedulerOutput, rows: list[int], lens: list[int], device: torch.device) -> RecurrentRows:
+    """The step's sequences' state rows: the decode rows' as a tensor, the chunks' with their token
+    rows, and the rows to reset (sequences computed from position 0)."""
+    nd = output.num_decodes
+    chunks, first = [], nd
+    for row, count in zip(rows[nd:], lens[nd:]):
+        chunks.append((first, count, row))
+        first += count
+    fresh = [row for row, r in zip(rows, output.rows) if r.start == 0]
+    return RecurrentRows(nd, to_device(ints(rows[:nd]), device), chunks,
+                         to_device(ints(fresh), device) if fresh else None)
+
+
 class InputBatch:
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pad_block: int = 0):
-        self.block_size, self.pad_block = block_size, pad_block
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pad_block: int = 0,
+                 recurrent: bool = False):
+        """recurrent: the model has linear-attention layers, whose state row is the sequence's row here."""
+        self.block_size, self.pad_block, self.recurrent = block_size, pad_block, recurrent
         self.tables = torch.full((max_rows, max_blocks), pad_block, dtype=torch.long)
         self.lengths = [0] * max_rows  # blocks in each row
         self.rows: dict[int, int] = {}  # seq id -> row
@@ -140,6 +155,8 @@ class InputBatch:
                                                             bs, device, flash_ops)
         else:
             self._split_metadata(meta, output, table_rows, starts, ends, device)
+        if self.recurrent:
+            meta.recurrent = recurrent_rows(output, table_rows.tolist(), lens, device)
         ids = to_device(ids, device)
         if pending is not None:
             pending.apply(ids)

@@ -63,6 +63,8 @@ def choose(config: EngineConfig, spec, device: torch.device, world_size: int, lo
     moe = spec.args.moe is not None and not (spec.attn_backend == "triton" and fused_block(spec.args))
     off = graphs_off_reason(device_type=device.type, eager_decode=config.eager_decode or eager_by_environment(),
                             world_size=world_size, lora=lora, moe=moe)
+    if off is None and spec.args.linear_attn is not None:
+        off = "linear-attention layers (a recurrent state per sequence, kept by the eager step)"
     if off is None and device.type == "cpu" and spec.attn_backend == "triton":
         off = "Triton interpreted on CPU"  # torch.compile can't trace the interpreter
     decode = "eager" if off else ("cuda-graphs" if device.type == "cuda" else "compiled")

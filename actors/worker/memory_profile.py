@@ -180,6 +180,6 @@ def profile_decode(runner) -> int:
 def _inputs(runner, step, rows: int, width: int):
     """The model's inputs for a made-up step, from an input batch of its own."""
     from actors.worker.input_batch import InputBatch
-    batch = InputBatch(rows, width, runner.block_size)
+    batch = InputBatch(rows, width, runner.block_size, recurrent=runner.recurrent)
     batch.update(step)
     return batch.prepare(step, runner.device, runner.flash_ops, runner.triton)

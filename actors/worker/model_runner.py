@@ -31,7 +31,7 @@ from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
 from actors.worker.kernel_choice import choose, device_type
-from actors.worker.kv_pool import bind_kv_cache, local_kv_heads
+from actors.worker.kv_pool import bind_kv_cache, bind_states, kv_layers, local_kv_heads
 from actors.worker.loader import build_model
 from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import keep_freed_memory, release_freed_memory
@@ -98,6 +98,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             release_freed_memory()
         self.block_size = spec.block_size
+        # Linear-attention layers' states, one per input-batch row, before the KV pool is sized
+        self.recurrent = self.args.linear_attn is not None
+        if self.recurrent:
+            state_bytes = bind_states(self.model, config.max_num_seqs, self.dtype, self.device)
+            log.info("linear-attention state: %d rows (%.1f MiB)", config.max_num_seqs, state_bytes / 2**20)
         self.flash_ops = flash_attention.load(spec.flash_library) if spec.attn_backend == "flash" else None
         self.triton = spec.attn_backend == "triton"
         self.graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
@@ -111,7 +116,7 @@ class ModelRunner:
         # Graphs and compiled decode pad onto the spare block past the pool.
         spare = self.num_blocks if self.kernels.decode != "eager" else 0
         self.batch = InputBatch(config.max_num_seqs, max(2, -(-spec.max_model_len // self.block_size)),
-                                self.block_size, pad_block=spare)
+                                self.block_size, pad_block=spare, recurrent=self.recurrent)
         phase = self._phase("KV", phase)
         if self.kernels.decode == "cuda-graphs":
             self._capture_graphs()
@@ -145,7 +150,7 @@ class ModelRunner:
         """Bytes of one KV block on this rank (its layers, its KV heads), with the draft
         model's block beside it (the pools are sized together)."""
         per_token = self.args.kv_planes * self._local_kv_heads() * self.args.head_dim * self.kv_dtype.itemsize
-        return per_token * len(self.model.model.layers) * self.block_size + self.draft_block_bytes
+        return per_token * len(kv_layers(self.model)) * self.block_size + self.draft_block_bytes
 
     def _local_kv_heads(self) -> int:
         return local_kv_heads(self.model)

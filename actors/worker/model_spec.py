@@ -77,6 +77,12 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
     dtype, weight_dtype = compute_dtype(dtype, on_cpu=device_type(config) == "cpu")
     if config.enable_lora and args.mla:
         raise ValueError(f"LoRA adapters are not supported for {args.architecture} (latent attention) yet")
+    if args.linear_attn is not None:  # a state per sequence, which neither can roll back or skip ahead
+        if config.enable_lora:
+            raise ValueError(f"LoRA adapters are not supported for {args.architecture} (linear attention) yet")
+        if config.speculative is not None:
+            raise ValueError(f"speculative decoding is not supported for {args.architecture}: its linear-attention "
+                             "layers' state cannot be rolled back to a rejected draft")
     kv_dtype = kv_quant.kv_cache_dtype(config.kv_cache_dtype, dtype)
     backend, library = attention_backend(config, dtype, args.head_dim, sinks=args.attn_sinks,
                                          fp8_kv=kv_dtype == kv_quant.FP8)

@@ -1,0 +1,174 @@
+"""Hybrid decoders: Gated DeltaNet linear-attention layers between gated full-attention layers
+(Qwen3.5, dense and MoE; their image-text releases served for their text).
+
+Three layers in four (ModelArgs.linear_layers) are linear attention: a sequence's past is a
+state per layer (kernels/gated_delta.py), not K/V in the pool. The state lives in the layer, one
+row per row of the input batch (the persistent batch of actors/worker/input_batch.py: a row is
+a live sequence's for as long as it runs), and is reset when a sequence's computation starts
+at position 0 (a new request, or one preempted and recomputed). So a state is only ever the
+state of the tokens before the step: a prefix-cache hit, which would skip tokens the state has
+not seen, and speculative decoding, which would have to roll a state back, are off for these
+models (actors/worker/model_spec.py). The other layers are full attention whose output is
+gated per channel by a sigmoid of a second half of q_proj (per head: its query, then its gate),
+with Qwen3.5's zero-centred (1 + w) norms and a quarter of each head rotated.
+
+Under tensor parallelism each rank holds a share of the key heads and of the value heads (a
+key head's value heads stay on its rank), of the convolution's channels and of the gate.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.distributed.parallel import Parallel
+from actors.models.args import ModelArgs
+from actors.models.layers import ColumnParallelLinear, RowParallelLinear
+from actors.models.llama import Attention, LlamaForCausalLM, local_heads
+from actors.models.moe import MoeForCausalLM
+from kernels import gated_delta
+from kernels.attention import AttentionMetadata, paged_attention, write_kv
+from kernels.rotary import apply_rotary
+
+
+class GatedAttention(Attention):
+    """Full attention with a sigmoid output gate: q_proj gives each head its query and its gate."""
+
+    def __init__(self, a: ModelArgs, p: Parallel, layer: int):
+        super().__init__(a, p, layer)
+        self.qkv_proj = ColumnParallelLinear(a.hidden_size, 2 * (self.h + self.kvh) * self.d, a.qkv_bias)
+        self.fusable = False
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):
+        t, h, kvh, d = x.shape[0], self.h, self.kvh, self.d
+        qg, k, v = self.qkv_proj(x).split([2 * h * d, kvh * d, kvh * d], -1)
+        q, gate = qg.view(t, h, 2 * d).split(d, -1)
+        q, k = self.q_norm(q), self.k_norm(k.view(t, kvh, d))
+        q, k = apply_rotary(q, k, cos, sin, self.interleaved)
+        v = v.view(t, kvh, d)
+        write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v, self.k_scale, self.v_scale)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, k, v, self.window, self.softcap,
+                            self.sinks, self.k_scale, self.v_scale)
+        return self.o_proj(o.reshape(t, h * d) * torch.sigmoid(gate.reshape(t, h * d)))
+
+
+def linear_heads(a: ModelArgs, p: Parallel) -> tuple[int, int]:
+    """(key heads, value heads) of a linear-attention layer on this rank."""
+    la, t = a.linear_attn, p.tp_size
+    if la.k_heads % t or la.v_heads % t:
+        raise ValueError(f"tensor parallel size {t} must divide the linear-attention key heads ({la.k_heads}) "
+                         f"and value heads ({la.v_heads})")
+    return la.k_heads // t, la.v_heads // t
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear attention. in_proj is the checkpoint's in_proj_qkv, in_proj_z (the output
+    gate), in_proj_b (beta) and in_proj_a (the decay's input) fused, this rank's share of each."""
+    caches_kv = False  # (its state is bound by actors/worker/kv_pool.py bind_states)
+    nope = local_rope = scales_q = False  # (what the decoder asks of an attention layer)
+
+    def __init__(self, a: ModelArgs, p: Parallel):
+        super().__init__()
+        la = a.linear_attn
+        self.hk, self.hv = linear_heads(a, p)
+        self.dk, self.dv = la.k_dim, la.v_dim
+        self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
+        self.in_proj = ColumnParallelLinear(a.hidden_size, self.conv_dim + self.hv * self.dv + 2 * self.hv, False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, la.conv_kernel))
+        self.A_log = nn.Parameter(torch.empty(self.hv))
+        self.dt_bias = nn.Parameter(torch.empty(self.hv))
+        self.norm_weight = nn.Parameter(torch.empty(self.dv))
+        self.out_proj = RowParallelLinear(self.hv * self.dv, a.hidden_size, False, p)
+        self.eps = a.rms_norm_eps
+        # [batch rows, conv channels, kernel - 1] and [batch rows, value heads, dk, dv] float32
+        self.conv_state = self.state = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):
+        t, hv, dv = x.shape[0], self.hv, self.dv
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, hv * dv, hv, hv], -1)
+        rows = meta.recurrent
+        if rows.fresh is not None:  # sequences starting at position 0 start from nothing
+            self.conv_state.index_fill_(0, rows.fresh, 0.0)
+            self.state.index_fill_(0, rows.fresh, 0.0)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty(t, hv, dv, dtype=x.dtype, device=x.device)
+        nd = rows.num_decodes
+        if nd:  # one token a row, all at once
+            conv, state = self.conv_state[rows.decode_rows], self.state[rows.decode_rows]
+            mixed_d = gated_delta.conv_step(mixed[:nd], conv, self.conv_weight)
+            out[:nd] = gated_delta.recurrent_step(*self._split(mixed_d, g[:nd], beta[:nd]), state).to(x.dtype)
+            self.conv_state.index_copy_(0, rows.decode_rows, conv)
+            self.state.index_copy_(0, rows.decode_rows, state)
+        for first, count, row in rows.chunks:  # a prompt chunk at a time, each from its sequence's state
+            end = first + count
+            mixed_c = gated_delta.conv_prefill(mixed[first:end], self.conv_state[row], self.conv_weight)
+            out[first:end] = gated_delta.chunked(*self._split(mixed_c, g[first:end], beta[first:end]),
+                                                 self.state[row]).to(x.dtype)
+        o = gated_delta.gated_rms_norm(out, z.view(t, hv, dv), self.norm_weight, self.eps)
+        return self.out_proj(o.reshape(t, hv * dv))
+
+    def _split(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+        t, kd = mixed.shape[0], self.hk * self.dk
+        q, k, v = mixed.split([kd, kd, self.hv * self.dv], -1)
+        return gated_delta.prepared(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
+                                    v.view(t, self.hv, self.dv), g, beta)
+
+
+class HybridForCausalLM(LlamaForCausalLM):
+    def make_attention(self, layer: int) -> nn.Module:
+        if self.args.caches_kv(layer):
+            return GatedAttention(self.args, self.p, layer)
+        return GatedDeltaNet(self.args, self.p)
+
+    def _layer_rule(self, prefix: str, rest: str):
+        a, p = self.args, self.p
+        m = re.match(r"linear_attn\.(\w+)(?:\.weight)?$", rest)
+        if m:
+            return _linear_rule(prefix + "self_attn.", m.group(1), a, p)
+        h, kvh, kv0 = local_heads(a, p)
+        d = a.head_dim
+        parts = {"q_proj": (0, p.tp_rank * 2 * h * d, 2 * h * d), "k_proj": (2 * h * d, kv0 * d, kvh * d),
+                 "v_proj": (2 * h * d + kvh * d, kv0 * d, kvh * d)}
+        m = re.match(r"self_attn\.([qkv]_proj)\.(weight|bias)$", rest)
+        if m:
+            offset, start, size = parts[m.group(1)]
+            return (f"{prefix}self_attn.qkv_proj.{m.group(2)}", offset, 0, start, size)
+        return super()._layer_rule(prefix, rest)
+
+
+class HybridMoeForCausalLM(HybridForCausalLM, MoeForCausalLM):
+    """Qwen3.5-MoE: the hybrid attention, every layer's MLP a sparse block with a gated shared expert."""
+
+
+def _linear_rule(prefix: str, part: str, a: ModelArgs, p: Parallel):
+    """Where a Gated DeltaNet tensor, or this rank's share of it, goes."""
+    la, r = a.linear_attn, p.tp_rank
+    hk, hv = linear_heads(a, p)
+    k_rows, v_rows = hk * la.k_dim, hv * la.v_dim
+    k_all = la.k_heads * la.k_dim
+    conv_local = 2 * k_rows + v_rows
+    # q, k and v: this rank's rows of each part, in the checkpoint's [q; k; v] order
+    qkv = [(0, r * k_rows, k_rows), (k_rows, k_all + r * k_rows, k_rows), (2 * k_rows, 2 * k_all + r * v_rows, v_rows)]
+    if part == "in_proj_qkv":
+        return [(f"{prefix}in_proj.weight", offset, 0, start, size) for offset, start, size in qkv]
+    if part == "conv1d":  # [channels, 1, kernel]
+        return [(f"{prefix}conv_weight", offset, _conv_rows(start, size), 0, 0) for offset, start, size in qkv]
+    gate_rows = {"in_proj_z": (conv_local, r * v_rows, v_rows), "in_proj_b": (conv_local + v_rows, r * hv, hv),
+                 "in_proj_a": (conv_local + v_rows + hv, r * hv, hv)}
+    if part in gate_rows:
+        offset, start, size = gate_rows[part]
+        return (f"{prefix}in_proj.weight", offset, 0, start, size)
+    if part in ("A_log", "dt_bias"):
+        return (f"{prefix}{part}", 0, 0, r * hv, hv)
+    if part == "norm":
+        return (f"{prefix}norm_weight", 0, None, 0, 0)
+    if part == "out_proj":
+        return (f"{prefix}out_proj.weight", 0, 1, r * v_rows, v_rows)
+    raise ValueError(f"unexpected linear-attention weight {part!r}")
+
+
+def _conv_rows(start: int, size: int):
+    return lambda t: t[start:start + size].reshape(size, -1)

@@ -1,0 +1,182 @@
+"""Qwen3.5's hybrid decoders (actors/models/hybrid.py): Gated DeltaNet linear-attention layers,
+whose past is a state per sequence, between gated full-attention layers; dense, MoE, and the
+image-text releases for their text. Against transformers, float32: greedy tokens equal and
+prompt log-probs within 1e-4, through chunked prefill (a state carried from chunk to chunk),
+one-token prompts, batch rows reused by later requests, preemption and recomputation (a state
+reset), at tp=1, tp=2 and pp=2. The gated delta rule's two forms (kernels/gated_delta.py)
+against the recurrence written out token by token."""
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import ray  # noqa: E402
+from oracle import hf_greedy, hf_prompt_logprobs  # noqa: E402
+from test_engine import assert_pool_free, prompts_of  # noqa: E402
+
+from actors.engine.llm import LLM  # noqa: E402
+from actors.request import EngineRequest  # noqa: E402
+from actors.sampling_params import SamplingParams  # noqa: E402
+from kernels import gated_delta  # noqa: E402
+
+MAX_TOKENS = 14
+# a one-token prompt, prompts over several 16-token chunks, and two sharing a prefix
+SHARED = prompts_of([12], seed=7)[0]
+PROMPTS = prompts_of([5, 30, 1, 13, 47]) + [SHARED + [1, 2], SHARED + [5]]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def check(path, prompts=PROMPTS, logprobs=True, **options):
+    options = {"num_kv_blocks": 96, "block_size": 4, "max_num_batched_tokens": 16, **options}
+    llm = LLM(str(path), **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                prompt_logprobs=0 if logprobs else None)
+        outs = llm.generate(prompts, params)
+        for ids, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(path, ids, MAX_TOKENS), f"prompt of {len(ids)} tokens"
+            if logprobs and len(ids) > 1:
+                ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+                assert ours == pytest.approx(hf_prompt_logprobs(path, ids), abs=1e-4)
+        assert_pool_free(llm)
+        return llm.engine
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_matches_transformers(checkpoint_factory, arch):
+    engine = check(checkpoint_factory(arch))
+    # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see
+    assert not engine.blocks.enable_prefix_caching and engine.scheduler.hit_tokens == 0
+
+
+def test_batch_rows_reused_and_preempted_sequences_start_from_a_fresh_state(checkpoint_factory):
+    """Two rows for seven requests: each row's state serves several sequences in turn; a pool of
+    12 blocks of 4 tokens cannot hold two of these sequences to their end, so the scheduler
+    preempts one and computes it again from position 0."""
+    path = checkpoint_factory("qwen3_5")
+    llm = LLM(str(path), num_kv_blocks=12, block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
+    try:
+        prompts = prompts_of([20, 9, 17, 3, 21, 11, 6], seed=3)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(path, ids, 24) for ids in prompts]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_decode_rows_and_prompt_chunks_in_one_step(checkpoint_factory):
+    """Requests arriving while others decode: steps mix one-token rows with prompt chunks."""
+    path = checkpoint_factory("qwen3_5")
+    llm = LLM(str(path), num_kv_blocks=96, block_size=4, max_num_batched_tokens=8)
+    try:
+        engine = llm.engine
+        prompts = prompts_of([6, 19, 11], seed=5)
+        for i, ids in enumerate(prompts):
+            engine.add_request(EngineRequest(str(i), ids, GREEDY, whole=True))
+            engine.step()  # the next arrives while this one decodes
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert [done[str(i)] for i in range(3)] == [hf_greedy(path, ids, MAX_TOKENS) for ids in prompts]
+    finally:
+        llm.shutdown()
+
+
+def test_image_text_releases_serve_their_language_model(checkpoint_factory):
+    for arch, family in (("qwen3_5_vl", "Qwen3_5ForCausalLM"), ("qwen3_5_moe_vl", "Qwen3_5MoeForCausalLM")):
+        engine = check(checkpoint_factory(arch), PROMPTS[:3], logprobs=False)
+        assert engine.spec.args.architecture == family
+
+
+def test_what_a_state_cannot_do_is_refused_in_one_line(checkpoint_factory):
+    path = checkpoint_factory("qwen3_5")
+    with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3_5ForCausalLM"):
+        LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for Qwen3_5ForCausalLM"):
+        LLM(str(path), enable_lora=True)
+
+
+def test_linear_layers_hold_no_kv_and_decode_eagerly(checkpoint_factory, monkeypatch):
+    """Only the full-attention layer has K/V in the pool (a block's bytes count it alone); the
+    default compiled decode is off, with the reason in the kernels line."""
+    monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)  # (the suite's default)
+    path = checkpoint_factory("qwen3_5")
+    llm = LLM(str(path), num_kv_blocks=8, block_size=4, eager_decode=False)
+    try:
+        runner = llm.engine.executor.runner
+        assert runner.kv_cache.shape[0] == 1  # of 3 layers
+        assert runner.kernels.decode == "eager" and "linear-attention" in runner.kernels.decode_off
+        out = llm.generate([PROMPTS[0]], GREEDY)[0]
+        assert out.outputs[0].token_ids == hf_greedy(path, PROMPTS[0], MAX_TOKENS)
+    finally:
+        llm.shutdown()
+
+
+# ---- the gated delta rule --------------------------------------------------------------
+
+def written_out(q, k, v, g, beta, state):
+    """The recurrence token by token, as the layer's definition says it (prepared inputs)."""
+    outs = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        predicted = torch.einsum("hkv,hk->hv", state, k[t])
+        state = state + k[t][:, :, None] * ((v[t] - predicted) * beta[t][:, None])[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", state, q[t]))
+    return torch.stack(outs), state
+
+
+@pytest.mark.parametrize("length,split", [(1, 1), (63, 20), (64, 64), (150, 70), (200, 129)])
+def test_the_chunked_rule_is_the_recurrence(length, split):
+    gen = torch.Generator().manual_seed(length)
+    q, k = torch.randn(length, 2, 16, generator=gen), torch.randn(length, 2, 16, generator=gen)
+    v = torch.randn(length, 4, 8, generator=gen)
+    g, beta = -torch.rand(length, 4, generator=gen), torch.rand(length, 4, generator=gen)
+    q, k, v, g, beta = gated_delta.prepared(q, k, v, g, beta)
+    start = torch.randn(4, 16, 8, generator=gen)  # a state left by earlier tokens
+    want, want_state = written_out(q, k, v, g, beta, start)
+    state = start.clone()
+    got = torch.cat([gated_delta.chunked(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state)
+                     for a, b in ((0, split), (split, length)) if b > a])
+    assert torch.allclose(got, want, atol=1e-4) and torch.allclose(state, want_state, atol=1e-4)
+    state = start.clone()[None]
+    got = torch.cat([gated_delta.recurrent_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+                     for t in range(length)])
+    assert torch.allclose(got, want, atol=1e-4) and torch.allclose(state[0], want_state, atol=1e-4)
+
+
+def test_the_convolution_carries_its_last_inputs():
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(11, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    whole = torch.nn.functional.silu(torch.nn.functional.conv1d(
+        x.T[None], weight[:, None], padding=3, groups=6)[0, :, :11]).T
+    state = torch.zeros(6, 3)
+    pieces = [gated_delta.conv_prefill(x[:5], state, weight)]
+    rows = state[None].clone()
+    pieces += [gated_delta.conv_step(x[t:t + 1], rows, weight) for t in range(5, 11)]
+    assert torch.allclose(torch.cat(pieces), whole, atol=1e-6)
+
+
+# ---- tensor and pipeline parallel ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,layout", [("qwen3_5", dict(tp_size=2)), ("qwen3_5_moe", dict(tp_size=2)),
+                                         ("qwen3_5", dict(pp_size=2))], ids=["tp2", "moe-tp2", "pp2"])
+def test_hybrid_across_ranks_matches_transformers(local_ray, checkpoint_factory, arch, layout):
+    """tp=2: each rank one key head and its two value heads, their convolution channels and gate
+    rows; pp=2: the linear layers' states split with their layers."""
+    check(checkpoint_factory(arch), PROMPTS[:5], shard_cpus=0.5, **layout)
