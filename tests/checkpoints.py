@@ -19,7 +19,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
-         "hunyuan_v1_dense", "olmo", "gptj", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_5_moe")
+         "hunyuan_v1_dense", "olmo", "gptj", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_5_moe",
+         "qwen3_next")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -84,6 +85,9 @@ MOE_DEFAULTS = {
     # Qwen3.5-MoE: the hybrid layers of "qwen3_5" below, every MLP sparse with a gated shared expert
     "qwen3_5_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=48),
+    # Qwen3-Next: the same, its linear layers' projections grouped by key head, a dense first layer
+    "qwen3_next": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[0]),
 }
 # Qwen3.5: Gated DeltaNet layers around a gated full-attention one; 2 key heads for 4 value heads
 _HYBRID = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
@@ -229,6 +233,7 @@ FAMILY_DEFAULTS = {
                                                      "llama_4_scaling_beta": 0.5}),
     "qwen3_5": _HYBRID,
     "qwen3_5_moe": _HYBRID,
+    "qwen3_next": _HYBRID,
     # OLMo (1): LayerNorms without parameters, clamped q/k/v (a bound the tiny model reaches)
     "olmo": dict(clip_qkv=2.0),
     # HunYuan: per-head q/k norms after the rotary, its NTK-alpha rotary base
@@ -331,6 +336,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig,
         MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
         PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
+        Qwen3NextConfig,
         Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
         StableLmConfig, Starcoder2Config,
     )
@@ -379,6 +385,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
                 "olmo": OlmoConfig, "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig,
+                "qwen3_next": Qwen3NextConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -553,8 +560,8 @@ QUANTIZED_PROJECTIONS = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", 
 FLOAT_UNDER_QUANTIZATION = re.compile(r"\.experts\.|\.shared_experts?\.|kv_b_proj")
 # What --quantization quantizes, under each family's names: the linear layers (OPT's fc1 / fc2 /
 # out_proj, GPT-2's and StarCoder2's c_attn / c_fc / c_proj, Gated DeltaNet's in_proj_qkv / z / a / b
-# too), and which of them are row-parallel
-LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|_proj_(?:qkv|z|a|b)|\.c_fc|\.c_attn|\.fc1|\.fc2|\.dense|\.query_key_value|"
+# (Qwen3-Next's in_proj_qkvz / ba) too), and which of them are row-parallel
+LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|_proj_(?:qkvz?|z|a|b|ba)|\.c_fc|\.c_attn|\.fc1|\.fc2|\.dense|\.query_key_value|"
                             r"\.dense_h_to_4h|\.dense_4h_to_h)\.weight$")
 ROW_PARALLEL_WEIGHTS = re.compile(r"(o_proj|down_proj|out_proj|\.fc2|\.c_proj|\.dense|\.dense_4h_to_h)\.weight$")
 EMBEDDINGS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "transformer.wte.weight",

@@ -21,7 +21,7 @@ def model_class(architecture: str):
     check_architecture(architecture)
     if architecture in HYBRID_ARCHS:
         from actors.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
-        return HybridMoeForCausalLM if architecture == "Qwen3_5MoeForCausalLM" else HybridForCausalLM
+        return HybridForCausalLM if architecture == "Qwen3_5ForCausalLM" else HybridMoeForCausalLM
     if architecture in MOE_ARCHS:
         from actors.models.moe import MoeForCausalLM
         return MoeForCausalLM

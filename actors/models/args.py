@@ -15,7 +15,7 @@ LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.p
 GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt.py
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
-HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
 # here, as transformers reads it) runs as the text architecture below, its weights read from
@@ -93,6 +93,10 @@ class MoeArgs:
         if arch == "OlmoeForCausalLM":  # every layer sparse, its experts intermediate_size wide
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0,
                        bool(cfg.get("norm_topk_prob", False)), 1, ())
+        if arch == "Qwen3NextForCausalLM":  # Qwen2-MoE's block (a gated shared expert), renormalised by default
+            return cls(experts or 512, cfg.get("num_experts_per_tok", 10), cfg.get("moe_intermediate_size", 512),
+                       cfg.get("shared_expert_intermediate_size", 512), bool(cfg.get("norm_topk_prob", True)),
+                       cfg.get("decoder_sparse_step", 1) or 1, tuple(cfg.get("mlp_only_layers") or ()))
         if arch not in MOE_ARCHS:
             return None
         return cls(experts, cfg.get("num_experts_per_tok", 4), cfg["moe_intermediate_size"],

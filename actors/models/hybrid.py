@@ -1,5 +1,5 @@
 """Hybrid decoders: Gated DeltaNet linear-attention layers between gated full-attention layers
-(Qwen3.5, dense and MoE; their image-text releases served for their text).
+(Qwen3.5, dense and MoE, its image-text releases served for their text; Qwen3-Next).
 
 Three layers in four (ModelArgs.linear_layers) are linear attention: a sequence's past is a
 state per layer (kernels/gated_delta.py), not K/V in the pool. The state lives in the layer, one
@@ -65,7 +65,9 @@ def linear_heads(a: ModelArgs, p: Parallel) -> tuple[int, int]:
 
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear attention. in_proj is the checkpoint's in_proj_qkv, in_proj_z (the output
-    gate), in_proj_b (beta) and in_proj_a (the decay's input) fused, this rank's share of each."""
+    gate), in_proj_b (beta) and in_proj_a (the decay's input) fused, this rank's share of each, as
+    [q | k | v | z | b | a] (Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped by key head, are cut
+    into the same layout)."""
     caches_kv = False  # (its state is bound by actors/worker/kv_pool.py bind_states)
     nope = local_rope = scales_q = False  # (what the decoder asks of an attention layer)
 
@@ -140,7 +142,7 @@ class HybridForCausalLM(LlamaForCausalLM):
 
 
 class HybridMoeForCausalLM(HybridForCausalLM, MoeForCausalLM):
-    """Qwen3.5-MoE: the hybrid attention, every layer's MLP a sparse block with a gated shared expert."""
+    """Qwen3.5-MoE and Qwen3-Next: the hybrid attention, MLPs as sparse blocks with a gated shared expert."""
 
 
 def _linear_rule(prefix: str, part: str, a: ModelArgs, p: Parallel):
@@ -156,6 +158,8 @@ def _linear_rule(prefix: str, part: str, a: ModelArgs, p: Parallel):
         return [(f"{prefix}in_proj.weight", offset, 0, start, size) for offset, start, size in qkv]
     if part == "conv1d":  # [channels, 1, kernel]
         return [(f"{prefix}conv_weight", offset, _conv_rows(start, size), 0, 0) for offset, start, size in qkv]
+    if part in ("in_proj_qkvz", "in_proj_ba"):
+        return _grouped_rules(f"{prefix}in_proj.weight", part, a, p)
     gate_rows = {"in_proj_z": (conv_local, r * v_rows, v_rows), "in_proj_b": (conv_local + v_rows, r * hv, hv),
                  "in_proj_a": (conv_local + v_rows + hv, r * hv, hv)}
     if part in gate_rows:
@@ -168,6 +172,30 @@ def _linear_rule(prefix: str, part: str, a: ModelArgs, p: Parallel):
     if part == "out_proj":
         return (f"{prefix}out_proj.weight", 0, 1, r * v_rows, v_rows)
     raise ValueError(f"unexpected linear-attention weight {part!r}")
+
+
+def _grouped_rules(target: str, part: str, a: ModelArgs, p: Parallel) -> list:
+    """Qwen3-Next's fused projections, grouped by key head: per group [q, k, v, z] (dk, dk and
+    ratio x dv rows each) in in_proj_qkvz, [b, a] (ratio rows each) in in_proj_ba; this rank's
+    groups' parts, each to its place in [q | k | v | z | b | a]."""
+    la = a.linear_attn
+    hk, hv = linear_heads(a, p)
+    ratio, dk = la.v_heads // la.k_heads, la.k_dim
+    vd = ratio * la.v_dim  # a group's value (and gate) rows
+    conv_local = 2 * hk * dk + hv * la.v_dim
+    rules = []
+    for j in range(hk):
+        group = p.tp_rank * hk + j
+        if part == "in_proj_qkvz":
+            first = group * (2 * dk + 2 * vd)
+            rules += [(target, j * dk, 0, first, dk), (target, hk * dk + j * dk, 0, first + dk, dk),
+                      (target, 2 * hk * dk + j * vd, 0, first + 2 * dk, vd),
+                      (target, conv_local + j * vd, 0, first + 2 * dk + vd, vd)]
+        else:
+            first = group * 2 * ratio
+            rules += [(target, conv_local + hv * la.v_dim + j * ratio, 0, first, ratio),
+                      (target, conv_local + hv * la.v_dim + hv + j * ratio, 0, first + ratio, ratio)]
+    return rules
 
 
 def _conv_rows(start: int, size: int):
