@@ -29,6 +29,8 @@ def test_declared_then_family_then_nothing():
     declared = {"model_type": "llama", "reasoning_parser": "deepseek_r1", "tool_call_parser": "hermes"}
     assert model_parsers(declared) == {"reasoning_parser": "deepseek_r1", "tool_call_parser": "hermes"}
     assert model_parsers({"model_type": "qwen3"}) == {"reasoning_parser": "qwen3"}
+    for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # (Qwen3.5's image-text wrappers' model_type)
+        assert model_parsers({"model_type": family}) == {"reasoning_parser": "qwen3"}
     assert model_parsers({"model_type": "qwen3_moe", "tool_call_parser": "hermes"}) == {
         "reasoning_parser": "qwen3", "tool_call_parser": "hermes"}
     assert model_parsers({"model_type": "qwen2"}, "DeepSeek-R1-Distill-Qwen-7B") == {

@@ -84,7 +84,10 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(self.dv))
         self.out_proj = RowParallelLinear(self.hv * self.dv, a.hidden_size, False, p)
         self.eps = a.rms_norm_eps
-        # [batch rows, conv channels, kernel - 1] and [batch rows, value heads, dk, dv] float32
+        # Per input-batch row (actors/worker/kv_pool.py bind_states): the convolution's last
+        # inputs [channels, kernel - 1] and the recurrent state [value heads, dk, dv], float32
+        self.conv_state_shape = (self.conv_dim, la.conv_kernel - 1)
+        self.state_shape = (self.hv, self.dk, self.dv)
         self.conv_state = self.state = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):

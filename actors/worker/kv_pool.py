@@ -54,12 +54,18 @@ def bind_states(model, rows: int, dtype: torch.dtype, device: torch.device) -> i
     """Each linear-attention layer's state for `rows` input-batch rows: its convolution's last
     inputs (in `dtype`) and its float32 recurrent state. Returns their bytes (0: no such layer)."""
     total = 0
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        if getattr(attn, "caches_kv", True):
-            continue
-        width = attn.conv_weight.shape[1] - 1
-        attn.conv_state = zeroed((rows, attn.conv_dim, width), dtype, device)
-        attn.state = zeroed((rows, attn.hv, attn.dk, attn.dv), torch.float32, device)
+    for attn in state_layers(model):
+        attn.conv_state = zeroed((rows, *attn.conv_state_shape), dtype, device)
+        attn.state = zeroed((rows, *attn.state_shape), torch.float32, device)
         total += attn.conv_state.numel() * dtype.itemsize + attn.state.numel() * 4
     return total
+
+
+def state_bytes(model, rows: int, dtype: torch.dtype) -> int:
+    """What bind_states allocates."""
+    return rows * sum(math.prod(a.conv_state_shape) * dtype.itemsize + math.prod(a.state_shape) * 4
+                      for a in state_layers(model))
+
+
+def state_layers(model) -> list:
+    return [layer.self_attn for layer in model.model.layers if not getattr(layer.self_attn, "caches_kv", True)]

@@ -31,7 +31,7 @@ from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
 from actors.worker.kernel_choice import choose, device_type
-from actors.worker.kv_pool import bind_kv_cache, bind_states, kv_layers, local_kv_heads
+from actors.worker.kv_pool import bind_kv_cache, bind_states, kv_layers, local_kv_heads, state_bytes
 from actors.worker.loader import build_model
 from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import keep_freed_memory, release_freed_memory
@@ -101,8 +101,7 @@ class ModelRunner:
         # Linear-attention layers' states, one per input-batch row, before the KV pool is sized
         self.recurrent = self.args.linear_attn is not None
         if self.recurrent:
-            state_bytes = bind_states(self.model, config.max_num_seqs, self.dtype, self.device)
-            log.info("linear-attention state: %d rows (%.1f MiB)", config.max_num_seqs, state_bytes / 2**20)
+            self._bind_states()
         self.flash_ops = flash_attention.load(spec.flash_library) if spec.attn_backend == "flash" else None
         self.triton = spec.attn_backend == "triton"
         self.graph_sizes = capture_sizes(config.cuda_graph_sizes, config.max_num_seqs)
@@ -154,6 +153,17 @@ class ModelRunner:
 
     def _local_kv_heads(self) -> int:
         return local_kv_heads(self.model)
+
+    def _bind_states(self) -> None:
+        """A state per sequence the engine may run at once: refused where they would take over half
+        of what the GPU has free (each can be tens of MiB), not found out of memory."""
+        rows = self.config.max_num_seqs
+        need = state_bytes(self.model, rows, self.dtype)
+        if self.device.type == "cuda" and need > torch.cuda.mem_get_info()[0] // 2:
+            raise ValueError(f"the linear-attention state of --max-num-seqs {rows} sequences needs "
+                             f"{need / 2**30:.1f} GiB, over half the GPU memory free; lower --max-num-seqs")
+        bind_states(self.model, rows, self.dtype, self.device)
+        log.info("linear-attention state: %d sequences, %.1f MiB", rows, need / 2**20)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         c = self.config

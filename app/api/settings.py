@@ -25,7 +25,7 @@ class ServerSettings:
     # the chat template's markup and for reasoning no split; "none": no reasoning split.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: tool_choice "auto" is always on
-    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | harmony (gpt-oss) | none
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1 | harmony (gpt-oss) | gemma4 | none
     # auto: sampling fields a request leaves unset take the model's generation_config.json
     # values (app/protocol/generation_defaults.py); vllm: the server's defaults only
     generation_config: str = "auto"

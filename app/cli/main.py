@@ -37,8 +37,8 @@ def add_run_batch_parser(subparsers) -> None:
                         help="tool-call format, as for `shoal serve` (default: the model's, "
                              "else from the chat template)")
     parser.add_argument("--reasoning-parser", metavar="NAME",
-                        help="split reasoning into reasoning_content: qwen3, deepseek_r1, harmony "
-                             "or none (default: the model's, as for `shoal serve`)")
+                        help="split reasoning into reasoning_content: qwen3, deepseek_r1, harmony, "
+                             "gemma4 or none (default: the model's, as for `shoal serve`)")
     add_engine_args(parser)
     parser.set_defaults(handler=run_batch_command)
 

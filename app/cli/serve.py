@@ -69,8 +69,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="accepted for vLLM compatibility: tool_choice \"auto\" is always on")
     add("--reasoning-parser", metavar="NAME",
         help="split reasoning into reasoning_content: qwen3, deepseek_r1 (<think>), harmony "
-             "(openai_gptoss: gpt-oss's analysis channel) or none (default: the model's "
-             "config.json, else its family's: Qwen3 -> qwen3, gpt-oss -> harmony)")
+             "(openai_gptoss: gpt-oss's analysis channel), gemma4 (its thought channel) or none (default: the "
+             "model's config.json, else its family's: Qwen3 -> qwen3, gpt-oss -> harmony, Gemma 4 -> gemma4)")
     add("--generation-config", choices=list(GENERATION_CONFIG_CHOICES),
         help="auto (default): requests that leave temperature, top_p, top_k, min_p or "
              "repetition_penalty unset get the model's generation_config.json values; vllm: not")

@@ -26,7 +26,9 @@ log = logging.getLogger("shoal.api")
 FIELDS = ("reasoning_parser", "tool_call_parser")
 FAMILY_REASONING = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "glm4_moe": "qwen3",  # model_type -> parser
                     "glm4_moe_lite": "qwen3", "minimax_m2": "deepseek_r1",
-                    "gemma4": "gemma4", "gemma4_text": "gemma4"}
+                    "gemma4": "gemma4", "gemma4_text": "gemma4",
+                    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
+                                    "qwen3")}
 NAME_REASONING = (("deepseek-r1", "deepseek_r1"), ("qwq", "qwen3"))  # in the checkpoint's name
 HARMONY_PARSERS = {"reasoning_parser": HARMONY, "tool_call_parser": HARMONY}  # gpt-oss: both
 
