@@ -20,7 +20,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
          "hunyuan_v1_dense", "olmo", "gptj", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_5_moe",
-         "qwen3_next")
+         "qwen3_next", "mistral4")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -30,8 +30,11 @@ IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "qwen3_vl_moe": ("qwen3_moe", "Qwen3VLMoeForConditionalGeneration"),
               "llama4_vision": ("llama4", "Llama4ForConditionalGeneration"),
               "ministral3_vision": ("ministral3", "Mistral3ForConditionalGeneration"),
+              "mistral4_vision": ("mistral4", "Mistral3ForConditionalGeneration"),
               "qwen3_5_vl": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
               "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")}
+# Text families transformers' AutoModelForCausalLM does not map: their class by name
+OUTSIDE_CAUSAL_LM_AUTO = {"mistral4": "Mistral4ForCausalLM"}
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -275,6 +278,12 @@ FAMILY_DEFAULTS = {
                         topk_method="group_limited_greedy", routed_scaling_factor=1.5),
     "deepseek_v3": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
                         routed_scaling_factor=2.5),
+    # Mistral 4: V3's latent attention, softmax routing over 4 groups (the best 2 eligible), YaRN over
+    # an original 16 positions and queries scaled past every 16th (llama_4_scaling_beta)
+    "mistral4": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=1.5,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                                      "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}),
     # GLM-4.7-Flash: V3's latent attention and GLM-4.5's MoE; its dense layers by mlp_layer_types
     "glm4_moe_lite": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
                           routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse", "dense"]),
@@ -298,7 +307,7 @@ def _image_text_config(arch: str, text):
     if arch == "gemma3_vision":
         return transformers.Gemma3Config(**common, vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
                                          mm_tokens_per_image=4, image_token_index=500)
-    if arch in ("mistral3", "ministral3_vision"):
+    if arch in ("mistral3", "ministral3_vision", "mistral4_vision"):
         return transformers.Mistral3Config(**common, image_token_index=500, vision_config=transformers.PixtralVisionConfig(
             **vision, head_dim=16).to_dict())
     if arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl", "qwen3_5_moe_vl"):
@@ -336,7 +345,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig,
         MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
         PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
-        Qwen3NextConfig,
+        Qwen3NextConfig, Mistral4Config,
         Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
         StableLmConfig, Starcoder2Config,
     )
@@ -385,7 +394,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
                 "olmo": OlmoConfig, "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig,
-                "qwen3_next": Qwen3NextConfig,
+                "qwen3_next": Qwen3NextConfig, "mistral4": Mistral4Config,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -463,6 +472,9 @@ def make_checkpoint(path, arch: str = "llama", *, sharded: bool = False, seed: i
         if arch in IMAGE_TEXT:
             import transformers
             model = getattr(transformers, IMAGE_TEXT[arch][1])(config).to(torch.float32)
+        elif arch in OUTSIDE_CAUSAL_LM_AUTO:
+            import transformers
+            model = getattr(transformers, OUTSIDE_CAUSAL_LM_AUTO[arch])(config).to(torch.float32)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed, init_std)

@@ -20,8 +20,13 @@ def _load(path: str):
 
     # eager attention: the plainest float32 reference (no fused-kernel rounding); an
     # image-text checkpoint (text prompts only) through its own class.
-    image_text = "vision_config" in json.loads((pathlib.Path(path) / "config.json").read_text())
-    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = json.loads((pathlib.Path(path) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    if "vision_config" not in config and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        auto = getattr(transformers, config["architectures"][0])  # (Mistral 4: not in the causal-LM auto map)
     model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 

@@ -35,6 +35,7 @@ FAMILIES = {
     "smollm3": {},  # a NoPE layer
     "deepseek_v2": {},  # MLA and DeepSeek's MoE: also tests/test_deepseek.py
     "deepseek_v3": {},
+    "mistral4": {},  # V3's latent attention, softmax routing over groups, queries scaled by position
     # sliding windows the configs of older families carry
     "mistral-window": dict(arch="mistral", sliding_window=8),
     "ministral": {},  # Mistral's block, sliding and global layers by layer_types

@@ -9,7 +9,8 @@ MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
              "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM")
 GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # the four multipliers
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
-DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+# (Mistral 4 is V3's latent attention with softmax routing and queries scaled by position)
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM")
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.py
 GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt.py
@@ -32,7 +33,8 @@ IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3Fo
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM",
-                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                "mistral4": "Mistral4ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ class MoeArgs:
     shared_gate: bool = True  # Qwen2-MoE gates its shared expert by a sigmoid; DeepSeek adds it as is
     swiglu: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU (alpha, limit); None: SiLU x up
     weight_input: bool = False  # Llama 4: the router's weight scales the expert's input, not its output
+    # Experts stacked in one tensor per projection: Llama 4's and Qwen3-VL-MoE's releases stack them
+    # for x @ W ([E, H, 2I], [E, I, H]); otherwise they are in transformers' own layout ([E, 2I, H],
+    # [E, H, I]: what it saves where no conversion applies, Mistral 4's)
+    stacked_for_x_at_w: bool = False
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -102,7 +108,8 @@ class MoeArgs:
         return cls(experts, cfg.get("num_experts_per_tok", 4), cfg["moe_intermediate_size"],
                    cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0,
                    bool(cfg.get("norm_topk_prob", False)), cfg.get("decoder_sparse_step", 1) or 1,
-                   tuple(cfg.get("mlp_only_layers") or ()))
+                   tuple(cfg.get("mlp_only_layers") or ()),
+                   stacked_for_x_at_w=bool(cfg.get("experts_stacked_for_x_at_w")))  # (Qwen3-VL-MoE's)
 
 
 def llama4_moe(cfg: dict) -> MoeArgs:
@@ -117,7 +124,7 @@ def llama4_moe(cfg: dict) -> MoeArgs:
     width = cfg.get("intermediate_size", 8192)
     return MoeArgs(cfg.get("num_local_experts", 16), k, width, width, False, 1,
                    tuple(i for i in range(n) if i not in sparse), Routing(scoring="sigmoid"), shared_gate=False,
-                   weight_input=True)
+                   weight_input=True, stacked_for_x_at_w=True)
 
 
 def ernie_moe(cfg: dict) -> MoeArgs:
@@ -145,6 +152,8 @@ MOE_FIELD_DEFAULTS = {
                                norm_topk_prob=True, n_group=1, topk_group=1),
     "Glm4MoeLiteForCausalLM": dict(n_shared_experts=1, routed_scaling_factor=1.8, first_k_dense_replace=1,
                                    norm_topk_prob=True, n_group=1, topk_group=1),
+    "Mistral4ForCausalLM": dict(n_shared_experts=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
+                                norm_topk_prob=True, n_group=1, topk_group=1),
 }
 
 
@@ -152,13 +161,15 @@ def deepseek_moe(arch: str, cfg: dict) -> MoeArgs:
     """DeepSeek's MoE as transformers reads it: the first first_k_dense_replace layers dense, shared
     experts beside the routed ones; V2 scores by softmax (grouped by each group's best expert
     under "group_limited_greedy") and never renormalises; V3 (and GLM-4.5, which routes as V3 does)
-    by sigmoid, grouped by each group's best two, with a bias on the choice."""
+    by sigmoid, grouped by each group's best two, with a bias on the choice; Mistral 4 by softmax,
+    grouped by each group's best two, without a bias."""
     cfg = {**MOE_FIELD_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
-    v3 = arch != "DeepseekV2ForCausalLM"
-    grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
-    routing = Routing(scoring="sigmoid" if v3 else "softmax",
-                      group_score=("top2" if v3 else "max") if grouped else None,
-                      n_group=cfg["n_group"], topk_group=cfg["topk_group"], score_bias=v3,
+    v2 = arch == "DeepseekV2ForCausalLM"
+    sigmoid = not v2 and arch != "Mistral4ForCausalLM"
+    grouped = not v2 or cfg.get("topk_method") == "group_limited_greedy"
+    routing = Routing(scoring="sigmoid" if sigmoid else "softmax",
+                      group_score=("max" if v2 else "top2") if grouped else None,
+                      n_group=cfg["n_group"], topk_group=cfg["topk_group"], score_bias=sigmoid,
                       scale=float(cfg["routed_scaling_factor"]))
     width = cfg["moe_intermediate_size"]
     experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
@@ -166,7 +177,7 @@ def deepseek_moe(arch: str, cfg: dict) -> MoeArgs:
     dense = (tuple(i for i, t in enumerate(types) if t == "dense") if types
              else tuple(range(cfg["first_k_dense_replace"])))
     return MoeArgs(experts, cfg["num_experts_per_tok"], width, width * cfg["n_shared_experts"],
-                   v3 and bool(cfg["norm_topk_prob"]), 1, dense, routing, shared_gate=False)
+                   not v2 and bool(cfg["norm_topk_prob"]), 1, dense, routing, shared_gate=False)
 
 
 @dataclass(frozen=True)
@@ -411,7 +422,7 @@ def deepseek_args(arch: str, cfg: dict) -> ModelArgs:
     of each head rotates interleaved pairs (V2 always, V3 unless rope_interleave is off); the
     score scale is the whole query/key head's, times YaRN's mscale squared."""
     mla = MlaArgs.from_hf(cfg)
-    rope, _ = ropes(arch, cfg, mla.rope_dim)
+    rope, _ = ropes(arch, cfg, mla.rope_dim)  # (the rotary part is rope_dim wide whatever a partial factor says)
     interleaved = arch == "DeepseekV2ForCausalLM" or cfg.get("rope_interleave", True)
     scale = (mla.nope_dim + mla.rope_dim) ** -0.5
     mscale_all_dim = (rope.scaling or {}).get("mscale_all_dim")
@@ -421,12 +432,13 @@ def deepseek_args(arch: str, cfg: dict) -> ModelArgs:
         architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=cfg["num_attention_heads"], num_kv_heads=1, head_dim=mla.kv_lora_rank + mla.rope_dim,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope=Rope(rope.theta, rope.scaling, rope.dim, bool(interleaved)),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope=Rope(rope.theta, rope.scaling, mla.rope_dim, bool(interleaved)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=None, mlp_bias=False, moe=MoeArgs.from_hf(arch, cfg), layer_windows=(None,) * cfg["num_hidden_layers"],
-        attn_scale=scale, activation=gated_activation(cfg.get("hidden_act") or "silu"), mla=mla)
+        attn_scale=scale, activation=gated_activation(cfg.get("hidden_act") or "silu"), mla=mla,
+        q_position_scale=q_position_scale(arch, cfg))
 
 
 def learned_position_args(arch: str, cfg: dict) -> ModelArgs:
@@ -507,12 +519,12 @@ def norm_eps(arch: str, cfg: dict) -> float:
 
 def q_position_scale(arch: str, cfg: dict) -> tuple[float, int, int] | None:
     """Llama 4's NoPE layers' temperature tuning (attn_scale, floor_scale, shift 1) and Ministral
-    3's llama_4_scaling_beta (over the rotary's original length, shift 0), as transformers applies
+    3's (and Mistral 4's) llama_4_scaling_beta (over the rotary's original length, shift 0), as transformers applies
     them: queries times 1 + beta * log(1 + floor((position + shift) / span))."""
     if arch == "Llama4ForCausalLM" and cfg.get("attn_temperature_tuning", True):
         return float(cfg.get("attn_scale", 0.1)), int(cfg.get("floor_scale", 8192)), 1
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if arch == "Ministral3ForCausalLM" and rope.get("llama_4_scaling_beta") is not None:
+    if arch in ("Ministral3ForCausalLM", "Mistral4ForCausalLM") and rope.get("llama_4_scaling_beta") is not None:
         return float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]), 0
     return None
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3: multi-head latent attention (MLA) on the MoE decoder.
+"""DeepSeek-V2 / V3 (and GLM-4.7-Flash, Mistral 4): multi-head latent attention (MLA) on the MoE decoder.
 
 Each token caches one latent vector (kv_lora_rank wide, after its norm) and one rotary key
 (rope_dim) shared by every head: [latent | rope key] is the whole cache entry, one "KV head"
@@ -38,6 +38,7 @@ class LatentAttention(nn.Module):
         self.h, self.kvh, self.d = a.num_heads // p.tp_size, 1, a.head_dim  # d: the cached entry's width
         self.m, self.scale, self.interleaved = m, a.attn_scale, a.rope.interleaved
         self.local_rope = self.nope = False  # one rotary table for every layer
+        self.scales_q = a.q_position_scale is not None  # Mistral 4: queries scaled by position
         qk = m.nope_dim + m.rope_dim
         if m.q_lora_rank:
             self.q_a_proj = ColumnParallelLinear(a.hidden_size, m.q_lora_rank, a.qkv_bias)  # replicated
@@ -60,7 +61,8 @@ class LatentAttention(nn.Module):
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return self.q_proj(x)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale: torch.Tensor | None = None):
+        """q_scale: [T] per-token factors on the queries (Mistral 4)."""
         m, t, h = self.m, x.shape[0], self.h
         q_nope, q_rope = self._query(x).view(t, h, m.nope_dim + m.rope_dim).split([m.nope_dim, m.rope_dim], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.rope_dim], -1)
@@ -71,6 +73,8 @@ class LatentAttention(nn.Module):
             [m.nope_dim, m.v_dim], 1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [t, h, kv_lora_rank]
         q = torch.cat([q_latent, q_rope], -1)
+        if q_scale is not None:
+            q = q * q_scale[:, None, None]
         o = paged_attention(q, self.k_cache, self.k_cache, meta, self.scale, entry, entry,
                             k_scale=self.k_scale, v_scale=self.k_scale)
         o = torch.bmm(o[..., :m.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))  # [h, t, v_dim]

@@ -75,7 +75,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         m, ep = a.moe, p.ep_size
         self.p, self.top_k, self.renormalize, self.num_experts = p, m.top_k, m.renormalize, m.num_experts
-        self.routing, self.weight_input = m.routing, m.weight_input
+        self.routing, self.weight_input, self.stacked_for_x_at_w = m.routing, m.weight_input, m.stacked_for_x_at_w
         self.plain_routing = m.routing == Routing()  # softmax, top-k (decided once, not per step)
         slots = m.num_experts + p.redundant_experts
         if slots % ep or p.redundant_experts > m.num_experts * (ep - 1):
@@ -173,8 +173,9 @@ class SparseMoeBlock(nn.Module):
         placement/only: load for that placement, into those local slots only (re-planning).
         """
         m = re.match(r"experts\.(gate_up_proj|down_proj)$", rest)
-        if m:  # every expert in one tensor (Qwen3-VL-MoE's releases)
-            return self._stacked_rule(m.group(1), STACKED_PARTS[m.group(1)], placement, only)
+        if m:  # every expert in one tensor: for x @ W (Llama 4's, Qwen3-VL-MoE's releases) or as transformers holds them
+            parts = STACKED_PARTS if self.stacked_for_x_at_w else STACKED_AS_HELD
+            return self._stacked_rule(m.group(1), parts[m.group(1)], placement, only)
         m = re.match(r"(input|output)_linear\.weight$", rest)
         if m:  # Granite's MoE: every expert in one tensor, already [E, 2I, H] / [E, H, I]
             part, take = ("gate_up_proj", stacked_rows) if m.group(1) == "input" else ("down_proj", stacked_columns)
@@ -239,7 +240,8 @@ def stacked_columns(expert: int, start: int, width: int):
     return lambda t: t[expert:expert + 1, :, start:start + width][0]
 
 
-STACKED_PARTS = {"gate_up_proj": stacked_gate_up, "down_proj": stacked_down}
+STACKED_PARTS = {"gate_up_proj": stacked_gate_up, "down_proj": stacked_down}  # for x @ W
+STACKED_AS_HELD = {"gate_up_proj": stacked_rows, "down_proj": stacked_columns}  # transformers' [E, 2I, H], [E, H, I]
 
 
 def _ffn_rule(prefix: str, suffix: str, part: str, start: int, width: int, *slot):

@@ -87,7 +87,7 @@ def text_config(config: dict) -> dict:
     if not isinstance(text, dict):
         raise ValueError(f"{wrapper}'s text_config must be a mapping of the language model's settings, "
                          f"got {type(text).__name__}")
-    kind = text.get("model_type") or IMAGE_TEXT_ARCHS[wrapper]
+    kind = released = text.get("model_type") or IMAGE_TEXT_ARCHS[wrapper]
     if kind in QWEN_VL_TEXT:
         kind = QWEN_VL_TEXT[kind]
         text = _without_mrope(text, kind)
@@ -100,6 +100,8 @@ def text_config(config: dict) -> dict:
     full = configs[kind](**text).to_dict()
     full["architectures"] = [TEXT_ARCH_OF[kind]]
     full["image_text_architecture"] = wrapper
+    if released in ("qwen3_vl_moe", "qwen3_vl_moe_text"):  # its experts stacked for x @ W (MoeArgs)
+        full["experts_stacked_for_x_at_w"] = True
     for key in ("tie_word_embeddings", "quantization_config"):
         if key in config:
             full[key] = config[key]
