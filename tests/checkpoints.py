@@ -19,7 +19,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
-         "hunyuan_v1_dense", "olmo", "gptj", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -250,6 +250,10 @@ FAMILY_DEFAULTS = {
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
                     logits_scaling=2.0),
     "glm4": dict(head_dim=16),
+    # GLM-4-9B (chat-hf): GLM-4's interleaved half-head rotary and q/k/v biases on Llama's block
+    "glm": dict(head_dim=16),
+    # Helium: interleaved full-head rotary, q/k/v biased and the output projection not
+    "helium": dict(head_dim=16, attention_bias=True),
     # V2-Lite's shape scaled down (no query compression, softmax routing over expert groups, a
     # dense first layer) and V3's (query compression, sigmoid + bias routing, renormalised and
     # scaled weights). A latent of 32 + a rope key of 16: a 48-wide cache entry per token and layer.
@@ -310,11 +314,11 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
         ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
         Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
-        Glm4MoeLiteConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-        HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig,
-        MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
-        PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
-        StableLmConfig, Starcoder2Config,
+        Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
+        GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config,
+        Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
+        OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+        SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
@@ -360,7 +364,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "starcoder2": Starcoder2Config, "arcee": ArceeConfig, "nemotron": NemotronConfig, "phi": PhiConfig,
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
-                "olmo": OlmoConfig,
+                "olmo": OlmoConfig, "glm": GlmConfig, "helium": HeliumConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

@@ -55,6 +55,8 @@ FAMILIES = {
     "hunyuan_v1_dense": {},
     "olmo": {},  # OLMo 1
     "gptj": {},
+    "glm": {},  # GLM-4-9B-chat-hf: GLM-4's rotary and biases without its norms after each sublayer
+    "helium": {},
     "gpt_neox-sequential": dict(arch="gpt_neox", use_parallel_residual=False),
     "gpt_neox-unbiased-attention": dict(arch="gpt_neox", attention_bias=False),  # (its MLP keeps its biases)
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
@@ -143,6 +145,29 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
     assert cohere2.layer_windows == (8, None) and cohere2.nope_layers == (False, True) and cohere2.qk_norm is None
 
 
+# A config naming only the model's size (hidden 64, 4 heads: head_dim 16 unless the class says otherwise)
+SIZE_ONLY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("arch,config_class", [
+    ("GlmForCausalLM", "GlmConfig"), ("Glm4ForCausalLM", "Glm4Config"), ("HeliumForCausalLM", "HeliumConfig"),
+])
+def test_fields_a_config_leaves_out_are_read_as_transformers_reads_them(arch, config_class):
+    """Released configs leave out what their config class fills in (GLM's 128-wide heads, two KV
+    heads, half the head rotated, q/k/v biases; Helium's rotary base): the attention's shape,
+    norms and rotary read as transformers' class reads them."""
+    import transformers
+
+    hf = getattr(transformers, config_class)(**SIZE_ONLY)
+    ours = ModelArgs.from_hf(dict(SIZE_ONLY, architectures=[arch]))
+    rope = hf.rope_parameters
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (ours.head_dim, ours.num_kv_heads, ours.rms_norm_eps, ours.max_position_embeddings) == (
+        head_dim, hf.num_key_value_heads, hf.rms_norm_eps, hf.max_position_embeddings)
+    assert (ours.rope.theta, ours.rope.dim) == (rope["rope_theta"], int(head_dim * rope.get("partial_rotary_factor", 1)))
+    assert (ours.qkv_bias, ours.tie_word_embeddings) == (hf.attention_bias, hf.tie_word_embeddings)
+
+
 def test_gpt2_as_its_first_release_wrote_it(checkpoint_factory, tmp_path):
     """`gpt2`'s own files: names without the `transformer.` prefix, the causal-mask buffers
     (`attn.bias`, `attn.masked_bias`) beside the weights, no lm_head (tied)."""
@@ -212,8 +237,10 @@ def local_ray():
     ("phi", {}),  # each rank its vocabulary rows of the LM head's bias
     ("gpt_neox", {}),  # each rank its heads' q, k and v rows out of the per-head fused query_key_value
     ("gptj", {}),  # the parallel block, a biased LM head, interleaved partial rotary
+    ("glm", {}),  # each rank its heads' q/k/v biases, its gate and up rows of the fused gate_up_proj
+    ("helium", {}),
 ], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi",
-        "gpt_neox", "gptj"])  # DeepSeek at tp=2: tests/test_moe.py
+        "gpt_neox", "gptj", "glm", "helium"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

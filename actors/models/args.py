@@ -181,7 +181,7 @@ DENSE_ARCHS = (
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
     "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX,
     "Ministral3ForCausalLM", GPTJ,
-    "HunYuanDenseV1ForCausalLM", "OlmoForCausalLM",
+    "HunYuanDenseV1ForCausalLM", "OlmoForCausalLM", "GlmForCausalLM", "HeliumForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
@@ -192,9 +192,19 @@ NORM_KINDS = {**dict.fromkeys(("Starcoder2ForCausalLM", "PhiForCausalLM", "Stabl
               "NemotronForCausalLM": "layer_1p", "OlmoForCausalLM": "layer_plain", **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
-GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
+GLM = ("GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
 ERNIE = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
-INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE, *COHERE, "Llama4ForCausalLM", "GPTJForCausalLM")  # (even, odd) pairs
+INTERLEAVED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", *ERNIE, *COHERE, "Llama4ForCausalLM", "GPTJForCausalLM",
+                    "HeliumForCausalLM")  # (even, odd) pairs
+# What transformers' config class assumes where a dense family's config leaves a field out (the
+# attention's shape, norms, rotary), where that differs from Llama's
+CONFIG_DEFAULTS = {
+    **dict.fromkeys(("GlmForCausalLM", "Glm4ForCausalLM"), dict(
+        head_dim=128, num_key_value_heads=2, attention_bias=True, partial_rotary_factor=0.5,
+        rms_norm_eps=1.5625e-07, max_position_embeddings=131072)),
+    "HeliumForCausalLM": dict(head_dim=128, num_key_value_heads=20, rms_norm_eps=1e-8, rope_theta=100_000.0,
+                              max_position_embeddings=4096),
+}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -277,6 +287,7 @@ class ModelArgs:
             return deepseek_args(arch, cfg)
         if arch in LEARNED_POSITIONS:
             return learned_position_args(arch, cfg)
+        cfg = {**CONFIG_DEFAULTS.get(arch, {}), **cfg}
         heads = cfg["num_attention_heads"]
         head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
                     ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
@@ -310,7 +321,7 @@ class ModelArgs:
             qkv_bias=(bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("use_qkv_bias")) if stablelm
                       else attention_bias),
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
-                    else attention_bias and not qwen2 and arch not in GLM),
+                    else attention_bias and not qwen2 and arch not in (*GLM, "HeliumForCausalLM")),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
                                         "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM")
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")

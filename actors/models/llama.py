@@ -14,7 +14,8 @@ biases, an ungated MLP), Arcee and Nemotron (a squared-ReLU ungated MLP; Nemotro
 Phi-2 (Cohere's parallel block with biased LayerNorms, partial rotary, a biased LM head), StableLM
 and GPT-NeoX (the parallel block with a norm per sublayer), Llama 4's attention (interleaved
 rotary, NoPE layers, weightless q/k norms after the rotary; its MoE: actors/models/moe.py),
-Ministral 3 (queries scaled by position), HunYuan (per-head q/k norms after the rotary). What
+Ministral 3 (queries scaled by position), HunYuan (per-head q/k norms after the rotary), GLM
+(GLM-4's attention without its norms after each sublayer), Helium (interleaved rotary). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
