@@ -19,7 +19,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
-         "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -83,7 +83,8 @@ MOE_DEFAULTS = {
 # Random weights at std 0.02 give a near-uniform next-token distribution and greedy
 # output that repeats one token; a larger std gives confident, varied argmax choices.
 INIT_STD = 0.2
-FAMILY_INIT_STD = {"gpt2": 0.3, "gptj": 0.3}  # (their tiny models repeat or sit near ties at 0.2)
+# (their tiny models repeat or sit near ties at 0.2; Apertus's xIELU, quadratic above 0, saturates)
+FAMILY_INIT_STD = {"gpt2": 0.3, "gptj": 0.3, "apertus": 0.15}
 SEED = 1234
 
 # --------------------------------------------------------------------------- corpus
@@ -254,6 +255,11 @@ FAMILY_DEFAULTS = {
     "glm": dict(head_dim=16),
     # Helium: interleaved full-head rotary, q/k/v biased and the output projection not
     "helium": dict(head_dim=16, attention_bias=True),
+    # Apertus: an ungated xIELU MLP (each layer's own alphas), per-head q/k norms, its llama3 rotary
+    # over an original 64 positions
+    "apertus": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
+                                     "original_max_position_embeddings": 64, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0}),
     # V2-Lite's shape scaled down (no query compression, softmax routing over expert groups, a
     # dense first layer) and V3's (query compression, sigmoid + bias routing, renormalised and
     # scaled weights). A latent of 32 + a rope key of 16: a 48-wide cache entry per token and layer.
@@ -312,7 +318,7 @@ def _image_text_config(arch: str, text):
 
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
-        ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
+        ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
         Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
         Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
         GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config,
@@ -365,6 +371,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
                 "olmo": OlmoConfig, "glm": GlmConfig, "helium": HeliumConfig,
+                "apertus": ApertusConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

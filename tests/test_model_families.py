@@ -57,6 +57,7 @@ FAMILIES = {
     "gptj": {},
     "glm": {},  # GLM-4-9B-chat-hf: GLM-4's rotary and biases without its norms after each sublayer
     "helium": {},
+    "apertus": {},  # xIELU with each layer's learned alphas
     "gpt_neox-sequential": dict(arch="gpt_neox", use_parallel_residual=False),
     "gpt_neox-unbiased-attention": dict(arch="gpt_neox", attention_bias=False),  # (its MLP keeps its biases)
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
@@ -149,22 +150,26 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
 SIZE_ONLY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 
 
-@pytest.mark.parametrize("arch,config_class", [
-    ("GlmForCausalLM", "GlmConfig"), ("Glm4ForCausalLM", "Glm4Config"), ("HeliumForCausalLM", "HeliumConfig"),
+@pytest.mark.parametrize("arch,config_class,fields", [
+    ("GlmForCausalLM", "GlmConfig", {}), ("Glm4ForCausalLM", "Glm4Config", {}), ("HeliumForCausalLM", "HeliumConfig", {}),
+    ("ApertusForCausalLM", "ApertusConfig", {}),
+    ("ApertusForCausalLM", "ApertusConfig", dict(rope_theta=5e5)),  # (its class: llama3 over 12M all the same)
 ])
-def test_fields_a_config_leaves_out_are_read_as_transformers_reads_them(arch, config_class):
+def test_fields_a_config_leaves_out_are_read_as_transformers_reads_them(arch, config_class, fields):
     """Released configs leave out what their config class fills in (GLM's 128-wide heads, two KV
-    heads, half the head rotated, q/k/v biases; Helium's rotary base): the attention's shape,
-    norms and rotary read as transformers' class reads them."""
+    heads, half the head rotated, q/k/v biases; Helium's rotary base; Apertus's llama3 rotary):
+    the attention's shape, norms and rotary read as transformers' class reads them."""
     import transformers
 
-    hf = getattr(transformers, config_class)(**SIZE_ONLY)
-    ours = ModelArgs.from_hf(dict(SIZE_ONLY, architectures=[arch]))
+    hf = getattr(transformers, config_class)(**SIZE_ONLY, **fields)
+    ours = ModelArgs.from_hf(dict(SIZE_ONLY, architectures=[arch], **fields))
     rope = hf.rope_parameters
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     assert (ours.head_dim, ours.num_kv_heads, ours.rms_norm_eps, ours.max_position_embeddings) == (
         head_dim, hf.num_key_value_heads, hf.rms_norm_eps, hf.max_position_embeddings)
     assert (ours.rope.theta, ours.rope.dim) == (rope["rope_theta"], int(head_dim * rope.get("partial_rotary_factor", 1)))
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    assert (ours.rope.scaling or {"rope_type": "default"}) == scaling
     assert (ours.qkv_bias, ours.tie_word_embeddings) == (hf.attention_bias, hf.tie_word_embeddings)
 
 
@@ -239,8 +244,9 @@ def local_ray():
     ("gptj", {}),  # the parallel block, a biased LM head, interleaved partial rotary
     ("glm", {}),  # each rank its heads' q/k/v biases, its gate and up rows of the fused gate_up_proj
     ("helium", {}),
+    ("apertus", {}),  # each layer's xIELU parameters whole on both ranks
 ], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi",
-        "gpt_neox", "gptj", "glm", "helium"])  # DeepSeek at tp=2: tests/test_moe.py
+        "gpt_neox", "gptj", "glm", "helium", "apertus"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

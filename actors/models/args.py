@@ -181,12 +181,12 @@ DENSE_ARCHS = (
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
     "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX,
     "Ministral3ForCausalLM", GPTJ,
-    "HunYuanDenseV1ForCausalLM", "OlmoForCausalLM", "GlmForCausalLM", "HeliumForCausalLM",
+    "HunYuanDenseV1ForCausalLM", "OlmoForCausalLM", "GlmForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
 PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
-             "GPTJForCausalLM")
+             "GPTJForCausalLM", "ApertusForCausalLM")
 NORM_KINDS = {**dict.fromkeys(("Starcoder2ForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTNeoXForCausalLM",
                                "GPTJForCausalLM"), "layer_bias"),
               "NemotronForCausalLM": "layer_1p", "OlmoForCausalLM": "layer_plain", **dict.fromkeys(COHERE, "layer")}
@@ -204,7 +204,20 @@ CONFIG_DEFAULTS = {
         rms_norm_eps=1.5625e-07, max_position_embeddings=131072)),
     "HeliumForCausalLM": dict(head_dim=128, num_key_value_heads=20, rms_norm_eps=1e-8, rope_theta=100_000.0,
                               max_position_embeddings=4096),
+    "ApertusForCausalLM": dict(hidden_act="xielu", rms_norm_eps=1e-5, rope_theta=12_000_000.0,
+                               max_position_embeddings=65536),
 }
+# Apertus's class without rope_parameters or rope_scaling: llama3 over a 12M base, whatever rope_theta says
+APERTUS_ROPE = dict(rope_type="llama3", rope_theta=12_000_000.0, factor=8.0, original_max_position_embeddings=8192,
+                    low_freq_factor=1.0, high_freq_factor=4.0)
+
+
+def with_config_defaults(arch: str, cfg: dict) -> dict:
+    """`cfg` with the fields it leaves out filled as the family's transformers config class fills them."""
+    cfg = {**CONFIG_DEFAULTS.get(arch, {}), **cfg}
+    if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        cfg["rope_parameters"] = APERTUS_ROPE
+    return cfg
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -287,7 +300,7 @@ class ModelArgs:
             return deepseek_args(arch, cfg)
         if arch in LEARNED_POSITIONS:
             return learned_position_args(arch, cfg)
-        cfg = {**CONFIG_DEFAULTS.get(arch, {}), **cfg}
+        cfg = with_config_defaults(arch, cfg)
         heads = cfg["num_attention_heads"]
         head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
                     ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
@@ -323,7 +336,7 @@ class ModelArgs:
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in (*GLM, "HeliumForCausalLM")),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                        "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM")
+                                        "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM")
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
                      else "all" if arch in ALL_HEADS_QK_NORM
                      else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
@@ -485,12 +498,13 @@ def gated_activation(name: str) -> str:
 
 
 def plain_activation(name: str) -> str:
-    """The activation of an ungated MLP (StarCoder2's GELU, Arcee's and Nemotron's squared ReLU)."""
+    """The activation of an ungated MLP (StarCoder2's GELU, Arcee's and Nemotron's squared ReLU,
+    Apertus's xIELU)."""
     found = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
-             "gelu_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}.get(name)
+             "gelu_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu", "relu2": "relu2", "xielu": "xielu"}.get(name)
     if found is None:
         raise ValueError(f"unsupported MLP activation {name!r}; supported: gelu_pytorch_tanh, gelu_new, gelu, relu, "
-                         "relu2")
+                         "relu2, xielu")
     return found
 
 
