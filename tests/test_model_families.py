@@ -35,6 +35,9 @@ FAMILIES = {
     "smollm3": {},  # a NoPE layer
     "deepseek_v2": {},  # MLA and DeepSeek's MoE: also tests/test_deepseek.py
     "deepseek_v3": {},
+    # its sparsemixer's two experts, biased LayerNorms and LM head, longrope's own factors (MoE: tests/test_moe.py)
+    "phimoe": {},
+    "phimoe-window": dict(arch="phimoe", sliding_window=8),
     # sliding windows the configs of older families carry
     "mistral-window": dict(arch="mistral", sliding_window=8),
     "ministral": {},  # Mistral's block, sliding and global layers by layer_types
@@ -151,7 +154,8 @@ SIZE_ONLY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
 
 
 @pytest.mark.parametrize("arch,config_class,fields", [
-    ("GlmForCausalLM", "GlmConfig", {}), ("Glm4ForCausalLM", "Glm4Config", {}), ("HeliumForCausalLM", "HeliumConfig", {}),
+    ("GlmForCausalLM", "GlmConfig", {}), ("Glm4ForCausalLM", "Glm4Config", {}),
+    ("HeliumForCausalLM", "HeliumConfig", {}),
     ("ApertusForCausalLM", "ApertusConfig", {}),
     ("ApertusForCausalLM", "ApertusConfig", dict(rope_theta=5e5)),  # (its class: llama3 over 12M all the same)
 ])

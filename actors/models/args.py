@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
              "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM",
-             "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM")
+             "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM", "PhimoeForCausalLM")
 GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # the four multipliers
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
@@ -25,6 +25,9 @@ IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3Fo
                     "Qwen3VLForConditionalGeneration": "qwen3_vl_text",
                     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
                     "Llama4ForConditionalGeneration": "llama4_text"}
+# A release's config.json naming its remote code's class where transformers loads it (by model_type)
+# as its own: Phi-3.5-MoE's PhiMoEForCausalLM is transformers' PhimoeForCausalLM
+ARCH_ALIASES = {"PhiMoEForCausalLM": "PhimoeForCausalLM"}
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM"}
@@ -33,7 +36,7 @@ TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausal
 @dataclass(frozen=True)
 class Routing:
     """How a token picks its experts. Defaults: softmax, then the top k (Mixtral, Qwen-MoE)."""
-    scoring: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    scoring: str = "softmax"  # softmax | sigmoid (DeepSeek-V3) | sparsemixer (PhiMoE: kernels/moe.py)
     # Grouped top-k (DeepSeek): experts come in n_group groups and a token only picks from its
     # topk_group best groups, a group scored by its best expert ("max", V2) or best two ("top2", V3).
     group_score: str | None = None
@@ -41,6 +44,7 @@ class Routing:
     topk_group: int = 1
     score_bias: bool = False  # V3: a learned bias steers the choice, not the weights
     scale: float = 1.0  # routed_scaling_factor: the chosen weights are multiplied by it
+    jitter_eps: float = 0.0  # PhiMoE's router_jitter_noise: how near the top a logit must be to share its softmax
 
 
 @dataclass
@@ -82,6 +86,8 @@ class MoeArgs:
             return ernie_moe(cfg)
         if arch == "Llama4ForCausalLM":
             return llama4_moe(cfg)
+        if arch == "PhimoeForCausalLM":
+            return phimoe_moe(cfg)
         if arch == "OlmoeForCausalLM":  # every layer sparse, its experts intermediate_size wide
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0,
                        bool(cfg.get("norm_topk_prob", False)), 1, ())
@@ -106,6 +112,18 @@ def llama4_moe(cfg: dict) -> MoeArgs:
     return MoeArgs(cfg.get("num_local_experts", 16), k, width, width, False, 1,
                    tuple(i for i in range(n) if i not in sparse), Routing(scoring="sigmoid"), shared_gate=False,
                    weight_input=True)
+
+
+def phimoe_moe(cfg: dict) -> MoeArgs:
+    """PhiMoE's (Phi-3.5-MoE) as transformers reads it: every layer sparse, two experts a token
+    chosen and weighted by its sparsemixer (eval mode) with router_jitter_noise as its threshold."""
+    k, act = cfg.get("num_experts_per_tok", 2), cfg.get("hidden_act", "silu")
+    if k != 2:
+        raise ValueError(f"PhiMoE with num_experts_per_tok={k} is not supported (its sparsemixer routes to 2)")
+    if act != "silu":
+        raise ValueError(f"PhiMoE with hidden_act={act!r} is not supported (its experts: SiLU-gated)")
+    return MoeArgs(cfg.get("num_local_experts", 16), 2, cfg["intermediate_size"], 0, False, 1, (),
+                   Routing(scoring="sparsemixer", jitter_eps=float(cfg.get("router_jitter_noise", 0.01))))
 
 
 def ernie_moe(cfg: dict) -> MoeArgs:
@@ -188,7 +206,7 @@ COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and
 PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
              "GPTJForCausalLM", "ApertusForCausalLM")
 NORM_KINDS = {**dict.fromkeys(("Starcoder2ForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTNeoXForCausalLM",
-                               "GPTJForCausalLM"), "layer_bias"),
+                               "GPTJForCausalLM", "PhimoeForCausalLM"), "layer_bias"),
               "NemotronForCausalLM": "layer_1p", "OlmoForCausalLM": "layer_plain", **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
@@ -204,6 +222,8 @@ CONFIG_DEFAULTS = {
         rms_norm_eps=1.5625e-07, max_position_embeddings=131072)),
     "HeliumForCausalLM": dict(head_dim=128, num_key_value_heads=20, rms_norm_eps=1e-8, rope_theta=100_000.0,
                               max_position_embeddings=4096),
+    "PhimoeForCausalLM": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
+                              max_position_embeddings=131072),
     "ApertusForCausalLM": dict(hidden_act="xielu", rms_norm_eps=1e-5, rope_theta=12_000_000.0,
                                max_position_embeddings=65536),
 }
@@ -366,7 +386,8 @@ class ModelArgs:
                    else "parallel2" if arch == GPT_NEOX and cfg.get("use_parallel_residual", True) else "pre"),
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
-            lm_head_bias=arch in ("PhiForCausalLM", GPTJ),
+            lm_head_bias=(arch in ("PhiForCausalLM", GPTJ)
+                          or arch == "PhimoeForCausalLM" and bool(cfg.get("lm_head_bias"))),
             max_context=cfg.get("attention_chunk_size") if arch == "Llama4ForCausalLM" else None,
             q_position_scale=q_position_scale(arch, cfg),
             qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",

@@ -1,8 +1,9 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE, OLMoE,
 GLM-4.5 (DeepSeek-V3's routing on GQA attention), MiniMax-M2 (sigmoid routing with a bias), ERNIE 4.5
 (softmax routing with a bias), Granite MoE (its experts stacked, an ungated shared MLP), Llama 4
-(a sigmoid weight on one expert's input, a shared expert), and the MoE half of DeepSeek (shared
-experts, grouped routing; its attention: actors/models/deepseek.py).
+(a sigmoid weight on one expert's input, a shared expert), PhiMoE (its sparsemixer's two experts),
+and the MoE half of DeepSeek (shared experts, grouped routing; its attention:
+actors/models/deepseek.py).
 
 The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
 Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/models/eplb.py):
@@ -24,7 +25,7 @@ from actors.models.eplb import initial_placement
 from actors.models.llama import LlamaForCausalLM
 from kernels import triton_fused, triton_moe
 from kernels.activation import silu_and_mul
-from kernels.moe import grouped_experts, route, route_grouped, spread_over_replicas
+from kernels.moe import grouped_experts, route, route_grouped, route_sparsemixer, spread_over_replicas
 
 # Checkpoint names of an expert's projections -> which part of our fused weights they fill.
 EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -143,6 +144,8 @@ class SparseMoeBlock(nn.Module):
         if self.plain_routing:
             return route(self.gate(x), self.top_k, self.renormalize)
         r = self.routing
+        if r.scoring == "sparsemixer":  # PhiMoE
+            return route_sparsemixer(self.gate(x), r.jitter_eps)
         # DeepSeek's router runs in float32 whatever the model's dtype, as transformers keeps it
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
         return route_grouped(logits, self.top_k, self.renormalize, r.scoring, r.group_score, r.n_group,
