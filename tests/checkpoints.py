@@ -16,6 +16,7 @@ from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model shi
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2",
          "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared", "phimoe",
+         "hunyuan_v1_moe",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
@@ -81,6 +82,11 @@ MOE_DEFAULTS = {
                                     "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
                                     "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0],
                                     "short_mscale": 1.2, "long_mscale": 1.5, "original_max_position_embeddings": 256}),
+    # HunYuan MoE (Hunyuan-A13B): a float32 softmax router renormalised, a shared MLP beside the experts;
+    # the dense family's per-head q/k norms after its NTK-alpha rotary
+    "hunyuan_v1_moe": dict(num_experts=8, moe_topk=2, intermediate_size=32, head_dim=16,
+                           rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
+                                            "factor": 1.0}),
     # Granite's multipliers far from 1 (as "granite" below); experts stacked; Shared: an ungated shared MLP
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,
                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
@@ -329,10 +335,10 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config,
         Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
         Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
-        GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config,
-        Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config,
-        OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-        Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
+        GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, Llama4TextConfig, LlamaConfig,
+        MiniMaxM2Config, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config,
+        Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig, Qwen2Config, Qwen2MoeConfig,
+        Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
@@ -379,7 +385,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
                 "olmo": OlmoConfig, "glm": GlmConfig, "helium": HeliumConfig,
-                "apertus": ApertusConfig, "phimoe": PhimoeConfig,
+                "apertus": ApertusConfig, "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

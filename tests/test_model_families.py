@@ -38,6 +38,7 @@ FAMILIES = {
     # its sparsemixer's two experts, biased LayerNorms and LM head, longrope's own factors (MoE: tests/test_moe.py)
     "phimoe": {},
     "phimoe-window": dict(arch="phimoe", sliding_window=8),
+    "hunyuan_v1_moe": {},  # Hunyuan-A13B: a float32 router, a shared MLP
     # sliding windows the configs of older families carry
     "mistral-window": dict(arch="mistral", sliding_window=8),
     "ministral": {},  # Mistral's block, sliding and global layers by layer_types

@@ -37,6 +37,7 @@ MOE_CASES = {
     "llama4": ("llama4", {}),
     "granitemoe": ("granitemoe", {}),  # experts stacked, softmax over the top-k logits, Granite's multipliers
     "granitemoeshared": ("granitemoeshared", {}),  # and an ungated shared MLP beside the block
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", {}),  # a float32 router, a shared MLP, q/k norms after the rotary
     "phimoe": ("phimoe", {}),  # the sparsemixer's two experts, biased LayerNorms and LM head, longrope's mscales
     "ernie4_5_moe-interval": ("ernie4_5_moe", dict(num_hidden_layers=4, moe_layer_interval=2, moe_layer_end_index=2)),
 }
@@ -289,6 +290,31 @@ def test_phimoe_as_released(checkpoint_factory, tmp_path):
             ModelArgs.from_hf(cfg | {"architectures": ["PhimoeForCausalLM"]} | fields)
 
 
+def test_hunyuan_a13b_config_as_released():
+    """Hunyuan-A13B's config.json names per-layer lists (all alike) and fields transformers' class
+    leaves out; what that class would not run (cross-layer attention, layers that differ, experts of
+    another width, no shared MLP) is refused in one line."""
+    from actors.models.args import ModelArgs
+
+    n = 32
+    a13b = dict(architectures=["HunYuanMoEV1ForCausalLM"], hidden_size=4096, intermediate_size=3072,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_hidden_layers=n, vocab_size=128167,
+                num_experts=64, moe_topk=[8] * n, moe_intermediate_size=[3072] * n, num_shared_expert=[1] * n,
+                use_mixed_mlp_moe=True, use_cla=False, use_qk_norm=True, rope_theta=10000.0,
+                rope_scaling={"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+                              "mscale_all_dim": 1.0, "type": "dynamic"})
+    args = ModelArgs.from_hf(a13b)
+    m = args.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.shared_intermediate_size) == (64, 8, 3072, 3072)
+    assert m.renormalize and not m.shared_gate and m.routing.float32_logits and m.dense_layers == ()
+    assert args.qk_norm == "head" and args.qk_norm_after_rope and args.rope.scaling is None
+    assert args.rope.theta == 10000.0 * 1000.0 ** (128 / 126)
+    for fields in (dict(use_cla=True), dict(moe_topk=[8] * (n - 1) + [4]), dict(moe_intermediate_size=[1536] * n),
+                   dict(num_shared_expert=[2] * n), dict(use_mixed_mlp_moe=False)):
+        with pytest.raises(ValueError, match="HunYuan MoE with"):
+            ModelArgs.from_hf(a13b | fields)
+
+
 def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
     engine = AsyncEngine(EngineConfig(model_path=str(checkpoint_factory("qwen3_moe")), num_kv_blocks=32,
                                       eplb_window_size=4))
@@ -383,12 +409,12 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "minimax_m2", "qwen3_vl_moe", "granitemoeshared",
-                                  "phimoe"])
+                                  "phimoe", "hunyuan_v1_moe"])
 def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_factory, arch):
     """tp=2: each rank holds half of every expert's width (DeepSeek: and half the heads, the
     latent cache whole; MiniMax-M2: its all-heads q/k norms over both ranks; Qwen3-VL-MoE: each
     rank's slice of the experts stacked in one tensor; GraniteMoeShared: its stacked experts and fused
-    shared MLP; PhiMoE: its biased LM head split by vocabulary); DeepSeek also through the feature mix."""
+    shared MLP; PhiMoE: its biased LM head split by vocabulary; HunYuan MoE: its shared MLP); DeepSeek also through the feature mix."""
     path = checkpoint_factory(arch)
     llm = LLM(str(path), tp_size=2, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5)
     try:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
              "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM",
-             "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM", "PhimoeForCausalLM")
+             "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM", "PhimoeForCausalLM", "HunYuanMoEV1ForCausalLM")
+HUNYUAN = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")  # per-head q/k norms after the rotary
 GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # the four multipliers
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
@@ -45,6 +46,7 @@ class Routing:
     score_bias: bool = False  # V3: a learned bias steers the choice, not the weights
     scale: float = 1.0  # routed_scaling_factor: the chosen weights are multiplied by it
     jitter_eps: float = 0.0  # PhiMoE's router_jitter_noise: how near the top a logit must be to share its softmax
+    float32_logits: bool = False  # HunYuan: the router is a float32 layer (softmax, top-k, renormalised)
 
 
 @dataclass
@@ -88,6 +90,8 @@ class MoeArgs:
             return llama4_moe(cfg)
         if arch == "PhimoeForCausalLM":
             return phimoe_moe(cfg)
+        if arch == "HunYuanMoEV1ForCausalLM":
+            return hunyuan_moe(cfg)
         if arch == "OlmoeForCausalLM":  # every layer sparse, its experts intermediate_size wide
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0,
                        bool(cfg.get("norm_topk_prob", False)), 1, ())
@@ -124,6 +128,27 @@ def phimoe_moe(cfg: dict) -> MoeArgs:
         raise ValueError(f"PhiMoE with hidden_act={act!r} is not supported (its experts: SiLU-gated)")
     return MoeArgs(cfg.get("num_local_experts", 16), 2, cfg["intermediate_size"], 0, False, 1, (),
                    Routing(scoring="sparsemixer", jitter_eps=float(cfg.get("router_jitter_noise", 0.01))))
+
+
+def hunyuan_moe(cfg: dict) -> MoeArgs:
+    """HunYuan MoE's (Hunyuan-A13B) as transformers reads it: every layer sparse, the router's
+    float32 softmax top-k renormalised, one always-on shared MLP; its experts and shared MLP both
+    intermediate_size wide. What transformers' class leaves out is refused (its releases name it
+    and keep to what transformers runs)."""
+    def one(field: str, default):
+        value = cfg.get(field, default)
+        values = set(value) if isinstance(value, list) else {value}
+        if len(values) != 1:
+            raise ValueError(f"HunYuan MoE with a {field} that differs by layer is not supported")
+        return values.pop()
+    width = cfg["intermediate_size"]
+    if cfg.get("use_cla") or one("num_shared_expert", 1) != 1 or not cfg.get("use_mixed_mlp_moe", True) \
+            or one("moe_intermediate_size", width) != width:
+        raise ValueError("HunYuan MoE with cross-layer attention (use_cla), other than one shared MLP "
+                         "(num_shared_expert, use_mixed_mlp_moe) or experts of another width than "
+                         "intermediate_size (moe_intermediate_size) is not supported")
+    return MoeArgs(one("num_experts", 1), one("moe_topk", 1), width, width, True, 1, (),
+                   Routing(float32_logits=True), shared_gate=False)
 
 
 def ernie_moe(cfg: dict) -> MoeArgs:
@@ -224,6 +249,7 @@ CONFIG_DEFAULTS = {
                               max_position_embeddings=4096),
     "PhimoeForCausalLM": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
                               max_position_embeddings=131072),
+    "HunYuanMoEV1ForCausalLM": dict(rms_norm_eps=1e-5),
     "ApertusForCausalLM": dict(hidden_act="xielu", rms_norm_eps=1e-5, rope_theta=12_000_000.0,
                                max_position_embeddings=65536),
 }
@@ -356,7 +382,7 @@ class ModelArgs:
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in (*GLM, "HeliumForCausalLM")),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                        "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM")
+                                        "Exaone4ForCausalLM", *HUNYUAN, "ApertusForCausalLM")
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
                      else "all" if arch in ALL_HEADS_QK_NORM
                      else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
@@ -390,7 +416,7 @@ class ModelArgs:
                           or arch == "PhimoeForCausalLM" and bool(cfg.get("lm_head_bias"))),
             max_context=cfg.get("attention_chunk_size") if arch == "Llama4ForCausalLM" else None,
             q_position_scale=q_position_scale(arch, cfg),
-            qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
+            qk_norm_after_rope=arch in HUNYUAN,
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
         )
