@@ -20,7 +20,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
-         "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "deepseek_v2", "deepseek_v3", "gpt_oss")
+         "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3", "gpt_oss")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -98,7 +98,7 @@ MOE_DEFAULTS = {
 # output that repeats one token; a larger std gives confident, varied argmax choices.
 INIT_STD = 0.2
 # (their tiny models repeat or sit near ties at 0.2; Apertus's xIELU, quadratic above 0, saturates)
-FAMILY_INIT_STD = {"gpt2": 0.3, "gptj": 0.3, "apertus": 0.15}
+FAMILY_INIT_STD = {"gpt2": 0.3, "gptj": 0.3, "falcon": 0.3, "apertus": 0.15}
 SEED = 1234
 
 # --------------------------------------------------------------------------- corpus
@@ -345,7 +345,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
     # them only where the shape tells the layouts apart
     wrapper = {"moe_intermediate_size": 24} if arch == "qwen3_vl_moe" else {}
     arch = IMAGE_TEXT[arch][0] if arch in IMAGE_TEXT else arch  # (the language model's family)
-    if arch in ("opt", "gpt2", "gptj"):
+    if arch in ("opt", "gpt2", "gptj", "falcon"):
         return _gpt_config(arch, vocab_size, overrides)
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), **wrapper,
            "vocab_size": vocab_size, **overrides}
@@ -393,9 +393,9 @@ def _config(arch: str, vocab_size: int, overrides: dict):
 
 
 def _gpt_config(arch: str, vocab_size: int, overrides: dict):
-    """OPT, GPT-2 and GPT-J in their own config fields: DEFAULTS' shape (GPT-J: a quarter of each
-    head rotated)."""
-    from transformers import GPT2Config, GPTJConfig, OPTConfig
+    """OPT, GPT-2, GPT-J and Falcon in their own config fields: DEFAULTS' shape (GPT-J: a quarter of
+    each head rotated)."""
+    from transformers import FalconConfig, GPT2Config, GPTJConfig, OPTConfig
 
     d = DEFAULTS
     common = dict(bos_token_id=None, dtype="float32", vocab_size=vocab_size)
@@ -406,6 +406,11 @@ def _gpt_config(arch: str, vocab_size: int, overrides: dict):
                      max_position_embeddings=d["max_position_embeddings"], word_embed_proj_dim=d["hidden_size"],
                      activation_function="relu")
         return OPTConfig(**common, **{**shape, **overrides})
+    if arch == "falcon":  # Falcon-7B's layout by default: multi-query, attention and MLP in parallel
+        shape = dict(hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+                     num_attention_heads=d["num_attention_heads"], ffn_hidden_size=d["intermediate_size"],
+                     max_position_embeddings=d["max_position_embeddings"])
+        return FalconConfig(**common, **{**shape, **overrides})
     shape = dict(n_embd=d["hidden_size"], n_layer=d["num_hidden_layers"], n_head=d["num_attention_heads"],
                  n_inner=d["intermediate_size"], n_positions=d["max_position_embeddings"])
     if arch == "gptj":

@@ -62,6 +62,14 @@ FAMILIES = {
     "glm": {},  # GLM-4-9B-chat-hf: GLM-4's rotary and biases without its norms after each sublayer
     "helium": {},
     "apertus": {},  # xIELU with each layer's learned alphas
+    # Falcon-7B: multi-query, attention and MLP in parallel off one norm, tied embeddings
+    "falcon": dict(tie_word_embeddings=True),
+    # Falcon-40B / 180B: KV groups in the fused query_key_value, a norm each for attention and MLP
+    "falcon-new": dict(arch="falcon", new_decoder_architecture=True, num_kv_heads=2),
+    "falcon-new-one-norm": dict(arch="falcon", new_decoder_architecture=True, num_kv_heads=2,
+                                num_ln_in_parallel_attn=1),  # Falcon2-11B
+    # q, k and v per head, Llama's order, biased projections (Falcon-RW's shape, on rotary)
+    "falcon-sequential": dict(arch="falcon", multi_query=False, parallel_attn=False, bias=True),
     "gpt_neox-sequential": dict(arch="gpt_neox", use_parallel_residual=False),
     "gpt_neox-unbiased-attention": dict(arch="gpt_neox", attention_bias=False),  # (its MLP keeps its biases)
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
@@ -178,6 +186,28 @@ def test_fields_a_config_leaves_out_are_read_as_transformers_reads_them(arch, co
     assert (ours.qkv_bias, ours.tie_word_embeddings) == (hf.attention_bias, hf.tie_word_embeddings)
 
 
+def test_falcon_configs_as_released():
+    """Falcon-7B's (multi-query, parallel attention, one norm, tied) and Falcon-40B's (the new
+    architecture: KV groups, two norms) fields read as transformers' class reads them; alibi (Falcon-RW)
+    and the new architecture without parallel attention (which transformers' class cannot run) are
+    refused in one line."""
+    f7 = dict(architectures=["FalconForCausalLM"], alibi=False, bias=False, hidden_size=4544, multi_query=True,
+              new_decoder_architecture=False, num_attention_heads=71, num_hidden_layers=32, parallel_attn=True,
+              vocab_size=65024, layer_norm_epsilon=1e-5)
+    a = ModelArgs.from_hf(f7)
+    assert (a.num_kv_heads, a.head_dim, a.intermediate_size, a.norms, a.norm_kind) == (1, 64, 4 * 4544, "parallel",
+                                                                                      "layer_bias")
+    assert a.tie_word_embeddings and not a.qkv_bias and not a.gated_mlp and a.activation == "gelu"
+    assert (a.rope.theta, a.rope.dim, a.rope.interleaved) == (10000.0, 64, False)
+    f40 = dict(f7, hidden_size=8192, num_attention_heads=128, num_kv_heads=8, new_decoder_architecture=True,
+               num_hidden_layers=60)
+    b = ModelArgs.from_hf(f40)
+    assert (b.num_kv_heads, b.head_dim, b.norms) == (8, 64, "parallel2")
+    for fields, refusal in ((dict(alibi=True), "alibi"), (dict(parallel_attn=False), "parallel_attn off")):
+        with pytest.raises(ValueError, match=refusal):
+            ModelArgs.from_hf(f40 | fields)
+
+
 def test_gpt2_as_its_first_release_wrote_it(checkpoint_factory, tmp_path):
     """`gpt2`'s own files: names without the `transformer.` prefix, the causal-mask buffers
     (`attn.bias`, `attn.masked_bias`) beside the weights, no lm_head (tied)."""
@@ -250,8 +280,10 @@ def local_ray():
     ("glm", {}),  # each rank its heads' q/k/v biases, its gate and up rows of the fused gate_up_proj
     ("helium", {}),
     ("apertus", {}),  # each layer's xIELU parameters whole on both ranks
+    ("falcon", {}),  # multi-query: the one KV head's rows on both ranks, each rank its query heads
+    ("falcon-new", {}),  # each rank its KV group's query heads, key and value
 ], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi",
-        "gpt_neox", "gptj", "glm", "helium", "apertus"])  # DeepSeek at tp=2: tests/test_moe.py
+        "gpt_neox", "gptj", "glm", "helium", "apertus", "falcon", "falcon-new"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

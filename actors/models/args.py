@@ -14,6 +14,7 @@ DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLite
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.py
 GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt.py
+FALCON = "FalconForCausalLM"  # its own config fields (falcon_args) and names (actors/models/gpt.py)
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
@@ -346,6 +347,8 @@ class ModelArgs:
             return deepseek_args(arch, cfg)
         if arch in LEARNED_POSITIONS:
             return learned_position_args(arch, cfg)
+        if arch == FALCON:
+            return falcon_args(cfg)
         cfg = with_config_defaults(arch, cfg)
         heads = cfg["num_attention_heads"]
         head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
@@ -473,6 +476,33 @@ def learned_position_args(arch: str, cfg: dict) -> ModelArgs:
         mlp_bias=bias, layer_windows=(None,) * layers, nope_layers=(True,) * layers, attn_scale=scale,
         activation=plain_activation(act), gated_mlp=False, norm_kind="layer_bias",
         learned_positions=positions + offset, position_offset=offset)
+
+
+def falcon_args(cfg: dict) -> ModelArgs:
+    """Falcon as transformers reads it: one fused query_key_value (multi-query: every query head,
+    one key, one value; new_decoder_architecture: per KV group its query heads, a key and a value;
+    otherwise q, k and v per head), LayerNorms with biases, an ungated MLP, `bias` on every
+    projection; the attention and MLP in parallel off one norm (parallel_attn) or, in the new
+    architecture, a norm each (num_ln_in_parallel_attn, 2 by default), else Llama's order."""
+    if cfg.get("alibi"):
+        raise ValueError("Falcon with alibi (positions as attention biases, Falcon-RW) is not supported")
+    new, parallel = bool(cfg.get("new_decoder_architecture", False)), bool(cfg.get("parallel_attn", True))
+    if new and not parallel:
+        raise ValueError("Falcon with new_decoder_architecture and parallel_attn off is not supported")
+    hidden, heads, layers = cfg.get("hidden_size") or cfg["n_embed"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    kv_heads = (cfg.get("num_kv_heads") or heads) if new else 1 if cfg.get("multi_query", True) else heads
+    ln = cfg.get("num_ln_in_parallel_attn") or (2 if new else 1)
+    head_dim, bias = hidden // heads, bool(cfg.get("bias", False))
+    rope, _ = ropes(FALCON, cfg, head_dim)
+    return ModelArgs(
+        architecture=FALCON, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+        intermediate_size=cfg.get("ffn_hidden_size") or 4 * hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=cfg.get("layer_norm_epsilon") or 1e-5, rope=rope,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qkv_bias=bias, o_bias=bias, qk_norm=None,
+        mlp_bias=bias, layer_windows=(None,) * layers, activation=plain_activation(cfg.get("activation") or "gelu"),
+        gated_mlp=False, norm_kind="layer_bias",
+        norms="parallel2" if new and ln == 2 else "parallel" if parallel else "pre")
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
