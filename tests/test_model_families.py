@@ -167,6 +167,7 @@ SIZE_ONLY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidd
     ("HeliumForCausalLM", "HeliumConfig", {}),
     ("ApertusForCausalLM", "ApertusConfig", {}),
     ("ApertusForCausalLM", "ApertusConfig", dict(rope_theta=5e5)),  # (its class: llama3 over 12M all the same)
+    ("PhimoeForCausalLM", "PhimoeConfig", {}), ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", {}),
 ])
 def test_fields_a_config_leaves_out_are_read_as_transformers_reads_them(arch, config_class, fields):
     """Released configs leave out what their config class fills in (GLM's 128-wide heads, two KV

@@ -414,7 +414,8 @@ def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_fac
     """tp=2: each rank holds half of every expert's width (DeepSeek: and half the heads, the
     latent cache whole; MiniMax-M2: its all-heads q/k norms over both ranks; Qwen3-VL-MoE: each
     rank's slice of the experts stacked in one tensor; GraniteMoeShared: its stacked experts and fused
-    shared MLP; PhiMoE: its biased LM head split by vocabulary; HunYuan MoE: its shared MLP); DeepSeek also through the feature mix."""
+    shared MLP; PhiMoE: its biased LM head split by vocabulary; HunYuan MoE: its shared MLP); DeepSeek
+    also through the feature mix."""
     path = checkpoint_factory(arch)
     llm = LLM(str(path), tp_size=2, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5)
     try:

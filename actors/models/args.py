@@ -46,7 +46,7 @@ class Routing:
     topk_group: int = 1
     score_bias: bool = False  # V3: a learned bias steers the choice, not the weights
     scale: float = 1.0  # routed_scaling_factor: the chosen weights are multiplied by it
-    jitter_eps: float = 0.0  # PhiMoE's router_jitter_noise: how near the top a logit must be to share its softmax
+    jitter_eps: float = 0.0  # PhiMoE's router_jitter_noise: how near the top a logit must be to weigh in
     float32_logits: bool = False  # HunYuan: the router is a float32 layer (softmax, top-k, renormalised)
 
 
@@ -240,8 +240,8 @@ GLM = ("GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/
 ERNIE = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
 INTERLEAVED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", *ERNIE, *COHERE, "Llama4ForCausalLM", "GPTJForCausalLM",
                     "HeliumForCausalLM")  # (even, odd) pairs
-# What transformers' config class assumes where a dense family's config leaves a field out (the
-# attention's shape, norms, rotary), where that differs from Llama's
+# What transformers' config class assumes where a family's config leaves a field out (the attention's
+# shape, norms, rotary), where that differs from Llama's
 CONFIG_DEFAULTS = {
     **dict.fromkeys(("GlmForCausalLM", "Glm4ForCausalLM"), dict(
         head_dim=128, num_key_value_heads=2, attention_bias=True, partial_rotary_factor=0.5,
@@ -257,6 +257,8 @@ CONFIG_DEFAULTS = {
 # Apertus's class without rope_parameters or rope_scaling: llama3 over a 12M base, whatever rope_theta says
 APERTUS_ROPE = dict(rope_type="llama3", rope_theta=12_000_000.0, factor=8.0, original_max_position_embeddings=8192,
                     low_freq_factor=1.0, high_freq_factor=4.0)
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
+QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def with_config_defaults(arch: str, cfg: dict) -> dict:
@@ -265,8 +267,6 @@ def with_config_defaults(arch: str, cfg: dict) -> dict:
     if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
         cfg["rope_parameters"] = APERTUS_ROPE
     return cfg
-GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
-QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -489,7 +489,8 @@ def falcon_args(cfg: dict) -> ModelArgs:
     new, parallel = bool(cfg.get("new_decoder_architecture", False)), bool(cfg.get("parallel_attn", True))
     if new and not parallel:
         raise ValueError("Falcon with new_decoder_architecture and parallel_attn off is not supported")
-    hidden, heads, layers = cfg.get("hidden_size") or cfg["n_embed"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    hidden = cfg.get("n_embed") or cfg.get("hidden_size", 4544)  # (n_embed, its first spelling, wins)
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
     kv_heads = (cfg.get("num_kv_heads") or heads) if new else 1 if cfg.get("multi_query", True) else heads
     ln = cfg.get("num_ln_in_parallel_attn") or (2 if new else 1)
     head_dim, bias = hidden // heads, bool(cfg.get("bias", False))

@@ -46,7 +46,7 @@ from kernels.rotary import apply_rotary, cos_sin_cache
 # input_layernorm before attention, post_attn_norm after it, pre_mlp_norm / post_mlp_norm.
 NORM_NAMES = {
     "pre": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_norm",
-            "attention_layernorm": "input_layernorm", "feedforward_layernorm": "pre_mlp_norm"},  # (Apertus's names)
+            "attention_layernorm": "input_layernorm", "feedforward_layernorm": "pre_mlp_norm"},  # (and Apertus's)
     "sandwich": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attn_norm",
                  "pre_feedforward_layernorm": "pre_mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
     "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
