@@ -49,6 +49,21 @@ def route_grouped(router_logits: torch.Tensor, top_k: int, renormalize: bool, sc
     return weights * scale, ids
 
 
+def route_sparsemixer(router_logits: torch.Tensor, jitter_eps: float):
+    """PhiMoE's sparsemixer in eval mode, as transformers computes it, in the logits' dtype:
+    (weights [T, 2], expert ids [T, 2]). The first expert is the top logit, weighted by its
+    softmax over the logits within 2 * jitter_eps (relative) of it; the second is the top of the
+    rest, weighted by its softmax over the rest within the same distance of it."""
+    top, first = router_logits.max(-1, keepdim=True)
+    near = (top - router_logits) / router_logits.abs().clamp(min=top) > 2 * jitter_eps
+    w1 = torch.softmax(router_logits.masked_fill(near, float("-inf")), -1).gather(-1, first)
+    rest = torch.scatter(router_logits, -1, first, float("-inf"))
+    top2, second = rest.max(-1, keepdim=True)
+    near = (top2 - router_logits) / router_logits.abs().clamp(min=top2) > 2 * jitter_eps
+    w2 = torch.softmax(rest.masked_fill(near, float("-inf")), -1).gather(-1, second)
+    return torch.cat((w1, w2), -1), torch.cat((first, second), -1)
+
+
 def _rank_within_expert(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     """For each assignment, how many earlier assignments (in token order) chose the same expert."""
     order = torch.argsort(flat, stable=True)

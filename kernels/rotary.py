@@ -82,11 +82,14 @@ def cos_sin_cache(dim: int, theta: float, scaling: dict | None, max_positions: i
     longrope (Phi-3) scales by its short factors up to original_max_position_embeddings and by
     its long ones past it, position by position (transformers switches the whole sequence once
     it grows past that length, vLLM the whole batch; below it all three agree); longrope and
-    yarn multiply cos and sin by their attention factor."""
+    yarn multiply cos and sin by their attention factor (PhiMoE's: short_mscale below that length,
+    long_mscale past it; transformers' PhiMoE keeps the short factors past it too)."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     if (scaling or {}).get("rope_type") == "longrope":
         short, long, original, attention = _longrope(dim, theta, scaling)
         freqs = positions[:, None] * torch.where(positions[:, None] < original, short[None, :], long[None, :])
+        if "short_mscale" in scaling:  # PhiMoE: its own attention factor below the original length and past it
+            attention = torch.where(positions < original, scaling["short_mscale"], scaling["long_mscale"])[:, None]
     elif (scaling or {}).get("rope_type") == "yarn":
         inv_freq, attention = _yarn(dim, theta, scaling)
         freqs = positions[:, None] * inv_freq[None, :]

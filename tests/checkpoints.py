@@ -15,12 +15,13 @@ import torch
 from app.protocol.chatml import CHAT_TEMPLATE  # the template the demo model ships with
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2",
-         "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared",
+         "glm4_moe_lite", "ernie4_5_moe", "granitemoe", "granitemoeshared", "phimoe",
+         "hunyuan_v1_moe",
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
-         "hunyuan_v1_dense", "olmo", "gptj", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_5_moe",
-         "qwen3_next", "mistral4")
+         "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3", "gpt_oss",
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -79,6 +80,19 @@ MOE_DEFAULTS = {
     # softmax routing steered by a bias, shared experts, the first layer dense; ERNIE's interleaved rotary
     "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
                          moe_layer_start_index=1, num_hidden_layers=3),
+    # PhiMoE: the sparsemixer's two experts, a threshold that leaves some logits in each softmax and
+    # masks others; biased LayerNorms, attention and LM head; longrope with its own attention factors
+    "phimoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, router_jitter_noise=0.3,
+                   attention_bias=True, lm_head_bias=True,
+                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                    "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+                                    "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0],
+                                    "short_mscale": 1.2, "long_mscale": 1.5, "original_max_position_embeddings": 256}),
+    # HunYuan MoE (Hunyuan-A13B): a float32 softmax router renormalised, a shared MLP beside the experts;
+    # the dense family's per-head q/k norms after its NTK-alpha rotary
+    "hunyuan_v1_moe": dict(num_experts=8, moe_topk=2, intermediate_size=32, head_dim=16,
+                           rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
+                                            "factor": 1.0}),
     # Granite's multipliers far from 1 (as "granite" below); experts stacked; Shared: an ungated shared MLP
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,
                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
@@ -99,7 +113,8 @@ _HYBRID = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_atten
 # Random weights at std 0.02 give a near-uniform next-token distribution and greedy
 # output that repeats one token; a larger std gives confident, varied argmax choices.
 INIT_STD = 0.2
-FAMILY_INIT_STD = {"gpt2": 0.3, "gptj": 0.3}  # (their tiny models repeat or sit near ties at 0.2)
+# (their tiny models repeat or sit near ties at 0.2; Apertus's xIELU, quadratic above 0, saturates)
+FAMILY_INIT_STD = {"gpt2": 0.3, "gptj": 0.3, "falcon": 0.3, "apertus": 0.15}
 SEED = 1234
 
 # --------------------------------------------------------------------------- corpus
@@ -269,6 +284,15 @@ FAMILY_DEFAULTS = {
     "granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
                     logits_scaling=2.0),
     "glm4": dict(head_dim=16),
+    # GLM-4-9B (chat-hf): GLM-4's interleaved half-head rotary and q/k/v biases on Llama's block
+    "glm": dict(head_dim=16),
+    # Helium: interleaved full-head rotary, q/k/v biased and the output projection not
+    "helium": dict(head_dim=16, attention_bias=True),
+    # Apertus: an ungated xIELU MLP (each layer's own alphas), per-head q/k norms, its llama3 rotary
+    # over an original 64 positions
+    "apertus": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
+                                     "original_max_position_embeddings": 64, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0}),
     # V2-Lite's shape scaled down (no query compression, softmax routing over expert groups, a
     # dense first layer) and V3's (query compression, sigmoid + bias routing, renormalised and
     # scaled weights). A latent of 32 + a rope key of 16: a 48-wide cache entry per token and layer.
@@ -339,22 +363,21 @@ def _image_text_config(arch: str, text):
 
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
-        ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig,
-        Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config, Glm4MoeConfig,
-        Glm4MoeLiteConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-        HunYuanDenseV1Config, Llama4TextConfig, LlamaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig,
-        MistralConfig, MixtralConfig, NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config,
-        PhiConfig, Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config,
-        Qwen3NextConfig, Mistral4Config,
-        Qwen3MoeConfig, SeedOssConfig, SmolLM3Config,
-        StableLmConfig, Starcoder2Config,
+        ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config,
+        Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
+        Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
+        GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, Llama4TextConfig, LlamaConfig,
+        MiniMaxM2Config, Ministral3Config, MinistralConfig, Mistral4Config, MistralConfig, MixtralConfig,
+        NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig,
+        Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
+        Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
     )
 
     # Qwen3-VL-MoE's stacked experts must not be square (H != 2I): transformers' load transposes
     # them only where the shape tells the layouts apart
     wrapper = {"moe_intermediate_size": 24} if arch == "qwen3_vl_moe" else {}
     arch = IMAGE_TEXT[arch][0] if arch in IMAGE_TEXT else arch  # (the language model's family)
-    if arch in ("opt", "gpt2", "gptj"):
+    if arch in ("opt", "gpt2", "gptj", "falcon"):
         return _gpt_config(arch, vocab_size, overrides)
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), **wrapper,
            "vocab_size": vocab_size, **overrides}
@@ -393,8 +416,10 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "starcoder2": Starcoder2Config, "arcee": ArceeConfig, "nemotron": NemotronConfig, "phi": PhiConfig,
                 "stablelm": StableLmConfig, "gpt_neox": GPTNeoXConfig, "llama4": Llama4TextConfig,
                 "ministral3": Ministral3Config, "hunyuan_v1_dense": HunYuanDenseV1Config,
-                "olmo": OlmoConfig, "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig,
-                "qwen3_next": Qwen3NextConfig, "mistral4": Mistral4Config,
+                "olmo": OlmoConfig, "glm": GlmConfig, "helium": HeliumConfig,
+                "apertus": ApertusConfig, "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
+                "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig,
+                "mistral4": Mistral4Config,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -402,9 +427,9 @@ def _config(arch: str, vocab_size: int, overrides: dict):
 
 
 def _gpt_config(arch: str, vocab_size: int, overrides: dict):
-    """OPT, GPT-2 and GPT-J in their own config fields: DEFAULTS' shape (GPT-J: a quarter of each
-    head rotated)."""
-    from transformers import GPT2Config, GPTJConfig, OPTConfig
+    """OPT, GPT-2, GPT-J and Falcon in their own config fields: DEFAULTS' shape (GPT-J: a quarter of
+    each head rotated)."""
+    from transformers import FalconConfig, GPT2Config, GPTJConfig, OPTConfig
 
     d = DEFAULTS
     common = dict(bos_token_id=None, dtype="float32", vocab_size=vocab_size)
@@ -415,6 +440,11 @@ def _gpt_config(arch: str, vocab_size: int, overrides: dict):
                      max_position_embeddings=d["max_position_embeddings"], word_embed_proj_dim=d["hidden_size"],
                      activation_function="relu")
         return OPTConfig(**common, **{**shape, **overrides})
+    if arch == "falcon":  # Falcon-7B's layout by default: multi-query, attention and MLP in parallel
+        shape = dict(hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+                     num_attention_heads=d["num_attention_heads"], ffn_hidden_size=d["intermediate_size"],
+                     max_position_embeddings=d["max_position_embeddings"])
+        return FalconConfig(**common, **{**shape, **overrides})
     shape = dict(n_embd=d["hidden_size"], n_layer=d["num_hidden_layers"], n_head=d["num_attention_heads"],
                  n_inner=d["intermediate_size"], n_positions=d["max_position_embeddings"])
     if arch == "gptj":

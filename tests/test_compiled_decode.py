@@ -585,7 +585,7 @@ def test_shoal_serve_compiles_decode_by_default(checkpoint_factory, tmp_path):
 def test_the_cache_folder_keeps_the_newest_artifacts(tmp_path):
     """Beyond the newest `keep`, old artifacts go; none written in the last hour does (more
     engines than `keep` compiling at once each find their own: the every-family test below
-    starts 17)."""
+    starts 22)."""
     import time
 
     from actors.worker.compile_job import prune
@@ -606,7 +606,8 @@ def test_the_cache_folder_keeps_the_newest_artifacts(tmp_path):
 # own twists (sliding windows, soft-caps, q/k norms, post-norms, fused projections, partial
 # rotary, scaled residuals) inside the traced step.
 OTHER_DENSE = ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "olmo3", "granite", "glm4",
-               "smollm3", "ernie4_5", "exaone4", "cohere", "starcoder2", "gpt2", "nemotron", "ministral3")
+               "smollm3", "ernie4_5", "exaone4", "cohere", "starcoder2", "gpt2", "nemotron", "ministral3", "glm",
+               "helium", "apertus", "falcon")
 # (their one layer: without rotary; sliding, with its own rotary; global, without rotary)
 ONE_LAYER = {"smollm3": dict(no_rope_layers=[0]), "olmo3": dict(layer_types=["sliding_attention"]),
              "exaone4": dict(layer_types=["full_attention"])}

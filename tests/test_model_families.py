@@ -36,6 +36,10 @@ FAMILIES = {
     "deepseek_v2": {},  # MLA and DeepSeek's MoE: also tests/test_deepseek.py
     "deepseek_v3": {},
     "mistral4": {},  # V3's latent attention, softmax routing over groups, queries scaled by position
+    # its sparsemixer's two experts, biased LayerNorms and LM head, longrope's own factors (MoE: tests/test_moe.py)
+    "phimoe": {},
+    "phimoe-window": dict(arch="phimoe", sliding_window=8),
+    "hunyuan_v1_moe": {},  # Hunyuan-A13B: a float32 router, a shared MLP
     # sliding windows the configs of older families carry
     "mistral-window": dict(arch="mistral", sliding_window=8),
     "ministral": {},  # Mistral's block, sliding and global layers by layer_types
@@ -56,6 +60,17 @@ FAMILIES = {
     "hunyuan_v1_dense": {},
     "olmo": {},  # OLMo 1
     "gptj": {},
+    "glm": {},  # GLM-4-9B-chat-hf: GLM-4's rotary and biases without its norms after each sublayer
+    "helium": {},
+    "apertus": {},  # xIELU with each layer's learned alphas
+    # Falcon-7B: multi-query, attention and MLP in parallel off one norm, tied embeddings
+    "falcon": dict(tie_word_embeddings=True),
+    # Falcon-40B / 180B: KV groups in the fused query_key_value, a norm each for attention and MLP
+    "falcon-new": dict(arch="falcon", new_decoder_architecture=True, num_kv_heads=2),
+    "falcon-new-one-norm": dict(arch="falcon", new_decoder_architecture=True, num_kv_heads=2,
+                                num_ln_in_parallel_attn=1),  # Falcon2-11B
+    # q, k and v per head, Llama's order, biased projections (Falcon-RW's shape, on rotary)
+    "falcon-sequential": dict(arch="falcon", multi_query=False, parallel_attn=False, bias=True),
     "gpt_neox-sequential": dict(arch="gpt_neox", use_parallel_residual=False),
     "gpt_neox-unbiased-attention": dict(arch="gpt_neox", attention_bias=False),  # (its MLP keeps its biases)
     # learned positions, LayerNorms with biases, ungated MLPs: vLLM's and transformers' first examples
@@ -144,6 +159,57 @@ def test_the_twists_are_read_from_the_configs(checkpoint_factory):
     assert cohere2.layer_windows == (8, None) and cohere2.nope_layers == (False, True) and cohere2.qk_norm is None
 
 
+# A config naming only the model's size (hidden 64, 4 heads: head_dim 16 unless the class says otherwise)
+SIZE_ONLY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("arch,config_class,fields", [
+    ("GlmForCausalLM", "GlmConfig", {}), ("Glm4ForCausalLM", "Glm4Config", {}),
+    ("HeliumForCausalLM", "HeliumConfig", {}),
+    ("ApertusForCausalLM", "ApertusConfig", {}),
+    ("ApertusForCausalLM", "ApertusConfig", dict(rope_theta=5e5)),  # (its class: llama3 over 12M all the same)
+    ("PhimoeForCausalLM", "PhimoeConfig", {}), ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", {}),
+])
+def test_fields_a_config_leaves_out_are_read_as_transformers_reads_them(arch, config_class, fields):
+    """Released configs leave out what their config class fills in (GLM's 128-wide heads, two KV
+    heads, half the head rotated, q/k/v biases; Helium's rotary base; Apertus's llama3 rotary):
+    the attention's shape, norms and rotary read as transformers' class reads them."""
+    import transformers
+
+    hf = getattr(transformers, config_class)(**SIZE_ONLY, **fields)
+    ours = ModelArgs.from_hf(dict(SIZE_ONLY, architectures=[arch], **fields))
+    rope = hf.rope_parameters
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (ours.head_dim, ours.num_kv_heads, ours.rms_norm_eps, ours.max_position_embeddings) == (
+        head_dim, hf.num_key_value_heads, hf.rms_norm_eps, hf.max_position_embeddings)
+    assert (ours.rope.theta, ours.rope.dim) == (rope["rope_theta"], int(head_dim * rope.get("partial_rotary_factor", 1)))
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    assert (ours.rope.scaling or {"rope_type": "default"}) == scaling
+    assert (ours.qkv_bias, ours.tie_word_embeddings) == (hf.attention_bias, hf.tie_word_embeddings)
+
+
+def test_falcon_configs_as_released():
+    """Falcon-7B's (multi-query, parallel attention, one norm, tied) and Falcon-40B's (the new
+    architecture: KV groups, two norms) fields read as transformers' class reads them; alibi (Falcon-RW)
+    and the new architecture without parallel attention (which transformers' class cannot run) are
+    refused in one line."""
+    f7 = dict(architectures=["FalconForCausalLM"], alibi=False, bias=False, hidden_size=4544, multi_query=True,
+              new_decoder_architecture=False, num_attention_heads=71, num_hidden_layers=32, parallel_attn=True,
+              vocab_size=65024, layer_norm_epsilon=1e-5)
+    a = ModelArgs.from_hf(f7)
+    assert (a.num_kv_heads, a.head_dim, a.intermediate_size, a.norms, a.norm_kind) == (1, 64, 4 * 4544, "parallel",
+                                                                                      "layer_bias")
+    assert a.tie_word_embeddings and not a.qkv_bias and not a.gated_mlp and a.activation == "gelu"
+    assert (a.rope.theta, a.rope.dim, a.rope.interleaved) == (10000.0, 64, False)
+    f40 = dict(f7, hidden_size=8192, num_attention_heads=128, num_kv_heads=8, new_decoder_architecture=True,
+               num_hidden_layers=60)
+    b = ModelArgs.from_hf(f40)
+    assert (b.num_kv_heads, b.head_dim, b.norms) == (8, 64, "parallel2")
+    for fields, refusal in ((dict(alibi=True), "alibi"), (dict(parallel_attn=False), "parallel_attn off")):
+        with pytest.raises(ValueError, match=refusal):
+            ModelArgs.from_hf(f40 | fields)
+
+
 def test_gpt2_as_its_first_release_wrote_it(checkpoint_factory, tmp_path):
     """`gpt2`'s own files: names without the `transformer.` prefix, the causal-mask buffers
     (`attn.bias`, `attn.masked_bias`) beside the weights, no lm_head (tied)."""
@@ -213,8 +279,13 @@ def local_ray():
     ("phi", {}),  # each rank its vocabulary rows of the LM head's bias
     ("gpt_neox", {}),  # each rank its heads' q, k and v rows out of the per-head fused query_key_value
     ("gptj", {}),  # the parallel block, a biased LM head, interleaved partial rotary
+    ("glm", {}),  # each rank its heads' q/k/v biases, its gate and up rows of the fused gate_up_proj
+    ("helium", {}),
+    ("apertus", {}),  # each layer's xIELU parameters whole on both ranks
+    ("falcon", {}),  # multi-query: the one KV head's rows on both ranks, each rank its query heads
+    ("falcon-new", {}),  # each rank its KV group's query heads, key and value
 ], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi",
-        "gpt_neox", "gptj"])  # DeepSeek at tp=2: tests/test_moe.py
+        "gpt_neox", "gptj", "glm", "helium", "apertus", "falcon", "falcon-new"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

@@ -37,6 +37,8 @@ MOE_CASES = {
     "llama4": ("llama4", {}),
     "granitemoe": ("granitemoe", {}),  # experts stacked, softmax over the top-k logits, Granite's multipliers
     "granitemoeshared": ("granitemoeshared", {}),  # and an ungated shared MLP beside the block
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", {}),  # a float32 router, a shared MLP, q/k norms after the rotary
+    "phimoe": ("phimoe", {}),  # the sparsemixer's two experts, biased LayerNorms and LM head, longrope's mscales
     "ernie4_5_moe-interval": ("ernie4_5_moe", dict(num_hidden_layers=4, moe_layer_interval=2, moe_layer_end_index=2)),
 }
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
@@ -77,6 +79,22 @@ def test_grouped_experts_equal_a_per_token_loop(renormalize):
     halves = [torch.where(ids % 2 == r, ids // 2, -1) for r in (0, 1)]
     parts = [grouped_experts(x, weights, h, gate_up[r::2], down[r::2]) for r, h in enumerate(halves)]
     torch.testing.assert_close(parts[0] + parts[1], got, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("jitter_eps", [0.01, 0.3, 2.0])
+def test_sparsemixer_routes_as_transformers_in_eval_mode(jitter_eps):
+    """PhiMoE's two experts and weights equal transformers' sparsemixer (eval) bit for bit, for
+    thresholds that leave one, some or all logits in each softmax, negative top logits included."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    from kernels.moe import route_sparsemixer
+
+    logits = torch.randn(200, 16, generator=torch.Generator().manual_seed(0)) - 0.5
+    weights, ids = route_sparsemixer(logits, jitter_eps)
+    want_weights, want_ids = sparsemixer(logits, jitter_eps, training=False)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    if jitter_eps > 0.1:  # thresholds that leave other logits in the first expert's softmax
+        assert (weights[:, 0] < 1).any()
 
 
 def test_replicas_split_an_experts_tokens_evenly_and_deterministically():
@@ -248,6 +266,55 @@ def test_llama4_is_served_up_to_its_attention_chunk(checkpoint_factory):
     assert scout.intermediate_size == 16384  # (the dense MLP's; Scout has none)
 
 
+def test_phimoe_as_released(checkpoint_factory, tmp_path):
+    """Phi-3.5-MoE's config.json names its remote code's class (PhiMoEForCausalLM) and a 4.x
+    longrope spelling (`type`, mscales beside the factors): served as transformers' PhimoeForCausalLM
+    serves it. Top-k other than 2 and a non-SiLU expert are refused in one line."""
+    import json
+    import shutil
+
+    from actors.models.args import ModelArgs
+
+    src = checkpoint_factory("phimoe")
+    path = shutil.copytree(src, tmp_path / "phimoe")
+    cfg = json.loads((path / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg |= {"architectures": ["PhiMoEForCausalLM"], "rope_theta": rope.pop("rope_theta"),
+            "rope_scaling": {**rope, "type": rope.pop("rope_type")}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(path), block_size=8, num_kv_blocks=32)
+    prompts = prompts_of([9])
+    assert_matches_hf(src, prompts, llm.generate(prompts, PARAMS))
+    for fields, refusal in ((dict(num_experts_per_tok=4), "num_experts_per_tok=4"), (dict(hidden_act="gelu"), "gelu")):
+        with pytest.raises(ValueError, match=refusal):
+            ModelArgs.from_hf(cfg | {"architectures": ["PhimoeForCausalLM"]} | fields)
+
+
+def test_hunyuan_a13b_config_as_released():
+    """Hunyuan-A13B's config.json names per-layer lists (all alike) and fields transformers' class
+    leaves out; what that class would not run (cross-layer attention, layers that differ, experts of
+    another width, no shared MLP) is refused in one line."""
+    from actors.models.args import ModelArgs
+
+    n = 32
+    a13b = dict(architectures=["HunYuanMoEV1ForCausalLM"], hidden_size=4096, intermediate_size=3072,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_hidden_layers=n, vocab_size=128167,
+                num_experts=64, moe_topk=[8] * n, moe_intermediate_size=[3072] * n, num_shared_expert=[1] * n,
+                use_mixed_mlp_moe=True, use_cla=False, use_qk_norm=True, rope_theta=10000.0,
+                rope_scaling={"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
+                              "mscale_all_dim": 1.0, "type": "dynamic"})
+    args = ModelArgs.from_hf(a13b)
+    m = args.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.shared_intermediate_size) == (64, 8, 3072, 3072)
+    assert m.renormalize and not m.shared_gate and m.routing.float32_logits and m.dense_layers == ()
+    assert args.qk_norm == "head" and args.qk_norm_after_rope and args.rope.scaling is None
+    assert args.rope.theta == 10000.0 * 1000.0 ** (128 / 126)
+    for fields in (dict(use_cla=True), dict(moe_topk=[8] * (n - 1) + [4]), dict(moe_intermediate_size=[1536] * n),
+                   dict(num_shared_expert=[2] * n), dict(use_mixed_mlp_moe=False)):
+        with pytest.raises(ValueError, match="HunYuan MoE with"):
+            ModelArgs.from_hf(a13b | fields)
+
+
 def test_expert_load_is_in_the_engine_stats(checkpoint_factory):
     engine = AsyncEngine(EngineConfig(model_path=str(checkpoint_factory("qwen3_moe")), num_kv_blocks=32,
                                       eplb_window_size=4))
@@ -341,12 +408,14 @@ def test_expert_parallel_matches_transformers(local_ray, checkpoint_factory, arc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "minimax_m2", "qwen3_vl_moe", "granitemoeshared"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "minimax_m2", "qwen3_vl_moe", "granitemoeshared",
+                                  "phimoe", "hunyuan_v1_moe"])
 def test_tensor_parallel_without_ep_splits_each_expert(local_ray, checkpoint_factory, arch):
     """tp=2: each rank holds half of every expert's width (DeepSeek: and half the heads, the
     latent cache whole; MiniMax-M2: its all-heads q/k norms over both ranks; Qwen3-VL-MoE: each
     rank's slice of the experts stacked in one tensor; GraniteMoeShared: its stacked experts and fused
-    shared MLP); DeepSeek also through the feature mix."""
+    shared MLP; PhiMoE: its biased LM head split by vocabulary; HunYuan MoE: its shared MLP); DeepSeek
+    also through the feature mix."""
     path = checkpoint_factory(arch)
     llm = LLM(str(path), tp_size=2, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24, shard_cpus=0.5)
     try:

@@ -2,11 +2,11 @@
 are known without importing torch (the `shoal serve` driver checks a checkpoint's before it
 starts Ray); the classes are imported when one is asked for."""
 from actors.models.args import (
-    DEEPSEEK_ARCHS, DENSE_ARCHS, GPT_NEOX, GPT_OSS, GPTJ, HYBRID_ARCHS, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS,
+    DEEPSEEK_ARCHS, DENSE_ARCHS, FALCON, GPT_NEOX, GPT_OSS, GPTJ, HYBRID_ARCHS, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS,
     MOE_ARCHS,
 )
 
-ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS, *HYBRID_ARCHS)
+ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS, FALCON, *HYBRID_ARCHS)
 
 
 def check_architecture(architecture: str) -> None:
@@ -37,5 +37,8 @@ def model_class(architecture: str):
     if architecture == GPT_NEOX:
         from actors.models.gpt import GptNeoXForCausalLM
         return GptNeoXForCausalLM
+    if architecture == FALCON:
+        from actors.models.gpt import FalconForCausalLM
+        return FalconForCausalLM
     from actors.models.llama import LlamaForCausalLM
     return LlamaForCausalLM

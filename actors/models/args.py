@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
              "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM",
-             "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM")
+             "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM", "PhimoeForCausalLM", "HunYuanMoEV1ForCausalLM")
+HUNYUAN = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")  # per-head q/k norms after the rotary
 GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # the four multipliers
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 # (Mistral 4 is V3's latent attention with softmax routing and queries scaled by position)
@@ -14,6 +15,7 @@ DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLite
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.py
 GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt.py
+FALCON = "FalconForCausalLM"  # its own config fields (falcon_args) and names (actors/models/gpt.py)
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
 HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
@@ -30,6 +32,9 @@ IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3Fo
                     "Llama4ForConditionalGeneration": "llama4_text",
                     "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
                     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text"}
+# A release's config.json naming its remote code's class where transformers loads it (by model_type)
+# as its own: Phi-3.5-MoE's PhiMoEForCausalLM is transformers' PhimoeForCausalLM
+ARCH_ALIASES = {"PhiMoEForCausalLM": "PhimoeForCausalLM"}
 TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM",
@@ -40,7 +45,7 @@ TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausal
 @dataclass(frozen=True)
 class Routing:
     """How a token picks its experts. Defaults: softmax, then the top k (Mixtral, Qwen-MoE)."""
-    scoring: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    scoring: str = "softmax"  # softmax | sigmoid (DeepSeek-V3) | sparsemixer (PhiMoE: kernels/moe.py)
     # Grouped top-k (DeepSeek): experts come in n_group groups and a token only picks from its
     # topk_group best groups, a group scored by its best expert ("max", V2) or best two ("top2", V3).
     group_score: str | None = None
@@ -48,6 +53,8 @@ class Routing:
     topk_group: int = 1
     score_bias: bool = False  # V3: a learned bias steers the choice, not the weights
     scale: float = 1.0  # routed_scaling_factor: the chosen weights are multiplied by it
+    jitter_eps: float = 0.0  # PhiMoE's router_jitter_noise: how near the top a logit must be to weigh in
+    float32_logits: bool = False  # HunYuan: the router is a float32 layer (softmax, top-k, renormalised)
 
 
 @dataclass
@@ -96,6 +103,10 @@ class MoeArgs:
         if arch == "Qwen3_5MoeForCausalLM":  # every layer sparse, renormalised, a sigmoid-gated shared expert
             return cls(experts or 256, cfg.get("num_experts_per_tok", 8), cfg.get("moe_intermediate_size", 512),
                        cfg.get("shared_expert_intermediate_size", 512), True, 1, ())
+        if arch == "PhimoeForCausalLM":
+            return phimoe_moe(cfg)
+        if arch == "HunYuanMoEV1ForCausalLM":
+            return hunyuan_moe(cfg)
         if arch == "OlmoeForCausalLM":  # every layer sparse, its experts intermediate_size wide
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["intermediate_size"], 0,
                        bool(cfg.get("norm_topk_prob", False)), 1, ())
@@ -125,6 +136,39 @@ def llama4_moe(cfg: dict) -> MoeArgs:
     return MoeArgs(cfg.get("num_local_experts", 16), k, width, width, False, 1,
                    tuple(i for i in range(n) if i not in sparse), Routing(scoring="sigmoid"), shared_gate=False,
                    weight_input=True, stacked_for_x_at_w=True)
+
+
+def phimoe_moe(cfg: dict) -> MoeArgs:
+    """PhiMoE's (Phi-3.5-MoE) as transformers reads it: every layer sparse, two experts a token
+    chosen and weighted by its sparsemixer (eval mode) with router_jitter_noise as its threshold."""
+    k, act = cfg.get("num_experts_per_tok", 2), cfg.get("hidden_act", "silu")
+    if k != 2:
+        raise ValueError(f"PhiMoE with num_experts_per_tok={k} is not supported (its sparsemixer routes to 2)")
+    if act != "silu":
+        raise ValueError(f"PhiMoE with hidden_act={act!r} is not supported (its experts: SiLU-gated)")
+    return MoeArgs(cfg.get("num_local_experts", 16), 2, cfg["intermediate_size"], 0, False, 1, (),
+                   Routing(scoring="sparsemixer", jitter_eps=float(cfg.get("router_jitter_noise", 0.01))))
+
+
+def hunyuan_moe(cfg: dict) -> MoeArgs:
+    """HunYuan MoE's (Hunyuan-A13B) as transformers reads it: every layer sparse, the router's
+    float32 softmax top-k renormalised, one always-on shared MLP; its experts and shared MLP both
+    intermediate_size wide. What transformers' class leaves out is refused (its releases name it
+    and keep to what transformers runs)."""
+    def one(field: str, default):
+        value = cfg.get(field, default)
+        values = set(value) if isinstance(value, list) else {value}
+        if len(values) != 1:
+            raise ValueError(f"HunYuan MoE with a {field} that differs by layer is not supported")
+        return values.pop()
+    width = cfg["intermediate_size"]
+    if cfg.get("use_cla") or one("num_shared_expert", 1) != 1 or not cfg.get("use_mixed_mlp_moe", True) \
+            or one("moe_intermediate_size", width) != width:
+        raise ValueError("HunYuan MoE with cross-layer attention (use_cla), other than one shared MLP "
+                         "(num_shared_expert, use_mixed_mlp_moe) or experts of another width than "
+                         "intermediate_size (moe_intermediate_size) is not supported")
+    return MoeArgs(one("num_experts", 1), one("moe_topk", 1), width, width, True, 1, (),
+                   Routing(float32_logits=True), shared_gate=False)
 
 
 def ernie_moe(cfg: dict) -> MoeArgs:
@@ -204,22 +248,48 @@ DENSE_ARCHS = (
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
     "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", GPT_NEOX,
     "Ministral3ForCausalLM", GPTJ,
-    "HunYuanDenseV1ForCausalLM", "OlmoForCausalLM",
+    "HunYuanDenseV1ForCausalLM", "OlmoForCausalLM", "GlmForCausalLM", "HeliumForCausalLM", "ApertusForCausalLM",
 )
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")  # LayerNorm, attention and MLP in parallel, logit scale
 # up -> activation -> down
 PLAIN_MLP = ("Starcoder2ForCausalLM", "ArceeForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
-             "GPTJForCausalLM")
+             "GPTJForCausalLM", "ApertusForCausalLM")
 NORM_KINDS = {**dict.fromkeys(("Starcoder2ForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTNeoXForCausalLM",
-                               "GPTJForCausalLM"), "layer_bias"),
+                               "GPTJForCausalLM", "PhimoeForCausalLM"), "layer_bias"),
               "NemotronForCausalLM": "layer_1p", "OlmoForCausalLM": "layer_plain", **dict.fromkeys(COHERE, "layer")}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # norms after each sublayer only, q/k norms over all heads
 ALL_HEADS_QK_NORM = (*OLMO, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")  # one q and one k norm over all heads
-GLM = ("Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
+GLM = ("GlmForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")  # biased q/k/v, the output projection not
 ERNIE = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
-INTERLEAVED_ROPE = ("Glm4ForCausalLM", *ERNIE, *COHERE, "Llama4ForCausalLM", "GPTJForCausalLM")  # (even, odd) pairs
+INTERLEAVED_ROPE = ("GlmForCausalLM", "Glm4ForCausalLM", *ERNIE, *COHERE, "Llama4ForCausalLM", "GPTJForCausalLM",
+                    "HeliumForCausalLM")  # (even, odd) pairs
+# What transformers' config class assumes where a family's config leaves a field out (the attention's
+# shape, norms, rotary), where that differs from Llama's
+CONFIG_DEFAULTS = {
+    **dict.fromkeys(("GlmForCausalLM", "Glm4ForCausalLM"), dict(
+        head_dim=128, num_key_value_heads=2, attention_bias=True, partial_rotary_factor=0.5,
+        rms_norm_eps=1.5625e-07, max_position_embeddings=131072)),
+    "HeliumForCausalLM": dict(head_dim=128, num_key_value_heads=20, rms_norm_eps=1e-8, rope_theta=100_000.0,
+                              max_position_embeddings=4096),
+    "PhimoeForCausalLM": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
+                              max_position_embeddings=131072),
+    "HunYuanMoEV1ForCausalLM": dict(rms_norm_eps=1e-5),
+    "ApertusForCausalLM": dict(hidden_act="xielu", rms_norm_eps=1e-5, rope_theta=12_000_000.0,
+                               max_position_embeddings=65536),
+}
+# Apertus's class without rope_parameters or rope_scaling: llama3 over a 12M base, whatever rope_theta says
+APERTUS_ROPE = dict(rope_type="llama3", rope_theta=12_000_000.0, factor=8.0, original_max_position_embeddings=8192,
+                    low_freq_factor=1.0, high_freq_factor=4.0)
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # (Gemma 1 has the (1 + w) norms and scaled embedding only)
 QWEN_WINDOWS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def with_config_defaults(arch: str, cfg: dict) -> dict:
+    """`cfg` with the fields it leaves out filled as the family's transformers config class fills them."""
+    cfg = {**CONFIG_DEFAULTS.get(arch, {}), **cfg}
+    if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        cfg["rope_parameters"] = APERTUS_ROPE
+    return cfg
 
 
 @dataclass(frozen=True)
@@ -339,6 +409,9 @@ class ModelArgs:
             return deepseek_args(arch, cfg)
         if arch in LEARNED_POSITIONS:
             return learned_position_args(arch, cfg)
+        if arch == FALCON:
+            return falcon_args(cfg)
+        cfg = with_config_defaults(arch, cfg)
         heads = cfg["num_attention_heads"]
         head_dim = (cfg.get("head_dim", 128) if arch == "Ernie4_5ForCausalLM" else cfg.get("head_dim")
                     ) or cfg["hidden_size"] // heads  # (ERNIE 4.5's config class: 128 when unnamed)
@@ -373,9 +446,9 @@ class ModelArgs:
             qkv_bias=(bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("use_qkv_bias")) if stablelm
                       else attention_bias),
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
-                    else attention_bias and not qwen2 and arch not in GLM),
+                    else attention_bias and not qwen2 and arch not in (*GLM, "HeliumForCausalLM")),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                        "Exaone4ForCausalLM", "HunYuanDenseV1ForCausalLM", *HYBRID_ARCHS)
+                                        "Exaone4ForCausalLM", *HUNYUAN, "ApertusForCausalLM", *HYBRID_ARCHS)
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
                      else "all" if arch in ALL_HEADS_QK_NORM
                      else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
@@ -405,10 +478,11 @@ class ModelArgs:
                    else "parallel2" if arch == GPT_NEOX and cfg.get("use_parallel_residual", True) else "pre"),
             norm_kind=NORM_KINDS.get(arch, "rms"),
             logit_scale=float(cfg.get("logit_scale") or 0.0625) if arch in COHERE else 1.0,
-            lm_head_bias=arch in ("PhiForCausalLM", GPTJ),
+            lm_head_bias=(arch in ("PhiForCausalLM", GPTJ)
+                          or arch == "PhimoeForCausalLM" and bool(cfg.get("lm_head_bias"))),
             max_context=cfg.get("attention_chunk_size") if arch == "Llama4ForCausalLM" else None,
             q_position_scale=q_position_scale(arch, cfg),
-            qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
+            qk_norm_after_rope=arch in HUNYUAN,
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
             linear_attn=LinearAttnArgs.from_hf(cfg) if hybrid else None,
@@ -469,6 +543,34 @@ def learned_position_args(arch: str, cfg: dict) -> ModelArgs:
         mlp_bias=bias, layer_windows=(None,) * layers, nope_layers=(True,) * layers, attn_scale=scale,
         activation=plain_activation(act), gated_mlp=False, norm_kind="layer_bias",
         learned_positions=positions + offset, position_offset=offset)
+
+
+def falcon_args(cfg: dict) -> ModelArgs:
+    """Falcon as transformers reads it: one fused query_key_value (multi-query: every query head,
+    one key, one value; new_decoder_architecture: per KV group its query heads, a key and a value;
+    otherwise q, k and v per head), LayerNorms with biases, an ungated MLP, `bias` on every
+    projection; the attention and MLP in parallel off one norm (parallel_attn) or, in the new
+    architecture, a norm each (num_ln_in_parallel_attn, 2 by default), else Llama's order."""
+    if cfg.get("alibi"):
+        raise ValueError("Falcon with alibi (positions as attention biases, Falcon-RW) is not supported")
+    new, parallel = bool(cfg.get("new_decoder_architecture", False)), bool(cfg.get("parallel_attn", True))
+    if new and not parallel:
+        raise ValueError("Falcon with new_decoder_architecture and parallel_attn off is not supported")
+    hidden = cfg.get("n_embed") or cfg.get("hidden_size", 4544)  # (n_embed, its first spelling, wins)
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    kv_heads = (cfg.get("num_kv_heads") or heads) if new else 1 if cfg.get("multi_query", True) else heads
+    ln = cfg.get("num_ln_in_parallel_attn") or (2 if new else 1)
+    head_dim, bias = hidden // heads, bool(cfg.get("bias", False))
+    rope, _ = ropes(FALCON, cfg, head_dim)
+    return ModelArgs(
+        architecture=FALCON, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+        intermediate_size=cfg.get("ffn_hidden_size") or 4 * hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=cfg.get("layer_norm_epsilon") or 1e-5, rope=rope,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qkv_bias=bias, o_bias=bias, qk_norm=None,
+        mlp_bias=bias, layer_windows=(None,) * layers, activation=plain_activation(cfg.get("activation") or "gelu"),
+        gated_mlp=False, norm_kind="layer_bias",
+        norms="parallel2" if new and ln == 2 else "parallel" if parallel else "pre")
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -543,12 +645,13 @@ def gated_activation(name: str) -> str:
 
 
 def plain_activation(name: str) -> str:
-    """The activation of an ungated MLP (StarCoder2's GELU, Arcee's and Nemotron's squared ReLU)."""
+    """The activation of an ungated MLP (StarCoder2's GELU, Arcee's and Nemotron's squared ReLU,
+    Apertus's xIELU)."""
     found = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
-             "gelu_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}.get(name)
+             "gelu_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu", "relu2": "relu2", "xielu": "xielu"}.get(name)
     if found is None:
         raise ValueError(f"unsupported MLP activation {name!r}; supported: gelu_pytorch_tanh, gelu_new, gelu, relu, "
-                         "relu2")
+                         "relu2, xielu")
     return found
 
 

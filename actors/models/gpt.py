@@ -1,5 +1,5 @@
 """Checkpoints of the GPT lineage, whose names differ from Llama's: GPT-J (Llama's parallel block,
-actors/models/args.py), GPT-NeoX (below), and OPT and GPT-2 (vLLM's and transformers' first
+actors/models/args.py), GPT-NeoX and Falcon (below), and OPT and GPT-2 (vLLM's and transformers' first
 examples, `facebook/opt-125m`, `gpt2`): the
 Llama block with learned absolute positions instead of rotary (ModelArgs.learned_positions; every
 layer rotates by angle 0), LayerNorms with biases, an ungated MLP and biased projections
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from actors.models.llama import LlamaForCausalLM
+from actors.models.llama import LlamaForCausalLM, local_heads
 
 OPT_NAMES = (  # (pattern, replacement) on names without their "model." / "transformer." prefix
     (r"^decoder\.embed_tokens\.", "model.embed_tokens."),
@@ -125,4 +125,55 @@ def _neox_part(first: int, heads: int, part: int, d: int):
     def take(t):
         t = t[:]
         return t.view(-1, 3, d, *t.shape[1:])[first:first + heads, part].reshape(heads * d, *t.shape[1:])
+    return take
+
+
+FALCON_NAMES = (  # Falcon, on names without their "transformer." prefix
+    (r"^word_embeddings\.", "model.embed_tokens."),
+    (r"^ln_f\.", "model.norm."),
+    (r"^h\.(\d+)\.self_attention\.", r"model.layers.\1.self_attn."),  # (dense: the output projection)
+    (r"^h\.(\d+)\.mlp\.dense_h_to_4h\.", r"model.layers.\1.mlp.fc1."),
+    (r"^h\.(\d+)\.mlp\.dense_4h_to_h\.", r"model.layers.\1.mlp.fc2."),
+    (r"^h\.(\d+)\.ln_attn\.", r"model.layers.\1.input_layernorm."),  # (the new architecture's two norms)
+    (r"^h\.(\d+)\.ln_mlp\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^h\.(\d+)\.", r"model.layers.\1."),  # input_layernorm, post_attention_layernorm
+)
+FALCON_QKV = re.compile(r"^h\.(\d+)\.self_attention\.query_key_value\.(weight|bias)$")
+
+
+class FalconForCausalLM(LlamaForCausalLM):
+    """Falcon: its fused query_key_value holds, per KV group, the group's query heads, then its key
+    and its value ([groups, heads / groups + 2, head_dim]: one group for multi-query Falcon-7B, a
+    group per head for plain multi-head attention, num_kv_heads for the new architecture); each
+    rank takes its query heads, then its KV heads' key and value rows."""
+
+    def weight_rule(self, name: str):
+        if name in ("lm_head.weight", "lm_head.bias"):
+            return super().weight_rule(name)
+        bare = re.sub(r"^transformer\.", "", name)
+        m = FALCON_QKV.match(bare)
+        if not m:
+            return super().weight_rule(translated(bare, FALCON_NAMES))
+        layer = int(m.group(1))
+        if layer not in self.p.layers(self.args.num_layers):
+            return None
+        target = f"model.layers.{layer - self.first_layer}.self_attn.qkv_proj.{m.group(2)}"
+        h, kvh, kv0 = local_heads(self.args, self.p)
+        d = self.args.head_dim
+        return [(target, 0, _falcon_part(self.args, "q", self.p.tp_rank * h, h), 0, 0),
+                (target, h * d, _falcon_part(self.args, "k", kv0, kvh), 0, 0),
+                (target, (h + kvh) * d, _falcon_part(self.args, "v", kv0, kvh), 0, 0)]
+
+
+def _falcon_part(a, part: str, first: int, count: int):
+    """Rows (or bias entries) of query heads (or of KV heads' keys, values) first.. first + count."""
+    groups, d = a.num_kv_heads, a.head_dim
+    per = a.num_heads // groups
+
+    def take(t):
+        t = t[:]
+        grouped = t.view(groups, per + 2, d, *t.shape[1:])
+        heads = (grouped[:, :per].reshape(a.num_heads, d, *t.shape[1:]) if part == "q"
+                 else grouped[:, per if part == "k" else per + 1])
+        return heads[first:first + count].reshape(count * d, *t.shape[1:])
     return take

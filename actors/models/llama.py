@@ -14,7 +14,9 @@ biases, an ungated MLP), Arcee and Nemotron (a squared-ReLU ungated MLP; Nemotro
 Phi-2 (Cohere's parallel block with biased LayerNorms, partial rotary, a biased LM head), StableLM
 and GPT-NeoX (the parallel block with a norm per sublayer), Llama 4's attention (interleaved
 rotary, NoPE layers, weightless q/k norms after the rotary; its MoE: actors/models/moe.py),
-Ministral 3 (queries scaled by position), HunYuan (per-head q/k norms after the rotary). What
+Ministral 3 (queries scaled by position), HunYuan (per-head q/k norms after the rotary), GLM
+(GLM-4's attention without its norms after each sublayer), Helium (interleaved rotary), Apertus
+(per-head q/k norms, an ungated xIELU MLP with each layer's learned parameters). What
 differs is read once into ModelArgs (actors/models/args.py); the block below switches on it.
 
 q/k/v and gate/up are fused into one matmul each. Under tensor parallelism each rank holds
@@ -35,7 +37,7 @@ from actors.models.layers import (
     ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_shard,
 )
 from kernels import kv_quant, triton_fused
-from kernels.activation import gated_activation, plain_activation
+from kernels.activation import XIELU, gated_activation, plain_activation
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.norms import LayerNorm, LayerNorm1P, PlainLayerNorm, RMSNorm
 from kernels.rotary import apply_rotary, cos_sin_cache
@@ -43,7 +45,8 @@ from kernels.rotary import apply_rotary, cos_sin_cache
 # Checkpoint norm names -> ours, by where the family puts its norms (ModelArgs.norms). Ours:
 # input_layernorm before attention, post_attn_norm after it, pre_mlp_norm / post_mlp_norm.
 NORM_NAMES = {
-    "pre": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_norm"},
+    "pre": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_norm",
+            "attention_layernorm": "input_layernorm", "feedforward_layernorm": "pre_mlp_norm"},  # (and Apertus's)
     "sandwich": {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attn_norm",
                  "pre_feedforward_layernorm": "pre_mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"},
     "post": {"post_attention_layernorm": "post_attn_norm", "post_feedforward_layernorm": "post_mlp_norm"},
@@ -182,17 +185,18 @@ class MLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """up -> activation -> down, no gate (StarCoder2's c_fc / c_proj; Arcee's, Nemotron's up / down)."""
+    """up -> activation -> down, no gate (StarCoder2's c_fc / c_proj; Arcee's, Nemotron's, Apertus's
+    up / down; Apertus's xIELU holds each layer's own parameters, `mlp.act_fn.*`)."""
 
     def __init__(self, a: ModelArgs, p: Parallel):
         super().__init__()
         width = a.intermediate_size // p.tp_size
         self.up_proj = ColumnParallelLinear(a.hidden_size, width, a.mlp_bias)
         self.down_proj = RowParallelLinear(width, a.hidden_size, a.mlp_bias, p)
-        self.act = plain_activation(a.activation)
+        self.act_fn = XIELU() if a.activation == "xielu" else plain_activation(a.activation)
 
     def forward(self, x, fused: bool = False):
-        return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -412,6 +416,8 @@ class LlamaForCausalLM(nn.Module):
         if a.qk_norm == "head_layer":  # Cohere: this rank's heads' rows
             rules["self_attn.q_norm"] = ("self_attn.q_norm", 0, 0, p.tp_rank * h, h)
             rules["self_attn.k_norm"] = ("self_attn.k_norm", 0, 0, kv0, kvh)
+        if rest.startswith("mlp.act_fn."):  # Apertus's xIELU: whole on every rank (beta and eps stored 0-d)
+            return (f"{prefix}{rest}", 0, lambda t: t[...].reshape(-1), 0, 0)
         if rest == "self_attn.sinks":  # gpt-oss: one per head, split like the heads
             return (f"{prefix}self_attn.sinks", 0, 0, p.tp_rank * h, h)
         module = rest.rsplit(".", 1)[0]

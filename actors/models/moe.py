@@ -1,8 +1,9 @@
 """Mixture-of-experts decoders: Mixtral, Qwen2-MoE (shared expert + gate), Qwen3-MoE, OLMoE,
 GLM-4.5 (DeepSeek-V3's routing on GQA attention), MiniMax-M2 (sigmoid routing with a bias), ERNIE 4.5
 (softmax routing with a bias), Granite MoE (its experts stacked, an ungated shared MLP), Llama 4
-(a sigmoid weight on one expert's input, a shared expert), and the MoE half of DeepSeek (shared
-experts, grouped routing; its attention: actors/models/deepseek.py).
+(a sigmoid weight on one expert's input, a shared expert), PhiMoE (its sparsemixer's two experts),
+HunYuan MoE (a float32 router, a shared MLP), and the MoE half of DeepSeek (shared experts,
+grouped routing; its attention: actors/models/deepseek.py).
 
 The Llama-family decoder with a SparseMoeBlock in place of the MLP of its sparse layers.
 Each rank holds some physical expert slots (`placement`: slot -> expert, see actors/models/eplb.py):
@@ -24,7 +25,7 @@ from actors.models.eplb import initial_placement
 from actors.models.llama import LlamaForCausalLM
 from kernels import triton_fused, triton_moe
 from kernels.activation import silu_and_mul
-from kernels.moe import grouped_experts, route, route_grouped, spread_over_replicas
+from kernels.moe import grouped_experts, route, route_grouped, route_sparsemixer, spread_over_replicas
 
 # Checkpoint names of an expert's projections -> which part of our fused weights they fill.
 EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -143,7 +144,9 @@ class SparseMoeBlock(nn.Module):
         if self.plain_routing:
             return route(self.gate(x), self.top_k, self.renormalize)
         r = self.routing
-        # DeepSeek's router runs in float32 whatever the model's dtype, as transformers keeps it
+        if r.scoring == "sparsemixer":  # PhiMoE
+            return route_sparsemixer(self.gate(x), r.jitter_eps)
+        # DeepSeek's router (HunYuan's) runs in float32 whatever the model's dtype, as transformers keeps it
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
         return route_grouped(logits, self.top_k, self.renormalize, r.scoring, r.group_score, r.n_group,
                              r.topk_group, self.gate.e_score_correction_bias, r.scale)
@@ -188,7 +191,7 @@ class SparseMoeBlock(nn.Module):
                 return None  # an expert held by another rank
             start = 0 if self.p.expert_parallel else self.p.tp_rank * self.width
             return _ffn_rule("experts.", "", EXPERT_PROJ[m.group(2)], start, self.width, slots[0])
-        m = re.match(r"shared_experts?\.(\w+)\.weight$", rest)  # DeepSeek: shared_experts
+        m = re.match(r"shared_(?:experts?|mlp)\.(\w+)\.weight$", rest)  # DeepSeek: shared_experts; HunYuan: shared_mlp
         if only is not None:
             return None
         if m:
@@ -196,7 +199,7 @@ class SparseMoeBlock(nn.Module):
             return _ffn_rule("shared_expert.", ".weight", EXPERT_PROJ[m.group(1)], self.p.tp_rank * w, w)
         if rest == "e_score_correction_bias":  # MiniMax-M2 keeps the routing bias beside its router
             return ("gate.e_score_correction_bias", 0, None, 0, 0)
-        if rest in ("router.layer.weight", "router.weight"):  # Granite's router, Llama 4's
+        if rest in ("router.layer.weight", "router.weight", "gate.wg.weight"):  # Granite's router, Llama 4's, HunYuan's
             return ("gate.weight", 0, None, 0, 0)
         if rest == "moe_statics.e_score_correction_bias":  # ERNIE 4.5's: [1, experts]
             return ("gate.e_score_correction_bias", 0, lambda t: t[:].reshape(-1), 0, 0)

@@ -10,7 +10,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from actors.models.args import IMAGE_TEXT_ARCHS, TEXT_ARCH_OF
+from actors.models.args import ARCH_ALIASES, IMAGE_TEXT_ARCHS, TEXT_ARCH_OF
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
@@ -57,8 +57,11 @@ QWEN_VL_FIXED = {"qwen3_moe": {"norm_topk_prob": True}}
 def read_config(path: Path) -> dict:
     """config.json, with a legacy GPTQ / AWQ settings file as its quantization_config where it
     has none (AutoAWQ's names no method: its `w_bit` tells it from GPTQ's `bits`); an
-    image-text checkpoint's is its language model's config."""
+    image-text checkpoint's is its language model's config; a release's remote-code class name
+    (ARCH_ALIASES) reads as transformers' own."""
     config = json.loads((path / "config.json").read_text())
+    if (config.get("architectures") or [None])[0] in ARCH_ALIASES:  # (a release's remote-code class name)
+        config["architectures"] = [ARCH_ALIASES[config["architectures"][0]]]
     if (config.get("architectures") or [None])[0] in IMAGE_TEXT_ARCHS:
         config = text_config(config)
     for ours, theirs in GPT2_FIELDS.items():  # GPT-2's own names for the common fields
