@@ -1,13 +1,14 @@
 """Rotary position embeddings as Hugging Face computes them: the rotate-half layout (or GLM-4's
 interleaved pairs), over all of a head or its first `dim` channels (partial rotary), with rope
-scaling (linear, llama3, Phi-3's longrope, YaRN: gpt-oss, DeepSeek-V3)."""
+scaling (linear, llama3, Phi-3's longrope, YaRN: gpt-oss, DeepSeek-V3; Gemma 4's proportional:
+the whole head's rotate-half with only its lowest frequencies turning)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
 
 
 def _inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -23,6 +24,9 @@ def _inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
         return _llama3(inv_freq, scaling)
     if rope_type == "yarn":
         return _yarn(head_dim, theta, scaling)[0]
+    if rope_type == "proportional":  # Gemma 4's global layers: the first pairs of the whole head rotate, the rest not
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        return torch.cat((inv_freq[:angles], torch.zeros(head_dim // 2 - angles))) / scaling.get("factor", 1.0)
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 

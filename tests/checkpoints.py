@@ -21,7 +21,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
          "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3", "gpt_oss",
-         "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4")
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4", "gemma4")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -32,6 +32,7 @@ IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "llama4_vision": ("llama4", "Llama4ForConditionalGeneration"),
               "ministral3_vision": ("ministral3", "Mistral3ForConditionalGeneration"),
               "mistral4_vision": ("mistral4", "Mistral3ForConditionalGeneration"),
+              "gemma4_vision": ("gemma4", "Gemma4ForConditionalGeneration"),
               "qwen3_5_vl": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
               "qwen3_5_moe_vl": ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")}
 # Text families transformers' AutoModelForCausalLM does not map: their class by name
@@ -249,6 +250,14 @@ FAMILY_DEFAULTS = {
                                                      "original_max_position_embeddings": 16, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                                                      "llama_4_scaling_beta": 0.5}),
+    # Gemma 4 (31B-like): sliding layers of 16-wide heads, global ones of 32-wide heads with one KV
+    # head whose values are its keys (attention_k_eq_v), the proportional rotary, a final soft-cap.
+    # Its E2B / E4B twists (per-layer embeddings, KV sharing, double-wide MLPs) and 26B-A4B's MoE
+    # block are overrides (tests/test_model_families.py)
+    "gemma4": dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=8.0,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                   hidden_size_per_layer_input=0, vocab_size_per_layer_input=512),
     "qwen3_5": _HYBRID,
     "qwen3_5_moe": _HYBRID,
     "qwen3_next": _HYBRID,
@@ -331,6 +340,13 @@ def _image_text_config(arch: str, text):
     if arch == "gemma3_vision":
         return transformers.Gemma3Config(**common, vision_config=transformers.SiglipVisionConfig(**vision).to_dict(),
                                          mm_tokens_per_image=4, image_token_index=500)
+    if arch == "gemma4_vision":  # (image ids inside the tiny vocabulary; no audio tower)
+        tower = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                                patch_size=14, position_embedding_size=64)
+        ids = dict(boi_token_id=498, eoi_token_id=499, image_token_id=500, video_token_id=501, boa_token_id=502,
+                   eoa_token_index=503, audio_token_id=504)
+        return transformers.Gemma4Config(**common, vision_config=tower.to_dict(), **ids)
     if arch in ("mistral3", "ministral3_vision", "mistral4_vision"):
         return transformers.Mistral3Config(**common, image_token_index=500, vision_config=transformers.PixtralVisionConfig(
             **vision, head_dim=16).to_dict())
@@ -364,7 +380,8 @@ def _image_text_config(arch: str, text):
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
         ApertusConfig, ArceeConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config,
-        Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
+        Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig,
+        GemmaConfig, Glm4Config,
         Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
         GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, Llama4TextConfig, LlamaConfig,
         MiniMaxM2Config, Ministral3Config, MinistralConfig, Mistral4Config, MistralConfig, MixtralConfig,
@@ -381,7 +398,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         return _gpt_config(arch, vocab_size, overrides)
     cfg = {**DEFAULTS, **MOE_DEFAULTS.get(arch, {}), **FAMILY_DEFAULTS.get(arch, {}), **wrapper,
            "vocab_size": vocab_size, **overrides}
-    if arch not in ("gemma3", "olmo3"):  # their rope_parameters are by layer type
+    if arch not in ("gemma3", "olmo3", "gemma4"):  # their rope_parameters are by layer type
         cfg["rope_parameters"] = _rope_parameters(cfg)
     cfg.setdefault("tie_word_embeddings", False)
     cfg.setdefault("rms_norm_eps", 1e-6)
@@ -419,7 +436,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "olmo": OlmoConfig, "glm": GlmConfig, "helium": HeliumConfig,
                 "apertus": ApertusConfig, "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                 "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig,
-                "mistral4": Mistral4Config,
+                "mistral4": Mistral4Config, "gemma4": Gemma4TextConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

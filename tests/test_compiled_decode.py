@@ -607,10 +607,11 @@ def test_the_cache_folder_keeps_the_newest_artifacts(tmp_path):
 # rotary, scaled residuals) inside the traced step.
 OTHER_DENSE = ("mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "olmo3", "granite", "glm4",
                "smollm3", "ernie4_5", "exaone4", "cohere", "starcoder2", "gpt2", "nemotron", "ministral3", "glm",
-               "helium", "apertus", "falcon")
-# (their one layer: without rotary; sliding, with its own rotary; global, without rotary)
+               "helium", "apertus", "falcon", "gemma4")
+# (their one layer: without rotary; sliding, with its own rotary; global, without rotary; Gemma 4's
+# global one: wide heads whose values are their keys, the proportional rotary)
 ONE_LAYER = {"smollm3": dict(no_rope_layers=[0]), "olmo3": dict(layer_types=["sliding_attention"]),
-             "exaone4": dict(layer_types=["full_attention"])}
+             "exaone4": dict(layer_types=["full_attention"]), "gemma4": dict(layer_types=["full_attention"])}
 
 
 @pytest.mark.slow

@@ -38,15 +38,18 @@ def assert_follows_transformers(path, reference=None):
 @pytest.mark.parametrize("arch, overrides", [("gemma3_vision", {}), ("mistral3", {}), ("llava", {}),
                                              ("llava", {"tie_word_embeddings": True}), ("qwen2_5_vl", {}),
                                              ("qwen3_vl", {}), ("qwen3_vl_moe", {}), ("llama4_vision", {}),
-                                             ("ministral3_vision", {}), ("mistral4_vision", {})])
+                                             ("ministral3_vision", {}), ("mistral4_vision", {}),
+                                             ("gemma4_vision", {})])
 def test_the_language_model_gives_transformers_tokens(checkpoint_factory, arch, overrides, tmp_path):
     path = checkpoint_factory(arch, **overrides)
     names = load_file(path / "model.safetensors")
-    assert any(n.startswith(("vision_tower.", "model.visual.", "visual.", "vision_model.", "model.vision_model."))
+    assert any(n.startswith(("vision_tower.", "model.visual.", "visual.", "vision_model.", "model.vision_model.",
+                             "model.vision_tower."))
                for n in names)  # (an image-text checkpoint)
     family = {"gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-              "llama4": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM", "mistral4": "Mistral4ForCausalLM"}
+              "llama4": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM", "mistral4": "Mistral4ForCausalLM",
+              "gemma4": "Gemma4ForCausalLM"}
     # (transformers 5.24's Llama 4 wrapper fails on a text-only prompt: its text model is the oracle)
     reference = language_model_copy(path, tmp_path / "text") if arch == "llama4_vision" else None
     assert assert_follows_transformers(path, reference) == family[IMAGE_TEXT[arch][0]]

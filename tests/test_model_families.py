@@ -36,6 +36,14 @@ FAMILIES = {
     "deepseek_v2": {},  # MLA and DeepSeek's MoE: also tests/test_deepseek.py
     "deepseek_v3": {},
     "mistral4": {},  # V3's latent attention, softmax routing over groups, queries scaled by position
+    # Gemma 4: wider global heads whose values are their keys, the proportional rotary; E2B / E4B's
+    # per-layer embeddings, KV shared by the last two layers and their double-wide MLPs; 26B-A4B's
+    # MoE block beside each MLP
+    "gemma4": {},
+    "gemma4-tied": dict(arch="gemma4", tie_word_embeddings=True),
+    "gemma4-e": dict(arch="gemma4", hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                     attention_k_eq_v=False, num_global_key_value_heads=None),
+    "gemma4-moe": dict(arch="gemma4", enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
     # its sparsemixer's two experts, biased LayerNorms and LM head, longrope's own factors (MoE: tests/test_moe.py)
     "phimoe": {},
     "phimoe-window": dict(arch="phimoe", sliding_window=8),
@@ -284,8 +292,10 @@ def local_ray():
     ("apertus", {}),  # each layer's xIELU parameters whole on both ranks
     ("falcon", {}),  # multi-query: the one KV head's rows on both ranks, each rank its query heads
     ("falcon-new", {}),  # each rank its KV group's query heads, key and value
+    ("gemma4-e", {}),  # replicated per-layer embeddings, the shared caches on each rank
+    ("gemma4-moe", {}),  # the one global KV head on both ranks; each rank half of every expert's width
 ], ids=["gemma2", "gemma3", "phi3", "granite", "glm4", "olmo2-kv1", "cohere", "starcoder2", "gpt2", "phi",
-        "gpt_neox", "gptj", "glm", "helium", "apertus", "falcon", "falcon-new"])  # DeepSeek at tp=2: tests/test_moe.py
+        "gpt_neox", "gptj", "glm", "helium", "apertus", "falcon", "falcon-new", "gemma4-e", "gemma4-moe"])  # DeepSeek at tp=2: tests/test_moe.py
 def test_family_at_tp2_matches_transformers(local_ray, checkpoint_factory, name, options):
     base = dict(FAMILIES[name])
     path = checkpoint_factory(base.pop("arch", name), **base, **options)

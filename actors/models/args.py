@@ -19,6 +19,7 @@ FALCON = "FalconForCausalLM"  # its own config fields (falcon_args) and names (a
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
 HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+GEMMA4 = "Gemma4ForCausalLM"  # per-layer head sizes, KV sharing, per-layer embeddings: actors/models/gemma4.py
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
 # here, as transformers reads it) runs as the text architecture below, its weights read from
@@ -31,7 +32,8 @@ IMAGE_TEXT_ARCHS = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3Fo
                     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe_text",
                     "Llama4ForConditionalGeneration": "llama4_text",
                     "Qwen3_5ForConditionalGeneration": "qwen3_5_text",
-                    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text"}
+                    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe_text",
+                    "Gemma4ForConditionalGeneration": "gemma4_text"}
 # A release's config.json naming its remote code's class where transformers loads it (by model_type)
 # as its own: Phi-3.5-MoE's PhiMoEForCausalLM is transformers' PhimoeForCausalLM
 ARCH_ALIASES = {"PhiMoEForCausalLM": "PhimoeForCausalLM"}
@@ -39,7 +41,7 @@ TEXT_ARCH_OF = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausal
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "llama4_text": "Llama4ForCausalLM", "ministral3": "Ministral3ForCausalLM",
                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                "mistral4": "Mistral4ForCausalLM"}
+                "mistral4": "Mistral4ForCausalLM", "gemma4_text": GEMMA4}
 
 
 @dataclass(frozen=True)
@@ -392,6 +394,7 @@ class ModelArgs:
     linear_attn: LinearAttnArgs | None = None
     linear_layers: tuple[bool, ...] = ()
     attn_output_gate: bool = False
+    gemma4: "Gemma4Args | None" = None  # Gemma 4's per-layer shapes and additions
 
     def caches_kv(self, layer: int) -> bool:
         """Whether layer `layer` keeps K/V in the pool (a linear-attention layer keeps a state)."""
@@ -409,6 +412,8 @@ class ModelArgs:
             return deepseek_args(arch, cfg)
         if arch in LEARNED_POSITIONS:
             return learned_position_args(arch, cfg)
+        if arch == GEMMA4:
+            return gemma4_args(cfg)
         if arch == FALCON:
             return falcon_args(cfg)
         cfg = with_config_defaults(arch, cfg)
@@ -571,6 +576,68 @@ def falcon_args(cfg: dict) -> ModelArgs:
         mlp_bias=bias, layer_windows=(None,) * layers, activation=plain_activation(cfg.get("activation") or "gelu"),
         gated_mlp=False, norm_kind="layer_bias",
         norms="parallel2" if new and ln == 2 else "parallel" if parallel else "pre")
+
+
+@dataclass(frozen=True)
+class Gemma4Args:
+    """What Gemma 4 sets layer by layer, and what it adds to Gemma 3's block (actors/models/gemma4.py)."""
+    head_dims: tuple[int, ...]  # each layer's head width (its global layers': global_head_dim)
+    kv_heads: tuple[int, ...]
+    values_are_keys: tuple[bool, ...]  # attention_k_eq_v's global layers: no v_proj, V is K's projection
+    kv_source: tuple[int | None, ...]  # KV sharing: the earlier layer whose cache a layer reads (None: its own)
+    mlp_widths: tuple[int, ...]  # (use_double_wide_mlp: twice as wide in the layers that share KV)
+    ple_dim: int  # per-layer embeddings' width (hidden_size_per_layer_input; 0: none)
+    ple_vocab: int
+    experts: tuple[int, int, int] | None  # (experts, top k, width) of the MoE block beside each MLP
+
+
+def gemma4_args(cfg: dict) -> ModelArgs:
+    """Gemma 4 as transformers' config class completes it (actors/worker/checkpoint_files.py):
+    Gemma 3's sandwich norms (plain weights, not 1 + w) with q, k and weightless v norms and no
+    score scale; sliding layers of head_dim on their own rotary, global ones of per_layer_config's
+    wider heads (fewer KV heads where keys are values) on the proportional rotary; the last
+    num_kv_shared_layers layers reading the cache of the last earlier layer of their kind;
+    per-layer embeddings; an MoE block beside each MLP; a final logit soft-cap."""
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ValueError("Gemma 4 with use_bidirectional_attention 'all' (an encoder) is not supported")
+    n, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    types = cfg["layer_types"]
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    head_dim = cfg.get("head_dim") or hidden // heads
+    dims = tuple(per_layer.get(i, {}).get("head_dim", head_dim) for i in range(n))
+    kv = tuple(per_layer.get(i, {}).get("num_key_value_heads", cfg["num_key_value_heads"]) for i in range(n))
+    first_shared = n - (cfg.get("num_kv_shared_layers") or 0)
+    source = tuple(None if i < first_shared else max(j for j in range(first_shared) if types[j] == types[i])
+                   for i in range(n))
+    double = bool(cfg.get("use_double_wide_mlp"))
+    global_dim = next((dims[i] for i in range(n) if types[i] == "full_attention"), head_dim)
+    params = cfg["rope_parameters"]
+    full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    full_type = full.get("rope_type", "default")
+    if full_type not in ("default", "proportional") or sliding.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma 4 with rope types {full_type!r} / {sliding.get('rope_type')!r} is not supported")
+    gemma4 = Gemma4Args(
+        head_dims=dims, kv_heads=kv,
+        values_are_keys=tuple(bool(cfg.get("attention_k_eq_v")) and t == "full_attention" for t in types),
+        kv_source=source,
+        mlp_widths=tuple(cfg["intermediate_size"] * (2 if double and i >= first_shared else 1) for i in range(n)),
+        ple_dim=cfg.get("hidden_size_per_layer_input") or 0, ple_vocab=cfg.get("vocab_size_per_layer_input") or 0,
+        experts=((cfg["num_experts"], cfg["top_k_experts"], cfg["moe_intermediate_size"])
+                 if cfg.get("enable_moe_block") else None))
+    window = cfg.get("sliding_window")
+    return ModelArgs(
+        architecture=GEMMA4, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"], num_layers=n, num_heads=heads, num_kv_heads=kv[0],
+        head_dim=head_dim, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope=Rope(float(full.get("rope_theta", 1_000_000.0)), full if full_type == "proportional" else None, global_dim),
+        local_rope=Rope(float(sliding.get("rope_theta", 10_000.0)), None, head_dim),
+        max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bool(cfg.get("attention_bias")), o_bias=bool(cfg.get("attention_bias")), qk_norm="head",
+        mlp_bias=False, layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        attn_scale=1.0, final_softcap=cfg.get("final_logit_softcapping"), embed_scale=hidden ** 0.5,
+        activation=gated_activation(cfg.get("hidden_activation") or "gelu_pytorch_tanh"), norms="sandwich",
+        gemma4=gemma4)
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -268,13 +268,13 @@ def _norm(norm, x):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: ModelArgs, p: Parallel, make_attention, make_mlp):
+    def __init__(self, a: ModelArgs, p: Parallel, make_layer):
         super().__init__()
         if p.first_stage:
             self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, p)
         if p.first_stage and a.learned_positions:  # OPT, GPT-2 (actors/models/gpt.py)
             self.embed_positions = nn.Embedding(a.learned_positions, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a, p, make_attention(i), make_mlp(i)) for i in p.layers(a.num_layers))
+        self.layers = nn.ModuleList(make_layer(i) for i in p.layers(a.num_layers))
         if p.last_stage:
             self.norm = make_norm(a)
 
@@ -283,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, p: Parallel | None = None):
         super().__init__()
         self.args, self.p = args, p or Parallel()
-        self.model = LlamaModel(args, self.p, self.make_attention, self.make_mlp)
+        self.model = LlamaModel(args, self.p, self.make_layer)
         self.first_layer = self.p.layers(args.num_layers).start
         # the final norm, on steps of the Triton backend
         self.fused_norm = triton_fused.enabled() and args.norm_kind == "rms"
@@ -295,6 +295,10 @@ class LlamaForCausalLM(nn.Module):
             if rope:
                 self.register_buffer(f"{name}_cos", torch.empty(max_positions, rope.dim), persistent=False)
                 self.register_buffer(f"{name}_sin", torch.empty(max_positions, rope.dim), persistent=False)
+
+    def make_layer(self, layer: int) -> nn.Module:
+        """Decoder layer `layer` (global index); Gemma 4 builds its own."""
+        return DecoderLayer(self.args, self.p, self.make_attention(layer), self.make_mlp(layer))
 
     def make_attention(self, layer: int) -> nn.Module:
         """The attention of (global) layer `layer`; DeepSeek puts its latent attention here."""

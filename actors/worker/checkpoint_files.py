@@ -124,6 +124,21 @@ def _without_mrope(text: dict, kind: str) -> dict:
     return text
 
 
+# Text configs whose settings transformers' config class works out from what the file names
+# (Gemma 4's per-layer head sizes from global_head_dim, its layer types and rotary by type)
+COMPLETED_BY_TRANSFORMERS = ("gemma4_text",)
+
+
+def completed(config: dict) -> dict:
+    """`config` as transformers' class for its model_type fills it in (it imports torch)."""
+    configs = import_transformers("transformers.models.auto.configuration_auto").CONFIG_MAPPING
+    kind = config["model_type"]
+    if kind not in configs:
+        raise ValueError(f"{config.get('architectures')} ({kind}) needs a newer transformers than the one installed "
+                         "to read its settings")
+    return {**configs[kind](**config).to_dict(), "architectures": config.get("architectures")}
+
+
 _IMPORTING = threading.Lock()
 
 

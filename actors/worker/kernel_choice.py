@@ -61,6 +61,7 @@ def choose(config: EngineConfig, spec, device: torch.device, world_size: int, lo
     # MoE layers wait for the GPU to split tokens by expert, except on the Triton backend's
     # fused path (kernels/triton_moe.py).
     moe = spec.args.moe is not None and not (spec.attn_backend == "triton" and fused_block(spec.args))
+    moe = moe or bool(spec.args.gemma4 and spec.args.gemma4.experts)  # (Gemma 4's MoE block: no fused path)
     off = graphs_off_reason(device_type=device.type, eager_decode=config.eager_decode or eager_by_environment(),
                             world_size=world_size, lora=lora, moe=moe)
     if off is None and spec.args.linear_attn is not None:

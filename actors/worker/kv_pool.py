@@ -20,15 +20,37 @@ def bind_kv_cache(model, blocks: int | None, block_size: int, dtype: torch.dtype
                   device: torch.device) -> torch.Tensor | None:
     """A zeroed pool of `blocks` blocks as every layer's cache (None: drop it); returns it.
     On CPU its pages come from an anonymous mapping, zero until written: the process's memory
-    grows with the blocks in use, not with the pool's size."""
+    grows with the blocks in use, not with the pool's size. Layers of different shapes (Gemma 4's
+    wider global heads) get their slices of one flat pool; a layer that reads another's cache
+    (Gemma 4's KV sharing) gets that layer's slices."""
     layers = kv_layers(model)
-    pool = None
+    pool, caches = None, [(None, None)] * len(layers)
     if blocks is not None:
-        shape = (len(layers), model.args.kv_planes, blocks * block_size, local_kv_heads(model), model.args.head_dim)
-        pool = zeroed(shape, dtype, device)
-    for i, attn in enumerate(layers):
-        attn.k_cache, attn.v_cache = (None, None) if pool is None else (pool[i, 0], pool[i, -1])
+        planes, slots = model.args.kv_planes, blocks * block_size
+        shapes = [(planes, slots, attn.kvh, attn.d) for attn in layers]
+        if len(set(shapes)) <= 1:
+            pool = zeroed((len(layers), *(shapes[0] if shapes else (planes, slots, 0, 0))), dtype, device)
+            caches = [(pool[i, 0], pool[i, -1]) for i in range(len(layers))]
+        else:
+            pool = zeroed((sum(math.prod(shape) for shape in shapes),), dtype, device)
+            offset = 0
+            for i, shape in enumerate(shapes):
+                view = pool[offset:offset + math.prod(shape)].view(shape)
+                caches[i], offset = (view[0], view[-1]), offset + math.prod(shape)
+    for attn, (k, v) in zip(layers, caches):
+        attn.k_cache, attn.v_cache = k, v
+    first = getattr(model, "first_layer", 0)
+    for layer in model.model.layers:  # readers of another layer's cache (on this stage)
+        source = getattr(layer.self_attn, "kv_source", None)
+        if source is not None:
+            owner = model.model.layers[source - first].self_attn
+            layer.self_attn.k_cache, layer.self_attn.v_cache = owner.k_cache, owner.v_cache
     return pool
+
+
+def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
+    """What one token's K/V costs in this stage's pool, over its layers' shapes."""
+    return sum(model.args.kv_planes * attn.kvh * attn.d for attn in kv_layers(model)) * dtype.itemsize
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -41,13 +63,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def kv_layers(model) -> list:
-    """The attention modules of this stage's layers that keep K/V in the pool."""
+    """The attention modules of this stage's layers that keep K/V of their own in the pool."""
     return [layer.self_attn for layer in model.model.layers if getattr(layer.self_attn, "caches_kv", True)]
-
-
-def local_kv_heads(model) -> int:
-    layers = kv_layers(model)
-    return layers[0].kvh if layers else 0
 
 
 def bind_states(model, rows: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -68,4 +85,4 @@ def state_bytes(model, rows: int, dtype: torch.dtype) -> int:
 
 
 def state_layers(model) -> list:
-    return [layer.self_attn for layer in model.model.layers if not getattr(layer.self_attn, "caches_kv", True)]
+    return [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "state_shape")]

@@ -31,7 +31,7 @@ from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
 from actors.worker.kernel_choice import choose, device_type
-from actors.worker.kv_pool import bind_kv_cache, bind_states, kv_layers, local_kv_heads, state_bytes
+from actors.worker.kv_pool import bind_kv_cache, bind_states, kv_bytes_per_token, state_bytes
 from actors.worker.loader import build_model
 from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import keep_freed_memory, release_freed_memory
@@ -148,11 +148,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes of one KV block on this rank (its layers, its KV heads), with the draft
         model's block beside it (the pools are sized together)."""
-        per_token = self.args.kv_planes * self._local_kv_heads() * self.args.head_dim * self.kv_dtype.itemsize
-        return per_token * len(kv_layers(self.model)) * self.block_size + self.draft_block_bytes
-
-    def _local_kv_heads(self) -> int:
-        return local_kv_heads(self.model)
+        return kv_bytes_per_token(self.model, self.kv_dtype) * self.block_size + self.draft_block_bytes
 
     def _bind_states(self) -> None:
         """A state per sequence the engine may run at once: refused where they would take over half

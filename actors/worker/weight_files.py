@@ -43,7 +43,9 @@ def weight_files(path: Path) -> list[Path]:
 TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
                  "model.language_model.": "model."}
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                  "visual.", "model.visual.", "vision_model.", "model.vision_model.")  # (Llama 4's: vision_model)
+                  "visual.", "model.visual.", "vision_model.", "model.vision_model.",  # (Llama 4's: vision_model)
+                  # Gemma 4's vision projector and its E models' audio tower and projector
+                  "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 def text_name(name: str) -> str | None:
