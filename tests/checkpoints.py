@@ -21,7 +21,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
          "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3", "gpt_oss",
-         "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4", "gemma4")
+         "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4", "gemma4",
+         "deepseek_v32", "glm_moe_dsa")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -317,6 +318,12 @@ FAMILY_DEFAULTS = {
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
                                       "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}),
+    # DeepSeek-V3.2 and GLM-5: V3 with an indexer that picks index_topk keys per query (64 here:
+    # every key of the tests' contexts, which stay within it)
+    "deepseek_v32": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
+                         routed_scaling_factor=2.5, index_topk=64, index_head_dim=16, index_n_heads=2),
+    "glm_moe_dsa": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
+                        routed_scaling_factor=2.5, index_topk=64, index_head_dim=16, index_n_heads=2),
     # GLM-4.7-Flash: V3's latent attention and GLM-4.5's MoE; its dense layers by mlp_layer_types
     "glm4_moe_lite": dict(**_DEEPSEEK, q_lora_rank=48, n_shared_experts=1, norm_topk_prob=True,
                           routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse", "dense"]),
@@ -385,6 +392,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
         GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, Llama4TextConfig, LlamaConfig,
         MiniMaxM2Config, Ministral3Config, MinistralConfig, Mistral4Config, MistralConfig, MixtralConfig,
+        DeepseekV32Config, GlmMoeDsaConfig,
         NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig,
         Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
         Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
@@ -436,7 +444,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "olmo": OlmoConfig, "glm": GlmConfig, "helium": HeliumConfig,
                 "apertus": ApertusConfig, "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                 "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig,
-                "mistral4": Mistral4Config, "gemma4": Gemma4TextConfig,
+                "mistral4": Mistral4Config, "gemma4": Gemma4TextConfig, "deepseek_v32": DeepseekV32Config,
+                "glm_moe_dsa": GlmMoeDsaConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

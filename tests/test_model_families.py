@@ -36,6 +36,9 @@ FAMILIES = {
     "deepseek_v2": {},  # MLA and DeepSeek's MoE: also tests/test_deepseek.py
     "deepseek_v3": {},
     "mistral4": {},  # V3's latent attention, softmax routing over groups, queries scaled by position
+    # V3 with sparse attention (its indexer's weights skipped): contexts within index_topk (64 here)
+    "deepseek_v32": {},
+    "glm_moe_dsa": {},  # GLM-5
     # Gemma 4: wider global heads whose values are their keys, the proportional rotary; E2B / E4B's
     # per-layer embeddings, KV shared by the last two layers and their double-wide MLPs; 26B-A4B's
     # MoE block beside each MLP

@@ -239,6 +239,22 @@ def test_stacked_experts_fill_their_slots_and_reload_after_a_replan(checkpoint_f
     check()
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_models_are_served_up_to_index_topk(checkpoint_factory, arch):
+    """DeepSeek-V3.2's and GLM-5's indexer picks index_topk keys per query (2,048 in their
+    releases, 64 here): every key below that length, so their context stops there, exact (the
+    family test in test_model_families.py), and a longer --max-model-len is refused in one line."""
+    path = checkpoint_factory(arch)
+    llm = LLM(str(path), num_kv_blocks=16)
+    try:
+        assert llm.engine.spec.max_model_len == 64
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="index_topk keys per query is not implemented") as e:
+        LLM(str(path), max_model_len=100)
+    assert "\n" not in str(e.value)
+
+
 def test_llama4_is_served_up_to_its_attention_chunk(checkpoint_factory):
     """Llama 4's rotary layers attend within chunks of attention_chunk_size tokens: not
     implemented, so its context stops there (here 256 tokens; Scout's 8,192), and a longer

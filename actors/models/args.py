@@ -11,7 +11,14 @@ HUNYUAN = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")  # per-head q
 GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # the four multipliers
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 # (Mistral 4 is V3's latent attention with softmax routing and queries scaled by position)
-DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM")
+# (DeepSeek-V3.2 and GLM-5, GlmMoeDsa, are V3 with sparse attention: an indexer picks index_topk
+# keys per query, all of them below that length, where they are served)
+DSA_ARCHS = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
+                  *DSA_ARCHS)
+# Where a context is served only up to ModelArgs.max_context: what is not implemented past it
+CONTEXT_CAPS = {"Llama4ForCausalLM": "its chunked attention", **dict.fromkeys(
+    DSA_ARCHS, "its sparse attention's choice of index_topk keys per query")}
 GPT_OSS = "GptOssForCausalLM"  # its own module: actors/models/gpt_oss.py
 LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")  # actors/models/gpt.py
 GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt.py
@@ -200,6 +207,10 @@ MOE_FIELD_DEFAULTS = {
                                    norm_topk_prob=True, n_group=1, topk_group=1),
     "Mistral4ForCausalLM": dict(n_shared_experts=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
                                 norm_topk_prob=True, n_group=1, topk_group=1),
+    "DeepseekV32ForCausalLM": dict(n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=3,
+                                   norm_topk_prob=True, n_group=8, topk_group=4),
+    "GlmMoeDsaForCausalLM": dict(n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=3,
+                                 norm_topk_prob=True, n_group=1, topk_group=1),
 }
 
 
@@ -380,8 +391,8 @@ class ModelArgs:
     mla: MlaArgs | None = None  # DeepSeek; then head_dim is the cached latent's width, one KV "head"
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     learned_positions: int = 0  # OPT, GPT-2: a table of this many position embeddings (no rotary)
-    # Llama 4: the longest context served exactly (its chunked attention, not implemented, is full
-    # attention below it); None: max_position_embeddings
+    # Llama 4, DeepSeek-V3.2, GLM-5: the longest context served exactly (what CONTEXT_CAPS names,
+    # not implemented, changes nothing below it); None: max_position_embeddings
     max_context: int | None = None
     qk_norm_after_rope: bool = False  # HunYuan: the per-head q/k norms follow the rotary
     # Queries scaled by position (Llama 4's NoPE layers, Ministral 3): (beta, span, shift) gives
@@ -517,7 +528,8 @@ def deepseek_args(arch: str, cfg: dict) -> ModelArgs:
         qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=None, mlp_bias=False, moe=MoeArgs.from_hf(arch, cfg), layer_windows=(None,) * cfg["num_hidden_layers"],
         attn_scale=scale, activation=gated_activation(cfg.get("hidden_act") or "silu"), mla=mla,
-        q_position_scale=q_position_scale(arch, cfg))
+        q_position_scale=q_position_scale(arch, cfg),
+        max_context=cfg.get("index_topk", 2048) if arch in DSA_ARCHS else None)
 
 
 def learned_position_args(arch: str, cfg: dict) -> ModelArgs:

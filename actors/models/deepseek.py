@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V3 (and GLM-4.7-Flash, Mistral 4): multi-head latent attention (MLA) on the MoE decoder.
+"""DeepSeek-V2 / V3 (and V3.2, GLM-4.7-Flash, GLM-5, Mistral 4): multi-head latent attention (MLA) on
+the MoE decoder.
 
 Each token caches one latent vector (kv_lora_rank wide, after its norm) and one rotary key
 (rope_dim) shared by every head: [latent | rope key] is the whole cache entry, one "KV head"
@@ -86,6 +87,8 @@ class DeepseekForCausalLM(MoeForCausalLM):
         return LatentAttention(self.args, self.p)
 
     def _layer_rule(self, prefix: str, rest: str):
+        if rest.startswith("self_attn.indexer."):  # V3.2's key picker: a no-op at the lengths served
+            return None
         if not rest.startswith("self_attn."):
             return super()._layer_rule(prefix, rest)
         m, p = self.args.mla, self.p

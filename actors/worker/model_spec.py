@@ -9,7 +9,7 @@ import torch
 
 from actors.config import CHECKPOINT_FORMATS, EngineConfig
 from actors.distributed.parallel import parse_layer_split
-from actors.models.args import ModelArgs
+from actors.models.args import CONTEXT_CAPS, ModelArgs
 from actors.pooling_params import PoolingParams
 from actors.worker.kernel_choice import attention_backend, device_type
 from actors.worker import int8_checkpoint
@@ -61,11 +61,12 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
                          f"max_position_embeddings {limit}")
     args = ModelArgs.from_hf(hf)
     if args.max_context and args.max_context < (config.max_model_len or limit):
+        missing = CONTEXT_CAPS[args.architecture]
         if config.max_model_len:
             raise ValueError(f"--max-model-len {config.max_model_len} is over the {args.max_context} tokens "
-                             f"{args.architecture} is served for (its chunked attention is not implemented)")
-        log.info("%s: contexts up to %d tokens (its chunked attention beyond that is not implemented)",
-                 args.architecture, args.max_context)
+                             f"{args.architecture} is served for ({missing} is not implemented)")
+        log.info("%s: contexts up to %d tokens (%s beyond that is not implemented)",
+                 args.architecture, args.max_context, missing)
         limit = args.max_context
     if hf.get("image_text_architecture"):
         log.info("%s: its language model (%s) serves text; the vision tower is not loaded",
