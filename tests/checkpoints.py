@@ -22,7 +22,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
          "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3", "gpt_oss",
          "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4", "gemma4",
-         "deepseek_v32", "glm_moe_dsa")
+         "deepseek_v32", "glm_moe_dsa", "lfm2")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -260,6 +260,10 @@ FAMILY_DEFAULTS = {
                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                    hidden_size_per_layer_input=0, vocab_size_per_layer_input=512),
     "qwen3_5": _HYBRID,
+    # LFM2: short-convolution layers around an attention one; its MLP's width worked out (x 2/3,
+    # a multiplier, a multiple of 16)
+    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+                 intermediate_size=192, block_ffn_dim_multiplier=1.2, block_multiple_of=16, norm_eps=1e-5),
     "qwen3_5_moe": _HYBRID,
     "qwen3_next": _HYBRID,
     # OLMo (1): LayerNorms without parameters, clamped q/k/v (a bound the tiny model reaches)
@@ -392,7 +396,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
         GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, Llama4TextConfig, LlamaConfig,
         MiniMaxM2Config, Ministral3Config, MinistralConfig, Mistral4Config, MistralConfig, MixtralConfig,
-        DeepseekV32Config, GlmMoeDsaConfig,
+        DeepseekV32Config, GlmMoeDsaConfig, Lfm2Config,
         NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig,
         Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
         Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
@@ -445,7 +449,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "apertus": ApertusConfig, "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                 "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig,
                 "mistral4": Mistral4Config, "gemma4": Gemma4TextConfig, "deepseek_v32": DeepseekV32Config,
-                "glm_moe_dsa": GlmMoeDsaConfig,
+                "glm_moe_dsa": GlmMoeDsaConfig, "lfm2": Lfm2Config,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -628,10 +632,11 @@ QUANTIZED_PROJECTIONS = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", 
 FLOAT_UNDER_QUANTIZATION = re.compile(r"\.experts\.|\.shared_experts?\.|kv_b_proj")
 # What --quantization quantizes, under each family's names: the linear layers (OPT's fc1 / fc2 /
 # out_proj, GPT-2's and StarCoder2's c_attn / c_fc / c_proj, Gated DeltaNet's in_proj_qkv / z / a / b
-# (Qwen3-Next's in_proj_qkvz / ba) too), and which of them are row-parallel
-LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|_proj_(?:qkvz?|z|a|b|ba)|\.c_fc|\.c_attn|\.fc1|\.fc2|\.dense|\.query_key_value|"
+# (Qwen3-Next's in_proj_qkvz / ba), LFM2's w1 / w2 / w3 too), and which of them are row-parallel
+LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|_proj_(?:qkvz?|z|a|b|ba)|\.w[123]|\.c_fc|\.c_attn|\.fc1|\.fc2|"
+                            r"\.dense|\.query_key_value|"
                             r"\.dense_h_to_4h|\.dense_4h_to_h)\.weight$")
-ROW_PARALLEL_WEIGHTS = re.compile(r"(o_proj|down_proj|out_proj|\.fc2|\.c_proj|\.dense|\.dense_4h_to_h)\.weight$")
+ROW_PARALLEL_WEIGHTS = re.compile(r"(o_proj|down_proj|out_proj|\.w2|\.fc2|\.c_proj|\.dense|\.dense_4h_to_h)\.weight$")
 EMBEDDINGS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "transformer.wte.weight",
               "gpt_neox.embed_in.weight")
 

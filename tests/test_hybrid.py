@@ -1,6 +1,7 @@
 """Qwen3.5's and Qwen3-Next's hybrid decoders (actors/models/hybrid.py): Gated DeltaNet
 linear-attention layers, whose past is a state per sequence, between gated full-attention layers;
-dense, MoE, Qwen3-Next's projections grouped by key head, and the image-text releases for their text. Against transformers, float32: greedy tokens equal and
+dense, MoE, Qwen3-Next's projections grouped by key head, and the image-text releases for their text;
+LFM2's short-convolution layers (a state of the convolution's last inputs) between attention layers. Against transformers, float32: greedy tokens equal and
 prompt log-probs within 1e-4, through chunked prefill (a state carried from chunk to chunk),
 one-token prompts, batch rows reused by later requests, preemption and recomputation (a state
 reset), at tp=1, tp=2 and pp=2. The gated delta rule's two forms (kernels/gated_delta.py)
@@ -47,7 +48,7 @@ def check(path, prompts=PROMPTS, logprobs=True, **options):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2"])
 def test_hybrid_matches_transformers(checkpoint_factory, arch):
     engine = check(checkpoint_factory(arch))
     # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see
@@ -175,8 +176,9 @@ def local_ray():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,layout", [("qwen3_5", dict(tp_size=2)), ("qwen3_5_moe", dict(tp_size=2)),
-                                         ("qwen3_next", dict(tp_size=2)), ("qwen3_5", dict(pp_size=2))],
-                         ids=["tp2", "moe-tp2", "next-tp2", "pp2"])
+                                         ("qwen3_next", dict(tp_size=2)), ("qwen3_5", dict(pp_size=2)),
+                                         ("lfm2", dict(tp_size=2))],
+                         ids=["tp2", "moe-tp2", "next-tp2", "pp2", "lfm2-tp2"])
 def test_hybrid_across_ranks_matches_transformers(local_ray, checkpoint_factory, arch, layout):
     """tp=2: each rank one key head and its two value heads, their convolution channels and gate
     rows (Qwen3-Next's cut out of its per-group layout); pp=2: the linear layers' states split with

@@ -2,11 +2,12 @@
 are known without importing torch (the `shoal serve` driver checks a checkpoint's before it
 starts Ray); the classes are imported when one is asked for."""
 from actors.models.args import (
-    DEEPSEEK_ARCHS, DENSE_ARCHS, FALCON, GEMMA4, GPT_NEOX, GPT_OSS, GPTJ, HYBRID_ARCHS, IMAGE_TEXT_ARCHS, LEARNED_POSITIONS,
-    MOE_ARCHS,
+    DEEPSEEK_ARCHS, DENSE_ARCHS, FALCON, GEMMA4, GPT_NEOX, GPT_OSS, GPTJ, HYBRID_ARCHS, IMAGE_TEXT_ARCHS,
+    LEARNED_POSITIONS, MOE_ARCHS,
 )
 
-ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS, FALCON, *HYBRID_ARCHS, GEMMA4)
+ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS, FALCON, *HYBRID_ARCHS,
+                 GEMMA4)
 
 
 def check_architecture(architecture: str) -> None:
@@ -24,7 +25,8 @@ def model_class(architecture: str):
         return Gemma4ForCausalLM
     if architecture in HYBRID_ARCHS:
         from actors.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
-        return HybridForCausalLM if architecture == "Qwen3_5ForCausalLM" else HybridMoeForCausalLM
+        dense = architecture in ("Qwen3_5ForCausalLM", "Lfm2ForCausalLM")
+        return HybridForCausalLM if dense else HybridMoeForCausalLM
     if architecture in MOE_ARCHS:
         from actors.models.moe import MoeForCausalLM
         return MoeForCausalLM

@@ -25,7 +25,8 @@ GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt
 FALCON = "FalconForCausalLM"  # its own config fields (falcon_args) and names (actors/models/gpt.py)
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
-HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Lfm2ForCausalLM")
+QWEN_HYBRID = HYBRID_ARCHS[:3]  # Gated DeltaNet; LFM2's are short convolutions
 GEMMA4 = "Gemma4ForCausalLM"  # per-layer head sizes, KV sharing, per-layer embeddings: actors/models/gemma4.py
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
 # served for their text: their language model (by its config's model_type, else the one named
@@ -322,11 +323,24 @@ class LinearAttnArgs:
                    cfg.get("linear_conv_kernel_dim", 4))
 
 
+@dataclass(frozen=True)
+class ShortConvArgs:
+    """LFM2's convolution layers: the depthwise causal convolution's kernel and whether its
+    projections and convolution have biases."""
+    kernel: int
+    bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ShortConvArgs":
+        return cls(cfg.get("conv_L_cache", 3), bool(cfg.get("conv_bias", False)))
+
+
 def linear_layers(cfg: dict) -> tuple[bool, ...]:
-    """True for each linear-attention layer: `layer_types`, else every full_attention_interval-th
-    layer is full attention (transformers' default for an older config)."""
+    """True for each linear-attention (LFM2: convolution) layer: `layer_types`, else every
+    full_attention_interval-th layer is full attention (transformers' default for an older config)."""
     n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
     if types:
+        types = ["linear_attention" if t == "conv" else t for t in types]  # (LFM2's name)
         unknown = set(types) - {"linear_attention", "full_attention"}
         if unknown:
             raise ValueError(f"{cfg['architectures'][0]} layer types {sorted(unknown)} are not supported")
@@ -402,9 +416,9 @@ class ModelArgs:
     clip_qkv: float | None = None  # OLMo, OLMoE: q, k and v clamped to [-clip, clip]
     # Qwen3.5: Gated DeltaNet in the layers marked True (a recurrent state per sequence, no KV
     # cache), full attention with a sigmoid output gate (attn_output_gate) in the others
-    linear_attn: LinearAttnArgs | None = None
+    linear_attn: "LinearAttnArgs | ShortConvArgs | None" = None
     linear_layers: tuple[bool, ...] = ()
-    attn_output_gate: bool = False
+    attn_output_gate: bool = False  # (the Qwen hybrids')
     gemma4: "Gemma4Args | None" = None  # Gemma 4's per-layer shapes and additions
 
     def caches_kv(self, layer: int) -> bool:
@@ -442,7 +456,7 @@ class ModelArgs:
         gemma = arch in GEMMA
         gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
         granite = arch in GRANITE
-        hybrid = arch in HYBRID_ARCHS
+        hybrid, lfm2 = arch in QWEN_HYBRID, arch == "Lfm2ForCausalLM"
         rope, local_rope = ropes(arch, cfg, head_dim)
         return cls(
             architecture=arch,
@@ -458,7 +472,7 @@ class ModelArgs:
             local_rope=local_rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
-                                             gemma_norms or arch in (*COHERE, "Starcoder2ForCausalLM"))),
+                                             gemma_norms or arch in (*COHERE, "Starcoder2ForCausalLM", "Lfm2ForCausalLM"))),
             qkv_bias=(bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("use_qkv_bias")) if stablelm
                       else attention_bias),
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
@@ -501,8 +515,8 @@ class ModelArgs:
             qk_norm_after_rope=arch in HUNYUAN,
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
-            linear_attn=LinearAttnArgs.from_hf(cfg) if hybrid else None,
-            linear_layers=linear_layers(cfg) if hybrid else (),
+            linear_attn=LinearAttnArgs.from_hf(cfg) if hybrid else ShortConvArgs.from_hf(cfg) if lfm2 else None,
+            linear_layers=linear_layers(cfg) if hybrid or lfm2 else (),
             attn_output_gate=hybrid,
         )
 
@@ -680,6 +694,12 @@ def mlp_width(arch: str, cfg: dict) -> int:
         return cfg.get("n_inner") or 4 * cfg["hidden_size"]
     if arch == "Qwen3_5MoeForCausalLM":  # (no dense MLP: every layer is sparse)
         return cfg.get("intermediate_size") or cfg.get("moe_intermediate_size", 512)
+    if arch == "Lfm2ForCausalLM" and cfg.get("block_auto_adjust_ff_dim", True):  # as its MLP works it out
+        width = int(2 * cfg["intermediate_size"] / 3)
+        if cfg.get("block_ffn_dim_multiplier") is not None:
+            multiple = cfg.get("block_multiple_of", 256)
+            width = multiple * -(-int(cfg["block_ffn_dim_multiplier"] * width) // multiple)
+        return width
     return cfg["intermediate_size_mlp" if arch == "Llama4ForCausalLM" else "intermediate_size"]
 
 
@@ -693,7 +713,7 @@ def norm_eps(arch: str, cfg: dict) -> float:
         return cfg.get("layer_norm_epsilon", 1e-5)
     if arch == "OlmoForCausalLM":
         return 1e-5  # (its LayerNorm's, fixed)
-    if arch == "NemotronForCausalLM":
+    if arch in ("NemotronForCausalLM", "Lfm2ForCausalLM"):
         return cfg.get("norm_eps", 1e-5)
     return cfg.get("rms_norm_eps", 1e-6)
 
@@ -764,9 +784,9 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or cfg.get("rotary_pct")
               or (cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else None)  # MiniMax-M2's releases
               or {"Glm4MoeForCausalLM": 0.5, "NemotronForCausalLM": 0.5, "PhiForCausalLM": 0.5,
-                  "StableLmForCausalLM": 0.25, GPT_NEOX: 0.25, **dict.fromkeys(HYBRID_ARCHS, 0.25)}.get(arch, 1.0))
+                  "StableLmForCausalLM": 0.25, GPT_NEOX: 0.25, **dict.fromkeys(QWEN_HYBRID, 0.25)}.get(arch, 1.0))
     dim = int(head_dim * factor)
-    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
+    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Lfm2ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
                      "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)
     theta = float(glob.pop("rope_theta", None) or cfg.get("rope_theta") or cfg.get("rotary_emb_base") or default_theta)
     kind = glob.get("rope_type", glob.get("type", "default"))

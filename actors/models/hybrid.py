@@ -1,5 +1,6 @@
 """Hybrid decoders: Gated DeltaNet linear-attention layers between gated full-attention layers
-(Qwen3.5, dense and MoE, its image-text releases served for their text; Qwen3-Next).
+(Qwen3.5, dense and MoE, its image-text releases served for their text; Qwen3-Next), and LFM2's
+short-convolution layers between attention layers.
 
 Three layers in four (ModelArgs.linear_layers) are linear attention: a sequence's past is a
 state per layer (kernels/gated_delta.py), not K/V in the pool. The state lives in the layer, one
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.distributed.parallel import Parallel
-from actors.models.args import ModelArgs
+from actors.models.args import ModelArgs, ShortConvArgs
 from actors.models.layers import ColumnParallelLinear, RowParallelLinear
 from actors.models.llama import Attention, LlamaForCausalLM, local_heads
 from actors.models.moe import MoeForCausalLM
@@ -86,8 +87,8 @@ class GatedDeltaNet(nn.Module):
         self.eps = a.rms_norm_eps
         # Per input-batch row (actors/worker/kv_pool.py bind_states): the convolution's last
         # inputs [channels, kernel - 1] and the recurrent state [value heads, dk, dv], float32
-        self.conv_state_shape = (self.conv_dim, la.conv_kernel - 1)
-        self.state_shape = (self.hv, self.dk, self.dv)
+        self.state_shapes = {"conv_state": ((self.conv_dim, la.conv_kernel - 1), None),
+                             "state": ((self.hv, self.dk, self.dv), torch.float32)}
         self.conv_state = self.state = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):
@@ -122,14 +123,58 @@ class GatedDeltaNet(nn.Module):
                                     v.view(t, self.hv, self.dv), g, beta)
 
 
+class ShortConv(nn.Module):
+    """LFM2's convolution layer: in_proj gives B, C and x; the depthwise causal convolution of
+    B * x, times C, through out_proj. Its state: the convolution's last inputs. Under tensor
+    parallelism each rank holds a share of the channels (each channel is its own)."""
+    caches_kv = False
+    nope = local_rope = scales_q = False
+
+    def __init__(self, a: ModelArgs, p: Parallel):
+        super().__init__()
+        conv = a.linear_attn
+        if a.hidden_size % p.tp_size:
+            raise ValueError(f"tensor parallel size {p.tp_size} must divide the hidden size ({a.hidden_size})")
+        self.c = a.hidden_size // p.tp_size
+        self.in_proj = ColumnParallelLinear(a.hidden_size, 3 * self.c, conv.bias)
+        self.conv_weight = nn.Parameter(torch.empty(self.c, conv.kernel))
+        self.conv_bias = nn.Parameter(torch.empty(self.c)) if conv.bias else None
+        self.out_proj = RowParallelLinear(self.c, a.hidden_size, conv.bias, p)
+        self.state_shapes = {"conv_state": ((self.c, conv.kernel - 1), None)}
+        self.conv_state = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):
+        b, c, h = self.in_proj(x).split(self.c, -1)
+        bx, rows = b * h, meta.recurrent
+        if rows.fresh is not None:
+            self.conv_state.index_fill_(0, rows.fresh, 0.0)
+        out = torch.empty_like(bx)
+        nd = rows.num_decodes
+        if nd:
+            conv = self.conv_state[rows.decode_rows]
+            out[:nd] = gated_delta.conv_step(bx[:nd], conv, self.conv_weight, self.conv_bias, silu=False)
+            self.conv_state.index_copy_(0, rows.decode_rows, conv)
+        for first, count, row in rows.chunks:
+            end = first + count
+            out[first:end] = gated_delta.conv_prefill(bx[first:end], self.conv_state[row], self.conv_weight,
+                                                      self.conv_bias, silu=False)
+        return self.out_proj(c * out)
+
+
 class HybridForCausalLM(LlamaForCausalLM):
     def make_attention(self, layer: int) -> nn.Module:
         if self.args.caches_kv(layer):
-            return GatedAttention(self.args, self.p, layer)
-        return GatedDeltaNet(self.args, self.p)
+            return Attention(self.args, self.p, layer) if self.lfm2 else GatedAttention(self.args, self.p, layer)
+        return ShortConv(self.args, self.p) if self.lfm2 else GatedDeltaNet(self.args, self.p)
+
+    @property
+    def lfm2(self) -> bool:
+        return isinstance(self.args.linear_attn, ShortConvArgs)
 
     def _layer_rule(self, prefix: str, rest: str):
         a, p = self.args, self.p
+        if self.lfm2:
+            return self._lfm2_rule(prefix, rest)
         m = re.match(r"linear_attn\.(\w+)(?:\.weight)?$", rest)
         if m:
             return _linear_rule(prefix + "self_attn.", m.group(1), a, p)
@@ -142,6 +187,32 @@ class HybridForCausalLM(LlamaForCausalLM):
             offset, start, size = parts[m.group(1)]
             return (f"{prefix}self_attn.qkv_proj.{m.group(2)}", offset, 0, start, size)
         return super()._layer_rule(prefix, rest)
+
+    def weight_rule(self, name: str):
+        return super().weight_rule("model.norm.weight" if name == "model.embedding_norm.weight" else name)  # (LFM2's)
+
+    def _lfm2_rule(self, prefix: str, rest: str):
+        """LFM2's names: conv.* (this rank's channels of B, C and x, of the convolution and of
+        out_proj's input), feed_forward.w1 / w3 / w2, operator_norm / ffn_norm, q/k_layernorm, out_proj."""
+        p, c = self.p, self.args.hidden_size // self.p.tp_size
+        m = re.match(r"conv\.(in_proj|conv|out_proj)\.(weight|bias)$", rest)
+        if m:
+            part, kind = m.groups()
+            target = f"{prefix}self_attn."
+            if part == "in_proj":  # [B; C; x], each hidden wide
+                return [(f"{target}in_proj.{kind}", i * c, 0, i * self.args.hidden_size + p.tp_rank * c, c)
+                        for i in range(3)]
+            if part == "conv" and kind == "weight":  # [channels, 1, kernel]
+                return (f"{target}conv_weight", 0, _conv_rows(p.tp_rank * c, c), 0, 0)
+            if part == "conv":
+                return (f"{target}conv_bias", 0, 0, p.tp_rank * c, c)
+            return (f"{target}out_proj.{kind}", 0, 1 if kind == "weight" else None, p.tp_rank * c, c)
+        names = {"feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+                 "operator_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                 "self_attn.q_layernorm": "self_attn.q_norm", "self_attn.k_layernorm": "self_attn.k_norm",
+                 "self_attn.out_proj": "self_attn.o_proj"}
+        module, kind = rest.rsplit(".", 1)
+        return super()._layer_rule(prefix, f"{names.get(module, module)}.{kind}")
 
 
 class HybridMoeForCausalLM(HybridForCausalLM, MoeForCausalLM):

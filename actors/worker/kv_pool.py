@@ -6,8 +6,8 @@ decode compile job (actors/worker/compile_job.py). Planes: K and V, or MLA's one
 `dtype` is the pool's: the model's, or float8 e4m3 with --kv-cache-dtype fp8 (one byte an
 element; the layers' k_scale / v_scale say what a stored 1.0 means, kernels/kv_quant.py).
 
-Linear-attention layers (actors/models/hybrid.py) have no place in the pool: each keeps a state
-per input-batch row instead (`bind_states`)."""
+Linear-attention and convolution layers (actors/models/hybrid.py) have no place in the pool: each
+keeps a state per input-batch row instead (`bind_states`)."""
 from __future__ import annotations
 
 import math
@@ -68,21 +68,22 @@ def kv_layers(model) -> list:
 
 
 def bind_states(model, rows: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Each linear-attention layer's state for `rows` input-batch rows: its convolution's last
-    inputs (in `dtype`) and its float32 recurrent state. Returns their bytes (0: no such layer)."""
+    """Each state layer's states for `rows` input-batch rows (`state_shapes`: name -> (shape of one
+    row, dtype or None for the model's)): a convolution's last inputs, a float32 recurrent state.
+    Returns their bytes (0: no such layer)."""
     total = 0
     for attn in state_layers(model):
-        attn.conv_state = zeroed((rows, *attn.conv_state_shape), dtype, device)
-        attn.state = zeroed((rows, *attn.state_shape), torch.float32, device)
-        total += attn.conv_state.numel() * dtype.itemsize + attn.state.numel() * 4
+        for name, (shape, kind) in attn.state_shapes.items():
+            setattr(attn, name, zeroed((rows, *shape), kind or dtype, device))
+            total += getattr(attn, name).numel() * (kind or dtype).itemsize
     return total
 
 
 def state_bytes(model, rows: int, dtype: torch.dtype) -> int:
     """What bind_states allocates."""
-    return rows * sum(math.prod(a.conv_state_shape) * dtype.itemsize + math.prod(a.state_shape) * 4
-                      for a in state_layers(model))
+    return rows * sum(math.prod(shape) * (kind or dtype).itemsize
+                      for a in state_layers(model) for shape, kind in a.state_shapes.values())
 
 
 def state_layers(model) -> list:
-    return [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "state_shape")]
+    return [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "state_shapes")]
