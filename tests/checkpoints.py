@@ -22,7 +22,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
          "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3", "gpt_oss",
          "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4", "gemma4",
-         "deepseek_v32", "glm_moe_dsa", "lfm2")
+         "deepseek_v32", "glm_moe_dsa", "lfm2", "granitemoehybrid")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -98,6 +98,14 @@ MOE_DEFAULTS = {
     # Granite's multipliers far from 1 (as "granite" below); experts stacked; Shared: an ungated shared MLP
     "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=3.0,
                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
+    # Granite 4.0-H: Mamba-2 layers around an attention layer without rotary, its MoE with a shared
+    # MLP and Granite's multipliers; 2 groups of B and C for 4 heads (num_local_experts=0: 4.0-H-Micro's
+    # dense shared MLP alone)
+    "granitemoehybrid": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                             shared_intermediate_size=48, embedding_multiplier=3.0, residual_multiplier=0.5,
+                             attention_multiplier=0.2, logits_scaling=2.0, num_hidden_layers=3,
+                             layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_n_groups=2,
+                             mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16),
     "granitemoeshared": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                              shared_intermediate_size=48, embedding_multiplier=3.0, residual_multiplier=0.5,
                              attention_multiplier=0.2, logits_scaling=2.0),
@@ -396,7 +404,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
         GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, Llama4TextConfig, LlamaConfig,
         MiniMaxM2Config, Ministral3Config, MinistralConfig, Mistral4Config, MistralConfig, MixtralConfig,
-        DeepseekV32Config, GlmMoeDsaConfig, Lfm2Config,
+        DeepseekV32Config, GlmMoeDsaConfig, GraniteMoeHybridConfig, Lfm2Config,
         NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig,
         Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
         Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
@@ -449,7 +457,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "apertus": ApertusConfig, "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                 "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig,
                 "mistral4": Mistral4Config, "gemma4": Gemma4TextConfig, "deepseek_v32": DeepseekV32Config,
-                "glm_moe_dsa": GlmMoeDsaConfig, "lfm2": Lfm2Config,
+                "glm_moe_dsa": GlmMoeDsaConfig, "lfm2": Lfm2Config, "granitemoehybrid": GraniteMoeHybridConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

@@ -1,7 +1,8 @@
 """Qwen3.5's and Qwen3-Next's hybrid decoders (actors/models/hybrid.py): Gated DeltaNet
 linear-attention layers, whose past is a state per sequence, between gated full-attention layers;
 dense, MoE, Qwen3-Next's projections grouped by key head, and the image-text releases for their text;
-LFM2's short-convolution layers (a state of the convolution's last inputs) between attention layers. Against transformers, float32: greedy tokens equal and
+LFM2's short-convolution layers (a state of the convolution's last inputs) between attention layers;
+Granite 4.0-H's Mamba-2 layers (kernels/ssd.py) around attention without rotary, MoE and dense. Against transformers, float32: greedy tokens equal and
 prompt log-probs within 1e-4, through chunked prefill (a state carried from chunk to chunk),
 one-token prompts, batch rows reused by later requests, preemption and recomputation (a state
 reset), at tp=1, tp=2 and pp=2. The gated delta rule's two forms (kernels/gated_delta.py)
@@ -48,9 +49,16 @@ def check(path, prompts=PROMPTS, logprobs=True, **options):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2"])
-def test_hybrid_matches_transformers(checkpoint_factory, arch):
-    engine = check(checkpoint_factory(arch))
+GRANITE_DENSE = dict(num_local_experts=0, shared_intermediate_size=96)  # Granite 4.0-H-Micro's layout
+
+
+@pytest.mark.parametrize("arch,options", [
+    ("qwen3_5", {}), ("qwen3_5_moe", {}), ("qwen3_next", {}), ("lfm2", {}),
+    ("granitemoehybrid", {}), ("granitemoehybrid", GRANITE_DENSE),
+    ("granitemoehybrid", dict(position_embedding_type="rope")),
+], ids=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite4-h", "granite4-h-dense", "granite4-h-rope"])
+def test_hybrid_matches_transformers(checkpoint_factory, arch, options):
+    engine = check(checkpoint_factory(arch, **options))
     # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see
     assert not engine.blocks.enable_prefix_caching and engine.scheduler.hit_tokens == 0
 
@@ -98,6 +106,9 @@ def test_image_text_releases_serve_their_language_model(checkpoint_factory):
 
 
 def test_what_a_state_cannot_do_is_refused_in_one_line(checkpoint_factory):
+    with pytest.raises(ValueError, match="Mamba layers are not supported with tensor parallelism") as e:
+        LLM(str(checkpoint_factory("granitemoehybrid")), tp_size=2)
+    assert "\n" not in str(e.value)
     path = checkpoint_factory("qwen3_5")
     with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3_5ForCausalLM"):
         LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -151,6 +162,31 @@ def test_the_chunked_rule_is_the_recurrence(length, split):
     got = torch.cat([gated_delta.recurrent_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
                      for t in range(length)])
     assert torch.allclose(got, want, atol=1e-4) and torch.allclose(state[0], want_state, atol=1e-4)
+
+
+@pytest.mark.parametrize("length,split", [(1, 1), (64, 30), (150, 70)])
+def test_the_chunked_state_space_model_is_the_recurrence(length, split):
+    """Mamba-2's SSD chunks against S = exp(dt A) S + dt x B^T, y = S C written out."""
+    from kernels import ssd
+
+    gen = torch.Generator().manual_seed(length)
+    x, dt = torch.randn(length, 4, 8, generator=gen), torch.rand(length, 4, generator=gen)
+    a, b, c = -torch.rand(4, generator=gen) * 2, torch.randn(length, 2, 16, generator=gen), torch.randn(
+        length, 2, 16, generator=gen)
+    start = torch.randn(4, 8, 16, generator=gen)
+    state, want = start.clone(), []
+    for t in range(length):
+        bt, ct = b[t].repeat_interleave(2, 0), c[t].repeat_interleave(2, 0)  # [heads, N]
+        state = state * torch.exp(dt[t] * a)[:, None, None] + (dt[t][:, None] * x[t])[:, :, None] * bt[:, None, :]
+        want.append(torch.einsum("hpn,hn->hp", state, ct))
+    want = torch.stack(want)
+    got_state = start.clone()
+    got = torch.cat([ssd.chunked(x[i:j], dt[i:j], a, b[i:j], c[i:j], got_state)
+                     for i, j in ((0, split), (split, length)) if j > i])
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4) and torch.allclose(got_state, state, atol=1e-4, rtol=1e-4)
+    rows = start.clone()[None]
+    got = torch.cat([ssd.step(x[t:t + 1], dt[t:t + 1], a, b[t:t + 1], c[t:t + 1], rows) for t in range(length)])
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4) and torch.allclose(rows[0], state, atol=1e-4, rtol=1e-4)
 
 
 def test_the_convolution_carries_its_last_inputs():

@@ -8,7 +8,8 @@ MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
              "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM", "GraniteMoeForCausalLM",
              "GraniteMoeSharedForCausalLM", "Llama4ForCausalLM", "PhimoeForCausalLM", "HunYuanMoEV1ForCausalLM")
 HUNYUAN = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")  # per-head q/k norms after the rotary
-GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")  # the four multipliers
+GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+           "GraniteMoeHybridForCausalLM")  # the four multipliers
 # (GLM-4.7-Flash, Glm4MoeLite, is DeepSeek-V3's latent attention with GLM-4.5's MoE, which routes as V3's)
 # (Mistral 4 is V3's latent attention with softmax routing and queries scaled by position)
 # (DeepSeek-V3.2 and GLM-5, GlmMoeDsa, are V3 with sparse attention: an indexer picks index_topk
@@ -25,7 +26,8 @@ GPTJ = "GPTJForCausalLM"  # its checkpoint names translated in actors/models/gpt
 FALCON = "FalconForCausalLM"  # its own config fields (falcon_args) and names (actors/models/gpt.py)
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
-HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Lfm2ForCausalLM")
+HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Lfm2ForCausalLM",
+                "GraniteMoeHybridForCausalLM")
 QWEN_HYBRID = HYBRID_ARCHS[:3]  # Gated DeltaNet; LFM2's are short convolutions
 GEMMA4 = "Gemma4ForCausalLM"  # per-layer head sizes, KV sharing, per-layer embeddings: actors/models/gemma4.py
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
@@ -99,6 +101,8 @@ class MoeArgs:
         if arch == "MixtralForCausalLM":  # every layer is sparse; top-k always renormalised
             return cls(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], 0, True, 1, ())
         if arch in GRANITE[1:]:  # every layer sparse, softmax over the top-k logits; Shared: an ungated shared MLP
+            if arch == "GraniteMoeHybridForCausalLM" and not experts:  # (Granite 4.0-H-Micro: the shared MLP alone)
+                return None
             return cls(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"],
                        cfg.get("shared_intermediate_size") or 0, True, 1, (), shared_gate=False)
         if arch in (*DEEPSEEK_ARCHS, "Glm4MoeForCausalLM"):
@@ -324,6 +328,38 @@ class LinearAttnArgs:
 
 
 @dataclass(frozen=True)
+class MambaArgs:
+    """Mamba-2's mixer (Granite 4.0-H): heads of head_dim channels, B and C shared by the heads
+    of each of `groups` groups, a d_state-wide state per channel, the convolution's kernel, dt's
+    clamp, biases."""
+    heads: int
+    head_dim: int
+    groups: int
+    d_state: int
+    conv_kernel: int
+    inner: int  # heads x head_dim (expand x hidden)
+    conv_bias: bool
+    proj_bias: bool
+    dt_limit: tuple[float, float]
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "MambaArgs":
+        inner = int(cfg.get("mamba_expand", 2) * cfg["hidden_size"])
+        heads = cfg.get("mamba_n_heads", 128)
+        head_dim = cfg.get("mamba_d_head")
+        limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+        return cls(heads, inner // heads if head_dim in (None, "auto") else head_dim, cfg.get("mamba_n_groups", 1),
+                   cfg.get("mamba_d_state", 256), cfg.get("mamba_d_conv", 4), inner,
+                   bool(cfg.get("mamba_conv_bias", True)), bool(cfg.get("mamba_proj_bias", False)),
+                   (json_float(limit[0]), json_float(limit[1])))
+
+
+def json_float(value) -> float:
+    """A float as transformers writes it to JSON ({"__float__": "Infinity"} for inf)."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+@dataclass(frozen=True)
 class ShortConvArgs:
     """LFM2's convolution layers: the depthwise causal convolution's kernel and whether its
     projections and convolution have biases."""
@@ -340,7 +376,8 @@ def linear_layers(cfg: dict) -> tuple[bool, ...]:
     full_attention_interval-th layer is full attention (transformers' default for an older config)."""
     n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
     if types:
-        types = ["linear_attention" if t == "conv" else t for t in types]  # (LFM2's name)
+        types = [{"conv": "linear_attention", "mamba": "linear_attention", "attention": "full_attention"}.get(t, t)
+                 for t in types]  # (LFM2's and Granite 4.0-H's names)
         unknown = set(types) - {"linear_attention", "full_attention"}
         if unknown:
             raise ValueError(f"{cfg['architectures'][0]} layer types {sorted(unknown)} are not supported")
@@ -416,7 +453,7 @@ class ModelArgs:
     clip_qkv: float | None = None  # OLMo, OLMoE: q, k and v clamped to [-clip, clip]
     # Qwen3.5: Gated DeltaNet in the layers marked True (a recurrent state per sequence, no KV
     # cache), full attention with a sigmoid output gate (attn_output_gate) in the others
-    linear_attn: "LinearAttnArgs | ShortConvArgs | None" = None
+    linear_attn: "LinearAttnArgs | ShortConvArgs | MambaArgs | None" = None
     linear_layers: tuple[bool, ...] = ()
     attn_output_gate: bool = False  # (the Qwen hybrids')
     gemma4: "Gemma4Args | None" = None  # Gemma 4's per-layer shapes and additions
@@ -456,7 +493,7 @@ class ModelArgs:
         gemma = arch in GEMMA
         gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
         granite = arch in GRANITE
-        hybrid, lfm2 = arch in QWEN_HYBRID, arch == "Lfm2ForCausalLM"
+        hybrid, lfm2, mamba = arch in QWEN_HYBRID, arch == "Lfm2ForCausalLM", arch == "GraniteMoeHybridForCausalLM"
         rope, local_rope = ropes(arch, cfg, head_dim)
         return cls(
             architecture=arch,
@@ -478,7 +515,8 @@ class ModelArgs:
             o_bias=(bool(cfg.get("attention_out_bias", False)) if arch == "SeedOssForCausalLM"
                     else attention_bias and not qwen2 and arch not in (*GLM, "HeliumForCausalLM")),
             qk_norm=("head" if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
-                                        "Exaone4ForCausalLM", *HUNYUAN, "ApertusForCausalLM", *HYBRID_ARCHS)
+                                        "Exaone4ForCausalLM", *HUNYUAN, "ApertusForCausalLM", *QWEN_HYBRID,
+                                        "Lfm2ForCausalLM")
                      or arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")
                      else "all" if arch in ALL_HEADS_QK_NORM
                      else "head_layer" if arch == "CohereForCausalLM" and cfg.get("use_qk_norm")
@@ -515,8 +553,9 @@ class ModelArgs:
             qk_norm_after_rope=arch in HUNYUAN,
             attn_sinks=arch == GPT_OSS,
             nope_layers=nope_layers(arch, cfg),
-            linear_attn=LinearAttnArgs.from_hf(cfg) if hybrid else ShortConvArgs.from_hf(cfg) if lfm2 else None,
-            linear_layers=linear_layers(cfg) if hybrid or lfm2 else (),
+            linear_attn=(LinearAttnArgs.from_hf(cfg) if hybrid else ShortConvArgs.from_hf(cfg) if lfm2
+                         else MambaArgs.from_hf(cfg) if mamba else None),
+            linear_layers=linear_layers(cfg) if hybrid or lfm2 or mamba else (),
             attn_output_gate=hybrid,
         )
 
@@ -675,6 +714,8 @@ def nope_layers(arch: str, cfg: dict) -> tuple[bool, ...]:
     `no_rope_layer_interval`-th layer); EXAONE 4's global layers where its config has a window."""
     if arch == "Exaone4ForCausalLM":  # (as transformers: whenever the config names a window)
         return tuple(w is None for w in layer_windows(arch, cfg)) if cfg.get("sliding_window") else ()
+    if arch == "GraniteMoeHybridForCausalLM":  # rotary only with position_embedding_type "rope" (4.0-H: none)
+        return () if cfg.get("position_embedding_type") == "rope" else (True,) * cfg["num_hidden_layers"]
     if arch == "Cohere2ForCausalLM":  # rotary in its sliding layers only
         return tuple(w is None for w in layer_windows(arch, cfg))
     if arch == "Llama4ForCausalLM":  # no_rope_layers: 1 where a layer rotates (default: not every 4th)
@@ -694,6 +735,8 @@ def mlp_width(arch: str, cfg: dict) -> int:
         return cfg.get("n_inner") or 4 * cfg["hidden_size"]
     if arch == "Qwen3_5MoeForCausalLM":  # (no dense MLP: every layer is sparse)
         return cfg.get("intermediate_size") or cfg.get("moe_intermediate_size", 512)
+    if arch == "GraniteMoeHybridForCausalLM" and not (cfg.get("num_local_experts") or 0):  # its shared MLP alone
+        return cfg.get("shared_intermediate_size", 1024)
     if arch == "Lfm2ForCausalLM" and cfg.get("block_auto_adjust_ff_dim", True):  # as its MLP works it out
         width = int(2 * cfg["intermediate_size"] / 3)
         if cfg.get("block_ffn_dim_multiplier") is not None:

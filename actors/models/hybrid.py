@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.distributed.parallel import Parallel
-from actors.models.args import ModelArgs, ShortConvArgs
+from actors.models.args import LinearAttnArgs, MambaArgs, ModelArgs, ShortConvArgs
 from actors.models.layers import ColumnParallelLinear, RowParallelLinear
 from actors.models.llama import Attention, LlamaForCausalLM, local_heads
 from actors.models.moe import MoeForCausalLM
-from kernels import gated_delta
+from kernels import gated_delta, ssd
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.rotary import apply_rotary
 
@@ -161,11 +161,76 @@ class ShortConv(nn.Module):
         return self.out_proj(c * out)
 
 
+class Mamba2Mixer(nn.Module):
+    """Mamba-2's mixer (Granite 4.0-H's mamba layers): in_proj gives the gate z, x with B and C
+    (convolved, SiLU) and dt; the state space model (kernels/ssd.py) plus D x; y * SiLU(z),
+    RMS-normed per group; out_proj. Its states: the convolution's last inputs and, per head,
+    [head_dim, d_state] float32."""
+    caches_kv = False
+    nope = local_rope = scales_q = False
+
+    def __init__(self, a: ModelArgs, p: Parallel):
+        super().__init__()
+        m = self.m = a.linear_attn
+        if p.tp_size > 1:
+            raise ValueError(f"{a.architecture}'s Mamba layers are not supported with tensor parallelism yet")
+        self.conv_dim = m.inner + 2 * m.groups * m.d_state
+        self.in_proj = ColumnParallelLinear(a.hidden_size, m.inner + self.conv_dim + m.heads, m.proj_bias)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, m.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.empty(self.conv_dim)) if m.conv_bias else None
+        self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.empty(m.heads)) for _ in range(3))
+        self.norm_weight = nn.Parameter(torch.empty(m.inner))
+        self.out_proj = RowParallelLinear(m.inner, a.hidden_size, m.proj_bias, p)
+        self.eps = a.rms_norm_eps
+        self.state_shapes = {"conv_state": ((self.conv_dim, m.conv_kernel - 1), None),
+                             "state": ((m.heads, m.head_dim, m.d_state), torch.float32)}
+        self.conv_state = self.state = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):
+        m, t, rows = self.m, x.shape[0], meta.recurrent
+        z, xbc, dt = self.in_proj(x).split([m.inner, self.conv_dim, m.heads], -1)
+        if rows.fresh is not None:
+            self.conv_state.index_fill_(0, rows.fresh, 0.0)
+            self.state.index_fill_(0, rows.fresh, 0.0)
+        dt = F.softplus(dt + self.dt_bias).clamp(*m.dt_limit)
+        a, d = -self.A_log.float().exp(), self.D.float()[:, None]
+        y = torch.empty(t, m.heads, m.head_dim, dtype=torch.float32, device=x.device)
+        nd = rows.num_decodes
+        if nd:
+            conv, state = self.conv_state[rows.decode_rows], self.state[rows.decode_rows]
+            xs, b, c = self._split(gated_delta.conv_step(xbc[:nd], conv, self.conv_weight, self.conv_bias))
+            y[:nd] = ssd.step(xs, dt[:nd], a, b, c, state) + d * xs.float()
+            self.conv_state.index_copy_(0, rows.decode_rows, conv)
+            self.state.index_copy_(0, rows.decode_rows, state)
+        for first, count, row in rows.chunks:
+            end = first + count
+            xs, b, c = self._split(gated_delta.conv_prefill(xbc[first:end], self.conv_state[row], self.conv_weight,
+                                                            self.conv_bias))
+            y[first:end] = ssd.chunked(xs, dt[first:end], a, b, c, self.state[row]) + d * xs.float()
+        return self.out_proj(self._gated_norm(y, z).to(x.dtype))
+
+    def _split(self, conv: torch.Tensor):
+        """Convolved [x | B | C] -> x [T, heads, head_dim], B and C [T, groups, d_state]."""
+        m, t = self.m, conv.shape[0]
+        xs, b, c = conv.split([m.inner, m.groups * m.d_state, m.groups * m.d_state], -1)
+        return xs.view(t, m.heads, m.head_dim), b.view(t, m.groups, m.d_state), c.view(t, m.groups, m.d_state)
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y * SiLU(z), RMS-normed over each group's channels, in float32, then scaled."""
+        m = self.m
+        h = y.reshape(y.shape[0], m.inner) * F.silu(z.float())
+        h = h.view(h.shape[0], m.groups, -1)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape[0], m.inner)
+        return self.norm_weight * h.to(self.norm_weight.dtype)
+
+
 class HybridForCausalLM(LlamaForCausalLM):
     def make_attention(self, layer: int) -> nn.Module:
-        if self.args.caches_kv(layer):
-            return Attention(self.args, self.p, layer) if self.lfm2 else GatedAttention(self.args, self.p, layer)
-        return ShortConv(self.args, self.p) if self.lfm2 else GatedDeltaNet(self.args, self.p)
+        a, p = self.args, self.p
+        if a.caches_kv(layer):
+            return GatedAttention(a, p, layer) if a.attn_output_gate else Attention(a, p, layer)
+        kinds = {LinearAttnArgs: GatedDeltaNet, ShortConvArgs: ShortConv, MambaArgs: Mamba2Mixer}
+        return kinds[type(a.linear_attn)](a, p)
 
     @property
     def lfm2(self) -> bool:
@@ -175,6 +240,8 @@ class HybridForCausalLM(LlamaForCausalLM):
         a, p = self.args, self.p
         if self.lfm2:
             return self._lfm2_rule(prefix, rest)
+        if isinstance(a.linear_attn, MambaArgs):
+            return self._granite_rule(prefix, rest)
         m = re.match(r"linear_attn\.(\w+)(?:\.weight)?$", rest)
         if m:
             return _linear_rule(prefix + "self_attn.", m.group(1), a, p)
@@ -190,6 +257,29 @@ class HybridForCausalLM(LlamaForCausalLM):
 
     def weight_rule(self, name: str):
         return super().weight_rule("model.norm.weight" if name == "model.embedding_norm.weight" else name)  # (LFM2's)
+
+    def _granite_rule(self, prefix: str, rest: str):
+        """Granite 4.0-H's names: mamba.* (whole: its Mamba layers run at tp=1), its dense models'
+        shared_mlp as the MLP (an MoE model's: actors/models/moe.py)."""
+        a, p = self.args, self.p
+        m = re.match(r"mamba\.(\w+?)(?:\.(weight|bias))?$", rest)
+        if m:
+            part, kind = m.groups()
+            target = f"{prefix}self_attn."
+            if part == "conv1d":  # [channels, 1, kernel]
+                conv_dim = self.model.layers[int(prefix.split(".")[2])].self_attn.conv_dim
+                return ((f"{target}conv_weight", 0, _conv_rows(0, conv_dim), 0, 0) if kind == "weight"
+                        else (f"{target}conv_bias", 0, None, 0, 0))
+            if part in ("in_proj", "out_proj"):
+                return (f"{target}{part}.{kind}", 0, None, 0, 0)
+            return (target + ("norm_weight" if part == "norm" else part), 0, None, 0, 0)  # norm, dt_bias, A_log, D
+        if a.moe is None and rest.startswith("shared_mlp."):  # [gate; up] fused, then down
+            w, r = a.intermediate_size // p.tp_size, p.tp_rank
+            if rest == "shared_mlp.input_linear.weight":
+                return [(f"{prefix}mlp.gate_up_proj.weight", 0, 0, r * w, w),
+                        (f"{prefix}mlp.gate_up_proj.weight", w, 0, a.intermediate_size + r * w, w)]
+            return (f"{prefix}mlp.down_proj.weight", 0, 1, r * w, w)
+        return super()._layer_rule(prefix, rest)
 
     def _lfm2_rule(self, prefix: str, rest: str):
         """LFM2's names: conv.* (this rank's channels of B, C and x, of the convolution and of

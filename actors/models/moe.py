@@ -256,7 +256,7 @@ def _ffn_rule(prefix: str, suffix: str, part: str, start: int, width: int, *slot
 
 class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer: int) -> nn.Module:
-        if self.args.moe.is_sparse(layer):
+        if self.args.moe is not None and self.args.moe.is_sparse(layer):
             return SparseMoeBlock(self.args, self.p)
         return super().make_mlp(layer)
 
