@@ -22,7 +22,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
          "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3", "gpt_oss",
          "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4", "gemma4",
-         "deepseek_v32", "glm_moe_dsa", "lfm2", "granitemoehybrid")
+         "deepseek_v32", "glm_moe_dsa", "lfm2", "granitemoehybrid",
+         "nemotron_h")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -268,6 +269,10 @@ FAMILY_DEFAULTS = {
                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                    hidden_size_per_layer_input=0, vocab_size_per_layer_input=512),
     "qwen3_5": _HYBRID,
+    # Nemotron-H (Nano 2): a Mamba-2 layer, an MLP layer, an attention layer, an MLP layer
+    "nemotron_h": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], head_dim=16,
+                       intermediate_size=96, mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16,
+                       conv_kernel=4, expand=2, chunk_size=16, num_hidden_layers=4),
     # LFM2: short-convolution layers around an attention one; its MLP's width worked out (x 2/3,
     # a multiplier, a multiple of 16)
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
@@ -404,7 +409,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
         Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
         GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, Llama4TextConfig, LlamaConfig,
         MiniMaxM2Config, Ministral3Config, MinistralConfig, Mistral4Config, MistralConfig, MixtralConfig,
-        DeepseekV32Config, GlmMoeDsaConfig, GraniteMoeHybridConfig, Lfm2Config,
+        DeepseekV32Config, GlmMoeDsaConfig, GraniteMoeHybridConfig, Lfm2Config, NemotronHConfig,
         NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig,
         Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
         Qwen3NextConfig, SeedOssConfig, SmolLM3Config, StableLmConfig, Starcoder2Config,
@@ -458,6 +463,7 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig,
                 "mistral4": Mistral4Config, "gemma4": Gemma4TextConfig, "deepseek_v32": DeepseekV32Config,
                 "glm_moe_dsa": GlmMoeDsaConfig, "lfm2": Lfm2Config, "granitemoehybrid": GraniteMoeHybridConfig,
+                "nemotron_h": NemotronHConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)
@@ -646,6 +652,7 @@ LINEAR_WEIGHTS = re.compile(r"(_proj|_proj_with_mqa|_proj_(?:qkvz?|z|a|b|ba)|\.w
                             r"\.dense_h_to_4h|\.dense_4h_to_h)\.weight$")
 ROW_PARALLEL_WEIGHTS = re.compile(r"(o_proj|down_proj|out_proj|\.w2|\.fc2|\.c_proj|\.dense|\.dense_4h_to_h)\.weight$")
 EMBEDDINGS = ("model.embed_tokens.weight", "model.decoder.embed_tokens.weight", "transformer.wte.weight",
+              "backbone.embeddings.weight",
               "gpt_neox.embed_in.weight")
 
 

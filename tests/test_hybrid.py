@@ -2,7 +2,8 @@
 linear-attention layers, whose past is a state per sequence, between gated full-attention layers;
 dense, MoE, Qwen3-Next's projections grouped by key head, and the image-text releases for their text;
 LFM2's short-convolution layers (a state of the convolution's last inputs) between attention layers;
-Granite 4.0-H's Mamba-2 layers (kernels/ssd.py) around attention without rotary, MoE and dense. Against transformers, float32: greedy tokens equal and
+Granite 4.0-H's Mamba-2 layers (kernels/ssd.py) around attention without rotary, MoE and dense;
+Nemotron-H's layers of one mixer each (Mamba-2, attention or an MLP). Against transformers, float32: greedy tokens equal and
 prompt log-probs within 1e-4, through chunked prefill (a state carried from chunk to chunk),
 one-token prompts, batch rows reused by later requests, preemption and recomputation (a state
 reset), at tp=1, tp=2 and pp=2. The gated delta rule's two forms (kernels/gated_delta.py)
@@ -55,8 +56,9 @@ GRANITE_DENSE = dict(num_local_experts=0, shared_intermediate_size=96)  # Granit
 @pytest.mark.parametrize("arch,options", [
     ("qwen3_5", {}), ("qwen3_5_moe", {}), ("qwen3_next", {}), ("lfm2", {}),
     ("granitemoehybrid", {}), ("granitemoehybrid", GRANITE_DENSE),
-    ("granitemoehybrid", dict(position_embedding_type="rope")),
-], ids=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite4-h", "granite4-h-dense", "granite4-h-rope"])
+    ("granitemoehybrid", dict(position_embedding_type="rope")), ("nemotron_h", {}),
+], ids=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite4-h", "granite4-h-dense", "granite4-h-rope",
+        "nemotron-h"])
 def test_hybrid_matches_transformers(checkpoint_factory, arch, options):
     engine = check(checkpoint_factory(arch, **options))
     # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see
@@ -108,6 +110,11 @@ def test_image_text_releases_serve_their_language_model(checkpoint_factory):
 def test_what_a_state_cannot_do_is_refused_in_one_line(checkpoint_factory):
     with pytest.raises(ValueError, match="Mamba layers are not supported with tensor parallelism") as e:
         LLM(str(checkpoint_factory("granitemoehybrid")), tp_size=2)
+    assert "\n" not in str(e.value)
+    moe = ["linear_attention", "moe", "full_attention", "mlp"]  # (Nemotron 3's MoE layers)
+    with pytest.raises(ValueError, match="Nemotron-H with MoE layers") as e:
+        LLM(str(checkpoint_factory("nemotron_h", layers_block_type=moe, n_routed_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)))
     assert "\n" not in str(e.value)
     path = checkpoint_factory("qwen3_5")
     with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3_5ForCausalLM"):

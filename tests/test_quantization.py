@@ -158,7 +158,7 @@ DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo
                             ("int8", "glm4_moe"), ("fp8", "minimax_m2"), ("int8", "olmoe"), ("int8", "qwen3_5"),
                             ("fp8", "qwen3_5_moe"), ("int8", "qwen3_next"),
                             ("int8", "gemma4"), ("int8", "lfm2"),
-                            ("int8", "granitemoehybrid")])
+                            ("int8", "granitemoehybrid"), ("int8", "nemotron_h")])
 def test_greedy_equals_transformers_on_the_dequantised_weights(kind, arch, checkpoint_factory, tmp_path):
     path = checkpoint_factory(arch, tie_word_embeddings=arch in ("qwen3", "gemma2", "gemma3"))
     reference = quantized_reference_copy(path, tmp_path / f"{kind}-reference", kind)

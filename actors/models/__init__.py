@@ -23,6 +23,9 @@ def model_class(architecture: str):
     if architecture == GEMMA4:
         from actors.models.gemma4 import Gemma4ForCausalLM
         return Gemma4ForCausalLM
+    if architecture == "NemotronHForCausalLM":
+        from actors.models.hybrid import NemotronHForCausalLM
+        return NemotronHForCausalLM
     if architecture in HYBRID_ARCHS:
         from actors.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
         dense = architecture in ("Qwen3_5ForCausalLM", "Lfm2ForCausalLM")  # (Granite 4.0-H: either, by its config)

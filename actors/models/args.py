@@ -27,7 +27,7 @@ FALCON = "FalconForCausalLM"  # its own config fields (falcon_args) and names (a
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
 HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Lfm2ForCausalLM",
-                "GraniteMoeHybridForCausalLM")
+                "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
 QWEN_HYBRID = HYBRID_ARCHS[:3]  # Gated DeltaNet; LFM2's are short convolutions
 GEMMA4 = "Gemma4ForCausalLM"  # per-layer head sizes, KV sharing, per-layer embeddings: actors/models/gemma4.py
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
@@ -457,6 +457,8 @@ class ModelArgs:
     linear_layers: tuple[bool, ...] = ()
     attn_output_gate: bool = False  # (the Qwen hybrids')
     gemma4: "Gemma4Args | None" = None  # Gemma 4's per-layer shapes and additions
+    # Nemotron-H: each layer one norm and one mixer, "mamba" | "attention" | "mlp" (); the usual block)
+    mixer_blocks: tuple[str, ...] = ()
 
     def caches_kv(self, layer: int) -> bool:
         """Whether layer `layer` keeps K/V in the pool (a linear-attention layer keeps a state)."""
@@ -476,6 +478,8 @@ class ModelArgs:
             return learned_position_args(arch, cfg)
         if arch == GEMMA4:
             return gemma4_args(cfg)
+        if arch == "NemotronHForCausalLM":
+            return nemotron_h_args(cfg)
         if arch == FALCON:
             return falcon_args(cfg)
         cfg = with_config_defaults(arch, cfg)
@@ -641,6 +645,34 @@ def falcon_args(cfg: dict) -> ModelArgs:
         mlp_bias=bias, layer_windows=(None,) * layers, activation=plain_activation(cfg.get("activation") or "gelu"),
         gated_mlp=False, norm_kind="layer_bias",
         norms="parallel2" if new and ln == 2 else "parallel" if parallel else "pre")
+
+
+def nemotron_h_args(cfg: dict) -> ModelArgs:
+    """Nemotron-H (Nemotron Nano 2) as transformers' class completes its config: layers of one
+    norm and one mixer each, Mamba-2, attention without rotary, or a squared-ReLU MLP, as
+    layers_block_type (its releases' hybrid_override_pattern) lays them out."""
+    types = list(cfg["layers_block_type"])
+    if "moe" in types:
+        raise ValueError("Nemotron-H with MoE layers (Nemotron 3) is not supported yet")
+    n, heads = len(types), cfg["num_attention_heads"]
+    blocks = tuple({"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}[t] for t in types)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    mamba_heads, mamba_dim = cfg.get("mamba_num_heads", 128), cfg.get("mamba_head_dim", 64)
+    mamba = MambaArgs(mamba_heads, mamba_dim, cfg.get("n_groups", 8), cfg.get("ssm_state_size", 128),
+                      cfg.get("conv_kernel", 4), mamba_heads * mamba_dim, bool(cfg.get("use_conv_bias", True)),
+                      bool(cfg.get("mamba_proj_bias", False)),
+                      (float(cfg.get("time_step_min", 0.001)), float("inf")))  # (its mixer's clamp: dt >= min)
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelArgs(
+        architecture="NemotronHForCausalLM", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=n, num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+        rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5), rope=Rope(10_000.0, None, head_dim),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=bias, o_bias=bias, qk_norm=None,
+        mlp_bias=bool(cfg.get("mlp_bias", False)), layer_windows=(None,) * n, nope_layers=(True,) * n,
+        activation=plain_activation(cfg.get("mlp_hidden_act") or "relu2"), gated_mlp=False,
+        linear_attn=mamba, linear_layers=tuple(b == "mamba" for b in blocks), mixer_blocks=blocks)
 
 
 @dataclass(frozen=True)

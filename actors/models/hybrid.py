@@ -1,6 +1,6 @@
 """Hybrid decoders: Gated DeltaNet linear-attention layers between gated full-attention layers
-(Qwen3.5, dense and MoE, its image-text releases served for their text; Qwen3-Next), and LFM2's
-short-convolution layers between attention layers.
+(Qwen3.5, dense and MoE, its image-text releases served for their text; Qwen3-Next), LFM2's
+short-convolution layers and Granite 4.0-H's and Nemotron-H's Mamba-2 layers between attention layers.
 
 Three layers in four (ModelArgs.linear_layers) are linear attention: a sequence's past is a
 state per layer (kernels/gated_delta.py), not K/V in the pool. The state lives in the layer, one
@@ -27,10 +27,11 @@ from torch import nn
 from actors.distributed.parallel import Parallel
 from actors.models.args import LinearAttnArgs, MambaArgs, ModelArgs, ShortConvArgs
 from actors.models.layers import ColumnParallelLinear, RowParallelLinear
-from actors.models.llama import Attention, LlamaForCausalLM, local_heads
+from actors.models.llama import Attention, LlamaForCausalLM, PlainMLP, local_heads
 from actors.models.moe import MoeForCausalLM
 from kernels import gated_delta, ssd
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
+from kernels.norms import RMSNorm
 from kernels.rotary import apply_rotary
 
 
@@ -303,6 +304,53 @@ class HybridForCausalLM(LlamaForCausalLM):
                  "self_attn.out_proj": "self_attn.o_proj"}
         module, kind = rest.rsplit(".", 1)
         return super()._layer_rule(prefix, f"{names.get(module, module)}.{kind}")
+
+
+class NoMixer(nn.Module):
+    """A Nemotron-H MLP layer's place for a mixer: it has neither K/V nor a state."""
+    caches_kv = False
+    nope = local_rope = scales_q = False
+
+
+class MixerBlock(nn.Module):
+    """Nemotron-H's layer: x + mixer(norm(x)), the mixer Mamba-2, attention or an MLP."""
+
+    def __init__(self, a: ModelArgs, p: Parallel, layer: int):
+        super().__init__()
+        self.kind = a.mixer_blocks[layer]
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = PlainMLP(a, p) if self.kind == "mlp" else None
+        self.self_attn = (NoMixer() if self.kind == "mlp" else Attention(a, p, layer) if self.kind == "attention"
+                          else Mamba2Mixer(a, p))
+
+    def forward(self, x, cos, sin, meta, q_scale=None):
+        h = self.norm(x)
+        return x + (self.mlp(h) if self.mlp is not None else self.self_attn(h, cos, sin, meta))
+
+
+class NemotronHForCausalLM(HybridForCausalLM):
+    """Nemotron-H: MixerBlocks; its checkpoint's backbone.* names read as the Llama layout's."""
+    NAMES = (("backbone.embeddings.", "model.embed_tokens."), ("backbone.norm_f.", "model.norm."),
+             ("backbone.layers.", "model.layers."))
+
+    def make_layer(self, layer: int) -> nn.Module:
+        return MixerBlock(self.args, self.p, layer)
+
+    def weight_rule(self, name: str):
+        for theirs, ours in self.NAMES:
+            if name.startswith(theirs):
+                name = ours + name[len(theirs):]
+                break
+        return super().weight_rule(name)
+
+    def _layer_rule(self, prefix: str, rest: str):
+        if rest.startswith("norm."):
+            return (prefix + rest, 0, None, 0, 0)
+        kind = self.model.layers[int(prefix.split(".")[2])].kind
+        rest = rest.removeprefix("mixer.")
+        if kind == "mamba":
+            return self._granite_rule(prefix, "mamba." + rest)
+        return LlamaForCausalLM._layer_rule(self, prefix, ("mlp." if kind == "mlp" else "self_attn.") + rest)
 
 
 class HybridMoeForCausalLM(HybridForCausalLM, MoeForCausalLM):

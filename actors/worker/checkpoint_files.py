@@ -126,8 +126,9 @@ def _without_mrope(text: dict, kind: str) -> dict:
 
 # Text configs whose settings transformers' config class works out from what the file names
 # (Gemma 4's per-layer head sizes from global_head_dim, its layer types and rotary by type;
-# LFM2's layer types from full_attn_idxs, its releases' block_ff_dim and tie_embedding)
-COMPLETED_BY_TRANSFORMERS = ("gemma4_text", "lfm2")
+# LFM2's layer types from full_attn_idxs, its releases' block_ff_dim and tie_embedding; Nemotron-H's
+# from hybrid_override_pattern)
+COMPLETED_BY_TRANSFORMERS = ("gemma4_text", "lfm2", "nemotron_h")
 
 
 def completed(config: dict) -> dict:

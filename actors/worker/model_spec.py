@@ -94,7 +94,7 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
         path=path, hf_config=hf, args=args, dtype=dtype, weight_dtype=weight_dtype,
         max_model_len=config.max_model_len or limit,
         eos_ids=frozenset(eos_token_ids(path, hf, tokenizer_eos_id)),
-        layer_split=parse_layer_split(config.pp_layer_split, hf["num_hidden_layers"], config.pp_size),
+        layer_split=parse_layer_split(config.pp_layer_split, args.num_layers, config.pp_size),
         attn_backend=backend, flash_library=library,
         block_size=config.block_size or (flash_attention.block_multiple(library) if library else 16),
         pooling=read_pooling(path), quantization=quantization, checkpoint_layers_only=checkpoint_layers_only,
