@@ -120,7 +120,7 @@ def test_arch_loads_and_is_not_degenerate(checkpoint_factory, arch):
     # (GPT-NeoX's config keeps the builder's num_key_value_heads, which its attention never reads)
     assert config.num_attention_heads == 4 and kv_heads == (4 if mla or arch in ("opt", "gpt2", "gptj", "falcon")
                                                             else 2)
-    hybrid = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid")  # (a linear / conv, a full, a linear layer)
+    hybrid = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "bamba")  # (a linear / conv, a full, a linear layer)
     layers = 4 if arch in ("llama4", "gemma4", "nemotron_h") else 3 if mla or hybrid or arch in ("glm4_moe", "ernie4_5_moe") else 2
     assert config.hidden_size == 64 and config.num_hidden_layers == layers
     assert config.vocab_size == 512 and config.max_position_embeddings == 512

@@ -3,7 +3,7 @@ linear-attention layers, whose past is a state per sequence, between gated full-
 dense, MoE, Qwen3-Next's projections grouped by key head, and the image-text releases for their text;
 LFM2's short-convolution layers (a state of the convolution's last inputs) between attention layers;
 Granite 4.0-H's Mamba-2 layers (kernels/ssd.py) around attention without rotary, MoE and dense;
-Nemotron-H's layers of one mixer each (Mamba-2, attention or an MLP). Against transformers, float32: greedy tokens equal and
+Nemotron-H's layers of one mixer each (Mamba-2, attention or an MLP); Bamba's. Against transformers, float32: greedy tokens equal and
 prompt log-probs within 1e-4, through chunked prefill (a state carried from chunk to chunk),
 one-token prompts, batch rows reused by later requests, preemption and recomputation (a state
 reset), at tp=1, tp=2 and pp=2. The gated delta rule's two forms (kernels/gated_delta.py)
@@ -56,9 +56,9 @@ GRANITE_DENSE = dict(num_local_experts=0, shared_intermediate_size=96)  # Granit
 @pytest.mark.parametrize("arch,options", [
     ("qwen3_5", {}), ("qwen3_5_moe", {}), ("qwen3_next", {}), ("lfm2", {}),
     ("granitemoehybrid", {}), ("granitemoehybrid", GRANITE_DENSE),
-    ("granitemoehybrid", dict(position_embedding_type="rope")), ("nemotron_h", {}),
+    ("granitemoehybrid", dict(position_embedding_type="rope")), ("nemotron_h", {}), ("bamba", {}),
 ], ids=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite4-h", "granite4-h-dense", "granite4-h-rope",
-        "nemotron-h"])
+        "nemotron-h", "bamba"])
 def test_hybrid_matches_transformers(checkpoint_factory, arch, options):
     engine = check(checkpoint_factory(arch, **options))
     # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see

@@ -28,7 +28,7 @@ def model_class(architecture: str):
         return NemotronHForCausalLM
     if architecture in HYBRID_ARCHS:
         from actors.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
-        dense = architecture in ("Qwen3_5ForCausalLM", "Lfm2ForCausalLM")  # (Granite 4.0-H: either, by its config)
+        dense = architecture in ("Qwen3_5ForCausalLM", "Lfm2ForCausalLM", "BambaForCausalLM")  # (Granite 4.0-H: either, by its config)
         return HybridForCausalLM if dense else HybridMoeForCausalLM
     if architecture in MOE_ARCHS:
         from actors.models.moe import MoeForCausalLM

@@ -27,7 +27,7 @@ FALCON = "FalconForCausalLM"  # its own config fields (falcon_args) and names (a
 GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/models/gpt.py too
 # Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
 HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Lfm2ForCausalLM",
-                "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+                "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM")
 QWEN_HYBRID = HYBRID_ARCHS[:3]  # Gated DeltaNet; LFM2's are short convolutions
 GEMMA4 = "Gemma4ForCausalLM"  # per-layer head sizes, KV sharing, per-layer embeddings: actors/models/gemma4.py
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
@@ -375,6 +375,8 @@ def linear_layers(cfg: dict) -> tuple[bool, ...]:
     """True for each linear-attention (LFM2: convolution) layer: `layer_types`, else every
     full_attention_interval-th layer is full attention (transformers' default for an older config)."""
     n, types = cfg["num_hidden_layers"], cfg.get("layer_types")
+    if not types and cfg.get("attn_layer_indices") is not None:  # (Bamba's spelling)
+        return tuple(i not in cfg["attn_layer_indices"] for i in range(n))
     if types:
         types = [{"conv": "linear_attention", "mamba": "linear_attention", "attention": "full_attention"}.get(t, t)
                  for t in types]  # (LFM2's and Granite 4.0-H's names)
@@ -497,7 +499,8 @@ class ModelArgs:
         gemma = arch in GEMMA
         gemma_norms = gemma or arch == "GemmaForCausalLM"  # (1 + w) norms, embeddings scaled by sqrt(hidden)
         granite = arch in GRANITE
-        hybrid, lfm2, mamba = arch in QWEN_HYBRID, arch == "Lfm2ForCausalLM", arch == "GraniteMoeHybridForCausalLM"
+        hybrid, lfm2 = arch in QWEN_HYBRID, arch == "Lfm2ForCausalLM"
+        mamba = arch in ("GraniteMoeHybridForCausalLM", "BambaForCausalLM")
         rope, local_rope = ropes(arch, cfg, head_dim)
         return cls(
             architecture=arch,
@@ -859,7 +862,8 @@ def ropes(arch: str, cfg: dict, head_dim: int) -> tuple[Rope, Rope | None]:
     factor = (glob.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or cfg.get("rotary_pct")
               or (cfg["rotary_dim"] / head_dim if cfg.get("rotary_dim") else None)  # MiniMax-M2's releases
               or {"Glm4MoeForCausalLM": 0.5, "NemotronForCausalLM": 0.5, "PhiForCausalLM": 0.5,
-                  "StableLmForCausalLM": 0.25, GPT_NEOX: 0.25, **dict.fromkeys(QWEN_HYBRID, 0.25)}.get(arch, 1.0))
+                  "StableLmForCausalLM": 0.25, GPT_NEOX: 0.25, **dict.fromkeys(QWEN_HYBRID, 0.25),
+                  "BambaForCausalLM": 0.5}.get(arch, 1.0))
     dim = int(head_dim * factor)
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Lfm2ForCausalLM": 1_000_000.0, "Olmo3ForCausalLM": 500_000.0,
                      "MiniMaxM2ForCausalLM": 5_000_000.0, **dict.fromkeys(ERNIE, 500_000.0)}.get(arch, 10_000.0)

@@ -260,8 +260,9 @@ class HybridForCausalLM(LlamaForCausalLM):
         return super().weight_rule("model.norm.weight" if name == "model.embedding_norm.weight" else name)  # (LFM2's)
 
     def _granite_rule(self, prefix: str, rest: str):
-        """Granite 4.0-H's names: mamba.* (whole: its Mamba layers run at tp=1), its dense models'
-        shared_mlp as the MLP (an MoE model's: actors/models/moe.py)."""
+        """Granite 4.0-H's and Bamba's names: mamba.* (whole: Mamba layers run at tp=1), Granite's
+        dense models' shared_mlp as the MLP (an MoE model's: actors/models/moe.py), Bamba's
+        feed_forward and pre_ff_layernorm."""
         a, p = self.args, self.p
         m = re.match(r"mamba\.(\w+?)(?:\.(weight|bias))?$", rest)
         if m:
@@ -274,6 +275,9 @@ class HybridForCausalLM(LlamaForCausalLM):
             if part in ("in_proj", "out_proj"):
                 return (f"{target}{part}.{kind}", 0, None, 0, 0)
             return (target + ("norm_weight" if part == "norm" else part), 0, None, 0, 0)  # norm, dt_bias, A_log, D
+        for theirs, ours in (("feed_forward.", "mlp."), ("pre_ff_layernorm.", "post_attention_layernorm.")):
+            if rest.startswith(theirs):  # (Bamba's names)
+                rest = ours + rest[len(theirs):]
         if a.moe is None and rest.startswith("shared_mlp."):  # [gate; up] fused, then down
             w, r = a.intermediate_size // p.tp_size, p.tp_rank
             if rest == "shared_mlp.input_linear.weight":
