@@ -271,7 +271,8 @@ def test_moe_decode_graphs_need_the_fused_path(monkeypatch):
     from types import SimpleNamespace
 
     monkeypatch.delenv("SHOAL_EAGER_DECODE", raising=False)
-    args = SimpleNamespace(moe=object(), norms="pre", norm_kind="rms", residual_scale=1.0)  # ModelArgs. fields
+    args = SimpleNamespace(moe=object(), norms="pre", norm_kind="rms", residual_scale=1.0, linear_attn=None,
+                           gemma4=None)  # ModelArgs. fields
     cuda = torch.device("cuda")
     for backend, graphs in (("triton", True), ("native", False)):
         spec = SimpleNamespace(args=args, attn_backend=backend, dtype=torch.bfloat16, quantization=None)
