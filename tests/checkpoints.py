@@ -20,7 +20,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "gemma", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "granite", "glm4", "smollm3", "ministral",
          "seed_oss", "ernie4_5", "exaone4", "cohere", "cohere2", "starcoder2", "opt", "gpt2",
          "arcee", "nemotron", "phi", "stablelm", "gpt_neox", "llama4", "ministral3",
-         "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3", "gpt_oss",
+         "hunyuan_v1_dense", "olmo", "gptj", "glm", "helium", "apertus", "falcon", "deepseek_v2", "deepseek_v3",
+         "gpt_oss",
          "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4", "gemma4",
          "deepseek_v32", "glm_moe_dsa", "lfm2", "granitemoehybrid",
          "nemotron_h", "bamba")
@@ -566,6 +567,45 @@ def make_checkpoint(path, arch: str = "llama", *, sharded: bool = False, seed: i
         model.save_pretrained(path, max_shard_size=shard)
     tok.model_max_length = config.get_text_config().max_position_embeddings
     tok.save_pretrained(path)
+    return path
+
+
+def special_tokenizer(special_tokens: list[str], eos: str, pad: str, chat_template: str):
+    """The byte-level BPE of `build_tokenizer` with another family's special tokens after the
+    learned vocabulary and its chat template (tests/harmony_checkpoint.py, gemma4_checkpoint.py)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_special_tokens(special_tokens)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=eos, pad_token=pad, clean_up_tokenization_spaces=False,
+        additional_special_tokens=[t for t in special_tokens if t not in (eos, pad)])
+    hf_tok.chat_template = chat_template
+    return hf_tok
+
+
+def with_tokenizer(path, arch: str, tok, eos: str, pad: str, generation_eos: list[str], **overrides) -> pathlib.Path:
+    """The `arch` checkpoint of `make_checkpoint` with tokenizer `tok` (special_tokenizer) and its
+    eos ids in config.json (`eos`) and generation_config.json (`generation_eos`)."""
+    import json
+
+    path = make_checkpoint(path, arch, vocab_size=len(tok), **overrides)
+    for stale in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (path / stale).unlink(missing_ok=True)
+    tok.model_max_length = overrides.get("max_position_embeddings", 512)
+    tok.save_pretrained(path)
+    for name, fields in (("config.json", dict(eos_token_id=tok.convert_tokens_to_ids(eos))),
+                         ("generation_config.json", dict(eos_token_id=tok.convert_tokens_to_ids(generation_eos)))):
+        file = path / name
+        file.write_text(json.dumps({**json.loads(file.read_text()), **fields,
+                                    "pad_token_id": tok.convert_tokens_to_ids(pad)}, indent=2))
     return path
 
 

@@ -1,7 +1,7 @@
 """A tiny checkpoint that speaks Gemma 4's chat format: tests/checkpoints.py's Llama with a
 tokenizer whose special tokens are Gemma 4's and a chat template that writes Gemma 4's markup,
 so the server picks the gemma4 tool-call format from the template as it would for a real Gemma 4
-checkpoint (shoal does not run Gemma 4's architecture itself).
+checkpoint (Gemma 4's own architecture is checked in tests/test_model_families.py).
 
 The template writes what Gemma 4's writes, in fewer words (tests only need the format): turns
 `<|turn>ROLE\\n...<turn|>`, the assistant's role `model`, tools as `<|tool>declaration:...<tool|>`
@@ -13,10 +13,9 @@ empty thinking channel: `<|turn>model\\n<|channel>thought\\n<channel|>`.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 
-from checkpoints import BPE_VOCAB, _corpus, make_checkpoint
+from checkpoints import special_tokenizer, with_tokenizer
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>",
                   "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
@@ -77,39 +76,9 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """checkpoints.py's byte-level BPE, with Gemma 4's special tokens after the learned vocab."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, clean_up_tokenization_spaces=False,
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS, PAD)])
-    hf_tok.chat_template = CHAT_TEMPLATE
-    return hf_tok
+    return special_tokenizer(SPECIAL_TOKENS, EOS, PAD, CHAT_TEMPLATE)
 
 
 def make_gemma4_checkpoint(path, arch: str = "llama", **overrides) -> pathlib.Path:
     """The `arch` checkpoint of tests/checkpoints.py with the Gemma 4 tokenizer and eos ids."""
-    tok = build_tokenizer()
-    path = make_checkpoint(path, arch, vocab_size=len(tok), **overrides)
-    for stale in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "chat_template.jinja"):
-        (path / stale).unlink(missing_ok=True)
-    tok.model_max_length = overrides.get("max_position_embeddings", 512)
-    tok.save_pretrained(path)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    _update_json(path / "config.json", eos_token_id=ids[EOS], pad_token_id=ids[PAD])
-    _update_json(path / "generation_config.json", eos_token_id=[ids[t] for t in GENERATION_EOS],
-                 pad_token_id=ids[PAD])
-    return path
-
-
-def _update_json(file: pathlib.Path, **fields) -> None:
-    file.write_text(json.dumps({**json.loads(file.read_text()), **fields}, indent=2))
+    return with_tokenizer(path, arch, build_tokenizer(), EOS, PAD, GENERATION_EOS, **overrides)

@@ -7,7 +7,6 @@ guided_regex."""
 from __future__ import annotations
 
 import json
-import re
 
 import openai
 import pytest
@@ -15,6 +14,7 @@ from gemma4_checkpoint import build_tokenizer, make_gemma4_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_api import running
+from test_harmony import escaped
 
 from actors.config import EngineConfig
 from app.api.app import attach, build_api
@@ -258,11 +258,6 @@ def test_fuzz_any_chunking_gives_the_one_shot_split(text, state, implied, cuts):
 
 
 # --------------------------------------------------------------------------- end to end
-
-def escaped(text: str) -> str:
-    """The regex of exactly this text (xgrammar warns at escaped blanks and quotes)."""
-    return re.escape(text).replace('\\"', '"').replace("\\ ", " ").replace("\\\n", "\\n")
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):

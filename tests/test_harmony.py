@@ -185,7 +185,7 @@ def test_follow_up_renders_reasoning_calls_results_and_effort(tokenizer):
 
 def escaped(text: str) -> str:
     """The regex of exactly this text (xgrammar warns at escaped blanks and quotes)."""
-    return re.escape(text).replace('\\"', '"').replace("\\ ", " ")
+    return re.escape(text).replace('\\"', '"').replace("\\ ", " ").replace("\\\n", "\\n")
 
 
 @pytest.fixture(scope="module")

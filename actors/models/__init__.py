@@ -28,7 +28,8 @@ def model_class(architecture: str):
         return NemotronHForCausalLM
     if architecture in HYBRID_ARCHS:
         from actors.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
-        dense = architecture in ("Qwen3_5ForCausalLM", "Lfm2ForCausalLM", "BambaForCausalLM")  # (Granite 4.0-H: either, by its config)
+        # (Granite 4.0-H: with or without experts, by its config)
+        dense = architecture in ("Qwen3_5ForCausalLM", "Lfm2ForCausalLM", "BambaForCausalLM")
         return HybridForCausalLM if dense else HybridMoeForCausalLM
     if architecture in MOE_ARCHS:
         from actors.models.moe import MoeForCausalLM

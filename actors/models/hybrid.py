@@ -302,7 +302,8 @@ class HybridForCausalLM(LlamaForCausalLM):
             if part == "conv":
                 return (f"{target}conv_bias", 0, 0, p.tp_rank * c, c)
             return (f"{target}out_proj.{kind}", 0, 1 if kind == "weight" else None, p.tp_rank * c, c)
-        names = {"feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+        names = {"feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+                 "feed_forward.w2": "mlp.down_proj",
                  "operator_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                  "self_attn.q_layernorm": "self_attn.q_norm", "self_attn.k_layernorm": "self_attn.k_norm",
                  "self_attn.out_proj": "self_attn.o_proj"}

@@ -176,7 +176,8 @@ class SparseMoeBlock(nn.Module):
         placement/only: load for that placement, into those local slots only (re-planning).
         """
         m = re.match(r"experts\.(gate_up_proj|down_proj)$", rest)
-        if m:  # every expert in one tensor: for x @ W (Llama 4's, Qwen3-VL-MoE's releases) or as transformers holds them
+        if m:  # every expert in one tensor: for x @ W (Llama 4's, Qwen3-VL-MoE's releases), or as transformers
+            # holds them
             parts = STACKED_PARTS if self.stacked_for_x_at_w else STACKED_AS_HELD
             return self._stacked_rule(m.group(1), parts[m.group(1)], placement, only)
         m = re.match(r"(input|output)_linear\.weight$", rest)
