@@ -9,6 +9,7 @@ one-token prompts, batch rows reused by later requests, preemption and recomputa
 reset), at tp=1, tp=2 and pp=2. The gated delta rule's two forms (kernels/gated_delta.py)
 against the recurrence written out token by token."""
 import os
+import pathlib
 
 import pytest
 import torch
@@ -63,6 +64,40 @@ def test_hybrid_matches_transformers(checkpoint_factory, arch, options):
     engine = check(checkpoint_factory(arch, **options))
     # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see
     assert not engine.blocks.enable_prefix_caching and engine.scheduler.hit_tokens == 0
+
+
+def as_released(src, dst, edit) -> "pathlib.Path":
+    """A copy of checkpoint `src` whose config.json `edit` rewrites into a release's spelling."""
+    import json
+
+    from checkpoints import _write_copy
+    from safetensors.torch import load_file
+
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    return _write_copy(src, dst, load_file(src / "model.safetensors"), config)
+
+
+def lfm2_release(config):  # LFM2-1.2B's spelling
+    config["full_attn_idxs"] = [i for i, t in enumerate(config.pop("layer_types")) if t == "full_attention"]
+    config["block_ff_dim"] = config.pop("intermediate_size")
+    config["tie_embedding"] = config.pop("tie_word_embeddings")
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+
+
+def nemotron_h_release(config):  # Nemotron Nano 2's spelling
+    letters = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    config["hybrid_override_pattern"] = "".join(letters[t] for t in config.pop("layers_block_type"))
+
+
+@pytest.mark.parametrize("arch,edit", [("lfm2", lfm2_release), ("nemotron_h", nemotron_h_release)],
+                         ids=["lfm2", "nemotron-h"])
+def test_configs_as_released_are_read_as_transformers_reads_them(checkpoint_factory, tmp_path, arch, edit):
+    """Their releases' config.json spell the layout their own way (LFM2's full_attn_idxs and
+    block_ff_dim, Nemotron-H's hybrid_override_pattern): transformers' class completes it."""
+    path = as_released(checkpoint_factory(arch), tmp_path / arch, edit)
+    check(path, PROMPTS[:3], logprobs=False)
 
 
 def test_batch_rows_reused_and_preempted_sequences_start_from_a_fresh_state(checkpoint_factory):

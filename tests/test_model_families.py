@@ -20,6 +20,7 @@ from test_engine import assert_pool_free, prompts_of  # noqa: E402
 from actors.engine.llm import LLM  # noqa: E402
 from actors.models.args import ModelArgs  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
+from actors.worker.checkpoint_files import read_config  # noqa: E402
 
 FAMILIES = {
     "gemma": {},
@@ -219,6 +220,21 @@ def test_falcon_configs_as_released():
     for fields, refusal in ((dict(alibi=True), "alibi"), (dict(parallel_attn=False), "parallel_attn off")):
         with pytest.raises(ValueError, match=refusal):
             ModelArgs.from_hf(f40 | fields)
+
+
+def test_gemma4_config_as_released(checkpoint_factory, tmp_path):
+    """Gemma 4's releases name global_head_dim and num_global_key_value_heads, not the per-layer
+    config transformers writes back: its class works the layers out from them (and the output is
+    transformers' on the same checkpoint)."""
+    from test_hybrid import as_released
+
+    def release(config):
+        config.pop("per_layer_config")
+        config.update(global_head_dim=32, num_global_key_value_heads=1)
+
+    path = as_released(checkpoint_factory("gemma4"), tmp_path / "gemma4", release)
+    assert ModelArgs.from_hf(read_config(path)).gemma4.head_dims == (16, 32, 16, 32)
+    check(path)
 
 
 def test_gpt2_as_its_first_release_wrote_it(checkpoint_factory, tmp_path):

@@ -351,12 +351,7 @@ class MambaArgs:
         return cls(heads, inner // heads if head_dim in (None, "auto") else head_dim, cfg.get("mamba_n_groups", 1),
                    cfg.get("mamba_d_state", 256), cfg.get("mamba_d_conv", 4), inner,
                    bool(cfg.get("mamba_conv_bias", True)), bool(cfg.get("mamba_proj_bias", False)),
-                   (json_float(limit[0]), json_float(limit[1])))
-
-
-def json_float(value) -> float:
-    """A float as transformers writes it to JSON ({"__float__": "Infinity"} for inf)."""
-    return float(value["__float__"] if isinstance(value, dict) else value)
+                   (float(limit[0]), float(limit[1])))
 
 
 @dataclass(frozen=True)

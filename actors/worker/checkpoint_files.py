@@ -54,16 +54,23 @@ QWEN_VL_TEXT = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_vl_text": "qw
 QWEN_VL_FIXED = {"qwen3_moe": {"norm_topk_prob": True}}
 
 
+def _json_float(obj: dict):
+    """transformers writes floats JSON has no literal for as {"__float__": "Infinity"}."""
+    return float(obj["__float__"]) if obj.keys() == {"__float__"} else obj
+
+
 def read_config(path: Path) -> dict:
     """config.json, with a legacy GPTQ / AWQ settings file as its quantization_config where it
     has none (AutoAWQ's names no method: its `w_bit` tells it from GPTQ's `bits`); an
     image-text checkpoint's is its language model's config; a release's remote-code class name
-    (ARCH_ALIASES) reads as transformers' own."""
-    config = json.loads((path / "config.json").read_text())
+    (ARCH_ALIASES) reads as transformers' own; COMPLETED_BY_TRANSFORMERS' are completed by its class."""
+    config = json.loads((path / "config.json").read_text(), object_hook=_json_float)
     if (config.get("architectures") or [None])[0] in ARCH_ALIASES:  # (a release's remote-code class name)
         config["architectures"] = [ARCH_ALIASES[config["architectures"][0]]]
     if (config.get("architectures") or [None])[0] in IMAGE_TEXT_ARCHS:
         config = text_config(config)
+    elif config.get("model_type") in COMPLETED_BY_TRANSFORMERS:
+        config = completed(config)
     for ours, theirs in GPT2_FIELDS.items():  # GPT-2's own names for the common fields
         if ours not in config and theirs in config:
             config[ours] = config[theirs]
