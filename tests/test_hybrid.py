@@ -1,13 +1,13 @@
-"""Qwen3.5's and Qwen3-Next's hybrid decoders (actors/models/hybrid.py): Gated DeltaNet
-linear-attention layers, whose past is a state per sequence, between gated full-attention layers;
-dense, MoE, Qwen3-Next's projections grouped by key head, and the image-text releases for their text;
-LFM2's short-convolution layers (a state of the convolution's last inputs) between attention layers;
-Granite 4.0-H's Mamba-2 layers (kernels/ssd.py) around attention without rotary, MoE and dense;
-Nemotron-H's layers of one mixer each (Mamba-2, attention or an MLP); Bamba's. Against transformers, float32: greedy tokens equal and
-prompt log-probs within 1e-4, through chunked prefill (a state carried from chunk to chunk),
-one-token prompts, batch rows reused by later requests, preemption and recomputation (a state
-reset), at tp=1, tp=2 and pp=2. The gated delta rule's two forms (kernels/gated_delta.py)
-against the recurrence written out token by token."""
+"""The hybrid decoders (actors/models/hybrid.py), layers with a state per sequence between
+attention layers: Qwen3.5's and Qwen3-Next's Gated DeltaNet (dense, MoE, Qwen3-Next's projections
+grouped by key head, the image-text releases for their text), LFM2's short convolutions (a state of
+the convolution's last inputs), Mamba-2 (kernels/ssd.py) in Granite 4.0-H (MoE, dense, attention
+with or without rotary), Bamba and Nemotron-H (one mixer a layer). Against transformers, float32:
+greedy tokens equal and prompt log-probs within 1e-4, through chunked prefill (a state carried from
+chunk to chunk), one-token prompts, batch rows reused by later requests, preemption and
+recomputation (a state reset), at tp=1, tp=2 and pp=2; configs in their releases' spellings. The
+chunked forms (kernels/gated_delta.py, kernels/ssd.py) against the recurrences written out token
+by token."""
 import os
 import pathlib
 
@@ -143,8 +143,9 @@ def test_image_text_releases_serve_their_language_model(checkpoint_factory):
 
 
 def test_what_a_state_cannot_do_is_refused_in_one_line(checkpoint_factory):
-    with pytest.raises(ValueError, match="Mamba layers are not supported with tensor parallelism") as e:
-        LLM(str(checkpoint_factory("granitemoehybrid")), tp_size=2)
+    groups = r"need the tensor parallel size \(2\) to divide their B / C groups \(1\)"
+    with pytest.raises(ValueError, match=groups) as e:
+        LLM(str(checkpoint_factory("granitemoehybrid", mamba_n_groups=1)), tp_size=2)
     assert "\n" not in str(e.value)
     moe = ["linear_attention", "moe", "full_attention", "mlp"]  # (Nemotron 3's MoE layers)
     with pytest.raises(ValueError, match="Nemotron-H with MoE layers") as e:
@@ -255,10 +256,12 @@ def local_ray():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,layout", [("qwen3_5", dict(tp_size=2)), ("qwen3_5_moe", dict(tp_size=2)),
                                          ("qwen3_next", dict(tp_size=2)), ("qwen3_5", dict(pp_size=2)),
-                                         ("lfm2", dict(tp_size=2))],
-                         ids=["tp2", "moe-tp2", "next-tp2", "pp2", "lfm2-tp2"])
+                                         ("lfm2", dict(tp_size=2)), ("granitemoehybrid", dict(tp_size=2)),
+                                         ("nemotron_h", dict(tp_size=2)), ("bamba", dict(pp_size=2))],
+                         ids=["tp2", "moe-tp2", "next-tp2", "pp2", "lfm2-tp2", "granite4-h-tp2", "nemotron-h-tp2",
+                              "bamba-pp2"])
 def test_hybrid_across_ranks_matches_transformers(local_ray, checkpoint_factory, arch, layout):
     """tp=2: each rank one key head and its two value heads, their convolution channels and gate
-    rows (Qwen3-Next's cut out of its per-group layout); pp=2: the linear layers' states split with
-    their layers."""
+    rows (Qwen3-Next's cut out of its per-group layout); Mamba-2's: each rank one group of B / C
+    with its heads; pp=2: the linear layers' states split with their layers."""
     check(checkpoint_factory(arch), PROMPTS[:5], shard_cpus=0.5, **layout)

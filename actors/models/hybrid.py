@@ -18,6 +18,7 @@ key head's value heads stay on its rank), of the convolution's channels and of t
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -163,18 +164,23 @@ class ShortConv(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba-2's mixer (Granite 4.0-H's mamba layers): in_proj gives the gate z, x with B and C
-    (convolved, SiLU) and dt; the state space model (kernels/ssd.py) plus D x; y * SiLU(z),
-    RMS-normed per group; out_proj. Its states: the convolution's last inputs and, per head,
-    [head_dim, d_state] float32."""
+    """Mamba-2's mixer (Granite 4.0-H's, Bamba's, Nemotron-H's mamba layers): in_proj gives the gate
+    z, x with B and C (convolved, SiLU) and dt; the state space model (kernels/ssd.py) plus D x;
+    y * SiLU(z), RMS-normed per group; out_proj. Its states: the convolution's last inputs and, per
+    head, [head_dim, d_state] float32. Under tensor parallelism each rank holds a share of the
+    groups with their heads (so every group norm is whole on one rank)."""
     caches_kv = False
     nope = local_rope = scales_q = False
 
     def __init__(self, a: ModelArgs, p: Parallel):
         super().__init__()
-        m = self.m = a.linear_attn
-        if p.tp_size > 1:
-            raise ValueError(f"{a.architecture}'s Mamba layers are not supported with tensor parallelism yet")
+        m = a.linear_attn
+        if m.groups % p.tp_size:
+            raise ValueError(f"{a.architecture}'s Mamba layers need the tensor parallel size ({p.tp_size}) to divide "
+                             f"their B / C groups ({m.groups})")
+        t = p.tp_size
+        self.m = dataclasses.replace(m, heads=m.heads // t, groups=m.groups // t, inner=m.inner // t)  # this rank's
+        m = self.m
         self.conv_dim = m.inner + 2 * m.groups * m.d_state
         self.in_proj = ColumnParallelLinear(a.hidden_size, m.inner + self.conv_dim + m.heads, m.proj_bias)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, m.conv_kernel))
@@ -260,21 +266,12 @@ class HybridForCausalLM(LlamaForCausalLM):
         return super().weight_rule("model.norm.weight" if name == "model.embedding_norm.weight" else name)  # (LFM2's)
 
     def _granite_rule(self, prefix: str, rest: str):
-        """Granite 4.0-H's and Bamba's names: mamba.* (whole: Mamba layers run at tp=1), Granite's
-        dense models' shared_mlp as the MLP (an MoE model's: actors/models/moe.py), Bamba's
-        feed_forward and pre_ff_layernorm."""
+        """Granite 4.0-H's and Bamba's names: mamba.*, Granite's dense models' shared_mlp as the MLP
+        (an MoE model's: actors/models/moe.py), Bamba's feed_forward and pre_ff_layernorm."""
         a, p = self.args, self.p
         m = re.match(r"mamba\.(\w+?)(?:\.(weight|bias))?$", rest)
         if m:
-            part, kind = m.groups()
-            target = f"{prefix}self_attn."
-            if part == "conv1d":  # [channels, 1, kernel]
-                conv_dim = self.model.layers[int(prefix.split(".")[2])].self_attn.conv_dim
-                return ((f"{target}conv_weight", 0, _conv_rows(0, conv_dim), 0, 0) if kind == "weight"
-                        else (f"{target}conv_bias", 0, None, 0, 0))
-            if part in ("in_proj", "out_proj"):
-                return (f"{target}{part}.{kind}", 0, None, 0, 0)
-            return (target + ("norm_weight" if part == "norm" else part), 0, None, 0, 0)  # norm, dt_bias, A_log, D
+            return _mamba_rule(f"{prefix}self_attn.", *m.groups(), a.linear_attn, p)
         for theirs, ours in (("feed_forward.", "mlp."), ("pre_ff_layernorm.", "post_attention_layernorm.")):
             if rest.startswith(theirs):  # (Bamba's names)
                 rest = ours + rest[len(theirs):]
@@ -413,6 +410,29 @@ def _grouped_rules(target: str, part: str, a: ModelArgs, p: Parallel) -> list:
             rules += [(target, conv_local + hv * la.v_dim + j * ratio, 0, first, ratio),
                       (target, conv_local + hv * la.v_dim + hv + j * ratio, 0, first + ratio, ratio)]
     return rules
+
+
+def _mamba_rule(target: str, part: str, kind: str | None, m: MambaArgs, p: Parallel):
+    """Where a Mamba-2 tensor, or this rank's share of it, goes: in_proj's rows are [z | x | B | C |
+    dt], the convolution's channels [x | B | C]; each rank its heads' rows of z, x and dt, its
+    groups' of B and C (this rank's slices of each part, in that order)."""
+    t, r = p.tp_size, p.tp_rank
+    inner, gn, heads = m.inner // t, m.groups // t * m.d_state, m.heads // t
+    all_gn = m.groups * m.d_state
+    xbc = [(0, r * inner, inner), (inner, m.inner + r * gn, gn), (inner + gn, m.inner + all_gn + r * gn, gn)]
+    if part == "in_proj":
+        parts = [(0, r * inner, inner)] + [(inner + o, m.inner + s, n) for o, s, n in xbc]
+        parts.append((2 * inner + 2 * gn, 2 * m.inner + 2 * all_gn + r * heads, heads))
+        return [(f"{target}in_proj.{kind}", o, 0, s, n) for o, s, n in parts]
+    if part == "conv1d":  # [channels, 1, kernel]; its bias [channels]
+        if kind == "weight":
+            return [(f"{target}conv_weight", o, _conv_rows(s, n), 0, 0) for o, s, n in xbc]
+        return [(f"{target}conv_bias", o, 0, s, n) for o, s, n in xbc]
+    if part == "out_proj":
+        return (f"{target}out_proj.{kind}", 0, 1 if kind == "weight" else None, r * inner, inner)
+    if part == "norm":
+        return (f"{target}norm_weight", 0, 0, r * inner, inner)
+    return (target + part, 0, 0, r * heads, heads)  # dt_bias, A_log, D
 
 
 def _conv_rows(start: int, size: int):
