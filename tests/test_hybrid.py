@@ -2,7 +2,7 @@
 attention layers: Qwen3.5's and Qwen3-Next's Gated DeltaNet (dense, MoE, Qwen3-Next's projections
 grouped by key head, the image-text releases for their text), LFM2's short convolutions (a state of
 the convolution's last inputs), Mamba-2 (kernels/ssd.py) in Granite 4.0-H (MoE, dense, attention
-with or without rotary), Bamba and Nemotron-H (one mixer a layer). Against transformers, float32:
+with or without rotary), Bamba and Nemotron-H (one mixer a layer; Nemotron 3's MoE layers). Against transformers, float32:
 greedy tokens equal and prompt log-probs within 1e-4, through chunked prefill (a state carried from
 chunk to chunk), one-token prompts, batch rows reused by later requests, preemption and
 recomputation (a state reset), at tp=1, tp=2 and pp=2; configs in their releases' spellings. The
@@ -52,21 +52,26 @@ def check(path, prompts=PROMPTS, logprobs=True, **options):
 
 
 GRANITE_DENSE = dict(num_local_experts=0, shared_intermediate_size=96)  # Granite 4.0-H-Micro's layout
+# Nemotron 3: MoE layers of squared-ReLU experts routed as DeepSeek-V3 routes (2 groups, a bias)
+NEMOTRON_MOE = dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"], n_routed_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
+                    topk_group=1, routed_scaling_factor=2.5)
 
 
 @pytest.mark.parametrize("arch,options", [
     ("qwen3_5", {}), ("qwen3_5_moe", {}), ("qwen3_next", {}), ("lfm2", {}),
     ("granitemoehybrid", {}), ("granitemoehybrid", GRANITE_DENSE),
     ("granitemoehybrid", dict(position_embedding_type="rope")), ("nemotron_h", {}), ("bamba", {}),
+    ("nemotron_h", NEMOTRON_MOE), ("nemotron_h", dict(NEMOTRON_MOE, moe_latent_size=32)),
 ], ids=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite4-h", "granite4-h-dense", "granite4-h-rope",
-        "nemotron-h", "bamba"])
+        "nemotron-h", "bamba", "nemotron-3", "nemotron-3-latent"])
 def test_hybrid_matches_transformers(checkpoint_factory, arch, options):
     engine = check(checkpoint_factory(arch, **options))
     # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see
     assert not engine.blocks.enable_prefix_caching and engine.scheduler.hit_tokens == 0
 
 
-def as_released(src, dst, edit) -> "pathlib.Path":
+def as_released(src, dst, edit) -> pathlib.Path:
     """A copy of checkpoint `src` whose config.json `edit` rewrites into a release's spelling."""
     import json
 
@@ -98,6 +103,32 @@ def test_configs_as_released_are_read_as_transformers_reads_them(checkpoint_fact
     block_ff_dim, Nemotron-H's hybrid_override_pattern): transformers' class completes it."""
     path = as_released(checkpoint_factory(arch), tmp_path / arch, edit)
     check(path, PROMPTS[:3], logprobs=False)
+
+
+def test_nemotron_3_experts_stacked_in_one_tensor(checkpoint_factory, tmp_path):
+    """Nemotron 3's experts as transformers holds them, one [E, I, H] / [E, H, I] tensor per
+    projection, read as its per-expert tensors are."""
+    import json
+
+    import torch
+    from checkpoints import _write_copy
+    from safetensors.torch import load_file
+
+    src = checkpoint_factory("nemotron_h", **NEMOTRON_MOE)
+    tensors = load_file(src / "model.safetensors")
+    for layer in (1, 3):
+        for part in ("up_proj", "down_proj"):
+            name = f"backbone.layers.{layer}.mixer.experts.{{}}.{part}.weight"
+            tensors[f"backbone.layers.{layer}.mixer.experts.{part}"] = torch.stack(
+                [tensors.pop(name.format(e)) for e in range(8)])
+    (tmp_path / "stacked").mkdir()
+    path = _write_copy(src, tmp_path / "stacked", tensors, json.loads((src / "config.json").read_text()))
+    llm = LLM(str(path), num_kv_blocks=96, block_size=4)
+    try:
+        assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
+                == [hf_greedy(src, ids, MAX_TOKENS) for ids in PROMPTS[:3]])
+    finally:
+        llm.shutdown()
 
 
 def test_batch_rows_reused_and_preempted_sequences_start_from_a_fresh_state(checkpoint_factory):
@@ -146,11 +177,6 @@ def test_what_a_state_cannot_do_is_refused_in_one_line(checkpoint_factory):
     groups = r"need the tensor parallel size \(2\) to divide their B / C groups \(1\)"
     with pytest.raises(ValueError, match=groups) as e:
         LLM(str(checkpoint_factory("granitemoehybrid", mamba_n_groups=1)), tp_size=2)
-    assert "\n" not in str(e.value)
-    moe = ["linear_attention", "moe", "full_attention", "mlp"]  # (Nemotron 3's MoE layers)
-    with pytest.raises(ValueError, match="Nemotron-H with MoE layers") as e:
-        LLM(str(checkpoint_factory("nemotron_h", layers_block_type=moe, n_routed_experts=4, num_experts_per_tok=2,
-                                   moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)))
     assert "\n" not in str(e.value)
     path = checkpoint_factory("qwen3_5")
     with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3_5ForCausalLM"):
@@ -257,11 +283,14 @@ def local_ray():
 @pytest.mark.parametrize("arch,layout", [("qwen3_5", dict(tp_size=2)), ("qwen3_5_moe", dict(tp_size=2)),
                                          ("qwen3_next", dict(tp_size=2)), ("qwen3_5", dict(pp_size=2)),
                                          ("lfm2", dict(tp_size=2)), ("granitemoehybrid", dict(tp_size=2)),
-                                         ("nemotron_h", dict(tp_size=2)), ("bamba", dict(pp_size=2))],
+                                         ("nemotron_h", dict(tp_size=2)), ("bamba", dict(pp_size=2)),
+                                         ("nemotron_h", dict(tp_size=2, **NEMOTRON_MOE))],
                          ids=["tp2", "moe-tp2", "next-tp2", "pp2", "lfm2-tp2", "granite4-h-tp2", "nemotron-h-tp2",
-                              "bamba-pp2"])
+                              "bamba-pp2", "nemotron-3-tp2"])
 def test_hybrid_across_ranks_matches_transformers(local_ray, checkpoint_factory, arch, layout):
     """tp=2: each rank one key head and its two value heads, their convolution channels and gate
     rows (Qwen3-Next's cut out of its per-group layout); Mamba-2's: each rank one group of B / C
     with its heads; pp=2: the linear layers' states split with their layers."""
-    check(checkpoint_factory(arch), PROMPTS[:5], shard_cpus=0.5, **layout)
+    layout = dict(layout)
+    options = {k: layout.pop(k) for k in list(layout) if k not in ("tp_size", "pp_size")}  # (the checkpoint's)
+    check(checkpoint_factory(arch, **options), PROMPTS[:5], shard_cpus=0.5, **layout)

@@ -84,6 +84,7 @@ class MoeArgs:
     shared_gate: bool = True  # Qwen2-MoE gates its shared expert by a sigmoid; DeepSeek adds it as is
     swiglu: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU (alpha, limit); None: SiLU x up
     weight_input: bool = False  # Llama 4: the router's weight scales the expert's input, not its output
+    latent_size: int | None = None  # Nemotron 3: experts read and write a projection of the hidden state
     # Experts stacked in one tensor per projection: Llama 4's and Qwen3-VL-MoE's releases stack them
     # for x @ W ([E, H, 2I], [E, I, H]); otherwise they are in transformers' own layout ([E, 2I, H],
     # [E, H, I]: what it saves where no conversion applies, Mistral 4's)
@@ -454,7 +455,7 @@ class ModelArgs:
     linear_layers: tuple[bool, ...] = ()
     attn_output_gate: bool = False  # (the Qwen hybrids')
     gemma4: "Gemma4Args | None" = None  # Gemma 4's per-layer shapes and additions
-    # Nemotron-H: each layer one norm and one mixer, "mamba" | "attention" | "mlp" (); the usual block)
+    # Nemotron-H: each layer one norm and one mixer, "mamba" | "attention" | "mlp" | "moe" (): the usual block)
     mixer_blocks: tuple[str, ...] = ()
 
     def caches_kv(self, layer: int) -> bool:
@@ -648,14 +649,24 @@ def falcon_args(cfg: dict) -> ModelArgs:
 
 
 def nemotron_h_args(cfg: dict) -> ModelArgs:
-    """Nemotron-H (Nemotron Nano 2) as transformers' class completes its config: layers of one
-    norm and one mixer each, Mamba-2, attention without rotary, or a squared-ReLU MLP, as
-    layers_block_type (its releases' hybrid_override_pattern) lays them out."""
+    """Nemotron-H (Nemotron Nano 2, Nemotron 3) as transformers' class completes its config: layers
+    of one norm and one mixer each, Mamba-2, attention without rotary, a squared-ReLU MLP or an MoE
+    of such experts, as layers_block_type (its releases' hybrid_override_pattern) lays them out."""
     types = list(cfg["layers_block_type"])
-    if "moe" in types:
-        raise ValueError("Nemotron-H with MoE layers (Nemotron 3) is not supported yet")
     n, heads = len(types), cfg["num_attention_heads"]
-    blocks = tuple({"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}[t] for t in types)
+    blocks = tuple({"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}[t]
+                   for t in types)
+    moe = None
+    if "moe" in blocks:  # Nemotron 3: DeepSeek-V3's routing over squared-ReLU experts, a shared one
+        if cfg.get("moe_latent_size") and cfg.get("mlp_bias"):
+            raise ValueError("Nemotron-H with a latent MoE projection and MLP biases is not supported")
+        moe = MoeArgs(cfg.get("n_routed_experts", 8), cfg.get("num_experts_per_tok", 2),
+                      cfg.get("moe_intermediate_size", 7688), cfg.get("moe_shared_expert_intermediate_size", 7688),
+                      bool(cfg.get("norm_topk_prob", True)), 1, (),
+                      Routing(scoring="sigmoid", group_score="top2", n_group=cfg.get("n_group") or 1,
+                              topk_group=cfg.get("topk_group") or 1, score_bias=True,
+                              scale=float(cfg.get("routed_scaling_factor", 1.0))),
+                      shared_gate=False, latent_size=cfg.get("moe_latent_size"))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     mamba_heads, mamba_dim = cfg.get("mamba_num_heads", 128), cfg.get("mamba_head_dim", 64)
     mamba = MambaArgs(mamba_heads, mamba_dim, cfg.get("n_groups", 8), cfg.get("ssm_state_size", 128),
@@ -672,7 +683,7 @@ def nemotron_h_args(cfg: dict) -> ModelArgs:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=bias, o_bias=bias, qk_norm=None,
         mlp_bias=bool(cfg.get("mlp_bias", False)), layer_windows=(None,) * n, nope_layers=(True,) * n,
         activation=plain_activation(cfg.get("mlp_hidden_act") or "relu2"), gated_mlp=False,
-        linear_attn=mamba, linear_layers=tuple(b == "mamba" for b in blocks), mixer_blocks=blocks)
+        linear_attn=mamba, linear_layers=tuple(b == "mamba" for b in blocks), mixer_blocks=blocks, moe=moe)
 
 
 @dataclass(frozen=True)
