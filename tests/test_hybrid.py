@@ -63,8 +63,10 @@ NEMOTRON_MOE = dict(layers_block_type=["linear_attention", "moe", "full_attentio
     ("granitemoehybrid", {}), ("granitemoehybrid", GRANITE_DENSE),
     ("granitemoehybrid", dict(position_embedding_type="rope")), ("nemotron_h", {}), ("bamba", {}),
     ("nemotron_h", NEMOTRON_MOE), ("nemotron_h", dict(NEMOTRON_MOE, moe_latent_size=32)),
+    # its mixer's biases by use_bias, its MLPs' by mlp_bias, its attention's never (attention_bias aside)
+    ("nemotron_h", dict(use_bias=True, mlp_bias=True, attention_bias=True)),
 ], ids=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite4-h", "granite4-h-dense", "granite4-h-rope",
-        "nemotron-h", "bamba", "nemotron-3", "nemotron-3-latent"])
+        "nemotron-h", "bamba", "nemotron-3", "nemotron-3-latent", "nemotron-h-biases"])
 def test_hybrid_matches_transformers(checkpoint_factory, arch, options):
     engine = check(checkpoint_factory(arch, **options))
     # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see

@@ -671,9 +671,9 @@ def nemotron_h_args(cfg: dict) -> ModelArgs:
     mamba_heads, mamba_dim = cfg.get("mamba_num_heads", 128), cfg.get("mamba_head_dim", 64)
     mamba = MambaArgs(mamba_heads, mamba_dim, cfg.get("n_groups", 8), cfg.get("ssm_state_size", 128),
                       cfg.get("conv_kernel", 4), mamba_heads * mamba_dim, bool(cfg.get("use_conv_bias", True)),
-                      bool(cfg.get("mamba_proj_bias", False)),
+                      bool(cfg.get("use_bias", False)),  # (its mixer's projections read use_bias)
                       (float(cfg.get("time_step_min", 0.001)), float("inf")))  # (its mixer's clamp: dt >= min)
-    bias = bool(cfg.get("attention_bias", False))
+    bias = False  # (its attention's projections never have biases, whatever attention_bias says)
     return ModelArgs(
         architecture="NemotronHForCausalLM", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=n, num_heads=heads,
