@@ -85,7 +85,8 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
             raise ValueError(f"speculative decoding is not supported for {args.architecture}: its linear-attention "
                              "layers' state cannot be rolled back to a rejected draft")
     kv_dtype = kv_quant.kv_cache_dtype(config.kv_cache_dtype, dtype)
-    backend, library = attention_backend(config, dtype, args.head_dim, sinks=args.attn_sinks,
+    head_dim = max(args.gemma4.head_dims) if args.gemma4 else args.head_dim  # (Gemma 4's widest, its global heads)
+    backend, library = attention_backend(config, dtype, head_dim, sinks=args.attn_sinks,
                                          fp8_kv=kv_dtype == kv_quant.FP8)
     if cuda:
         log.info("attention backend %s%s, dtype %s, KV cache %s", backend, f" ({library})" if library else "",
