@@ -24,7 +24,7 @@ def model_class(architecture: str):
         from actors.models.gemma4 import Gemma4ForCausalLM
         return Gemma4ForCausalLM
     if architecture == "NemotronHForCausalLM":
-        from actors.models.hybrid import NemotronHForCausalLM
+        from actors.models.nemotron_h import NemotronHForCausalLM
         return NemotronHForCausalLM
     if architecture in HYBRID_ARCHS:
         from actors.models.hybrid import HybridForCausalLM, HybridMoeForCausalLM
