@@ -1,6 +1,5 @@
-"""The gated delta rule (Gated DeltaNet: Qwen3.5's and Qwen3-Next's linear-attention layers) and
-the short causal convolution in front of it (LFM2's convolution layers are that convolution
-alone), in plain torch.
+"""The gated delta rule (Gated DeltaNet: Qwen3.5's and Qwen3-Next's linear-attention layers), in
+plain torch (the short causal convolution in front of it: kernels/causal_conv.py).
 
 A linear-attention layer keeps, per sequence, a state instead of a KV cache: S [heads, dk, dv]
 (float32) and the last K - 1 inputs of its depthwise convolution. Token t updates and reads it:
@@ -77,28 +76,6 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.
         out[:, i] = q_decayed[:, i] @ state + within[:, i] @ corrected
         state.mul_(chunk_decay[:, i]).add_(k_decayed[:, i].transpose(-1, -2) @ corrected)
     return out.reshape(heads, n * chunk, -1)[:, :length].transpose(0, 1)
-
-
-def conv_prefill(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 silu: bool = True) -> torch.Tensor:
-    """One sequence's tokens through the depthwise causal convolution (and SiLU): x [L, C], state
-    [C, K - 1] (the inputs before x: zeros at a sequence's start), updated in place to the last
-    K - 1 inputs; weight [C, K]. Returns [L, C]."""
-    width = weight.shape[1] - 1
-    seen = torch.cat((state.to(x.dtype), x.transpose(0, 1)), 1)  # [C, K - 1 + L]
-    state.copy_(seen[:, seen.shape[1] - width:])
-    y = F.conv1d(seen[None].to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])[0]
-    return (F.silu(y) if silu else y).transpose(0, 1).to(x.dtype)
-
-
-def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              silu: bool = True) -> torch.Tensor:
-    """One token per row: x [B, C], state [B, C, K - 1] (updated in place), weight [C, K]."""
-    seen = torch.cat((state.to(x.dtype), x[..., None]), -1)  # [B, C, K]
-    state.copy_(seen[..., 1:])
-    y = (seen.to(weight.dtype) * weight).sum(-1)
-    y = y if bias is None else y + bias
-    return (F.silu(y) if silu else y).to(x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,12 +2,13 @@
 attention layers: Qwen3.5's and Qwen3-Next's Gated DeltaNet (dense, MoE, Qwen3-Next's projections
 grouped by key head, the image-text releases for their text), LFM2's short convolutions (a state of
 the convolution's last inputs), Mamba-2 (kernels/ssd.py) in Granite 4.0-H (MoE, dense, attention
-with or without rotary), Bamba and Nemotron-H (one mixer a layer; Nemotron 3's MoE layers). Against transformers, float32:
+with or without rotary), Bamba and Nemotron-H (one mixer a layer; Nemotron 3's MoE layers).
+Against transformers, float32:
 greedy tokens equal and prompt log-probs within 1e-4, through chunked prefill (a state carried from
 chunk to chunk), one-token prompts, batch rows reused by later requests, preemption and
 recomputation (a state reset), at tp=1, tp=2 and pp=2; configs in their releases' spellings. The
-chunked forms (kernels/gated_delta.py, kernels/ssd.py) against the recurrences written out token
-by token."""
+chunked forms (kernels/gated_delta.py, kernels/ssd.py) and the convolution (kernels/causal_conv.py)
+against the recurrences written out token by token."""
 import os
 import pathlib
 
@@ -24,7 +25,7 @@ from test_engine import assert_pool_free, prompts_of  # noqa: E402
 from actors.engine.llm import LLM  # noqa: E402
 from actors.request import EngineRequest  # noqa: E402
 from actors.sampling_params import SamplingParams  # noqa: E402
-from kernels import gated_delta  # noqa: E402
+from kernels import causal_conv, gated_delta  # noqa: E402
 
 MAX_TOKENS = 14
 # a one-token prompt, prompts over several 16-token chunks, and two sharing a prefix
@@ -266,9 +267,9 @@ def test_the_convolution_carries_its_last_inputs():
     whole = torch.nn.functional.silu(torch.nn.functional.conv1d(
         x.T[None], weight[:, None], padding=3, groups=6)[0, :, :11]).T
     state = torch.zeros(6, 3)
-    pieces = [gated_delta.conv_prefill(x[:5], state, weight)]
+    pieces = [causal_conv.conv_prefill(x[:5], state, weight)]
     rows = state[None].clone()
-    pieces += [gated_delta.conv_step(x[t:t + 1], rows, weight) for t in range(5, 11)]
+    pieces += [causal_conv.conv_step(x[t:t + 1], rows, weight) for t in range(5, 11)]
     assert torch.allclose(torch.cat(pieces), whole, atol=1e-6)
 
 

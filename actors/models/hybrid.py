@@ -32,7 +32,7 @@ from actors.models.layers import ColumnParallelLinear, RowParallelLinear
 from actors.models.llama import Attention, LlamaForCausalLM, local_heads
 from actors.models.mamba import Mamba2Mixer, conv_rows, mamba_rule
 from actors.models.moe import MoeForCausalLM
-from kernels import gated_delta
+from kernels import causal_conv, gated_delta
 from kernels.attention import AttentionMetadata, paged_attention, write_kv
 from kernels.rotary import apply_rotary
 
@@ -107,13 +107,13 @@ class GatedDeltaNet(nn.Module):
         nd = rows.num_decodes
         if nd:  # one token a row, all at once
             conv, state = self.conv_state[rows.decode_rows], self.state[rows.decode_rows]
-            mixed_d = gated_delta.conv_step(mixed[:nd], conv, self.conv_weight)
+            mixed_d = causal_conv.conv_step(mixed[:nd], conv, self.conv_weight)
             out[:nd] = gated_delta.recurrent_step(*self._split(mixed_d, g[:nd], beta[:nd]), state).to(x.dtype)
             self.conv_state.index_copy_(0, rows.decode_rows, conv)
             self.state.index_copy_(0, rows.decode_rows, state)
         for first, count, row in rows.chunks:  # a prompt chunk at a time, each from its sequence's state
             end = first + count
-            mixed_c = gated_delta.conv_prefill(mixed[first:end], self.conv_state[row], self.conv_weight)
+            mixed_c = causal_conv.conv_prefill(mixed[first:end], self.conv_state[row], self.conv_weight)
             out[first:end] = gated_delta.chunked(*self._split(mixed_c, g[first:end], beta[first:end]),
                                                  self.state[row]).to(x.dtype)
         o = gated_delta.gated_rms_norm(out, z.view(t, hv, dv), self.norm_weight, self.eps)
@@ -155,11 +155,11 @@ class ShortConv(nn.Module):
         nd = rows.num_decodes
         if nd:
             conv = self.conv_state[rows.decode_rows]
-            out[:nd] = gated_delta.conv_step(bx[:nd], conv, self.conv_weight, self.conv_bias, silu=False)
+            out[:nd] = causal_conv.conv_step(bx[:nd], conv, self.conv_weight, self.conv_bias, silu=False)
             self.conv_state.index_copy_(0, rows.decode_rows, conv)
         for first, count, row in rows.chunks:
             end = first + count
-            out[first:end] = gated_delta.conv_prefill(bx[first:end], self.conv_state[row], self.conv_weight,
+            out[first:end] = causal_conv.conv_prefill(bx[first:end], self.conv_state[row], self.conv_weight,
                                                       self.conv_bias, silu=False)
         return self.out_proj(c * out)
 

@@ -11,7 +11,7 @@ from torch import nn
 from actors.distributed.parallel import Parallel
 from actors.models.args import MambaArgs, ModelArgs
 from actors.models.layers import ColumnParallelLinear, RowParallelLinear
-from kernels import gated_delta, ssd
+from kernels import causal_conv, ssd
 from kernels.attention import AttentionMetadata
 
 
@@ -57,13 +57,13 @@ class Mamba2Mixer(nn.Module):
         nd = rows.num_decodes
         if nd:
             conv, state = self.conv_state[rows.decode_rows], self.state[rows.decode_rows]
-            xs, b, c = self._split(gated_delta.conv_step(xbc[:nd], conv, self.conv_weight, self.conv_bias))
+            xs, b, c = self._split(causal_conv.conv_step(xbc[:nd], conv, self.conv_weight, self.conv_bias))
             y[:nd] = ssd.step(xs, dt[:nd], a, b, c, state) + d * xs.float()
             self.conv_state.index_copy_(0, rows.decode_rows, conv)
             self.state.index_copy_(0, rows.decode_rows, state)
         for first, count, row in rows.chunks:
             end = first + count
-            xs, b, c = self._split(gated_delta.conv_prefill(xbc[first:end], self.conv_state[row], self.conv_weight,
+            xs, b, c = self._split(causal_conv.conv_prefill(xbc[first:end], self.conv_state[row], self.conv_weight,
                                                             self.conv_bias))
             y[first:end] = ssd.chunked(xs, dt[first:end], a, b, c, self.state[row]) + d * xs.float()
         return self.out_proj(self._gated_norm(y, z).to(x.dtype))
