@@ -14,6 +14,7 @@ CHECKPOINT_FORMATS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_
 # On 2 CPU cores a decode step of 64 rows on the bench model takes ~50 ms: 75 ms leaves room
 # for ~85 prompt tokens a step, and chunk gaps stayed near 100 ms at p99 (docs/benchmarks.md).
 DEFAULT_CPU_ITL_TARGET_MS = 75.0
+STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --mamba-cache-dtype / --mamba-ssm-cache-dtype
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp8 means e4m3 (kernels/kv_quant.py)
 
 # The engine options' other spellings (vLLM's, SGLang's), by canonical name. app/config.py adds
@@ -33,6 +34,7 @@ ENGINE_ALIASES: dict[str, tuple[str, ...]] = {
     "num_redundant_experts": ("ep_num_redundant_experts",),
     "eplb_step_interval": ("eplb_rebalance_num_iterations",),
     "eager_decode": ("enforce_eager", "disable_cuda_graph"),
+    "mamba_ssm_cache_dtype": ("mamba_ssm_dtype",),
 }
 # Spellings of a boolean option that mean its opposite: SGLang's `disable_radix_cache` turns
 # prefix caching off.
@@ -88,6 +90,11 @@ class EngineConfig:
     # auto: K/V cached in the model's dtype; fp8 / fp8_e4m3: one byte per element, float8 e4m3
     # with one K and one V scale per layer (the checkpoint's k_scale / v_scale, else 1.0)
     kv_cache_dtype: str = "auto"
+    # Hybrid models' per-sequence states (actors/models/hybrid.py), vLLM's names: the convolutions'
+    # (and, unless mamba_ssm_cache_dtype says otherwise, the recurrent states') dtype; auto: the
+    # model's for the convolutions, the checkpoint's mamba_ssm_cache_dtype or float32 for the states
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # Scheduling
     max_num_batched_tokens: int = 2048
@@ -203,6 +210,10 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS, *CHECKPOINT_FORMATS):
             raise ValueError(f"--quantization must be one of {', '.join((*QUANTIZATIONS, *CHECKPOINT_FORMATS))}, "
                              f"got {self.quantization!r}")
+        for option in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(self, option) not in STATE_DTYPES:
+                raise ValueError(f"--{option.replace('_', '-')} must be one of {', '.join(STATE_DTYPES)}, "
+                                 f"got {getattr(self, option)!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

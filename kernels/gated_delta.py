@@ -38,17 +38,21 @@ def prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 def recurrent_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """One token per row: q, k [B, H, dk], v [B, H, dv], g, beta [B, H] (prepared), state
-    [B, H, dk, dv] updated in place. Returns o [B, H, dv]."""
-    state.mul_(g.exp()[..., None, None])
-    predicted = torch.einsum("bhkv,bhk->bhv", state, k)
-    state.add_(k[..., :, None] * ((v - predicted) * beta[..., None])[..., None, :])
-    return torch.einsum("bhkv,bhk->bhv", state, q)
+    [B, H, dk, dv] updated in place (computed in float32 whatever it is stored in). Returns o [B, H, dv]."""
+    s = state.float()
+    s.mul_(g.exp()[..., None, None])
+    predicted = torch.einsum("bhkv,bhk->bhv", s, k)
+    s.add_(k[..., :, None] * ((v - predicted) * beta[..., None])[..., None, :])
+    if s is not state:
+        state.copy_(s)
+    return torch.einsum("bhkv,bhk->bhv", s, q)
 
 
 def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """One sequence's L tokens: q, k [L, H, dk], v [L, H, dv], g, beta [L, H] (prepared),
-    state [H, dk, dv] updated in place. Returns o [L, H, dv]."""
-    length = q.shape[0]
+    state [H, dk, dv] updated in place (computed in float32). Returns o [L, H, dv]."""
+    length, stored = q.shape[0], state
+    state = stored.float()
     pad = -length % chunk  # padding tokens: no decay (g 0), no write (beta 0, k 0, v 0)
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))  # [H, L', d]
     g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))  # [H, L']
@@ -75,6 +79,8 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> torch.
         corrected = writes[:, i] - reads[:, i] @ state  # the writes less what the state already predicts
         out[:, i] = q_decayed[:, i] @ state + within[:, i] @ corrected
         state.mul_(chunk_decay[:, i]).add_(k_decayed[:, i].transpose(-1, -2) @ corrected)
+    if state is not stored:
+        stored.copy_(state)
     return out.reshape(heads, n * chunk, -1)[:, :length].transpose(0, 1)
 
 

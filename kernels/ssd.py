@@ -24,18 +24,21 @@ def groups_to_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def step(x, dt, A, B, C, state: torch.Tensor) -> torch.Tensor:
     """x [R, H, P], dt [R, H] (after softplus), A [H], B / C [R, G, N]; state [R, H, P, N] updated
-    in place. Returns S C [R, H, P] (float32, without the D term)."""
-    heads = x.shape[1]
+    in place (computed in float32). Returns S C [R, H, P] (float32, without the D term)."""
+    heads, s = x.shape[1], state.float()
     B, C = groups_to_heads(B.float(), heads), groups_to_heads(C.float(), heads)
     dt = dt.float()
-    state.mul_(torch.exp(dt * A)[..., None, None]).add_((dt[..., None] * x.float())[..., None] * B[:, :, None, :])
-    return torch.einsum("rhpn,rhn->rhp", state, C)
+    s.mul_(torch.exp(dt * A)[..., None, None]).add_((dt[..., None] * x.float())[..., None] * B[:, :, None, :])
+    if s is not state:
+        state.copy_(s)
+    return torch.einsum("rhpn,rhn->rhp", s, C)
 
 
 def chunked(x, dt, A, B, C, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """One sequence's L tokens: x [L, H, P], dt [L, H], A [H], B / C [L, G, N]; state [H, P, N]
-    updated in place. Returns y [L, H, P] (float32, without the D term)."""
+    updated in place (computed in float32). Returns y [L, H, P] (float32, without the D term)."""
     length, heads = x.shape[:2]
+    stored, state = state, state.float()
     B, C = groups_to_heads(B.float(), heads), groups_to_heads(C.float(), heads)
     xdt = x.float() * dt.float()[..., None]
     a = dt.float() * A  # [L, H] log decays
@@ -54,4 +57,6 @@ def chunked(x, dt, A, B, C, state: torch.Tensor, chunk: int = CHUNK) -> torch.Te
         to_end = (decay[-1] - decay).exp()  # [c, H]
         state.mul_(decay[-1].exp()[:, None, None]).add_(
             torch.einsum("shp,shn->hpn", xdt[part] * to_end[..., None], B[part]))
+    if state is not stored:
+        stored.copy_(state)
     return out[:length]

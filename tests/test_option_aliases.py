@@ -32,6 +32,7 @@ SAMPLES = {
     "eplb_step_interval": (5, {"tp_size": 2, "enable_expert_parallel": True}),
     "num_replicas": (3, {}),
     "eager_decode": (True, {}),
+    "mamba_ssm_cache_dtype": ("bfloat16", {}),
 }
 ALIAS_CASES = [(name, alias) for name, aliases in ALIASES.items() for alias in aliases]
 

@@ -89,9 +89,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(self.hv * self.dv, a.hidden_size, False, p)
         self.eps = a.rms_norm_eps
         # Per input-batch row (actors/worker/kv_pool.py bind_states): the convolution's last
-        # inputs [channels, kernel - 1] and the recurrent state [value heads, dk, dv], float32
-        self.state_shapes = {"conv_state": ((self.conv_dim, la.conv_kernel - 1), None),
-                             "state": ((self.hv, self.dk, self.dv), torch.float32)}
+        # inputs [channels, kernel - 1] and the recurrent state [value heads, dk, dv]
+        self.state_shapes = {"conv_state": ((self.conv_dim, la.conv_kernel - 1), "conv"),
+                             "state": ((self.hv, self.dk, self.dv), "ssm")}
         self.conv_state = self.state = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):
@@ -143,7 +143,7 @@ class ShortConv(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(self.c, conv.kernel))
         self.conv_bias = nn.Parameter(torch.empty(self.c)) if conv.bias else None
         self.out_proj = RowParallelLinear(self.c, a.hidden_size, conv.bias, p)
-        self.state_shapes = {"conv_state": ((self.c, conv.kernel - 1), None)}
+        self.state_shapes = {"conv_state": ((self.c, conv.kernel - 1), "conv")}
         self.conv_state = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):

@@ -41,8 +41,8 @@ class Mamba2Mixer(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(m.inner))
         self.out_proj = RowParallelLinear(m.inner, a.hidden_size, m.proj_bias, p)
         self.eps = a.rms_norm_eps
-        self.state_shapes = {"conv_state": ((self.conv_dim, m.conv_kernel - 1), None),
-                             "state": ((m.heads, m.head_dim, m.d_state), torch.float32)}
+        self.state_shapes = {"conv_state": ((self.conv_dim, m.conv_kernel - 1), "conv"),
+                             "state": ((m.heads, m.head_dim, m.d_state), "ssm")}
         self.conv_state = self.state = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):

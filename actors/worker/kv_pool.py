@@ -67,22 +67,32 @@ def kv_layers(model) -> list:
     return [layer.self_attn for layer in model.model.layers if getattr(layer.self_attn, "caches_kv", True)]
 
 
-def bind_states(model, rows: int, dtype: torch.dtype, device: torch.device) -> int:
+def bind_states(model, rows: int, dtypes: dict, device: torch.device) -> int:
     """Each state layer's states for `rows` input-batch rows (`state_shapes`: name -> (shape of one
-    row, dtype or None for the model's)): a convolution's last inputs, a float32 recurrent state.
-    Returns their bytes (0: no such layer)."""
-    total = 0
+    row, "conv" | "ssm")), in `dtypes`' dtype for their kind: a convolution's last inputs, a
+    recurrent state. Returns their bytes (0: no such layer)."""
     for attn in state_layers(model):
         for name, (shape, kind) in attn.state_shapes.items():
-            setattr(attn, name, zeroed((rows, *shape), kind or dtype, device))
-            total += getattr(attn, name).numel() * (kind or dtype).itemsize
-    return total
+            setattr(attn, name, zeroed((rows, *shape), dtypes[kind], device))
+    return state_bytes(model, rows, dtypes)
 
 
-def state_bytes(model, rows: int, dtype: torch.dtype) -> int:
+def state_bytes(model, rows: int, dtypes: dict) -> int:
     """What bind_states allocates."""
-    return rows * sum(math.prod(shape) * (kind or dtype).itemsize
+    return rows * sum(math.prod(shape) * dtypes[kind].itemsize
                       for a in state_layers(model) for shape, kind in a.state_shapes.values())
+
+
+def state_dtypes(config, dtype: torch.dtype, hf_config: dict) -> dict:
+    """{"conv": dtype, "ssm": dtype} of the states, by vLLM's options: --mamba-cache-dtype for both
+    (auto: the model's for the convolutions), --mamba-ssm-cache-dtype for the recurrent states
+    (auto: --mamba-cache-dtype's if set, else the checkpoint's mamba_ssm_cache_dtype, else float32,
+    which the states accumulate in)."""
+    named = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    both = named.get(config.mamba_cache_dtype)
+    ssm = (named.get(config.mamba_ssm_cache_dtype) or both or named.get(hf_config.get("mamba_ssm_cache_dtype"))
+           or torch.float32)
+    return {"conv": both or dtype, "ssm": ssm}
 
 
 def state_layers(model) -> list:

@@ -31,7 +31,7 @@ from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
 from actors.worker.kernel_choice import choose, device_type
-from actors.worker.kv_pool import bind_kv_cache, bind_states, kv_bytes_per_token, state_bytes
+from actors.worker.kv_pool import bind_kv_cache, bind_states, kv_bytes_per_token, state_bytes, state_dtypes
 from actors.worker.loader import build_model
 from actors.worker.model_spec import ModelSpec
 from actors.worker.process_tuning import keep_freed_memory, release_freed_memory
@@ -74,7 +74,7 @@ class ModelRunner:
             self.free_at_start, self.total_memory = torch.cuda.mem_get_info()
         else:
             keep_freed_memory()  # no page faults on every step's activations (actors/worker/process_tuning.py)
-        self.args = spec.args
+        self.args, self.hf_config = spec.args, spec.hf_config
         self.max_model_len = spec.max_model_len
         phase = time.perf_counter()
         self.startup: dict[str, float] = {}  # seconds per start-up phase, for the executor's log line
@@ -153,13 +153,14 @@ class ModelRunner:
     def _bind_states(self) -> None:
         """A state per sequence the engine may run at once: refused where they would take over half
         of what the GPU has free (each can be tens of MiB), not found out of memory."""
-        rows = self.config.max_num_seqs
-        need = state_bytes(self.model, rows, self.dtype)
+        rows, dtypes = self.config.max_num_seqs, state_dtypes(self.config, self.dtype, self.hf_config)
+        need = state_bytes(self.model, rows, dtypes)
         if self.device.type == "cuda" and need > torch.cuda.mem_get_info()[0] // 2:
             raise ValueError(f"the linear-attention state of --max-num-seqs {rows} sequences needs "
                              f"{need / 2**30:.1f} GiB, over half the GPU memory free; lower --max-num-seqs")
-        bind_states(self.model, rows, self.dtype, self.device)
-        log.info("linear-attention state: %d sequences, %.1f MiB", rows, need / 2**20)
+        bind_states(self.model, rows, dtypes, self.device)
+        log.info("linear-attention state: %d sequences, %.1f MiB (convolutions %s, states %s)", rows, need / 2**20,
+                 *(str(dtypes[k]).removeprefix("torch.") for k in ("conv", "ssm")))
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         c = self.config

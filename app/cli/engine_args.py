@@ -81,6 +81,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
              "element, float8 e4m3 with one K and one V scale per layer, read from the checkpoint "
              "(k_scale / v_scale) or 1.0: about twice the blocks of bf16 in the same memory "
              "(docs/quantization.md)")
+    add("--mamba-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        help="hybrid models (Qwen3.5, Granite 4.0-H, Nemotron-H, LFM2): the per-sequence states' dtype, "
+             "the convolutions' and, unless --mamba-ssm-cache-dtype says otherwise, the recurrent "
+             "states' (auto: the model's dtype for the convolutions)")
+    add("--mamba-ssm-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        help="hybrid models: the recurrent states' dtype (auto: --mamba-cache-dtype's if set, else the "
+             "checkpoint's mamba_ssm_cache_dtype, else float32); SGLang's --mamba-ssm-dtype")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         help="reuse KV blocks of shared prompt prefixes (default: on)")
     add("--max-num-batched-tokens", type=int, metavar="N", help="token budget of one engine step")
