@@ -24,7 +24,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "gpt_oss",
          "qwen3_5", "qwen3_5_moe", "qwen3_next", "mistral4", "gemma4",
          "deepseek_v32", "glm_moe_dsa", "lfm2", "granitemoehybrid",
-         "nemotron_h", "bamba")
+         "nemotron_h", "bamba", "mamba", "falcon_mamba")
 # Image-text checkpoints (their language model's family, their class), a tiny vision tower each
 IMAGE_TEXT = {"gemma3_vision": ("gemma3", "Gemma3ForConditionalGeneration"),
               "mistral3": ("mistral", "Mistral3ForConditionalGeneration"),
@@ -273,6 +273,9 @@ FAMILY_DEFAULTS = {
     # Bamba: Mamba-2 layers around an attention layer (half the head rotated), Llama's MLP
     "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
                   mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16),
+    # Mamba and FalconMamba: every layer a Mamba(-1) mixer (FalconMamba's dt / B / C RMS-normed)
+    "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8),
+    "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8),
     # Nemotron-H (Nano 2): a Mamba-2 layer, an MLP layer, an attention layer, an MLP layer
     "nemotron_h": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], head_dim=16,
                        intermediate_size=96, mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16,
@@ -408,11 +411,11 @@ def _image_text_config(arch: str, text):
 def _config(arch: str, vocab_size: int, overrides: dict):
     from transformers import (
         ApertusConfig, ArceeConfig, BambaConfig, Cohere2Config, CohereConfig, DeepseekV2Config, DeepseekV3Config,
-        Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig,
+        Ernie4_5_MoeConfig, Ernie4_5Config, Exaone4Config, FalconMambaConfig, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig,
         GemmaConfig, Glm4Config,
         Glm4MoeConfig, Glm4MoeLiteConfig, GlmConfig, GPTNeoXConfig, GptOssConfig, GraniteConfig, GraniteMoeConfig,
         GraniteMoeSharedConfig, HeliumConfig, HunYuanDenseV1Config, HunYuanMoEV1Config, Llama4TextConfig, LlamaConfig,
-        MiniMaxM2Config, Ministral3Config, MinistralConfig, Mistral4Config, MistralConfig, MixtralConfig,
+        MambaConfig, MiniMaxM2Config, Ministral3Config, MinistralConfig, Mistral4Config, MistralConfig, MixtralConfig,
         DeepseekV32Config, GlmMoeDsaConfig, GraniteMoeHybridConfig, Lfm2Config, NemotronHConfig,
         NemotronConfig, Olmo2Config, Olmo3Config, OlmoConfig, OlmoeConfig, Phi3Config, PhiConfig, PhimoeConfig,
         Qwen2Config, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
@@ -467,7 +470,8 @@ def _config(arch: str, vocab_size: int, overrides: dict):
                 "qwen3_5": Qwen3_5TextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "qwen3_next": Qwen3NextConfig,
                 "mistral4": Mistral4Config, "gemma4": Gemma4TextConfig, "deepseek_v32": DeepseekV32Config,
                 "glm_moe_dsa": GlmMoeDsaConfig, "lfm2": Lfm2Config, "granitemoehybrid": GraniteMoeHybridConfig,
-                "nemotron_h": NemotronHConfig, "bamba": BambaConfig,
+                "nemotron_h": NemotronHConfig, "bamba": BambaConfig, "mamba": MambaConfig,
+                "falcon_mamba": FalconMambaConfig,
                 "granitemoeshared": GraniteMoeSharedConfig}
     if arch in families:
         return families[arch](**common, **cfg)

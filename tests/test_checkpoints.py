@@ -112,18 +112,22 @@ def test_chat_template_tools(llama_ckpt):
 def test_arch_loads_and_is_not_degenerate(checkpoint_factory, arch):
     path = checkpoint_factory(arch)
     config = AutoConfig.from_pretrained(path)
-    # MLA (DeepSeek, GLM-4.7-Flash, GLM-5, Mistral 4): K/V heads = heads (transformers repeats by the ratio); 3 layers
+    # MLA (DeepSeek, GLM-4.7-Flash, GLM-5, Mistral 4): K/V heads = heads (transformers repeats by the
+    # ratio); 3 layers
     mla = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4", "glm_moe_dsa")
     # (OPT, GPT-2: multi-head; Falcon: num_kv_heads, read in its new architecture only, multi-query here)
     kv_heads = (config.per_layer_config[0].num_key_value_heads if arch == "gemma4"  # (a per-layer field there)
                 else getattr(config, "num_key_value_heads", config.num_attention_heads))
     # (GPT-NeoX's config keeps the builder's num_key_value_heads, which its attention never reads)
-    assert config.num_attention_heads == 4 and kv_heads == (4 if mla or arch in ("opt", "gpt2", "gptj", "falcon")
-                                                            else 2)
-    hybrid = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "bamba")  # (a linear / conv, a full, a linear layer)
-    layers = 4 if arch in ("llama4", "gemma4", "nemotron_h") else 3 if mla or hybrid or arch in ("glm4_moe", "ernie4_5_moe") else 2
+    mamba = arch in ("mamba", "falcon_mamba")  # (no attention, no positions)
+    assert mamba or config.num_attention_heads == 4 and kv_heads == (
+        4 if mla or arch in ("opt", "gpt2", "gptj", "falcon") else 2)
+    # (a linear / conv, a full, a linear layer)
+    hybrid = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granitemoehybrid", "bamba")
+    layers = (4 if arch in ("llama4", "gemma4", "nemotron_h")
+              else 3 if mla or hybrid or arch in ("glm4_moe", "ernie4_5_moe") else 2)
     assert config.hidden_size == 64 and config.num_hidden_layers == layers
-    assert config.vocab_size == 512 and config.max_position_embeddings == 512
+    assert config.vocab_size == 512 and (mamba or config.max_position_embeddings == 512)
     assert config.eos_token_id == 507 and config.pad_token_id == 505
     assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
     names = _tensor_names(path)

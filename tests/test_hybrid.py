@@ -2,7 +2,8 @@
 attention layers: Qwen3.5's and Qwen3-Next's Gated DeltaNet (dense, MoE, Qwen3-Next's projections
 grouped by key head, the image-text releases for their text), LFM2's short convolutions (a state of
 the convolution's last inputs), Mamba-2 (kernels/ssd.py) in Granite 4.0-H (MoE, dense, attention
-with or without rotary), Bamba and Nemotron-H (one mixer a layer; Nemotron 3's MoE layers).
+with or without rotary), Bamba and Nemotron-H (one mixer a layer; Nemotron 3's MoE layers); Mamba(-1)
+(kernels/selective_scan.py) in Mamba and FalconMamba, which have no attention at all.
 Against transformers, float32:
 greedy tokens equal and prompt log-probs within 1e-4, through chunked prefill (a state carried from
 chunk to chunk), one-token prompts, batch rows reused by later requests, preemption and
@@ -66,8 +67,9 @@ NEMOTRON_MOE = dict(layers_block_type=["linear_attention", "moe", "full_attentio
     ("nemotron_h", NEMOTRON_MOE), ("nemotron_h", dict(NEMOTRON_MOE, moe_latent_size=32)),
     # its mixer's biases by use_bias, its MLPs' by mlp_bias, its attention's never (attention_bias aside)
     ("nemotron_h", dict(use_bias=True, mlp_bias=True, attention_bias=True)),
+    ("mamba", {}), ("falcon_mamba", dict(tie_word_embeddings=True)),
 ], ids=["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "granite4-h", "granite4-h-dense", "granite4-h-rope",
-        "nemotron-h", "bamba", "nemotron-3", "nemotron-3-latent", "nemotron-h-biases"])
+        "nemotron-h", "bamba", "nemotron-3", "nemotron-3-latent", "nemotron-h-biases", "mamba", "falcon-mamba"])
 def test_hybrid_matches_transformers(checkpoint_factory, arch, options):
     engine = check(checkpoint_factory(arch, **options))
     # no prefix cache: a cached prefix's K/V would skip tokens the linear layers' state must see
@@ -186,6 +188,25 @@ def test_what_a_state_cannot_do_is_refused_in_one_line(checkpoint_factory):
         LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="LoRA adapters are not supported for Qwen3_5ForCausalLM"):
         LLM(str(path), enable_lora=True)
+
+
+def test_a_model_without_attention_has_no_kv_cache(checkpoint_factory, tmp_path):
+    """Mamba's layers are all Mamba mixers: no byte of KV pool (its blocks, which the scheduler
+    still counts, cost nothing), a context as long as its default (16,384 tokens: its releases
+    name no max_position_embeddings), and a larger tensor parallel size refused in one line."""
+    path = as_released(checkpoint_factory("mamba"), tmp_path / "mamba", lambda c: c.pop("max_position_embeddings"))
+    llm = LLM(str(path), block_size=4)
+    try:
+        runner = llm.engine.executor.runner
+        assert runner.block_bytes() == 0 and runner.kv_cache.numel() == 0
+        assert llm.engine.max_model_len == 16_384 and llm.engine.blocks.num_blocks == 128 * 16_384 // 4
+        out = llm.generate([PROMPTS[1]], GREEDY)[0]
+        assert out.outputs[0].token_ids == hf_greedy(path, PROMPTS[1], MAX_TOKENS)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="MambaForCausalLM is not supported with tensor parallelism") as e:
+        LLM(str(path), tp_size=2)
+    assert "\n" not in str(e.value)
 
 
 def test_state_dtypes_follow_vllms_options(checkpoint_factory):

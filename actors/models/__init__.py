@@ -3,11 +3,11 @@ are known without importing torch (the `shoal serve` driver checks a checkpoint'
 starts Ray); the classes are imported when one is asked for."""
 from actors.models.args import (
     DEEPSEEK_ARCHS, DENSE_ARCHS, FALCON, GEMMA4, GPT_NEOX, GPT_OSS, GPTJ, HYBRID_ARCHS, IMAGE_TEXT_ARCHS,
-    LEARNED_POSITIONS, MOE_ARCHS,
+    LEARNED_POSITIONS, MAMBA1, MOE_ARCHS,
 )
 
 ARCHITECTURES = (*DENSE_ARCHS, *MOE_ARCHS, *DEEPSEEK_ARCHS, GPT_OSS, *LEARNED_POSITIONS, FALCON, *HYBRID_ARCHS,
-                 GEMMA4)
+                 GEMMA4, *MAMBA1)
 
 
 def check_architecture(architecture: str) -> None:
@@ -23,7 +23,7 @@ def model_class(architecture: str):
     if architecture == GEMMA4:
         from actors.models.gemma4 import Gemma4ForCausalLM
         return Gemma4ForCausalLM
-    if architecture == "NemotronHForCausalLM":
+    if architecture in ("NemotronHForCausalLM", *MAMBA1):
         from actors.models.nemotron_h import NemotronHForCausalLM
         return NemotronHForCausalLM
     if architecture in HYBRID_ARCHS:

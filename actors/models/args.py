@@ -28,6 +28,7 @@ GPT_NEOX = "GPTNeoXForCausalLM"  # its checkpoint names translated in actors/mod
 # Linear-attention (Gated DeltaNet) layers between gated full-attention ones: actors/models/hybrid.py
 HYBRID_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "Lfm2ForCausalLM",
                 "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM")
+MAMBA1 = ("MambaForCausalLM", "FalconMambaForCausalLM")  # every layer a Mamba(-1) mixer: actors/models/nemotron_h.py
 QWEN_HYBRID = HYBRID_ARCHS[:3]  # Gated DeltaNet; LFM2's are short convolutions
 GEMMA4 = "Gemma4ForCausalLM"  # per-layer head sizes, KV sharing, per-layer embeddings: actors/models/gemma4.py
 # Image-text checkpoints (Gemma 3 4B-27B, Mistral Small 3.x, LLaVA, Qwen2-VL / 2.5-VL / 3-VL) are
@@ -356,6 +357,19 @@ class MambaArgs:
 
 
 @dataclass(frozen=True)
+class Mamba1Args:
+    """Mamba(-1)'s mixer: inner channels, the state's width per channel, the convolution's kernel,
+    dt's low rank, biases, and FalconMamba's weightless RMS norms on dt, B and C (their epsilon)."""
+    inner: int
+    d_state: int
+    conv_kernel: int
+    dt_rank: int
+    conv_bias: bool
+    proj_bias: bool
+    rms_eps: float | None
+
+
+@dataclass(frozen=True)
 class ShortConvArgs:
     """LFM2's convolution layers: the depthwise causal convolution's kernel and whether its
     projections and convolution have biases."""
@@ -451,7 +465,7 @@ class ModelArgs:
     clip_qkv: float | None = None  # OLMo, OLMoE: q, k and v clamped to [-clip, clip]
     # Qwen3.5: Gated DeltaNet in the layers marked True (a recurrent state per sequence, no KV
     # cache), full attention with a sigmoid output gate (attn_output_gate) in the others
-    linear_attn: "LinearAttnArgs | ShortConvArgs | MambaArgs | None" = None
+    linear_attn: "LinearAttnArgs | ShortConvArgs | MambaArgs | Mamba1Args | None" = None
     linear_layers: tuple[bool, ...] = ()
     attn_output_gate: bool = False  # (the Qwen hybrids')
     gemma4: "Gemma4Args | None" = None  # Gemma 4's per-layer shapes and additions
@@ -478,6 +492,8 @@ class ModelArgs:
             return gemma4_args(cfg)
         if arch == "NemotronHForCausalLM":
             return nemotron_h_args(cfg)
+        if arch in MAMBA1:
+            return mamba1_args(arch, cfg)
         if arch == FALCON:
             return falcon_args(cfg)
         cfg = with_config_defaults(arch, cfg)
@@ -684,6 +700,26 @@ def nemotron_h_args(cfg: dict) -> ModelArgs:
         mlp_bias=bool(cfg.get("mlp_bias", False)), layer_windows=(None,) * n, nope_layers=(True,) * n,
         activation=plain_activation(cfg.get("mlp_hidden_act") or "relu2"), gated_mlp=False,
         linear_attn=mamba, linear_layers=tuple(b == "mamba" for b in blocks), mixer_blocks=blocks, moe=moe)
+
+
+def mamba1_args(arch: str, cfg: dict) -> ModelArgs:
+    """Mamba (state-spaces' releases in transformers' layout) and FalconMamba: every layer one norm
+    and one Mamba(-1) mixer, no attention (so no KV cache at all)."""
+    hidden, n = cfg["hidden_size"], cfg["num_hidden_layers"]
+    inner = cfg.get("intermediate_size") or int(cfg.get("expand", 2) * hidden)
+    rank = cfg.get("time_step_rank", "auto")
+    mixer = Mamba1Args(inner, cfg.get("state_size", 16), cfg.get("conv_kernel", 4),
+                       -(-hidden // 16) if rank == "auto" else int(rank), bool(cfg.get("use_conv_bias", True)),
+                       bool(cfg.get("use_bias", False)),
+                       (cfg.get("mixer_rms_eps") or 1e-6) if arch == "FalconMambaForCausalLM" else None)
+    return ModelArgs(
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=hidden, intermediate_size=inner, num_layers=n,
+        num_heads=1, num_kv_heads=1, head_dim=hidden, rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        # (no positions: a context of 16,384 tokens by default; a token rotary table, never read)
+        rope=Rope(10_000.0, None, 2), max_position_embeddings=cfg.get("max_position_embeddings") or 16_384,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qkv_bias=False, o_bias=False,
+        qk_norm=None, mlp_bias=False, layer_windows=(None,) * n, nope_layers=(True,) * n,
+        linear_attn=mixer, linear_layers=(True,) * n, mixer_blocks=("mamba1",) * n)
 
 
 @dataclass(frozen=True)

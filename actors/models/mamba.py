@@ -1,5 +1,6 @@
 """Mamba-2's mixer (the SSD state space model, kernels/ssd.py), as Granite 4.0-H's, Bamba's and
-Nemotron-H's Mamba layers run it, and where its checkpoint tensors go."""
+Nemotron-H's Mamba layers run it, and where its checkpoint tensors go; Mamba(-1)'s (the selective
+scan, kernels/selective_scan.py: Mamba, FalconMamba)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.distributed.parallel import Parallel
-from actors.models.args import MambaArgs, ModelArgs
+from actors.models.args import Mamba1Args, MambaArgs, ModelArgs
 from actors.models.layers import ColumnParallelLinear, RowParallelLinear
-from kernels import causal_conv, ssd
+from kernels import causal_conv, selective_scan, ssd
 from kernels.attention import AttentionMetadata
 
 
@@ -81,6 +82,78 @@ class Mamba2Mixer(nn.Module):
         h = h.view(h.shape[0], m.groups, -1)
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape[0], m.inner)
         return self.norm_weight * h.to(self.norm_weight.dtype)
+
+
+class Mamba1Mixer(nn.Module):
+    """Mamba(-1)'s mixer: in_proj gives x and the gate z; x convolved (SiLU); x_proj gives dt's low
+    rank part and B, C (FalconMamba: each RMS-normed, no weight); dt_proj widens dt to every
+    channel (softplus); the selective scan plus D x, times SiLU(z); out_proj. Its states: the
+    convolution's last inputs and, per channel, a d_state-wide state."""
+    caches_kv = False
+    nope = local_rope = scales_q = False
+
+    def __init__(self, a: ModelArgs, p: Parallel):
+        super().__init__()
+        m = self.m = a.linear_attn
+        if p.tp_size > 1:  # (x_proj reads every channel: a rank's share would need an all-reduce)
+            raise ValueError(f"{a.architecture} is not supported with tensor parallelism yet")
+        self.in_proj = ColumnParallelLinear(a.hidden_size, 2 * m.inner, m.proj_bias)
+        self.conv_weight = nn.Parameter(torch.empty(m.inner, m.conv_kernel))
+        self.conv_bias = nn.Parameter(torch.empty(m.inner)) if m.conv_bias else None
+        self.x_proj = nn.Linear(m.inner, m.dt_rank + 2 * m.d_state, bias=False)
+        self.dt_proj = nn.Linear(m.dt_rank, m.inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(m.inner, m.d_state))
+        self.D = nn.Parameter(torch.empty(m.inner))
+        self.out_proj = RowParallelLinear(m.inner, a.hidden_size, m.proj_bias, p)
+        self.state_shapes = {"conv_state": ((m.inner, m.conv_kernel - 1), "conv"),
+                             "state": ((m.inner, m.d_state), "ssm")}
+        self.conv_state = self.state = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, q_scale=None):
+        m, rows = self.m, meta.recurrent
+        xs, z = self.in_proj(x).chunk(2, -1)
+        if rows.fresh is not None:
+            self.conv_state.index_fill_(0, rows.fresh, 0.0)
+            self.state.index_fill_(0, rows.fresh, 0.0)
+        a = -self.A_log.float().exp()
+        conv = torch.empty_like(xs)
+        y = torch.empty(xs.shape, dtype=torch.float32, device=x.device)
+        nd = rows.num_decodes
+        if nd:
+            state = self.conv_state[rows.decode_rows]
+            conv[:nd] = causal_conv.conv_step(xs[:nd], state, self.conv_weight, self.conv_bias)
+            self.conv_state.index_copy_(0, rows.decode_rows, state)
+        for first, count, row in rows.chunks:
+            conv[first:first + count] = causal_conv.conv_prefill(xs[first:first + count], self.conv_state[row],
+                                                                 self.conv_weight, self.conv_bias)
+        dt, b, c = self.x_proj(conv).split([m.dt_rank, m.d_state, m.d_state], -1)
+        if m.rms_eps is not None:  # FalconMamba
+            dt, b, c = (_weightless_rms(t, m.rms_eps) for t in (dt, b, c))
+        dt = F.softplus(self.dt_proj(dt).float())
+        if nd:
+            state = self.state[rows.decode_rows]
+            y[:nd] = selective_scan.step(conv[:nd], dt[:nd], a, b[:nd], c[:nd], state)
+            self.state.index_copy_(0, rows.decode_rows, state)
+        for first, count, row in rows.chunks:
+            end = first + count
+            y[first:end] = selective_scan.scan(conv[first:end], dt[first:end], a, b[first:end], c[first:end],
+                                               self.state[row])
+        y = (y + self.D.float() * conv.float()) * F.silu(z.float())
+        return self.out_proj(y.to(x.dtype))
+
+
+def _weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def mamba1_rule(target: str, rest: str, m: Mamba1Args):
+    """Where a Mamba(-1) mixer's tensor goes (whole: it runs at tp=1)."""
+    if rest == "conv1d.weight":  # [channels, 1, kernel]
+        return (f"{target}conv_weight", 0, conv_rows(0, m.inner), 0, 0)
+    if rest == "conv1d.bias":
+        return (f"{target}conv_bias", 0, None, 0, 0)
+    return (target + rest, 0, None, 0, 0)
 
 
 def mamba_rule(target: str, part: str, kind: str | None, m: MambaArgs, p: Parallel):

@@ -1,7 +1,8 @@
 """Nemotron-H (Nemotron Nano 2, Nemotron 3): layers of one norm and one mixer each, Mamba-2
 (actors/models/mamba.py), attention without rotary, a squared-ReLU MLP, or (Nemotron 3) an MoE of
-squared-ReLU experts routed as DeepSeek-V3 routes, as layers_block_type lays them out; its
-checkpoint's backbone.* names read as the usual layout's."""
+squared-ReLU experts routed as DeepSeek-V3 routes, as layers_block_type lays them out; Mamba and
+FalconMamba, whose every layer is a Mamba(-1) mixer. Their checkpoints' backbone.* names read as the
+usual layout's."""
 from __future__ import annotations
 
 import re
@@ -14,7 +15,7 @@ from actors.distributed.parallel import Parallel
 from actors.models.args import ModelArgs
 from actors.models.hybrid import HybridForCausalLM
 from actors.models.llama import Attention, LlamaForCausalLM, PlainMLP
-from actors.models.mamba import Mamba2Mixer, mamba_rule
+from actors.models.mamba import Mamba1Mixer, Mamba2Mixer, mamba1_rule, mamba_rule
 from actors.models.moe import Router
 from kernels.activation import plain_activation
 from kernels.moe import grouped, route_grouped
@@ -75,8 +76,9 @@ class MixerBlock(nn.Module):
         self.kind = a.mixer_blocks[layer]
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = PlainMLP(a, p) if self.kind == "mlp" else NemotronMoe(a, p) if self.kind == "moe" else None
-        self.self_attn = (NoMixer() if self.mlp is not None else Attention(a, p, layer) if self.kind == "attention"
-                          else Mamba2Mixer(a, p))
+        mixers = {"attention": lambda: Attention(a, p, layer), "mamba": lambda: Mamba2Mixer(a, p),
+                  "mamba1": lambda: Mamba1Mixer(a, p)}
+        self.self_attn = NoMixer() if self.mlp is not None else mixers[self.kind]()
 
     def forward(self, x, cos, sin, meta, q_scale=None):
         h = self.norm(x)
@@ -110,6 +112,8 @@ class NemotronHForCausalLM(HybridForCausalLM):
         if block.kind == "mamba":
             m = re.match(r"(\w+?)(?:\.(weight|bias))?$", rest)
             return mamba_rule(f"{prefix}self_attn.", *m.groups(), self.args.linear_attn, self.p)
+        if block.kind == "mamba1":
+            return mamba1_rule(f"{prefix}self_attn.", rest, self.args.linear_attn)
         if block.kind == "moe":
             return _nemotron_moe_rule(f"{prefix}mlp.", rest, block.mlp, self.p)
         return LlamaForCausalLM._layer_rule(self, prefix, ("mlp." if block.kind == "mlp" else "self_attn.") + rest)

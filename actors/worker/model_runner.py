@@ -166,6 +166,8 @@ class ModelRunner:
         c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
+        if self.block_bytes() == 0:  # no layer keeps K/V (Mamba): blocks cost nothing, the scheduler counts them
+            return c.max_num_seqs * (-(-max_model_len // self.block_size))
         if c.kv_cache_memory is not None:
             return max(2, int(c.kv_cache_memory * 2**30) // self.block_bytes())
         useful = c.max_num_seqs * (-(-max_model_len // self.block_size))  # more is never used

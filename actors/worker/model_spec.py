@@ -55,11 +55,11 @@ def resolve_model(config: EngineConfig, tokenizer_eos_id: int | None) -> ModelSp
     tokenizer's eos token id (joins the checkpoint's own)."""
     path = resolve_model_path(config.model_path)
     hf = read_config(path)
-    limit = hf.get("max_position_embeddings", 2048)
+    args = ModelArgs.from_hf(hf)
+    limit = args.max_position_embeddings  # (the config's, or the family's default)
     if config.max_model_len and config.max_model_len > limit:
         raise ValueError(f"--max-model-len {config.max_model_len} is over the model's "
                          f"max_position_embeddings {limit}")
-    args = ModelArgs.from_hf(hf)
     if args.max_context and args.max_context < (config.max_model_len or limit):
         missing = CONTEXT_CAPS[args.architecture]
         if config.max_model_len:
