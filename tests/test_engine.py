@@ -301,7 +301,7 @@ def test_unsupported_architecture_and_missing_model(tmp_path, llama_ckpt):
     bad = tmp_path / "bad"
     shutil.copytree(llama_ckpt, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["MambaForCausalLM"]
+    cfg["architectures"] = ["RwkvForCausalLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="supported: .*LlamaForCausalLM"):
         LLM(str(bad))

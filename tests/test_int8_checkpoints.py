@@ -210,7 +210,7 @@ def test_integer_weights_without_a_format_are_refused(checkpoint_factory, tmp_pa
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"architectures": ["MambaForCausalLM"]}, "unsupported architecture 'MambaForCausalLM'; supported: "),
+    ({"architectures": ["RwkvForCausalLM"]}, "unsupported architecture 'RwkvForCausalLM'; supported: "),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes' checkpoints "),
     ({"quantization_config": "gptq"}, "config.json's quantization_config is a str, not an object"),
     ({"quantization_config": [1, 2]}, "config.json's quantization_config is a list, not an object"),

@@ -280,12 +280,12 @@ def test_unsupported_architecture_fails_at_start_with_one_line(checkpoint_factor
 
     path = shutil.copytree(checkpoint_factory("llama"), tmp_path / "ckpt")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["architectures"] = ["MambaForCausalLM"]
+    cfg["architectures"] = ["RwkvForCausalLM"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError) as e:
         LLM(str(path))
     message = str(e.value)
-    assert "\n" not in message and "'MambaForCausalLM'" in message
+    assert "\n" not in message and "'RwkvForCausalLM'" in message
     assert "Gemma2ForCausalLM" in message and "LlamaForCausalLM" in message
 
 

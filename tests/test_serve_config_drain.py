@@ -67,7 +67,7 @@ def unreadable_checkpoint(llama_ckpt, where: Path) -> Path:
     """A copy of the test checkpoint whose config.json names an architecture shoal lacks."""
     shutil.copytree(llama_ckpt, where)
     config = json.loads((where / "config.json").read_text())
-    (where / "config.json").write_text(json.dumps({**config, "architectures": ["MambaForCausalLM"]}))
+    (where / "config.json").write_text(json.dumps({**config, "architectures": ["RwkvForCausalLM"]}))
     return where
 
 
@@ -78,7 +78,7 @@ def test_the_application_builder_refuses_a_checkpoint_shoal_cannot_read(llama_ck
     from app.serving.builder import build_app
 
     bad = unreadable_checkpoint(llama_ckpt, tmp_path / "mamba")
-    with pytest.raises(ValueError, match="unsupported architecture 'MambaForCausalLM'"):
+    with pytest.raises(ValueError, match="unsupported architecture 'RwkvForCausalLM'"):
         build_app({"model_path": str(bad), "device": "cpu"})
     assert build_app({"model_path": str(tmp_path / "on-the-gpu-nodes"), "device": "cpu"}) is not None
 
@@ -94,7 +94,7 @@ def test_a_serve_config_with_a_checkpoint_shoal_cannot_read_exits_1(llama_ckpt, 
                           capture_output=True, text=True, timeout=180, start_new_session=True)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "shoal serve: error: application 'shoal' failed to deploy: ValueError: unsupported architecture " \
-           "'MambaForCausalLM'" in done.stderr
+           "'RwkvForCausalLM'" in done.stderr
     assert "EngineActor" not in done.stdout + done.stderr  # no engine was started
     print(f"exited 1 in {time.monotonic() - start:.1f} s")
 
