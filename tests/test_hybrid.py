@@ -136,6 +136,37 @@ def test_nemotron_3_experts_stacked_in_one_tensor(checkpoint_factory, tmp_path):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("x_at_w", [False, True], ids=["as-held", "x-at-w"])
+def test_qwen3_5_moe_experts_stacked_in_either_layout(checkpoint_factory, tmp_path, x_at_w):
+    """A release may stack each layer's experts in one tensor per projection, as transformers
+    holds them ([E, 2I, H], [E, H, I]) or for x @ W ([E, H, 2I], [E, I, H]): the shape tells which."""
+    import json
+
+    import torch
+    from checkpoints import _write_copy
+    from safetensors.torch import load_file
+
+    src = checkpoint_factory("qwen3_5_moe", moe_intermediate_size=24)  # (2I != hidden: the layouts differ)
+    tensors = load_file(src / "model.safetensors")
+    for layer in range(3):
+        name = f"model.layers.{layer}.mlp.experts.{{}}.{{}}.weight"
+        gate_up = torch.stack([torch.cat([tensors.pop(name.format(e, "gate_proj")),
+                                          tensors.pop(name.format(e, "up_proj"))]) for e in range(8)])
+        down = torch.stack([tensors.pop(name.format(e, "down_proj")) for e in range(8)])
+        if x_at_w:
+            gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+        tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up
+        tensors[f"model.layers.{layer}.mlp.experts.down_proj"] = down
+    (tmp_path / "stacked").mkdir()
+    path = _write_copy(src, tmp_path / "stacked", tensors, json.loads((src / "config.json").read_text()))
+    llm = LLM(str(path), num_kv_blocks=96, block_size=4)
+    try:
+        assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
+                == [hf_greedy(src, ids, MAX_TOKENS) for ids in PROMPTS[:3]])
+    finally:
+        llm.shutdown()
+
+
 def test_batch_rows_reused_and_preempted_sequences_start_from_a_fresh_state(checkpoint_factory):
     """Two rows for seven requests: each row's state serves several sequences in turn; a pool of
     12 blocks of 4 tokens cannot hold two of these sequences to their end, so the scheduler

@@ -87,6 +87,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"tensor parallel size {p.tp_size} must divide the expert width "
                              f"({m.intermediate_size}) and the shared expert width ({m.shared_intermediate_size})")
         self.width, self.slots_per_rank = m.intermediate_size // tp_width, slots // ep
+        self.hidden = a.hidden_size
         self.gate = Router(a.hidden_size, m.num_experts, m.routing.score_bias)  # on every rank
         self.experts = Experts(self.slots_per_rank, a.hidden_size, self.width)
         self.shared_expert = self.shared_expert_gate = None
@@ -176,10 +177,10 @@ class SparseMoeBlock(nn.Module):
         placement/only: load for that placement, into those local slots only (re-planning).
         """
         m = re.match(r"experts\.(gate_up_proj|down_proj)$", rest)
-        if m:  # every expert in one tensor: for x @ W (Llama 4's, Qwen3-VL-MoE's releases), or as transformers
-            # holds them
-            parts = STACKED_PARTS if self.stacked_for_x_at_w else STACKED_AS_HELD
-            return self._stacked_rule(m.group(1), parts[m.group(1)], placement, only)
+        if m:  # every expert in one tensor: as transformers holds them, or for x @ W (Llama 4's, Qwen3-VL-MoE's)
+            part = m.group(1)
+            return self._stacked_rule(part, stacked_either(part, self.stacked_for_x_at_w, self.hidden), placement,
+                                      only)
         m = re.match(r"(input|output)_linear\.weight$", rest)
         if m:  # Granite's MoE: every expert in one tensor, already [E, 2I, H] / [E, H, I]
             part, take = ("gate_up_proj", stacked_rows) if m.group(1) == "input" else ("down_proj", stacked_columns)
@@ -246,6 +247,24 @@ def stacked_columns(expert: int, start: int, width: int):
 
 STACKED_PARTS = {"gate_up_proj": stacked_gate_up, "down_proj": stacked_down}  # for x @ W
 STACKED_AS_HELD = {"gate_up_proj": stacked_rows, "down_proj": stacked_columns}  # transformers' [E, 2I, H], [E, H, I]
+
+
+def stacked_either(part: str, for_x_at_w: bool, hidden: int):
+    """A `take` maker for a stacked `part` in either layout: its shape tells them apart (hidden
+    last in gate_up_proj / first in down_proj as transformers holds them, the other way round for
+    x @ W); where it cannot (2I or I equal to hidden, or a wrapper that names no shape), the
+    family's layout (`for_x_at_w`) decides."""
+    def make(expert: int, start: int, width: int):
+        def take(t):
+            shape = getattr(t, "get_shape", None)
+            dims = tuple(shape() if shape else getattr(t, "shape", ()))[1:]
+            held = len(dims) == 2 and dims[1 if part == "gate_up_proj" else 0] == hidden
+            x_at_w = len(dims) == 2 and dims[0 if part == "gate_up_proj" else 1] == hidden
+            if held == x_at_w:
+                x_at_w = for_x_at_w
+            return (STACKED_PARTS if x_at_w else STACKED_AS_HELD)[part](expert, start, width)(t)
+        return take
+    return make
 
 
 def _ffn_rule(prefix: str, suffix: str, part: str, start: int, width: int, *slot):
