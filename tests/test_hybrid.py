@@ -35,7 +35,8 @@ PROMPTS = prompts_of([5, 30, 1, 13, 47]) + [SHARED + [1, 2], SHARED + [5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def check(path, prompts=PROMPTS, logprobs=True, **options):
+def check(path, prompts=PROMPTS, logprobs=True, reference=None, **options):
+    """Greedy tokens (and prompt log-probs) equal transformers' on `reference` (default: `path`)."""
     options = {"num_kv_blocks": 96, "block_size": 4, "max_num_batched_tokens": 16, **options}
     llm = LLM(str(path), **options)
     try:
@@ -43,7 +44,7 @@ def check(path, prompts=PROMPTS, logprobs=True, **options):
                                 prompt_logprobs=0 if logprobs else None)
         outs = llm.generate(prompts, params)
         for ids, out in zip(prompts, outs):
-            assert out.outputs[0].token_ids == hf_greedy(path, ids, MAX_TOKENS), f"prompt of {len(ids)} tokens"
+            assert out.outputs[0].token_ids == hf_greedy(reference or path, ids, MAX_TOKENS), f"prompt of {len(ids)}"
             if logprobs and len(ids) > 1:
                 ours = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
                 assert ours == pytest.approx(hf_prompt_logprobs(path, ids), abs=1e-4)
@@ -76,8 +77,9 @@ def test_hybrid_matches_transformers(checkpoint_factory, arch, options):
     assert not engine.blocks.enable_prefix_caching and engine.scheduler.hit_tokens == 0
 
 
-def as_released(src, dst, edit) -> pathlib.Path:
-    """A copy of checkpoint `src` whose config.json `edit` rewrites into a release's spelling."""
+def as_released(src, dst, edit, tensors: dict | None = None) -> pathlib.Path:
+    """A copy of checkpoint `src` whose config.json `edit` rewrites into a release's spelling (and
+    whose weights are `tensors`, where given, e.g. restacked)."""
     import json
 
     from checkpoints import _write_copy
@@ -86,7 +88,7 @@ def as_released(src, dst, edit) -> pathlib.Path:
     dst.mkdir()
     config = json.loads((src / "config.json").read_text())
     edit(config)
-    return _write_copy(src, dst, load_file(src / "model.safetensors"), config)
+    return _write_copy(src, dst, load_file(src / "model.safetensors") if tensors is None else tensors, config)
 
 
 def lfm2_release(config):  # LFM2-1.2B's spelling
@@ -113,10 +115,6 @@ def test_configs_as_released_are_read_as_transformers_reads_them(checkpoint_fact
 def test_nemotron_3_experts_stacked_in_one_tensor(checkpoint_factory, tmp_path):
     """Nemotron 3's experts as transformers holds them, one [E, I, H] / [E, H, I] tensor per
     projection, read as its per-expert tensors are."""
-    import json
-
-    import torch
-    from checkpoints import _write_copy
     from safetensors.torch import load_file
 
     src = checkpoint_factory("nemotron_h", **NEMOTRON_MOE)
@@ -126,24 +124,14 @@ def test_nemotron_3_experts_stacked_in_one_tensor(checkpoint_factory, tmp_path):
             name = f"backbone.layers.{layer}.mixer.experts.{{}}.{part}.weight"
             tensors[f"backbone.layers.{layer}.mixer.experts.{part}"] = torch.stack(
                 [tensors.pop(name.format(e)) for e in range(8)])
-    (tmp_path / "stacked").mkdir()
-    path = _write_copy(src, tmp_path / "stacked", tensors, json.loads((src / "config.json").read_text()))
-    llm = LLM(str(path), num_kv_blocks=96, block_size=4)
-    try:
-        assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
-                == [hf_greedy(src, ids, MAX_TOKENS) for ids in PROMPTS[:3]])
-    finally:
-        llm.shutdown()
+    check(as_released(src, tmp_path / "stacked", lambda config: None, tensors), PROMPTS[:3], logprobs=False,
+          reference=src)
 
 
 @pytest.mark.parametrize("x_at_w", [False, True], ids=["as-held", "x-at-w"])
 def test_qwen3_5_moe_experts_stacked_in_either_layout(checkpoint_factory, tmp_path, x_at_w):
     """A release may stack each layer's experts in one tensor per projection, as transformers
     holds them ([E, 2I, H], [E, H, I]) or for x @ W ([E, H, 2I], [E, I, H]): the shape tells which."""
-    import json
-
-    import torch
-    from checkpoints import _write_copy
     from safetensors.torch import load_file
 
     src = checkpoint_factory("qwen3_5_moe", moe_intermediate_size=24)  # (2I != hidden: the layouts differ)
@@ -157,14 +145,8 @@ def test_qwen3_5_moe_experts_stacked_in_either_layout(checkpoint_factory, tmp_pa
             gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
         tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up
         tensors[f"model.layers.{layer}.mlp.experts.down_proj"] = down
-    (tmp_path / "stacked").mkdir()
-    path = _write_copy(src, tmp_path / "stacked", tensors, json.loads((src / "config.json").read_text()))
-    llm = LLM(str(path), num_kv_blocks=96, block_size=4)
-    try:
-        assert ([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
-                == [hf_greedy(src, ids, MAX_TOKENS) for ids in PROMPTS[:3]])
-    finally:
-        llm.shutdown()
+    check(as_released(src, tmp_path / "stacked", lambda config: None, tensors), PROMPTS[:3], logprobs=False,
+          reference=src)
 
 
 def test_batch_rows_reused_and_preempted_sequences_start_from_a_fresh_state(checkpoint_factory):
