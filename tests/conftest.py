@@ -44,12 +44,15 @@ def pytest_sessionstart(session):
     session.config._shoal_compiled = os.environ["SHOAL_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="shoal-compiled-")
     # So do the tokenizer classes AutoTokenizer chose (actors/worker/checkpoint_files.py).
     session.config._shoal_tokenizers = os.environ["SHOAL_TOKENIZER_CACHE"] = tempfile.mkdtemp(prefix="shoal-tokenizers-")
+    # And the directories made from GGUF files (actors/worker/gguf_checkpoint.py).
+    session.config._shoal_gguf = os.environ["SHOAL_GGUF_CACHE"] = tempfile.mkdtemp(prefix="shoal-gguf-")
 
 
 def pytest_sessionfinish(session, exitstatus):
     session.config._shoal_marker.unlink(missing_ok=True)
     shutil.rmtree(session.config._shoal_compiled, ignore_errors=True)
     shutil.rmtree(session.config._shoal_tokenizers, ignore_errors=True)
+    shutil.rmtree(session.config._shoal_gguf, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

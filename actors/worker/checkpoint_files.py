@@ -11,17 +11,22 @@ import threading
 from pathlib import Path
 
 from actors.models.args import ARCH_ALIASES, IMAGE_TEXT_ARCHS, TEXT_ARCH_OF
+from actors.worker import gguf_checkpoint
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """A local directory, or a repo id already in the local Hugging Face cache (never downloads)."""
+    """A local directory, a GGUF file (gguf_checkpoint), or a repo id already in the local Hugging Face
+    cache (never downloads)."""
     if model is None:
         if not (BUNDLED_MODEL / "config.json").exists():
             raise FileNotFoundError(f"the bundled model is missing at {BUNDLED_MODEL}; pass --model-path")
         return BUNDLED_MODEL
     path = Path(model).expanduser()
+    gguf = gguf_checkpoint.gguf_file(path)
+    if gguf is not None:  # llama.cpp's file: read as the directory made from it once
+        return gguf_checkpoint.converted(gguf)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")

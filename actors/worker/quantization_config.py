@@ -9,7 +9,8 @@ from actors.config import CHECKPOINT_FORMATS
 # quantization_config.quant_method values whose weights load (None: a float checkpoint).
 # fbgemm_fp8 (Meta's Llama 3.1 FP8 releases) and ModelOpt's FP8 are float8 weights with a scale
 # per channel or tensor: the FP8 reader takes them as they are.
-READ_METHODS = (None, "fp8", "fbgemm_fp8", "modelopt", "compressed-tensors", "gptq", "awq", "mxfp4")
+# gguf: a llama.cpp file's directory (actors/worker/gguf_checkpoint.py), dequantised as it loads.
+READ_METHODS = (None, "fp8", "fbgemm_fp8", "modelopt", "compressed-tensors", "gptq", "awq", "mxfp4", "gguf")
 INT8_FORMATS = ("int-quantized", "naive-quantized")  # actors/worker/int8_checkpoint.py
 # compressed-tensors formats whose weights load (dense: float weights, a KV cache scheme only, say)
 READ_COMPRESSED = ("dense", "float-quantized", "pack-quantized") + INT8_FORMATS

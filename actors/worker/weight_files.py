@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from actors.worker import gguf_checkpoint
+
 # torch dtypes by safetensors' names for them (what get_dtype answers)
 _NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
           torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
@@ -26,6 +28,8 @@ _NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 def weight_files(path: Path) -> list[Path]:
     """The checkpoint's weight files: its safetensors (by their index where there is one), else
     its PyTorch .bin files (likewise)."""
+    if (path / gguf_checkpoint.TENSORS_FILE).exists():  # a GGUF file's directory
+        return [path / gguf_checkpoint.LINK_NAME]
     for index, pattern in (("model.safetensors.index.json", "*.safetensors"),
                            ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
         if (path / index).exists():
@@ -87,6 +91,9 @@ class _Renamed:
 
 @contextlib.contextmanager
 def _open(file: Path):
+    if file.suffix == ".gguf":
+        yield gguf_checkpoint.GgufWeights(file)
+        return
     if file.suffix == ".safetensors":
         with safe_open(str(file), framework="pt") as f:
             yield f

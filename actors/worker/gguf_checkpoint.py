@@ -1,0 +1,301 @@
+"""GGUF checkpoints (llama.cpp's files: `shoal serve --model-path model-Q4_K_M.gguf`), read as a
+Hugging Face checkpoint directory whose weights are the file's, dequantised as they load.
+
+A GGUF holds the config and the tokenizer as metadata and the weights under llama.cpp's names,
+in its block formats (Q8_0, Q4_K, ...). transformers reads all three (its GGUF support, the
+oracle the tests compare with); at the first start the file is turned once into a small
+directory under ~/.cache/shoal/gguf (`SHOAL_GGUF_CACHE`): config.json, the tokenizer's files,
+and the table from the file's tensor names to transformers' (`gguf_tensors.json`), beside a
+link to the file itself. Every process then reads that directory as any checkpoint (the HTTP
+replicas load the saved tokenizer, without torch or the gguf package) and the loader opens
+the file through `GgufWeights`: each tensor is dequantised by the gguf package (llama.cpp's own
+Python reader) when it is read, then undone from llama.cpp's layout by transformers' tensor
+processor for the architecture (Llama's rotary permutation of q / k, Gemma's norms stored + 1,
+experts stacked). The weights are then float, as GPTQ and AWQ ones are: every family, tp / pp
+and `--quantization int8` on top work as on a float checkpoint.
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+FORMAT = 1  # of the converted directory: a change to what it holds gives it a new name
+TENSORS_FILE = "gguf_tensors.json"
+LINK_NAME = "model.gguf"
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one .gguf in a directory without a
+    config.json (a GGUF repository as downloaded); None where it is not a GGUF checkpoint.
+    ValueError (one line) for a directory of several, and for a file split in parts."""
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return None
+        files = sorted(path.glob("*.gguf"))
+        if not files:
+            return None
+        if len(files) > 1 and not _split_parts(files):
+            raise ValueError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): "
+                             "pass the one to serve as --model-path")
+        path = files[0]
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    if _split_parts([path]):
+        raise ValueError(f"{path.name} is one part of a split GGUF: join the parts first "
+                         "(llama.cpp's `llama-gguf-split --merge`)")
+    return path
+
+
+def _split_parts(files: list[Path]) -> bool:
+    """Files named as `llama-gguf-split` names its parts (`model-00001-of-00003.gguf`)."""
+    return all("-of-" in f.stem and f.stem.rsplit("-of-", 1)[1].isdigit() for f in files)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SHOAL_GGUF_CACHE") or Path.home() / ".cache" / "shoal" / "gguf")
+
+
+def converted(file: Path) -> Path:
+    """The checkpoint directory standing for GGUF `file`, made at the first start (one process at
+    a time: the others wait for it, then read it)."""
+    file = file.resolve()
+    stat = file.stat()
+    key = json.dumps([str(file), stat.st_size, stat.st_mtime_ns, _version("transformers"), _version("gguf"), FORMAT])
+    target = cache_dir() / f"{file.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (target / TENSORS_FILE).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / TENSORS_FILE).exists():
+            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+            try:
+                convert(file, tmp)
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def convert(file: Path, out: Path) -> None:
+    """Write `file`'s config, tokenizer and tensor-name table into directory `out`."""
+    if _version("gguf") is None:
+        raise ValueError(f"{file.name} is a GGUF checkpoint: reading it needs the gguf package "
+                         "(`pip install gguf`)")
+    config, arch = gguf_config(file)
+    _tokenizer(file).save_pretrained(out)
+    # Loaded back as saved: a family's own class (Qwen2Tokenizer, say) would put its own split of
+    # the text in place of the one the file states (tokenizer.ggml.pre)
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "PreTrainedTokenizerFast"},
+                                                          indent=2))
+    names = tensor_names(file, config, arch)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / TENSORS_FILE).write_text(json.dumps({"architecture": arch, "names": names}, indent=1))
+    (out / LINK_NAME).symlink_to(file)
+
+
+def gguf_config(file: Path) -> tuple[dict, str]:
+    """(config.json as transformers reads the file's metadata, llama.cpp's architecture name).
+    Its dtype is the file's float type (bfloat16 where the weights are blocks: what most models
+    it was made from hold), its quantization_config {"quant_method": "gguf"} (`--quantization
+    gguf` checks for it, as vLLM's does)."""
+    import gguf
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    reader = _reader(str(file))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    if arch not in SUPPORTED:
+        raise ValueError(f"{file.name}: GGUF architecture {arch!r} is not one shoal reads; it reads "
+                         f"{', '.join(sorted(SUPPORTED))}")
+    try:
+        config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name).to_dict()
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{file.name}: transformers cannot read its settings ({str(exc).splitlines()[0]})") from None
+    kind = config["model_type"]
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{file.name}: no causal language model for model type {kind!r} in transformers")
+    config.update(_stated_settings(reader, arch, config))
+    types = {t.tensor_type for t in reader.tensors}
+    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    dtype = ("bfloat16" if types - floats or gguf.GGMLQuantizationType.BF16 in types
+             else "float16" if gguf.GGMLQuantizationType.F16 in types else "float32")
+    config.update(architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind]], dtype=dtype, torch_dtype=dtype,
+                  quantization_config={"quant_method": "gguf", "file": file.name,
+                                       "types": sorted(gguf.GGMLQuantizationType(t).name for t in types)})
+    return config, arch
+
+
+# Settings llama.cpp's converter writes that transformers' GGUF reading leaves at its config
+# class's defaults (one release's values: Qwen3's head_dim 128, Qwen3-MoE's expert width 768)
+STATED = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
+          "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+          "expert_weights_norm": "norm_topk_prob"}
+ROPE_SCALING = {"linear": "linear", "yarn": "yarn"}  # rope.scaling.type -> transformers' rope_type
+
+
+def _stated_settings(reader, arch: str, config: dict) -> dict:
+    """What the file states that transformers' reading of it missed (STATED; rotary scaling)."""
+    def field(key):
+        f = reader.fields.get(f"{arch}.{key}")
+        return None if f is None else f.contents()
+
+    stated = {hf: field(key) for key, hf in STATED.items() if field(key) is not None}
+    if arch in ("gemma2", "gemma3"):  # (its key_length is the head size transformers read already)
+        stated.pop("head_dim", None)
+    rope = dict(config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)})
+    kind = ROPE_SCALING.get(field("rope.scaling.type"))
+    if kind is not None and field("rope.scaling.factor"):
+        rope.update(rope_type=kind, factor=field("rope.scaling.factor"))
+        if field("rope.scaling.original_context_length"):
+            rope["original_max_position_embeddings"] = field("rope.scaling.original_context_length")
+    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is not None:
+        # Llama 3's rotary scaling, as the converter stores it: a divisor per frequency. Phi-3's
+        # longrope with one list for every length and no attention factor is that same rotary.
+        f = [float(x) for x in factors.data]
+        rope.update(rope_type="longrope", short_factor=f, long_factor=f, attention_factor=1.0,
+                    original_max_position_embeddings=config["max_position_embeddings"])
+        rope.pop("factor", None)
+    if rope != config.get("rope_parameters"):
+        stated["rope_parameters"] = rope
+    return stated
+
+
+def _tokenizer(file: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{file.name}: transformers cannot build its tokenizer ({str(exc).splitlines()[0]})") from None
+
+
+def tensor_names(file: Path, config: dict, arch: str) -> dict[str, str]:
+    """{the file's tensor name: transformers' name}, as transformers maps them: its model for
+    the config, built on the meta device, names every weight, and llama.cpp's own table
+    (gguf.TensorNameMap) gives each one's GGUF name."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    table = get_gguf_hf_weights_map(model, _processor(arch, config))
+    present = {t.name for t in _reader(str(file)).tensors}
+    names = {g: h for g, h in table.items() if g in present or f"{g}.weight" in present}
+    expert_parts = {g for g in present if _EXPERTS.search(g)}  # stacked: the processor names them (process)
+    missing = sorted(present - set(names) - expert_parts - IGNORED)
+    if missing:
+        raise ValueError(f"{file.name}: {len(missing)} tensors have no place in {config['architectures'][0]} "
+                         f"(e.g. {', '.join(missing[:3])})")
+    return names
+
+
+# Stacked experts (`blk.N.ffn_gate_exps.weight`): transformers' tensor processor names them
+_EXPERTS = re.compile(r"\.ffn_(gate|up|down|gate_up)_exps(\.weight)?$")
+# Tensors llama.cpp writes that are not weights of the model: precomputed rotary frequencies
+IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+def _processor(arch: str, config: dict):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(file: str):
+    """The file's header, parsed once a process (its tensors stay mapped, unread)."""
+    import gguf
+    return gguf.GGUFReader(file)
+
+
+class GgufWeights:
+    """A GGUF file's tensors under transformers' names, answering as safetensors' `safe_open`
+    does (keys, get_slice, get_tensor). A tensor is dequantised to float32 whole when it is
+    first sliced (a rank then copies its part)."""
+
+    def __init__(self, file: Path):
+        table = json.loads((file.parent / TENSORS_FILE).read_text())
+        self.config = json.loads((file.parent / "config.json").read_text())
+        self.arch = table["architecture"]
+        self.reader = _reader(str(file.resolve()))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.sources: dict[str, list[str]] = {}  # transformers' name -> the file's tensors making it
+        for g in self.tensors:
+            hf = table["names"].get(g) or self._expert_target(g, table["names"])
+            if hf is not None:
+                self.sources.setdefault(hf, []).append(g)
+
+    def _expert_target(self, name: str, names: dict) -> str | None:
+        """Stacked experts (`blk.N.ffn_gate_exps.weight`): transformers' table holds them without
+        the `.weight` (its target is a stacked parameter, not a module's weight)."""
+        return names.get(name.removesuffix(".weight")) if _EXPERTS.search(name) else None
+
+    def keys(self) -> list[str]:
+        return list(self.sources)
+
+    def get_slice(self, name: str) -> "_Lazy":
+        return _Lazy(self, name)
+
+    def get_tensor(self, name: str):
+        import numpy as np
+        import torch
+        from gguf import dequantize
+
+        processor = _processor(self.arch, self.config)
+        parsed: dict = {"tensors": {}}
+        table = {**{g: name for g in self.sources[name]},
+                 **{g.removesuffix(".weight"): name for g in self.sources[name]}}
+        result = None
+        for g in self.sources[name]:
+            tensor = self.tensors[g]
+            out = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=g,
+                                    tensor_key_mapping=table, parsed_parameters=parsed)
+            if out.name is not None:
+                result = torch.from_numpy(np.array(out.weights, dtype=np.float32))  # (a copy: the map is read-only)
+        if name in parsed["tensors"]:  # several of the file's tensors put together (stacked experts)
+            result = parsed["tensors"][name].float()
+        return result
+
+
+class _Lazy:
+    """One tensor, read when sliced."""
+
+    def __init__(self, weights: GgufWeights, name: str):
+        self.weights, self.name = weights, name
+
+    @functools.cached_property
+    def tensor(self):
+        return self.weights.get_tensor(self.name)
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, key):
+        return self.tensor[key]
+
+
+# llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
+# (config, tokenizer, weights) whose model shoal runs.
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe"}

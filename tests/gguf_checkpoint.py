@@ -1,0 +1,242 @@
+"""GGUF copies of the test checkpoints, written as llama.cpp's convert_hf_to_gguf.py writes them
+(its metadata keys, its tensor names from gguf-py's TensorNameMap, Llama's q / k rows permuted
+for its rotary, experts stacked, Llama 3's rotary scaling as a
+`rope_freqs` tensor), with a float checkpoint of what the file's weights stand for beside it:
+the oracle a GGUF's reading is checked against."""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import numpy as np
+import torch
+
+# transformers' model_type -> gguf-py's architecture
+ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
+         "qwen2_moe": "QWEN2MOE"}
+
+
+def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """convert_hf_to_gguf.py LlamaModel.permute: each head's rotary halves interleaved."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_factors(cfg: dict, head_dim: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: Llama 3's rotary scaling as a
+    divisor per frequency."""
+    rope = cfg["rope_parameters"]
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low_wavelen, high_wavelen = old / low, old / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def _tokenizer_fields(writer, src: pathlib.Path, cfg: dict) -> None:
+    """The test tokenizer (byte-level BPE) as convert_hf_to_gguf.py's _set_vocab_gpt2 writes it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    special = {t["id"] for t in spec["added_tokens"] if t["special"]}
+    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]  # (as the converter pads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")  # GPT-2's split, the test tokenizer's
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 5 if i >= len(tok) else 1 for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_pad_token_id(cfg["pad_token_id"])
+    writer.add_add_bos_token(False)
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)
+
+
+def _settings(writer, cfg: dict) -> None:
+    """TextModel.set_gguf_parameters (and the families' own) as the converter writes them."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    if "head_dim" in cfg:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if cfg["model_type"] in ("llama", "mistral"):
+        writer.add_rope_dimension_count(head_dim)
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if rope.get("rope_type") == "linear":
+        import gguf
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+
+
+def _stacked(tensors: dict, cfg: dict) -> dict:
+    """Per-expert tensors (mlp.experts.E.gate_proj.weight) stacked as the converter stacks them
+    (mlp.experts.gate_proj.weight [E, I, H]); transformers 5's fused gate_up_proj cut apart."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            key = ".".join(parts[:i + 1] + parts[i + 2:])
+            experts.setdefault(key, {})[int(parts[i + 1])] = t
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = t
+        else:
+            out[name] = t
+    for key, by_index in experts.items():
+        out[key] = torch.stack([by_index[e] for e in range(len(by_index))])
+    return out
+
+
+def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tuple[pathlib.Path, pathlib.Path]:
+    """(a GGUF of checkpoint `src`, a float checkpoint of the weights it stands for), both under
+    `dst`. types: the ggml type of every matrix (norms, biases and other vectors stay F32, as the
+    converter keeps them), or {GGUF name substring: type} with "*" for the rest, e.g.
+    {"token_embd": "Q8_0", "ffn": "Q4_0", "*": "F16"}. K-quant types (Q4_K, Q6_K, ...), which
+    gguf-py cannot quantize, are written as random valid blocks: the reference holds what they
+    decode to."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.checkpoints import _write_copy
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    cfg = json.loads((src / "config.json").read_text())
+    kind = cfg["model_type"]
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    tensors = _stacked(tensors, cfg)
+    arch = getattr(gguf.MODEL_ARCH, ARCHS[kind])
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rng = np.random.default_rng(11)
+
+    dst.mkdir(parents=True, exist_ok=True)
+    file = dst / f"{src.name}.gguf"
+    writer = gguf.GGUFWriter(str(file), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(src.name)
+    _settings(writer, cfg)
+    _tokenizer_fields(writer, src, cfg)
+    reference = {}
+    if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(cfg, head_dim).numpy())
+    for name, w in tensors.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue  # (the converter writes a tied head once, as the embedding)
+        w = w.float()
+        stored = w
+        if kind in ("llama", "mistral") and name.endswith("q_proj.weight"):
+            stored = _permute(w, heads, heads)
+        elif kind in ("llama", "mistral") and name.endswith("k_proj.weight"):
+            stored = _permute(w, heads, kv_heads)
+        if name.endswith("shared_expert_gate.weight"):
+            stored = w.reshape(-1)  # (the converter writes Qwen2-MoE's [1, H] gate as a vector)
+        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        qtype = _type(types, new) if stored.dim() >= 2 else "F32"
+        data, decoded = _encode(stored.numpy(), qtype, rng)
+        if qtype in ("F32", "F16"):
+            writer.add_tensor(new, data)
+        else:
+            writer.add_tensor(new, data, raw_shape=data.shape, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
+        reference[name] = _undo(torch.from_numpy(decoded), name, kind, heads, kv_heads).reshape(w.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ref = dst / "reference"
+    ref.mkdir(exist_ok=True)
+    _write_copy(src, ref, _unstacked(reference), cfg)
+    return file, ref
+
+
+def _type(types, gguf_name: str) -> str:
+    if isinstance(types, str):
+        return types
+    return next((t for key, t in types.items() if key != "*" and key in gguf_name), types.get("*", "F32"))
+
+
+def _encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, np.ndarray]:
+    """(what the file stores, the float32 values it decodes to)."""
+    import gguf
+
+    if qtype == "F32":
+        return w, w
+    if qtype == "F16":
+        return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    if qtype == "BF16" or qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        data = gguf.quants.quantize(w, kind)
+    else:  # a K-quant: random blocks whose f16 super-block scales are small and finite
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        data = rng.integers(0, 256, size=(*w.shape[:-1], w.shape[-1] // block * size), dtype=np.uint8)
+        scales = data.reshape(-1, size)
+        if qtype in ("Q2_K", "Q4_K", "Q5_K"):  # d and dmin lead the block
+            scales[:, :4] = np.frombuffer(np.array([2e-4, 1e-4], dtype=np.float16).tobytes(), np.uint8)
+        else:  # Q3_K, Q6_K: d ends it
+            scales[:, -2:] = np.frombuffer(np.array([2e-4], dtype=np.float16).tobytes(), np.uint8)
+    return data, gguf.quants.dequantize(data, kind).astype(np.float32)
+
+
+def _undo(t: torch.Tensor, name: str, kind: str, heads: int, kv_heads: int) -> torch.Tensor:
+    """The float weight a stored tensor stands for (the converter's changes undone)."""
+    if kind in ("llama", "mistral") and name.endswith("q_proj.weight"):
+        return _unpermute(t, heads, heads)
+    if kind in ("llama", "mistral") and name.endswith("k_proj.weight"):
+        return _unpermute(t, heads, kv_heads)
+    return t
+
+
+def _unpermute(w: torch.Tensor, n_head: int, n_head_kv: int) -> torch.Tensor:
+    n = n_head_kv if n_head != n_head_kv else n_head
+    return w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unstacked(tensors: dict) -> dict:
+    """Stacked experts back under transformers 5's names (gate_up_proj [E, 2I, H], down_proj)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_proj.weight"):
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            out[name.replace("gate_proj.weight", "gate_up_proj")] = torch.cat([t, up], dim=1).contiguous()
+        elif name.endswith("mlp.experts.up_proj.weight"):
+            continue
+        elif name.endswith("mlp.experts.down_proj.weight"):
+            out[name.removesuffix(".weight")] = t.contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out

@@ -1,0 +1,262 @@
+"""GGUF checkpoints (actors/worker/gguf_checkpoint.py): llama.cpp's files served as they are.
+
+The writer (tests/gguf_checkpoint.py) lays each tiny checkpoint out as llama.cpp's
+convert_hf_to_gguf.py does and keeps a float checkpoint of what the file's weights stand for
+(its blocks decoded by gguf-py, the converter's permutation undone): the loader's weights equal
+that checkpoint's bit for bit, and the engine gives transformers' greedy tokens (float32) on
+it, for the block formats gguf-py writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) and K-quants
+(Q4_K, Q5_K, Q6_K), for Llama (q / k rows permuted, Llama 3's rotary as `rope_freqs`), Qwen2
+(biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert) and
+Qwen3-MoE (stacked experts); the tokenizer and chat template come from the file; a tp=2 rank
+holds its slices; `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal
+cannot read is refused in one line."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import gguf
+import pytest
+import torch
+from checkpoints import quantized_reference_copy
+from gguf_checkpoint import gguf_copy
+from oracle import hf_greedy, hf_prompt_logprobs
+from safetensors.torch import load_file
+from test_engine import GREEDY, assert_pool_free, prompts_of
+
+from actors.engine.llm import LLM
+from actors.sampling_params import SamplingParams
+from actors.worker import gguf_checkpoint
+from actors.worker.checkpoint_files import read_config, resolve_model_path
+
+LLAMA3_ROPE = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}}
+K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+CASES = {  # name: (family, its overrides, the ggml type of each matrix)
+    "llama-legacy-blocks": ("llama", {}, {"token_embd": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q5_0",
+                                          "attn_q": "Q5_1", "*": "F16"}),
+    "llama-k-quants": ("llama", K_QUANT_SHAPE, {"ffn_down": "Q6_K", "ffn": "Q4_K", "attn_v": "Q5_K", "*": "Q8_0"}),
+    "llama3-rope-bf16": ("llama", LLAMA3_ROPE, "BF16"),
+    "qwen2-biases": ("qwen2", {}, {"ffn": "Q8_0", "*": "F32"}),
+    "qwen3-head-dim": ("qwen3", dict(head_dim=32), "Q8_0"),
+    "qwen2-moe-shared": ("qwen2_moe", {}, {"exps": "Q4_0", "*": "Q8_0"}),
+    "qwen3-moe": ("qwen3_moe", {}, {"exps": "Q8_0", "*": "F16"}),
+}
+
+
+@pytest.fixture(scope="module")
+def copies(checkpoint_factory, tmp_path_factory):
+    root, built = tmp_path_factory.mktemp("gguf"), {}
+
+    def get(case):
+        if case not in built:
+            family, overrides, types = CASES[case]
+            built[case] = gguf_copy(checkpoint_factory(family, **overrides), root / case, types)
+        return built[case]
+    return get
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_weights_are_those_the_file_stands_for(case, copies):
+    from actors.worker.loader import checkpoint_tensors, weight_files
+
+    file, reference = copies(case)
+    path = resolve_model_path(str(file))
+    want = load_file(reference / "model.safetensors")
+    got = {name: t[:] for name, t in checkpoint_tensors(path, weight_files(path)) if t is not None}
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_equals_transformers_on_the_weights_the_file_stands_for(case, copies):
+    file, reference = copies(case)
+    llm = LLM(str(file), dtype="float32", num_kv_blocks=64)
+    try:
+        prompts = prompts_of([5, 19])
+        for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert out.outputs[0].token_ids == hf_greedy(reference, ids, GREEDY.max_tokens)
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_prompt_logprobs_and_the_rotary_scaling_the_file_keeps(copies):
+    """Llama 3's rotary scaling travels as a tensor of divisors (`rope_freqs`): read back, the
+    prompt's log-probs are transformers' on the llama3-scaled checkpoint within 1e-4, and they
+    would not be without it."""
+    file, reference = copies("llama3-rope-bf16")
+    ids = prompts_of([40], seed=3)[0]
+    want = hf_prompt_logprobs(reference, ids)
+    llm = LLM(str(file), dtype="float32", num_kv_blocks=64)
+    try:
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+        got = [next(iter(p.values())) for p in out.prompt_logprobs[1:]]
+        assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-4
+    finally:
+        llm.shutdown()
+    rope = read_config(resolve_model_path(str(file)))["rope_parameters"]
+    assert rope["rope_type"] == "longrope" and max(rope["short_factor"]) == 8.0
+    unscaled = json.loads((reference / "config.json").read_text())
+    unscaled["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    plain = reference.parent / "unscaled"
+    shutil.copytree(reference, plain, dirs_exist_ok=True)
+    (plain / "config.json").write_text(json.dumps(unscaled))
+    assert max(abs(g - w) for g, w in zip(got, hf_prompt_logprobs(plain, ids))) > 1e-3
+
+
+def test_tokenizer_chat_template_and_settings_come_from_the_file(copies, checkpoint_factory):
+    from transformers import AutoTokenizer
+
+    file, reference = copies("qwen3-head-dim")
+    path = resolve_model_path(str(file))
+    ours = AutoTokenizer.from_pretrained(path)
+    from_file = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)  # transformers' own reading
+    source = AutoTokenizer.from_pretrained(reference)  # the checkpoint the file was made from
+    for text in ("The quick fish swims <|im_end|> under the boat, 1234!", "ünïcödé\n\n  tabs\tand 😀"):
+        assert ours(text).input_ids == from_file(text).input_ids
+        assert ours.decode(ours(text).input_ids) == text
+    assert ours.convert_ids_to_tokens(list(range(len(source)))) == source.convert_ids_to_tokens(list(range(len(source))))
+    messages = [{"role": "user", "content": "hello there"}]
+    assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == source.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    config = read_config(path)
+    assert config["head_dim"] == 32 and config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["quantization_config"]["quant_method"] == "gguf" and config["dtype"] == "bfloat16"
+    assert json.loads((reference / "config.json").read_text())["eos_token_id"] == config["eos_token_id"]
+
+
+def test_the_file_is_converted_once_and_found_in_its_directory(copies, tmp_path):
+    file, _ = copies("qwen2-biases")
+    path = resolve_model_path(str(file))
+    made = (path / "config.json").stat().st_mtime_ns
+    assert resolve_model_path(str(file)) == path and (path / "config.json").stat().st_mtime_ns == made
+    assert resolve_model_path(str(file.parent)) == path  # a GGUF repository's folder: its one .gguf
+    assert (path / gguf_checkpoint.LINK_NAME).resolve() == file.resolve()
+    twice = tmp_path / "two"
+    twice.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        os.symlink(file, twice / name)
+    with pytest.raises(ValueError, match="holds 2 GGUF files"):
+        resolve_model_path(str(twice))
+    part = tmp_path / "model-00001-of-00002.gguf"
+    os.symlink(file, part)
+    with pytest.raises(ValueError, match="one part of a split GGUF"):
+        resolve_model_path(str(part))
+
+
+def test_int8_on_top_equals_the_int8_reference(copies, tmp_path):
+    file, reference = copies("qwen2-biases")
+    oracle = quantized_reference_copy(reference, tmp_path / "int8")
+    llm = LLM(str(file), dtype="float32", num_kv_blocks=64, quantization="int8")
+    try:
+        prompts = prompts_of([9])
+        for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert out.outputs[0].token_ids == hf_greedy(oracle, ids, GREEDY.max_tokens)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("case", ["llama-legacy-blocks", "qwen3-moe"])
+def test_tp2_ranks_hold_their_slices(case, copies):
+    """Built in process: each tp=2 rank's parameters from the GGUF equal those it builds from
+    the reference (column- and row-parallel slices; experts)."""
+    from actors.distributed.parallel import Parallel
+    from actors.worker import loader
+
+    file, reference = copies(case)
+    path = resolve_model_path(str(file))
+    cfg = json.loads((reference / "config.json").read_text())
+    for rank in (0, 1):
+        models = [loader.build_model(p, read_config(p), torch.float32, torch.device("cpu"), 64,
+                                     Parallel(rank=rank, tp_size=2)) for p in (path, reference)]
+        got, want = (dict(m.named_parameters()) for m in models)
+        assert set(got) == set(want) and cfg["num_hidden_layers"] == 2
+        for name in want:
+            assert torch.equal(got[name], want[name]), (rank, name)
+
+
+def test_quantization_gguf_names_the_format():
+    """vLLM's `--quantization gguf` is accepted for a GGUF and refused for another checkpoint."""
+    from actors.worker import quantization_config
+
+    quantization_config.check({"quantization_config": {"quant_method": "gguf"}}, "gguf")
+    with pytest.raises(ValueError, match="--quantization gguf is for gguf checkpoints; this one is not quantized"):
+        quantization_config.check({}, "gguf")
+
+
+def _minimal_gguf(path, arch: str):
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_file_shoal_cannot_read_is_refused_in_one_line(tmp_path):
+    """An architecture outside the read ones, before any weight is read; the same from `shoal
+    serve` before Ray starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from serving import loopback_env
+
+    file = _minimal_gguf(tmp_path / "bert.gguf", "bert")
+    with pytest.raises(ValueError, match="GGUF architecture 'bert' is not one shoal reads") as raised:
+        resolve_model_path(str(file))
+    assert "\n" not in str(raised.value)
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(file),
+                          "--host", "127.0.0.1", "--port", "8151"], cwd=repo, env=loopback_env(PYTHONPATH=str(repo)),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert [line for line in run.stderr.splitlines() if line.startswith("shoal serve: error:")] == [
+        f"shoal serve: error: {raised.value}"], run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+
+
+def test_shoal_serve_a_gguf_file(copies, tmp_path):
+    """`shoal serve --model-path model.gguf --quantization gguf`: the file's chat template
+    answers a chat, a completion of token ids is transformers' greedy text on the weights the
+    file stands for, an over-long prompt gets 400, SIGTERM leaves nothing running."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from serving import free_port, loopback_env, stop_process, wait_process_ready
+
+    file, reference = copies("llama-legacy-blocks")
+    repo = Path(__file__).resolve().parents[1]
+    port, log = free_port(), tmp_path / "serve.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(file),
+                                 "--quantization", "gguf", "--dtype", "float32", "--host", "127.0.0.1", "--port",
+                                 str(port), "--eager-decode", "--max-model-len", "256"], cwd=repo,
+                                env=loopback_env(PYTHONPATH=str(repo)), stdout=sink, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_process_ready(url, proc, log)
+        ids = prompts_of([7], seed=5)[0]
+        r = httpx.post(f"{url}/v1/completions", json={"model": str(file), "prompt": ids, "max_tokens": 8,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        want = AutoTokenizer.from_pretrained(reference).decode(hf_greedy(reference, ids, 8))
+        assert r.json()["choices"][0]["text"] == want
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": str(file), "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1, chat.text
+        long = httpx.post(f"{url}/v1/completions", json={"model": str(file), "prompt": [5] * 300, "max_tokens": 4})
+        assert long.status_code == 400 and long.json()["error"]["message"], long.text
+    finally:
+        code, outliving = stop_process(proc)
+    assert code == 0 and not outliving, log.read_text()[-3000:]
