@@ -55,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
              "(per output channel; weight-only on CPU; fp8 multiplies in FP8 on GPUs that have "
              "it, with per-token activation scales); w8a8_int8: int8 weights times int8 "
              "activations quantized per token. Quantized checkpoints (GPTQ, AWQ, compressed-tensors, "
-             "FP8, MXFP4) need no option; naming their format (gptq, awq_marlin, ...) checks it "
+             "FP8, MXFP4, NVFP4) need no option; naming their format (gptq, awq_marlin, ...) checks it "
              "(docs/quantization.md)")
     add("--device", choices=["auto", "cpu", "cuda"])
     add("--seed", type=int, metavar="N",
