@@ -9,7 +9,7 @@ compressed-tensors, a factor in ModelOpt) against the float weights it was quant
 loader's weights then equal, bit for bit, a float checkpoint holding what the codes stand for,
 and the engine gives transformers' greedy tokens (float32) on it: Llama and Qwen3 in both
 layouts, with and without activation scales, settings in config.json or ModelOpt's
-hf_quant_config.json, Qwen3-MoE with each expert quantized, modules left float (the LM head,
+hf_quant_config.json, Qwen3-MoE and DeepSeek-V3 (MLA) with each expert quantized, modules left float (the LM head,
 an `ignore`d projection); a tp=2 rank holds its slices; what it can't read is refused in one
 line."""
 from __future__ import annotations
@@ -62,6 +62,7 @@ CASES = {
     "ct-a16-qwen3-moe": ("qwen3_moe", "compressed-tensors", dict(activations=False)),  # each expert quantized
     "modelopt-llama": ("llama", "modelopt", dict()),
     "modelopt-a16-qwen3-hf-quant-config": ("qwen3", "modelopt", dict(activations=False, hf_quant_config=True)),
+    "modelopt-deepseek-v3": ("deepseek_v3", "modelopt", dict()),  # MLA's projections, each expert quantized
 }
 
 
