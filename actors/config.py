@@ -10,7 +10,7 @@ QUANTIZATIONS = ("int8", "fp8", "w8a8_int8")  # kernels/quantization.py
 # kernels' names too) -> the quant_method its config must have: checked, then loaded as usual
 CHECKPOINT_FORMATS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
                       "compressed-tensors": "compressed-tensors", "fbgemm_fp8": "fbgemm_fp8",
-                      "modelopt": "modelopt", "mxfp4": "mxfp4", "gguf": "gguf"}
+                      "modelopt": "modelopt", "modelopt_fp4": "modelopt", "mxfp4": "mxfp4", "gguf": "gguf"}
 # On 2 CPU cores a decode step of 64 rows on the bench model takes ~50 ms: 75 ms leaves room
 # for ~85 prompt tokens a step, and chunk gaps stayed near 100 ms at p99 (docs/benchmarks.md).
 DEFAULT_CPU_ITL_TARGET_MS = 75.0

@@ -1044,3 +1044,99 @@ def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, 
         paths[kind].mkdir(parents=True, exist_ok=True)
         _write_copy(src, paths[kind], out, {**config, **({"quantization_config": quant} if kind == "packed" else {})})
     return paths
+
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 the sign
+E4M3_MAX = 448.0
+
+
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """Values on the e2m1 grid [N, K] -> uint8 [N, K / 2] as both NVFP4 writers pack them
+    (compressed-tensors' pack_fp4_to_uint8 `indices[:, 0] | (indices[:, 1] << 4)`, ModelOpt's
+    `(q[..., 1::2] << 4) | q[..., 0::2]`): element 2i in the low nibble, 2i + 1 in the high one."""
+    magnitude = (values.abs()[..., None] - torch.tensor(E2M1_MAGNITUDES)).abs().argmin(-1)
+    codes = (magnitude | (torch.signbit(values).long() << 3)).to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def quantize_nvfp4(w: torch.Tensor, writer: str) -> tuple[dict, torch.Tensor]:
+    """A weight [N, K] as `writer` ("compressed-tensors" or "modelopt") quantizes it to NVFP4:
+    ({suffix: tensor}, the float32 weight the tensors stand for). The tensor-wide scale maps the
+    weight's amax to e4m3's 448 times e2m1's 6 (ModelOpt stores amax / 2688 as weight_scale_2,
+    compressed-tensors its reciprocal as weight_global_scale, a divisor); each group of 16
+    gets its amax / 6 over the tensor-wide scale in e4m3, each value the nearest e2m1 code."""
+    w = w.float()
+    n, k = w.shape
+    groups = w.reshape(n, k // 16, 16)
+    amax = w.abs().max().clamp(min=1e-12)
+    if writer == "compressed-tensors":
+        tensor_wide = (E4M3_MAX * 6.0 / amax).reshape(1)  # generate_gparam
+        scale = (tensor_wide * groups.abs().amax(-1) / 6.0).to(torch.float8_e4m3fn)  # calculate_qparams
+        step = scale.float() / tensor_wide  # _dequantize: scale / global_scale
+    else:
+        tensor_wide = amax / (6.0 * E4M3_MAX)  # get_weights_scaling_factor_2
+        scale = (groups.abs().amax(-1) / (6.0 * tensor_wide)).to(torch.float8_e4m3fn)
+        step = scale.float() * tensor_wide  # NVFP4QTensor.dequantize: scale * double_scale
+    step = torch.where(step == 0, torch.ones_like(step), step)
+    scaled = (groups / step[..., None]).clamp(-6.0, 6.0)
+    grid = torch.tensor(E2M1_MAGNITUDES)
+    values = grid[(scaled.abs()[..., None] - grid).abs().argmin(-1)] * scaled.sign()
+    reference = (values * step[..., None]).reshape(n, k)
+    packed = pack_e2m1(values.reshape(n, k))
+    if writer == "compressed-tensors":
+        return {".weight_packed": packed, ".weight_scale": scale, ".weight_global_scale": tensor_wide}, reference
+    return {".weight": packed, ".weight_scale": scale, ".weight_scale_2": tensor_wide}, reference
+
+
+def nvfp4_copies(src, root, writer: str, *, activations: bool = True, float_modules: tuple = (),
+                 hf_quant_config: bool = False) -> dict[str, pathlib.Path]:
+    """`src`'s attention and MLP projections (each MoE expert's too; the router, embedding and
+    LM head stay float, as do `float_modules`) in NVFP4 as `writer` writes them:
+    "compressed-tensors" (LLM Compressor's nvfp4-pack-quantized: NVFP4 with
+    `input_global_scale`s, NVFP4A16 without `activations`) or "modelopt" (quant_algo NVFP4 with
+    `input_scale`s, W4A16_NVFP4 without; its settings in hf_quant_config.json instead of
+    config.json with `hf_quant_config`). Returns {"packed": the checkpoint, "reference": the
+    float checkpoint of the weights it stands for}. Written once per `root`."""
+    import json
+
+    from safetensors.torch import load_file
+
+    src, root = pathlib.Path(src), pathlib.Path(root)
+    paths = {kind: root / kind for kind in ("packed", "reference")}
+    if (paths["reference"] / "config.json").exists():
+        return paths
+    config = json.loads((src / "config.json").read_text())
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    packed, reference = {}, {}
+    for name, w in tensors.items():
+        module = name.removesuffix(".weight")
+        if not name.endswith(QUANTIZED_PROJECTIONS) or module in float_modules:
+            packed[name] = reference[name] = w
+            continue
+        parts, reference[name] = quantize_nvfp4(w, writer)
+        packed.update({module + suffix: t for suffix, t in parts.items()})
+        if activations:  # static activation scales: not read (activations stay float)
+            scale = ".input_global_scale" if writer == "compressed-tensors" else ".input_scale"
+            packed[module + scale] = torch.tensor([2.5]) if writer == "compressed-tensors" else torch.tensor(0.4)
+    if writer == "compressed-tensors":
+        fp4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+               "dynamic": False, "observer": "minmax"}
+        group = {"targets": ["Linear"], "weights": fp4, "format": "nvfp4-pack-quantized",
+                 "input_activations": {**fp4, "dynamic": "local"} if activations else None}
+        quant = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                 "quantization_status": "compressed", "config_groups": {"group_0": group},
+                 "ignore": ["lm_head", *float_modules]}
+    else:
+        quant = {"quant_method": "modelopt", "quant_algo": "NVFP4" if activations else "W4A16_NVFP4",
+                 "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", *float_modules]}
+    for kind, out in (("packed", packed), ("reference", reference)):
+        paths[kind].mkdir(parents=True, exist_ok=True)
+        in_config = kind == "packed" and not hf_quant_config
+        _write_copy(src, paths[kind], out, {**config, **({"quantization_config": quant} if in_config else {})})
+    if hf_quant_config:
+        settings = {k: v for k, v in quant.items() if k != "quant_method"}
+        (paths["packed"] / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt", "version": "0.37.0"}, "quantization": settings}))
+    return paths

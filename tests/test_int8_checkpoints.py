@@ -182,9 +182,9 @@ def test_the_scheme_read_from_config():
 @pytest.mark.parametrize("quant, message", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' checkpoints .* are not supported"),
     ({"quant_method": "hqq"}, "'hqq' checkpoints .* shoal reads fp8, fbgemm_fp8, modelopt, compressed-tensors"),
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt NVFP4 checkpoints are not supported"),
-    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"},
-     "compressed-tensors format nvfp4-pack-quantized is not supported"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "ModelOpt W4A8_AWQ checkpoints are not supported"),
+    ({"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"},
+     "compressed-tensors format mxfp4-pack-quantized is not supported"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
         "weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 64}}}}, "strategy 'group'"),
 ])

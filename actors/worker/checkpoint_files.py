@@ -43,6 +43,8 @@ def resolve_model_path(model: str | None) -> Path:
 # Where older GPTQ / AWQ releases (AutoGPTQ, AutoAWQ) keep their quantization settings when
 # config.json has no quantization_config.
 LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")
+# ModelOpt's exports keep theirs in hf_quant_config.json, under "quantization" (vLLM reads it too)
+MODELOPT_QUANTIZATION_FILE = "hf_quant_config.json"
 # transformers' GPT2Config.attribute_map: the engine reads the common names
 GPT2_FIELDS = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
                "max_position_embeddings": "n_positions"}
@@ -65,8 +67,9 @@ def _json_float(obj: dict):
 
 
 def read_config(path: Path) -> dict:
-    """config.json, with a legacy GPTQ / AWQ settings file as its quantization_config where it
-    has none (AutoAWQ's names no method: its `w_bit` tells it from GPTQ's `bits`); an
+    """config.json, with a legacy GPTQ / AWQ settings file (or ModelOpt's hf_quant_config.json)
+    as its quantization_config where it has none (AutoAWQ's names no method: its `w_bit` tells
+    it from GPTQ's `bits`); an
     image-text checkpoint's is its language model's config; a release's remote-code class name
     (ARCH_ALIASES) reads as transformers' own; COMPLETED_BY_TRANSFORMERS' are completed by its class."""
     config = json.loads((path / "config.json").read_text(), object_hook=_json_float)
@@ -86,6 +89,9 @@ def read_config(path: Path) -> dict:
                 method = q.get("quant_method") or ("awq" if "w_bit" in q or "version" in q else "gptq")
                 config["quantization_config"] = {**q, "quant_method": method}
                 break
+    if config.get("quantization_config") is None and (path / MODELOPT_QUANTIZATION_FILE).exists():
+        q = json.loads((path / MODELOPT_QUANTIZATION_FILE).read_text()).get("quantization")
+        config["quantization_config"] = {"quant_method": "modelopt", **q} if isinstance(q, dict) else q
     return config
 
 

@@ -12,7 +12,8 @@ from actors.models import model_class
 from actors.models.args import ModelArgs
 from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from actors.models.llama import rope_tables
-from actors.worker import fp8_checkpoint, int4_checkpoint, int8_checkpoint, mxfp4_checkpoint, quantization_config
+from actors.worker import (fp8_checkpoint, int4_checkpoint, int8_checkpoint, mxfp4_checkpoint, nvfp4_checkpoint,
+                           quantization_config)
 from actors.worker.checkpoint_files import read_config
 from actors.worker.progress import progress_bar
 from actors.worker.weight_files import open_weights, weight_files
@@ -125,7 +126,9 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple]:
     """Every weight's shape (from the files' headers): what adapters are checked against. A
     packed int4 weight counts as the float weight it stands for."""
     shapes = {}
-    int4 = int4_checkpoint.read_format(read_config(path))
+    config = read_config(path)
+    int4, nvfp4 = int4_checkpoint.read_format(config), nvfp4_checkpoint.read_layout(config)
+    names = _tensor_files(weight_files(path)) if nvfp4 else {}
     for file in weight_files(path):
         with open_weights(file) as f:
             for name in f.keys():
@@ -134,6 +137,10 @@ def checkpoint_shapes(path: Path) -> dict[str, tuple]:
                     if not int4.weight_of(name):
                         continue
                     name, shape = int4.weight_of(name), int4.weight_shape(shape)
+                elif nvfp4 and nvfp4.module_of(name, names):  # two e2m1 codes a byte
+                    if not nvfp4.weight_of(name, names):
+                        continue
+                    name, shape = nvfp4.weight_of(name, names), (shape[0], shape[1] * 2)
                 shapes[name] = shape
     return shapes
 
@@ -291,16 +298,15 @@ def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
     float8 weight comes dequantised with its scale (actors/worker/fp8_checkpoint.py), an MXFP4
     one (`W_blocks`) as W, dequantised expert by expert as it is sliced
     (actors/worker/mxfp4_checkpoint.py), a GPTQ / AWQ / compressed-tensors packed one (`X.qweight`,
-    `X.weight_packed`) as the float `X.weight` (actors/worker/int4_checkpoint.py), and the
+    `X.weight_packed`) as the float `X.weight` (actors/worker/int4_checkpoint.py), an NVFP4 one
+    likewise, dequantised when sliced (actors/worker/nvfp4_checkpoint.py), and the
     scales, zero points and group indices themselves come as (name, None). packed: a packed
     weight comes as an int4_checkpoint.PackedWeight instead (kept packed on the GPU)."""
-    where = {}
-    for file in files:
-        with open_weights(file) as f:
-            where.update(dict.fromkeys(f.keys(), file))
+    where = _tensor_files(files)
     config = read_config(path)
     block, mxfp4 = fp8_checkpoint.block_size(config), mxfp4_checkpoint.is_mxfp4(config)
     int4, int8 = int4_checkpoint.read_format(config), int8_checkpoint.scheme(config)
+    nvfp4 = nvfp4_checkpoint.read_layout(config)
     for file in files:
         with open_weights(file) as f:
             for name in f.keys():
@@ -320,11 +326,44 @@ def checkpoint_tensors(path: Path, files: list[Path], packed: bool = False):
                     name = name.removesuffix(mxfp4_checkpoint.BLOCKS)
                     scales = _tensor(name + mxfp4_checkpoint.SCALES, where)
                     tensor_slice = mxfp4_checkpoint.Dequantized(tensor_slice, scales)
+                elif nvfp4 and nvfp4.module_of(name, where):  # (before FP8's: its group scales are float8)
+                    weight = nvfp4.weight_of(name, where)
+                    module = (weight or "").removesuffix(".weight")
+                    tensor_slice = _Lazy(lambda m=module: _nvfp4_weight(nvfp4, m, where)) if weight else None
+                    name = weight or name
                 elif tensor_slice.get_dtype() in fp8_checkpoint.FP8_DTYPES:
                     tensor_slice = fp8_checkpoint.dequantize(f.get_tensor(name), _scale_of(name, where), block, name)
                 elif fp8_checkpoint.is_scale(name):
                     tensor_slice = None
                 yield name, tensor_slice
+
+
+def _tensor_files(files: list[Path]) -> dict[str, Path]:
+    """Each tensor's file (read from the files' headers)."""
+    where = {}
+    for file in files:
+        with open_weights(file) as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    return where
+
+
+def _nvfp4_weight(layout, module: str, where: dict) -> torch.Tensor:
+    packed, scale, tensor_wide = (_tensor(module + part, where) for part in (layout.packed, ".weight_scale",
+                                                                               layout.global_scale))
+    return nvfp4_checkpoint.dequantize(layout, packed, scale, tensor_wide, repr(module + layout.packed))
+
+
+class _Lazy:
+    """A weight computed (read and dequantised) only when a rule slices it: a pipeline stage
+    skips the other stages' layers unread."""
+
+    def __init__(self, compute):
+        self.compute, self.tensor = compute, None
+
+    def __getitem__(self, key):
+        if self.tensor is None:
+            self.tensor = self.compute()
+        return self.tensor[key]
 
 
 def _tensor(name: str, where: dict) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Which quantized checkpoints shoal reads, judged from config.json alone (no torch: the `shoal
 serve` driver asks before it starts Ray, so a checkpoint it cannot read fails there in one line,
 not in an engine actor that Serve restarts). The formats' own readers check the details as the
-weights load (int4_checkpoint, int8_checkpoint, fp8_checkpoint, mxfp4_checkpoint)."""
+weights load (int4_checkpoint, int8_checkpoint, fp8_checkpoint, mxfp4_checkpoint, nvfp4_checkpoint)."""
 from __future__ import annotations
 
 from actors.config import CHECKPOINT_FORMATS
@@ -13,7 +13,13 @@ from actors.config import CHECKPOINT_FORMATS
 READ_METHODS = (None, "fp8", "fbgemm_fp8", "modelopt", "compressed-tensors", "gptq", "awq", "mxfp4", "gguf")
 INT8_FORMATS = ("int-quantized", "naive-quantized")  # actors/worker/int8_checkpoint.py
 # compressed-tensors formats whose weights load (dense: float weights, a KV cache scheme only, say)
-READ_COMPRESSED = ("dense", "float-quantized", "pack-quantized") + INT8_FORMATS
+NVFP4_FORMAT = "nvfp4-pack-quantized"  # actors/worker/nvfp4_checkpoint.py
+READ_COMPRESSED = ("dense", "float-quantized", "pack-quantized", NVFP4_FORMAT) + INT8_FORMATS
+# ModelOpt quant_algo values whose weights load: FP8 (the FP8 reader), NVFP4 and its weight-only
+# twin (the same tensors without input_scale)
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+MODELOPT_ALGOS = ("FP8",) + NVFP4_ALGOS
+NVFP4_GROUP = 16
 
 
 def settings(cfg: dict) -> dict:
@@ -39,6 +45,37 @@ def config_groups(q: dict) -> list[dict]:
 def compressed_formats(q: dict) -> set:
     """A compressed-tensors config's formats: its groups' own, else the top-level one."""
     return {g.get("format") or q.get("format") for g in config_groups(q)} or {q.get("format")}
+
+
+def modelopt_algo(q: dict) -> str:
+    """A ModelOpt config's quant_algo, upper-cased as vLLM reads it (FP8 where it names none)."""
+    return str(q.get("quant_algo", "FP8")).upper()
+
+
+def check_nvfp4(q: dict) -> None:
+    """ValueError (one line) for an NVFP4 config whose weights are not e2m1 codes in groups of
+    16 (the scales' shapes are checked again as each weight loads), or one that mixes NVFP4
+    with integer layers (whose `weight_packed` would read alike)."""
+    if q.get("quant_method") == "compressed-tensors":
+        mixed = sorted(str(f) for f in compressed_formats(q) if f in INT8_FORMATS + ("pack-quantized",))
+        if mixed:
+            raise ValueError(f"compressed-tensors checkpoint mixing {NVFP4_FORMAT} with {', '.join(mixed)} layers: "
+                             "shoal reads NVFP4 beside float and FP8 layers only")
+        for group in config_groups(q):
+            if (group.get("format") or q.get("format")) != NVFP4_FORMAT:
+                continue
+            w = group.get("weights") or {}
+            if (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("symmetric", True)) != \
+                    (4, "float", NVFP4_GROUP, True):
+                raise ValueError(f"{NVFP4_FORMAT} weights of {w.get('num_bits')} bits, type {w.get('type')!r}, "
+                                 f"group_size {w.get('group_size')!r}: shoal reads NVFP4's symmetric 4-bit floats "
+                                 f"in groups of {NVFP4_GROUP}")
+        return
+    sizes = [q.get("group_size")] + [(g.get("weights") or {}).get("group_size") for g in config_groups(q)]
+    for size in sizes:
+        if size is not None and size != NVFP4_GROUP:
+            raise ValueError(f"ModelOpt {modelopt_algo(q)} checkpoint with group_size {size!r}: shoal reads NVFP4's "
+                             f"groups of {NVFP4_GROUP}")
 
 
 def fp8_block(q: dict) -> tuple[int, int] | None:
@@ -69,8 +106,9 @@ def check(cfg: dict, asked: str | None = None) -> None:
     if method not in READ_METHODS:
         raise ValueError(f"{method!r} checkpoints (config.json's quantization_config) are not supported; shoal reads "
                          f"{', '.join(m for m in READ_METHODS if m)} ones and float checkpoints")
-    if method == "modelopt" and str(q.get("quant_algo", "FP8")).upper() != "FP8":
-        raise ValueError(f"ModelOpt {q.get('quant_algo')} checkpoints are not supported; shoal reads ModelOpt's FP8")
+    if method == "modelopt" and modelopt_algo(q) not in MODELOPT_ALGOS:
+        raise ValueError(f"ModelOpt {q.get('quant_algo')} checkpoints are not supported; shoal reads ModelOpt's "
+                         f"{', '.join(MODELOPT_ALGOS)}")
     if method == "compressed-tensors":
         unread = sorted(str(f) for f in compressed_formats(q) - set(READ_COMPRESSED) - {None})
         if unread:
@@ -78,6 +116,12 @@ def check(cfg: dict, asked: str | None = None) -> None:
                              f"{', '.join(READ_COMPRESSED)}")
     if method in ("fp8", "compressed-tensors"):
         fp8_block(q)
+    if (method == "modelopt" and modelopt_algo(q) in NVFP4_ALGOS) or \
+            (method == "compressed-tensors" and NVFP4_FORMAT in compressed_formats(q)):
+        check_nvfp4(q)
     if asked in CHECKPOINT_FORMATS and method != CHECKPOINT_FORMATS[asked]:
         found = f"quantization_config says quant_method {method!r}" if method else "is not quantized"
         raise ValueError(f"--quantization {asked} is for {CHECKPOINT_FORMATS[asked]} checkpoints; this one {found}")
+    if asked == "modelopt_fp4" and modelopt_algo(q) not in NVFP4_ALGOS:  # (vLLM's name for ModelOpt's NVFP4)
+        raise ValueError(f"--quantization modelopt_fp4 is for ModelOpt NVFP4 checkpoints; this one's quant_algo is "
+                         f"{q.get('quant_algo', 'FP8')!r}")

@@ -47,7 +47,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         add_option(group, flag, **kwargs)
 
     add("--model-path", metavar="DIR",
-        help="Hugging Face checkpoint directory (default: the bundled demo model)")
+        help="Hugging Face checkpoint directory, or a llama.cpp .gguf file (default: the bundled demo model)")
     add("--dtype", type=dtype_arg, choices=["auto", "float32", "bfloat16", "float16"],
         help=f"weight and activation dtype (also {', '.join(DTYPE_ALIASES)})")
     add("--quantization", choices=[*QUANTIZATIONS, *CHECKPOINT_FORMATS],
@@ -55,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
              "(per output channel; weight-only on CPU; fp8 multiplies in FP8 on GPUs that have "
              "it, with per-token activation scales); w8a8_int8: int8 weights times int8 "
              "activations quantized per token. Quantized checkpoints (GPTQ, AWQ, compressed-tensors, "
-             "FP8, MXFP4) need no option; naming their format (gptq, awq_marlin, ...) checks it "
+             "FP8, MXFP4, NVFP4, GGUF) need no option; naming their format (gptq, awq_marlin, gguf, ...) checks it "
              "(docs/quantization.md)")
     add("--device", choices=["auto", "cpu", "cuda"])
     add("--seed", type=int, metavar="N",
