@@ -27,7 +27,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-FORMAT = 1  # of the converted directory: a change to what it holds gives it a new name
+FORMAT = 2  # of the converted directory: a change to what it holds gives it a new name
 TENSORS_FILE = "gguf_tensors.json"
 LINK_NAME = "model.gguf"
 
@@ -107,7 +107,7 @@ def convert(file: Path, out: Path) -> None:
                                                           indent=2))
     names = tensor_names(file, config, arch)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / TENSORS_FILE).write_text(json.dumps({"architecture": arch, "names": names}, indent=1))
+    (out / TENSORS_FILE).write_text(json.dumps({"architecture": arch, "names": names, "where": where(file)}, indent=1))
     (out / LINK_NAME).symlink_to(file)
 
 
@@ -190,15 +190,27 @@ def _tokenizer(file: Path):
 def tensor_names(file: Path, config: dict, arch: str) -> dict[str, str]:
     """{the file's tensor name: transformers' name}, as transformers maps them: its model for
     the config, built on the meta device, names every weight, and llama.cpp's own table
-    (gguf.TensorNameMap) gives each one's GGUF name."""
+    (gguf.TensorNameMap) gives each one's GGUF name. (transformers' get_gguf_hf_weights_map
+    does the same, then again for every submodule: 5 s for a 30-layer model, for the names
+    that Bloom's files alone need.)"""
+    import gguf
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    table = get_gguf_hf_weights_map(model, _processor(arch, config))
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(kind, config["num_hidden_layers"])
+    processor, table = _processor(arch, config), {}
+    for hf_name in model.state_dict():
+        name = processor.preprocess_name(hf_name)
+        base, dot, suffix = name.rpartition(".") if name.endswith((".weight", ".bias")) else (name, "", "")
+        found = name_map.get_name(base)
+        if found is None:
+            processor.perform_fallback_tensor_mapping(table, dot + suffix, "", name)
+        else:
+            table[found + dot + suffix] = name
     present = {t.name for t in _reader(str(file)).tensors}
     names = {g: h for g, h in table.items() if g in present or f"{g}.weight" in present}
     expert_parts = {g for g in present if _EXPERTS.search(g)}  # stacked: the processor names them (process)
@@ -207,6 +219,14 @@ def tensor_names(file: Path, config: dict, arch: str) -> dict[str, str]:
         raise ValueError(f"{file.name}: {len(missing)} tensors have no place in {config['architectures'][0]} "
                          f"(e.g. {', '.join(missing[:3])})")
     return names
+
+
+def where(file: Path) -> dict[str, list]:
+    """{tensor: [first byte, bytes, ggml type, numpy dtype, shape as stored]}: what reading a
+    tensor needs, so a loading process maps the file without parsing its header again (gguf-py
+    parses every metadata value: 2 s for a vocabulary of 49k tokens)."""
+    return {t.name: [int(t.data_offset), int(t.n_bytes), int(t.tensor_type), t.data.dtype.str, list(t.data.shape)]
+            for t in _reader(str(file)).tensors}
 
 
 # Stacked experts (`blk.N.ffn_gate_exps.weight`): transformers' tensor processor names them
@@ -222,7 +242,7 @@ def _processor(arch: str, config: dict):
 
 @functools.lru_cache(maxsize=4)
 def _reader(file: str):
-    """The file's header, parsed once a process (its tensors stay mapped, unread)."""
+    """The file's header, parsed once while the file is converted."""
     import gguf
     return gguf.GGUFReader(file)
 
@@ -233,13 +253,15 @@ class GgufWeights:
     first sliced (a rank then copies its part)."""
 
     def __init__(self, file: Path):
+        import numpy as np
+
         table = json.loads((file.parent / TENSORS_FILE).read_text())
         self.config = json.loads((file.parent / "config.json").read_text())
         self.arch = table["architecture"]
-        self.reader = _reader(str(file.resolve()))
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.where = table["where"]
+        self.bytes = np.memmap(file.resolve(), mode="r", dtype=np.uint8)  # pages read as tensors are
         self.sources: dict[str, list[str]] = {}  # transformers' name -> the file's tensors making it
-        for g in self.tensors:
+        for g in self.where:
             hf = table["names"].get(g) or self._expert_target(g, table["names"])
             if hf is not None:
                 self.sources.setdefault(hf, []).append(g)
@@ -266,8 +288,9 @@ class GgufWeights:
                  **{g.removesuffix(".weight"): name for g in self.sources[name]}}
         result = None
         for g in self.sources[name]:
-            tensor = self.tensors[g]
-            out = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=g,
+            start, size, kind, dtype, shape = self.where[g]
+            data = self.bytes[start:start + size].view(np.dtype(dtype)).reshape(shape)
+            out = processor.process(weights=dequantize(data, kind), name=g,
                                     tensor_key_mapping=table, parsed_parameters=parsed)
             if out.name is not None:
                 result = torch.from_numpy(np.array(out.weights, dtype=np.float32))  # (a copy: the map is read-only)
