@@ -4,6 +4,8 @@ Q8_0, and quality against the unquantized model.
     .venv/bin/python tests/bench/bench_quantization.py speed --llama-server BUILD/bin/llama-server \\
         --llama-cpp SRC/vendor/llama.cpp [--rounds 3] [--requests 64] [--output-len 32] \\
         [--formats int8,w8a8_int8,bf16]
+    .venv/bin/python tests/bench/bench_quantization.py speed --llama-server BUILD/bin/llama-server \\
+        --gguf FILE.gguf [--formats bf16,int8-bf16,w8a8_int8-bf16]
     .venv/bin/python tests/bench/bench_quantization.py quality [--model DIR] [--formats int8,w8a8_int8,fp8,fp8-dynamic]
     .venv/bin/python tests/bench/bench_quantization.py kernel [--threads 2] [--best]
 
@@ -96,16 +98,22 @@ def _kib(path: str, field: str) -> int:
 def speed(args) -> None:
     args.logs = args.root / "logs"
     args.logs.mkdir(parents=True, exist_ok=True)
-    hf = args.root / "qwen2.5-0.5b-shape"
-    if not (hf / "config.json").exists():
-        make_checkpoint(hf, "qwen2", seed=SEED, init_std=0.02, **QWEN_05B)
-    gguf = convert(hf, args.llama_cpp, "q8_0")
+    if not (args.gguf or args.llama_cpp):
+        raise SystemExit("speed: --llama-cpp (to convert the Qwen2.5-0.5B shape) or --gguf FILE")
+    if args.gguf:  # one GGUF file served by both: llama-server reads it, shoal dequantises it as it loads
+        hf = gguf = args.gguf
+        llama = f"llama-server {gguf.name}"
+    else:
+        hf = args.root / "qwen2.5-0.5b-shape"
+        if not (hf / "config.json").exists():
+            make_checkpoint(hf, "qwen2", seed=SEED, init_std=0.02, **QWEN_05B)
+        gguf, llama = convert(hf, args.llama_cpp, "q8_0"), "llama-server Q8_0"
     prompts = workload(args.requests, args.min_prompt, args.max_prompt, seed=7, vocab=512)
     base = args.shoal_args
     servers = {}
     try:
         args.dtype = "float32"  # llama-server's KV cache (f32), as shoal's
-        servers["llama-server Q8_0"] = start_llama_server(args.llama_server, gguf, args)
+        servers[llama] = start_llama_server(args.llama_server, gguf, args)
         for kind in args.formats.split(","):
             if kind not in SHOAL_SERVERS:
                 raise SystemExit(f"--formats: one of {', '.join(SHOAL_SERVERS)}, got {kind!r}")
@@ -137,7 +145,7 @@ def speed(args) -> None:
         print(f"| {name} | {' / '.join(f'{x:.1f}' for x in rates)} | {statistics.median(rates):.1f} | "
               f"{m['rss']:.0f} / {m['pss']:.0f} | {m['engine']:.0f} |")
     for name in (n for n in runs if n.startswith(("shoal int8", "shoal w8a8_int8"))):
-        for other, target in (("llama-server Q8_0", 1.5), ("shoal bf16", 1.3)):
+        for other, target in ((llama, 1.5), ("shoal bf16", 1.3)):
             if other not in runs:
                 continue
             ratios = [a["rate"] / b["rate"] for a, b in zip(runs[name], runs[other])]
@@ -283,7 +291,10 @@ def main() -> None:
     sub = ap.add_subparsers(dest="what", required=True)
     s = sub.add_parser("speed")
     s.add_argument("--llama-server", required=True)
-    s.add_argument("--llama-cpp", required=True, type=Path)
+    s.add_argument("--llama-cpp", type=Path, help="llama.cpp's source (its converter): the Q8_0 GGUF of the "
+                   "Qwen2.5-0.5B shape; not needed with --gguf")
+    s.add_argument("--gguf", type=Path, help="a GGUF file both servers serve (llama-server as it is, shoal "
+                   "dequantised as it loads) instead of the Qwen2.5-0.5B shape")
     s.add_argument("--llama-threads", type=int, default=2)
     s.add_argument("--formats", default="int8,bf16", help=f"comma-separated shoal servers: {', '.join(SHOAL_SERVERS)}")
     add_workload_args(s)
