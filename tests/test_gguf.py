@@ -148,6 +148,14 @@ def test_the_file_is_converted_once_and_found_in_its_directory(copies, tmp_path)
         resolve_model_path(str(part))
 
 
+def test_a_cache_it_cannot_write_is_named_in_one_line(copies, tmp_path, monkeypatch):
+    file, _ = copies("qwen2-biases")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("SHOAL_GGUF_CACHE", str(tmp_path / "a-file" / "gguf"))
+    with pytest.raises(ValueError, match="cannot write the directory made from it under .*set SHOAL_GGUF_CACHE"):
+        resolve_model_path(str(file))
+
+
 def test_int8_on_top_equals_the_int8_reference(copies, tmp_path):
     file, reference = copies("qwen2-biases")
     oracle = quantized_reference_copy(reference, tmp_path / "int8")

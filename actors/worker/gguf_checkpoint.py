@@ -72,8 +72,13 @@ def converted(file: Path) -> Path:
     target = cache_dir() / f"{file.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (target / TENSORS_FILE).exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.parent / f".{target.name}.lock", "w")
+    except OSError as exc:
+        raise ValueError(f"{file.name}: cannot write the directory made from it under {target.parent} "
+                         f"({exc.strerror}); set SHOAL_GGUF_CACHE to a writable folder") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / TENSORS_FILE).exists():
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
