@@ -1,6 +1,6 @@
 """GGUF copies of the test checkpoints, written as llama.cpp's convert_hf_to_gguf.py writes them
 (its metadata keys, its tensor names from gguf-py's TensorNameMap, Llama's q / k rows permuted
-for its rotary, experts stacked, Llama 3's rotary scaling as a
+for its rotary, Gemma's norms stored + 1, experts stacked, Llama 3's rotary scaling as a
 `rope_freqs` tensor), with a float checkpoint of what the file's weights stand for beside it:
 the oracle a GGUF's reading is checked against."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 
 # transformers' model_type -> gguf-py's architecture
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
-         "qwen2_moe": "QWEN2MOE"}
+         "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3"}
+GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)
 
 
 def _permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
@@ -71,6 +72,7 @@ def _settings(writer, cfg: dict) -> None:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # (Gemma 3: the global layers' rotary; the local one is fixed)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -89,6 +91,11 @@ def _settings(writer, cfg: dict) -> None:
         writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg["model_type"] in GEMMA:
+        writer.add_sliding_window(cfg["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key):
+                getattr(writer, f"add_{key}")(cfg[key])
     if cfg.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if rope.get("rope_type") == "linear":
@@ -155,7 +162,7 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
     if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_factors(cfg, head_dim).numpy())
     for name, w in tensors.items():
-        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings", kind in GEMMA):  # (Gemma's default)
             continue  # (the converter writes a tied head once, as the embedding)
         w = w.float()
         stored = w
@@ -163,6 +170,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
             stored = _permute(w, heads, heads)
         elif kind in ("llama", "mistral") and name.endswith("k_proj.weight"):
             stored = _permute(w, heads, kv_heads)
+        if kind in GEMMA and name.endswith("norm.weight"):
+            stored = w + 1
         if name.endswith("shared_expert_gate.weight"):
             stored = w.reshape(-1)  # (the converter writes Qwen2-MoE's [1, H] gate as a vector)
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -218,6 +227,8 @@ def _undo(t: torch.Tensor, name: str, kind: str, heads: int, kv_heads: int) -> t
         return _unpermute(t, heads, heads)
     if kind in ("llama", "mistral") and name.endswith("k_proj.weight"):
         return _unpermute(t, heads, kv_heads)
+    if kind in GEMMA and name.endswith("norm.weight"):
+        return t - 1
     return t
 
 

@@ -6,8 +6,9 @@ convert_hf_to_gguf.py does and keeps a float checkpoint of what the file's weigh
 that checkpoint's bit for bit, and the engine gives transformers' greedy tokens (float32) on
 it, for the block formats gguf-py writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) and K-quants
 (Q4_K, Q5_K, Q6_K), for Llama (q / k rows permuted, Llama 3's rotary as `rope_freqs`), Qwen2
-(biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert) and
-Qwen3-MoE (stacked experts); the tokenizer and chat template come from the file; a tp=2 rank
+(biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert),
+Qwen3-MoE (stacked experts), Gemma 2 (norms stored + 1, soft-capping) and Gemma 3 (a rotary by
+layer type); the tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank
 holds its slices; `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal
 cannot read is refused in one line."""
 from __future__ import annotations
@@ -43,6 +44,13 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     "qwen3-head-dim": ("qwen3", dict(head_dim=32), "Q8_0"),
     "qwen2-moe-shared": ("qwen2_moe", {}, {"exps": "Q4_0", "*": "Q8_0"}),
     "qwen3-moe": ("qwen3_moe", {}, {"exps": "Q8_0", "*": "F16"}),
+    # Gemma as llama.cpp runs it (its files state neither): queries scaled by the head size,
+    # Gemma 3's layers global every sixth, its local rotary unscaled at base 10,000
+    "gemma2-softcaps": ("gemma2", dict(query_pre_attn_scalar=16, tie_word_embeddings=True, init_std=0.1),
+                        {"ffn": "Q8_0", "*": "BF16"}),
+    "gemma3-rope-by-type": ("gemma3", dict(query_pre_attn_scalar=16, num_hidden_layers=6, init_std=0.1,
+                                           layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+                            {"attn": "Q5_0", "*": "Q8_0"}),
 }
 
 
@@ -127,6 +135,9 @@ def test_tokenizer_chat_template_and_settings_come_from_the_file(copies, checkpo
     assert config["head_dim"] == 32 and config["architectures"] == ["Qwen3ForCausalLM"]
     assert config["quantization_config"]["quant_method"] == "gguf" and config["dtype"] == "bfloat16"
     assert json.loads((reference / "config.json").read_text())["eos_token_id"] == config["eos_token_id"]
+    # where generation ends: the file's eos and the end-of-turn tokens llama.cpp stops at
+    ends = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    assert ends == sorted({config["eos_token_id"], *source.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])})
 
 
 def test_the_file_is_converted_once_and_found_in_its_directory(copies, tmp_path):

@@ -27,7 +27,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-FORMAT = 2  # of the converted directory: a change to what it holds gives it a new name
+FORMAT = 3  # of the converted directory: a change to what it holds gives it a new name
 TENSORS_FILE = "gguf_tensors.json"
 LINK_NAME = "model.gguf"
 
@@ -112,8 +112,31 @@ def convert(file: Path, out: Path) -> None:
                                                           indent=2))
     names = tensor_names(file, config, arch)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": end_of_generation(file, config, out)}))
     (out / TENSORS_FILE).write_text(json.dumps({"architecture": arch, "names": names, "where": where(file)}, indent=1))
     (out / LINK_NAME).symlink_to(file)
+
+
+# Tokens that end a turn in the chat formats llama.cpp knows, which it stops at wherever a
+# file's vocabulary has them (llama-vocab.cpp): a GGUF names one eos, where a Hugging Face
+# release's generation_config.json lists them all (Qwen's <|im_end|> and <|endoftext|>)
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+               "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+
+
+def end_of_generation(file: Path, config: dict, out: Path) -> list[int]:
+    """The ids llama.cpp ends generation at: the file's eos, eot and eom tokens and END_OF_TURN's
+    that its vocabulary holds (Llama 3's <|end_of_text|> and <|eot_id|>, Qwen's <|endoftext|>
+    and <|im_end|>, Phi-3's <|endoftext|> and <|end|>, as llama.cpp finds them in their files)."""
+    reader = _reader(str(file))
+    ids = {config.get("eos_token_id")} | {reader.fields[k].contents() for k in
+                                           ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+                                           if k in reader.fields}
+    vocab = json.loads((out / "tokenizer.json").read_text())
+    by_text = {**vocab["model"].get("vocab", {}), **{t["content"]: t["id"] for t in vocab.get("added_tokens", [])}}
+    ids |= {by_text[t] for t in END_OF_TURN if isinstance(by_text.get(t), int)}
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].data)  # (transformers may add tokens past the file's)
+    return sorted(i for i in ids if isinstance(i, int) and i < tokens)
 
 
 def gguf_config(file: Path) -> tuple[dict, str]:
@@ -152,7 +175,8 @@ def gguf_config(file: Path) -> tuple[dict, str]:
 # class's defaults (one release's values: Qwen3's head_dim 128, Qwen3-MoE's expert width 768)
 STATED = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
           "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-          "expert_weights_norm": "norm_topk_prob"}
+          "expert_weights_norm": "norm_topk_prob", "attn_logit_softcapping": "attn_logit_softcapping",
+          "final_logit_softcapping": "final_logit_softcapping"}
 ROPE_SCALING = {"linear": "linear", "yarn": "yarn"}  # rope.scaling.type -> transformers' rope_type
 
 
@@ -163,9 +187,29 @@ def _stated_settings(reader, arch: str, config: dict) -> dict:
         return None if f is None else f.contents()
 
     stated = {hf: field(key) for key, hf in STATED.items() if field(key) is not None}
-    if arch in ("gemma2", "gemma3"):  # (its key_length is the head size transformers read already)
-        stated.pop("head_dim", None)
-    rope = dict(config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)})
+    pattern = field("attention.sliding_window_pattern")  # (newer converters: a flag a layer)
+    if isinstance(pattern, list) and len(pattern) == config["num_hidden_layers"]:
+        stated["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    if arch in GEMMA_27B_LAYERS:
+        # llama.cpp scales Gemma's queries by the head size, but 27B's by hidden / heads (its
+        # query_pre_attn_scalar); the file states neither
+        heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+        stated["query_pre_attn_scalar"] = (config["hidden_size"] // heads if layers == GEMMA_27B_LAYERS[arch]
+                                           else config["head_dim"])
+    stated.update(_rotary(reader, field, config))
+    return stated
+
+
+# Gemma 2 and 3 27B's layer counts (llama.cpp tells its query scale by them)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _rotary(reader, field, config: dict) -> dict:
+    """The rotary scaling the file states: linear or YaRN in its metadata (Gemma 3: its global
+    layers'), Llama 3's as a tensor. {} where transformers' reading has it already."""
+    params = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
+    by_type = "full_attention" in params  # (Gemma 3: one rotary per layer type; llama.cpp scales the global one)
+    rope = dict(params["full_attention"] if by_type else params)
     kind = ROPE_SCALING.get(field("rope.scaling.type"))
     if kind is not None and field("rope.scaling.factor"):
         rope.update(rope_type=kind, factor=field("rope.scaling.factor"))
@@ -179,9 +223,8 @@ def _stated_settings(reader, arch: str, config: dict) -> dict:
         rope.update(rope_type="longrope", short_factor=f, long_factor=f, attention_factor=1.0,
                     original_max_position_embeddings=config["max_position_embeddings"])
         rope.pop("factor", None)
-    if rope != config.get("rope_parameters"):
-        stated["rope_parameters"] = rope
-    return stated
+    rope = {**params, "full_attention": rope} if by_type else rope
+    return {"rope_parameters": rope} if rope != params else {}
 
 
 def _tokenizer(file: Path):
@@ -326,4 +369,4 @@ class _Lazy:
 
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3"}
