@@ -14,7 +14,7 @@ import torch
 
 # transformers' model_type -> gguf-py's architecture
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
-         "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3"}
+         "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3"}
 GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)
 
 
@@ -87,6 +87,10 @@ def _settings(writer, cfg: dict) -> None:
         writer.add_value_length(head_dim)
     if cfg["model_type"] in ("llama", "mistral"):
         writer.add_rope_dimension_count(head_dim)
+    if cfg["model_type"] == "phi3":  # Phi3MiniModel.set_gguf_parameters
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // heads)
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
         writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -159,8 +163,15 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
     _settings(writer, cfg)
     _tokenizer_fields(writer, src, cfg)
     reference = {}
-    if (cfg.get("rope_parameters") or {}).get("rope_type") == "llama3":
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_factors(cfg, head_dim).numpy())
+    if kind == "phi3" and rope.get("long_factor"):  # Phi3MiniModel.generate_extra_tensors
+        scale = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     for name, w in tensors.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings", kind in GEMMA):  # (Gemma's default)
             continue  # (the converter writes a tied head once, as the embedding)

@@ -7,8 +7,8 @@ that checkpoint's bit for bit, and the engine gives transformers' greedy tokens 
 it, for the block formats gguf-py writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16) and K-quants
 (Q4_K, Q5_K, Q6_K), for Llama (q / k rows permuted, Llama 3's rotary as `rope_freqs`), Qwen2
 (biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert),
-Qwen3-MoE (stacked experts), Gemma 2 (norms stored + 1, soft-capping) and Gemma 3 (a rotary by
-layer type); the tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank
+Qwen3-MoE (stacked experts), Gemma 2 (norms stored + 1, soft-capping), Gemma 3 (a rotary by
+layer type) and Phi-3 (fused projections, longrope factors as tensors, a partial rotary); the tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank
 holds its slices; `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal
 cannot read is refused in one line."""
 from __future__ import annotations
@@ -51,6 +51,8 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     "gemma3-rope-by-type": ("gemma3", dict(query_pre_attn_scalar=16, num_hidden_layers=6, init_std=0.1,
                                            layer_types=["sliding_attention"] * 5 + ["full_attention"]),
                             {"attn": "Q5_0", "*": "Q8_0"}),
+    # Phi-4-mini's shape: q/k/v and gate/up fused, three quarters of each head rotated, longrope
+    "phi3-longrope-partial": ("phi3", {}, {"attn_qkv": "Q8_0", "ffn_up": "Q4_1", "*": "F16"}),
 }
 
 

@@ -27,7 +27,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-FORMAT = 3  # of the converted directory: a change to what it holds gives it a new name
+FORMAT = 4  # of the converted directory: a change to what it holds gives it a new name
 TENSORS_FILE = "gguf_tensors.json"
 LINK_NAME = "model.gguf"
 
@@ -196,6 +196,8 @@ def _stated_settings(reader, arch: str, config: dict) -> dict:
         heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
         stated["query_pre_attn_scalar"] = (config["hidden_size"] // heads if layers == GEMMA_27B_LAYERS[arch]
                                            else config["head_dim"])
+    if arch == "phi3":  # 0: none (Phi-4), else Phi-3's window
+        stated["sliding_window"] = field("attention.sliding_window") or None
     stated.update(_rotary(reader, field, config))
     return stated
 
@@ -215,14 +217,25 @@ def _rotary(reader, field, config: dict) -> dict:
         rope.update(rope_type=kind, factor=field("rope.scaling.factor"))
         if field("rope.scaling.original_context_length"):
             rope["original_max_position_embeddings"] = field("rope.scaling.original_context_length")
-    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if factors is not None:
+    tensors = {t.name: [float(x) for x in t.data] for t in reader.tensors
+               if t.name in ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")}
+    if "rope_freqs.weight" in tensors:
         # Llama 3's rotary scaling, as the converter stores it: a divisor per frequency. Phi-3's
         # longrope with one list for every length and no attention factor is that same rotary.
-        f = [float(x) for x in factors.data]
+        f = tensors["rope_freqs.weight"]
         rope.update(rope_type="longrope", short_factor=f, long_factor=f, attention_factor=1.0,
                     original_max_position_embeddings=config["max_position_embeddings"])
         rope.pop("factor", None)
+    if "rope_factors_long.weight" in tensors:  # Phi-3's longrope: its two lists and attention factor
+        rope.update(rope_type="longrope", short_factor=tensors["rope_factors_short.weight"],
+                    long_factor=tensors["rope_factors_long.weight"],
+                    original_max_position_embeddings=field("rope.scaling.original_context_length"))
+        if field("rope.scaling.attn_factor") is not None:
+            rope["attention_factor"] = field("rope.scaling.attn_factor")
+    rotated, head_dim = field("rope.dimension_count"), config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"])
+    if rotated and rotated != head_dim and not by_type:  # (Phi-4-mini rotates three quarters of each head)
+        rope["partial_rotary_factor"] = rotated / head_dim
     rope = {**params, "full_attention": rope} if by_type else rope
     return {"rope_parameters": rope} if rope != params else {}
 
@@ -369,4 +382,4 @@ class _Lazy:
 
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"}
