@@ -8,8 +8,8 @@ it, for the block formats gguf-py writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F1
 (Q4_K, Q5_K, Q6_K), for Llama (q / k rows permuted, Llama 3's rotary as `rope_freqs`), Qwen2
 (biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert),
 Qwen3-MoE (stacked experts), Gemma 2 (norms stored + 1, soft-capping), Gemma 3 (a rotary by
-layer type) and Phi-3 (fused projections, longrope factors as tensors, a partial rotary); the tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank
-holds its slices; `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal
+layer type) and Phi-3 (fused projections, longrope factors as tensors, a partial rotary); the
+tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank holds its slices; `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal
 cannot read is refused in one line."""
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ LLAMA3_ROPE = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0
                                    "original_max_position_embeddings": 64}}
 K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 CASES = {  # name: (family, its overrides, the ggml type of each matrix)
-    "llama-legacy-blocks": ("llama", {}, {"token_embd": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q5_0",
-                                          "attn_q": "Q5_1", "*": "F16"}),
+    "llama-legacy-blocks": ("llama", {}, {"token_embd": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "Q4_1",
+                                          "ffn_down": "Q5_0", "attn_q": "Q5_1", "*": "F16"}),
     "llama-k-quants": ("llama", K_QUANT_SHAPE, {"ffn_down": "Q6_K", "ffn": "Q4_K", "attn_v": "Q5_K", "*": "Q8_0"}),
     "llama3-rope-bf16": ("llama", LLAMA3_ROPE, "BF16"),
     "qwen2-biases": ("qwen2", {}, {"ffn": "Q8_0", "*": "F32"}),
@@ -129,7 +129,8 @@ def test_tokenizer_chat_template_and_settings_come_from_the_file(copies, checkpo
     for text in ("The quick fish swims <|im_end|> under the boat, 1234!", "ünïcödé\n\n  tabs\tand 😀"):
         assert ours(text).input_ids == from_file(text).input_ids
         assert ours.decode(ours(text).input_ids) == text
-    assert ours.convert_ids_to_tokens(list(range(len(source)))) == source.convert_ids_to_tokens(list(range(len(source))))
+    every = list(range(len(source)))
+    assert ours.convert_ids_to_tokens(every) == source.convert_ids_to_tokens(every)
     messages = [{"role": "user", "content": "hello there"}]
     assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == source.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
