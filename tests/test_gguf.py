@@ -9,8 +9,9 @@ it, for the block formats gguf-py writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F1
 (biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert),
 Qwen3-MoE (stacked experts), Gemma 2 (norms stored + 1, soft-capping), Gemma 3 (a rotary by
 layer type) and Phi-3 (fused projections, longrope factors as tensors, a partial rotary); the
-tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank holds its slices; `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal
-cannot read is refused in one line."""
+tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank holds its slices;
+`--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal cannot read is refused
+in one line."""
 from __future__ import annotations
 
 import json
