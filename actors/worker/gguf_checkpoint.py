@@ -320,7 +320,10 @@ class GgufWeights:
         self.config = json.loads((file.parent / "config.json").read_text())
         self.arch = table["architecture"]
         self.where = table["where"]
-        self.bytes = np.memmap(file.resolve(), mode="r", dtype=np.uint8)  # pages read as tensors are
+        # pages read as tensors are; a plain array: gguf-py cuts it into row groups, and a memmap
+        # view costs 1.5 us each (0.75 s of a 0.5B model's 7 s)
+        self.bytes = np.memmap(file.resolve(), mode="r", dtype=np.uint8).view(np.ndarray)
+        self.processor = _processor(self.arch, self.config)
         self.sources: dict[str, list[str]] = {}  # transformers' name -> the file's tensors making it
         for g in self.where:
             hf = table["names"].get(g) or self._expert_target(g, table["names"])
@@ -343,7 +346,7 @@ class GgufWeights:
         import torch
         from gguf import dequantize
 
-        processor = _processor(self.arch, self.config)
+        processor = self.processor
         parsed: dict = {"tensors": {}}
         table = {**{g: name for g in self.sources[name]},
                  **{g.removesuffix(".weight"): name for g in self.sources[name]}}
