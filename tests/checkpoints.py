@@ -1032,14 +1032,18 @@ def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, 
         quant = {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
                  "version": "gemm", "modules_to_not_convert": list(float_modules) or None}
     else:
+        # every field as LLM Compressor writes it (observer_kwargs an object, sparsity and transforms empty)
         weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
                    "strategy": "channel" if group_size == -1 else "group",
                    "group_size": None if group_size == -1 else group_size,
-                   "actorder": "group" if act_order else None}
+                   "actorder": "group" if act_order else None, "block_structure": None, "observer": "minmax",
+                   "observer_kwargs": {}}
         quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                               "input_activations": None, "format": "pack-quantized"}},
-                 "ignore": ["lm_head", *float_modules]}
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                               "output_activations": None, "format": "pack-quantized"}},
+                 "ignore": ["lm_head", *float_modules], "global_compression_ratio": None, "kv_cache_scheme": None,
+                 "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
+                 "version": "0.10.2"}
     for kind, out in (("packed", packed), ("reference", reference)):
         paths[kind].mkdir(parents=True, exist_ok=True)
         _write_copy(src, paths[kind], out, {**config, **({"quantization_config": quant} if kind == "packed" else {})})
