@@ -809,17 +809,26 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
     return paths
 
 
-def fp8_channel_copy(paths: dict, dst, quant: dict) -> pathlib.Path:
+def fp8_channel_copy(paths: dict, dst, quant: dict, key: str = "quantization_config",
+                     suffixes: dict | None = None) -> pathlib.Path:
     """fp8_copies' per-channel checkpoint under another writer's quantization_config (Meta's
-    fbgemm_fp8, NVIDIA ModelOpt's FP8: the same float8 weights and `weight_scale`s)."""
+    fbgemm_fp8, NVIDIA ModelOpt's FP8: the same float8 weights and `weight_scale`s), under
+    config.json's `key`, its tensors' `suffixes` renamed ({".weight_scale": ".weight_scale_inv"}: the names
+    transformers' FP8Linear gives them)."""
     import json
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     dst = pathlib.Path(dst)
     if not (dst / "config.json").exists():
         shutil.copytree(paths["channel"], dst)
-        config = json.loads((dst / "config.json").read_text())
-        (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        config = {k: v for k, v in json.loads((dst / "config.json").read_text()).items() if k != "quantization_config"}
+        (dst / "config.json").write_text(json.dumps({**config, key: quant}))
+        tensors = load_file(dst / "model.safetensors")
+        for old, new in (suffixes or {}).items():
+            tensors = {name.removesuffix(old) + new if name.endswith(old) else name: t for name, t in tensors.items()}
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
