@@ -5,8 +5,9 @@ int8 scheme; FP8 block; NVFP4 / MXFP4), or a one-line refusal naming why. No mod
 loading tests of each format are in test_int4_checkpoints.py, test_int8_checkpoints.py,
 test_quantization.py and test_nvfp4_checkpoints.py.
 
-`source` names where each block was read: a Hugging Face release (its config.json as
-published), or a public repository that embeds it (path given)."""
+`source` names the release (or the public code quoting it) each block stands for. Most are pasted
+as published; LLM Compressor's are built by `ct` with every field its writer spells out (one
+group over Linear), and long module lists are cut short."""
 from __future__ import annotations
 
 import json
@@ -199,7 +200,7 @@ CASES = [
     ("compressed-tensors with a SpinQuant transform_config",
      {"qc": {**W4A16, "transform_config": {"config_groups": {"u": {"type": "hadamard", "apply": []}}}}},
      ("refused", r"transform_config")),
-    ("deepseek-ai/DeepSeek-V3 (docs of sglang: benchmark/deepseek_v3/README.md)", {"qc": DEEPSEEK_V3},
+    ("deepseek-ai/DeepSeek-V3 (as sglang's DeepSeek docs quote it)", {"qc": DEEPSEEK_V3},
      ("fp8", (128, 128))),
     ("Qwen/Qwen3-8B-FP8", {"qc": DEEPSEEK_V3}, ("fp8", (128, 128))),
     ("deepseek-ai/DeepSeek-V3.1 (scale_fmt ue8m0)", {"qc": {**DEEPSEEK_V3, "scale_fmt": "ue8m0"}}, ("fp8", (128, 128))),
