@@ -809,17 +809,26 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
     return paths
 
 
-def fp8_channel_copy(paths: dict, dst, quant: dict) -> pathlib.Path:
+def fp8_channel_copy(paths: dict, dst, quant: dict, key: str = "quantization_config",
+                     suffixes: dict | None = None) -> pathlib.Path:
     """fp8_copies' per-channel checkpoint under another writer's quantization_config (Meta's
-    fbgemm_fp8, NVIDIA ModelOpt's FP8: the same float8 weights and `weight_scale`s)."""
+    fbgemm_fp8, NVIDIA ModelOpt's FP8: the same float8 weights and `weight_scale`s), under
+    config.json's `key`, its tensors' `suffixes` renamed ({".weight_scale": ".weight_scale_inv"}: the names
+    transformers' FP8Linear gives them)."""
     import json
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     dst = pathlib.Path(dst)
     if not (dst / "config.json").exists():
         shutil.copytree(paths["channel"], dst)
-        config = json.loads((dst / "config.json").read_text())
-        (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        config = {k: v for k, v in json.loads((dst / "config.json").read_text()).items() if k != "quantization_config"}
+        (dst / "config.json").write_text(json.dumps({**config, key: quant}))
+        tensors = load_file(dst / "model.safetensors")
+        for old, new in (suffixes or {}).items():
+            tensors = {name.removesuffix(old) + new if name.endswith(old) else name: t for name, t in tensors.items()}
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
@@ -1032,14 +1041,18 @@ def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, 
         quant = {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
                  "version": "gemm", "modules_to_not_convert": list(float_modules) or None}
     else:
+        # every field as LLM Compressor writes it (observer_kwargs an object, sparsity and transforms empty)
         weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
                    "strategy": "channel" if group_size == -1 else "group",
                    "group_size": None if group_size == -1 else group_size,
-                   "actorder": "group" if act_order else None}
+                   "actorder": "group" if act_order else None, "block_structure": None, "observer": "minmax",
+                   "observer_kwargs": {}}
         quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                               "input_activations": None, "format": "pack-quantized"}},
-                 "ignore": ["lm_head", *float_modules]}
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                               "output_activations": None, "format": "pack-quantized"}},
+                 "ignore": ["lm_head", *float_modules], "global_compression_ratio": None, "kv_cache_scheme": None,
+                 "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
+                 "version": "0.10.2"}
     for kind, out in (("packed", packed), ("reference", reference)):
         paths[kind].mkdir(parents=True, exist_ok=True)
         _write_copy(src, paths[kind], out, {**config, **({"quantization_config": quant} if kind == "packed" else {})})

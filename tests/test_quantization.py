@@ -271,16 +271,33 @@ def test_fp8_checkpoints_load_as_their_dequantised_weights(layout, checkpoint_fa
             llm.shutdown()
 
 
-@pytest.mark.parametrize("quant", [
-    {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
-    {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]},
+NAIVE_FP8 = {"quant_method": "compressed-tensors", "format": "naive-quantized", "quantization_status": "frozen",
+             "config_groups": {"group_0": {"targets": ["Linear"],
+                                           "weights": {"num_bits": 8, "strategy": "channel", "type": "float"},
+                                           "input_activations": {"num_bits": 8, "strategy": "tensor",
+                                                                 "type": "float"}}},
+             "ignore": ["lm_head"]}
+
+
+@pytest.mark.parametrize("name,quant,key,suffixes", [
+    ("fbgemm", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+     "quantization_config", None),
+    ("modelopt", {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None,
+                  "exclude_modules": ["lm_head"]}, "quantization_config", None),
+    ("naive", NAIVE_FP8, "quantization_config", None),
+    ("compression-config", NAIVE_FP8, "compression_config", None),
+    ("mistral", {"activation_scheme": "static", "dequantize": False, "modules_to_not_convert": ["lm_head"],
+                 "quant_method": "fp8", "weight_block_size": None}, "quantization_config",
+     {".weight_scale": ".weight_scale_inv", ".input_scale": ".activation_scale"}),
 ])
-def test_other_writers_fp8_checkpoints_load(quant, checkpoint_factory, tmp_path_factory):
-    """Meta's fbgemm_fp8 and NVIDIA ModelOpt's FP8 store float8 weights with per-channel (or
-    per-tensor) `weight_scale`s: transformers' greedy tokens on the weights they stand for."""
+def test_other_writers_fp8_checkpoints_load(name, quant, key, suffixes, checkpoint_factory, tmp_path_factory):
+    """Meta's fbgemm_fp8, NVIDIA ModelOpt's FP8, the first LLM Compressor releases (float8 weights
+    as `naive-quantized`, some under `compression_config`) and Mistral's (transformers' FP8 per
+    tensor or channel: `weight_scale_inv`, a static `activation_scale`) store float8 weights with
+    per-channel (or per-tensor) scales: transformers' greedy tokens on the weights they stand for."""
     root = tmp_path_factory.mktemp("fp8-writers")
     paths = fp8_copies(checkpoint_factory("llama"), root)
-    path = fp8_channel_copy(paths, root / quant["quant_method"], quant)
+    path = fp8_channel_copy(paths, root / name, quant, key, suffixes)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
     try:
         prompts = prompts_of([6, 13])

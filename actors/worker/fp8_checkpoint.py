@@ -25,8 +25,9 @@ import torch
 from actors.worker import quantization_config
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names
-SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".k_scale", ".v_scale", ".kv_scale",
-                  ".k_proj.output_scale", ".v_proj.output_scale")
+# (.activation_scale: transformers' static FP8 activation scale, Mistral's FP8 releases)
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".activation_scale", ".k_scale",
+                  ".v_scale", ".kv_scale", ".k_proj.output_scale", ".v_proj.output_scale")
 # A layer's KV scale tensors -> which scale they set
 KV_SCALE_NAMES = {"self_attn.k_scale": ("k",), "self_attn.v_scale": ("v",), "self_attn.kv_scale": ("k", "v"),
                   "self_attn.k_proj.output_scale": ("k",), "self_attn.v_proj.output_scale": ("v",)}

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.worker.quantization_config import compressed_formats
+from actors.worker.quantization_config import compressed_formats, settings
 
 log = logging.getLogger("shoal.loader")
 
@@ -86,7 +86,7 @@ class Int4Format:
 def read_format(config: dict) -> Int4Format | None:
     """The checkpoint's packed-integer format from config.json's `quantization_config`, None
     when it has none of these; ValueError (one line) for one it can't read."""
-    q = config.get("quantization_config") or {}
+    q = settings(config)
     method = q.get("quant_method")
     if method == "gptq":
         return _gptq(q)
@@ -112,11 +112,29 @@ def _group(method: str, group) -> int:
 
 def _gptq(q: dict) -> Int4Format:
     bits = _bits("GPTQ", q.get("bits"), (4, 8))
-    checkpoint_format = q.get("checkpoint_format") or "gptq"
+    checkpoint_format = q.get("checkpoint_format") or ("marlin" if q.get("is_marlin_format") else "gptq")
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r}: shoal reads gptq and gptq_v2")
-    return Int4Format("gptq", bits, _group("GPTQ", q.get("group_size", 128)), bool(q.get("sym", True)),
-                      zero_offset=1 if checkpoint_format == "gptq" else 0)
+    if q.get("pack_dtype", "int32") != "int32":  # (GPTQModel's words: int32 is what every reader packs)
+        raise ValueError(f"GPTQ checkpoint with pack_dtype {q.get('pack_dtype')!r}: shoal reads codes packed in int32")
+    fmt = Int4Format("gptq", bits, _group("GPTQ", q.get("group_size", 128)), bool(q.get("sym", True)),
+                     zero_offset=1 if checkpoint_format == "gptq" else 0)
+    _check_dynamic(q.get("dynamic"), fmt)
+    return fmt
+
+
+def _check_dynamic(dynamic, fmt: Int4Format) -> None:
+    """GPTQModel's per-module overrides ({"-:regex": {}} leaves a module float, found by its
+    tensors; "+:regex" or a bare regex overrides settings): ValueError (one line) for an override
+    of bits, group size or sym, which shoal's one format for every packed module cannot follow."""
+    for pattern, override in (dynamic or {}).items():
+        if str(pattern).startswith("-:") or not isinstance(override, dict):
+            continue
+        theirs = (override.get("bits", fmt.bits), override.get("group_size", fmt.group_size),
+                  bool(override.get("sym", fmt.sym)))
+        if theirs != (fmt.bits, fmt.group_size, fmt.sym):
+            raise ValueError(f"GPTQ checkpoint whose `dynamic` gives {pattern!r} bits/group_size/sym {theirs}: shoal "
+                             f"reads one setting ({fmt.bits}, {fmt.group_size}, {fmt.sym}) for every packed module")
 
 
 def _awq(q: dict) -> Int4Format:
@@ -129,11 +147,19 @@ def _awq(q: dict) -> Int4Format:
     return Int4Format("awq", bits, _group("AWQ", q.get("group_size", q.get("q_group_size", 128))), sym=False)
 
 
+# The weights' fields that decide how packed codes read (observer and the like do not)
+PACKED_FIELDS = ("num_bits", "type", "strategy", "group_size", "symmetric")
+
+
 def _compressed_tensors(q: dict) -> Int4Format | None:
     groups = list((q.get("config_groups") or {}).values())
-    if compressed_formats(q) != {"pack-quantized"}:
+    formats = compressed_formats(q)
+    if "pack-quantized" not in formats:
         return None  # float-quantized is FP8 (fp8_checkpoint.py)
-    schemes = {tuple(sorted((g.get("weights") or {}).items(), key=str)) for g in groups}
+    if formats != {"pack-quantized"}:
+        raise ValueError(f"compressed-tensors checkpoint mixing pack-quantized with {sorted(map(str, formats))} "
+                         "layers: shoal reads one scheme for every quantized layer")
+    schemes = {tuple(repr((g.get("weights") or {}).get(f)) for f in PACKED_FIELDS) for g in groups}
     if len(schemes) != 1:
         raise ValueError("compressed-tensors pack-quantized checkpoint with several weight schemes: "
                          "shoal reads one scheme for every quantized layer")

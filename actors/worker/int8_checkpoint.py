@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.worker.quantization_config import INT8_FORMATS, compressed_formats
+from actors.worker.quantization_config import INT8_FORMATS, compressed_formats, settings
 PARTS = (".weight_scale", ".weight_zero_point", ".input_scale", ".input_zero_point")
 
 
@@ -35,12 +35,12 @@ def scheme(config: dict) -> Int8Scheme | None:
     """The checkpoint's int8 scheme from config.json's `quantization_config`, None when it is not
     an int-quantized compressed-tensors checkpoint; ValueError (one line) for one shoal can't
     run as it says."""
-    q = config.get("quantization_config") or {}
+    q = settings(config)
     if q.get("quant_method") != "compressed-tensors":
         return None
     groups, formats = list((q.get("config_groups") or {}).values()), compressed_formats(q)
-    if not formats & set(INT8_FORMATS):
-        return None
+    if not formats & set(INT8_FORMATS) or _float_weights(groups):
+        return None  # (naive-quantized float8 weights: early FP8 releases, read by fp8_checkpoint.py)
     if len(formats) > 1 or len(groups) != 1:
         raise ValueError("compressed-tensors int-quantized checkpoint with several schemes: shoal reads "
                          "one scheme for every quantized layer")
@@ -60,6 +60,12 @@ def scheme(config: dict) -> Int8Scheme | None:
         raise ValueError(f"compressed-tensors int-quantized activations of {inputs.get('num_bits')} bits, type "
                          f"{inputs.get('type')!r}: shoal runs int8 activations")
     return Int8Scheme("w8a8_int8", static_activations=not inputs.get("dynamic", False))
+
+
+def _float_weights(groups: list[dict]) -> bool:
+    """Every group's weights are floats: the first LLM Compressor FP8 releases wrote them as
+    `naive-quantized` (float8 weights, not int8 codes)."""
+    return bool(groups) and all((g.get("weights") or {}).get("type") == "float" for g in groups)
 
 
 def is_part(name: str) -> bool:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import torch
 
+from actors.worker.quantization_config import settings
+
 # e2m1 code -> value: sign bit 3, then magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCKS, SCALES = "_blocks", "_scales"
 
 
 def is_mxfp4(config: dict) -> bool:
-    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return settings(config).get("quant_method") == "mxfp4"
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -23,15 +23,19 @@ NVFP4_GROUP = 16
 
 
 def settings(cfg: dict) -> dict:
-    """config.json's quantization_config ({} for a float checkpoint); ValueError (one line) when
-    it is not an object."""
+    """config.json's quantization_config ({} for a float checkpoint), its quant_method lower-cased
+    as vLLM reads it ("GPTQ" is "gptq"); early compressed-tensors releases name it
+    `compression_config` (vLLM reads that too). ValueError (one line) when it is not an object."""
     q = cfg.get("quantization_config")
+    if q is None:
+        q = cfg.get("compression_config")
     if q is None:
         return {}
     if not isinstance(q, dict):
         raise ValueError(f"config.json's quantization_config is a {type(q).__name__}, not an object "
                          "(a quantized checkpoint's settings, or absent for a float one)")
-    return q
+    method = q.get("quant_method")
+    return {**q, "quant_method": method.lower()} if isinstance(method, str) and method != method.lower() else q
 
 
 def config_groups(q: dict) -> list[dict]:
@@ -78,6 +82,25 @@ def check_nvfp4(q: dict) -> None:
                              f"groups of {NVFP4_GROUP}")
 
 
+def check_compressed(q: dict) -> None:
+    """ValueError (one line) for a compressed-tensors config whose tensors are not stored as shoal
+    reads them: a quantization format it has no reader for, weights compressed for sparsity (a
+    2:4 bitmask: `sparsity_config.format` other than dense) or rotated by a transform
+    (`transform_config`, SpinQuant / QuIP: the model would need the rotations applied as it runs)."""
+    unread = sorted(str(f) for f in compressed_formats(q) - set(READ_COMPRESSED) - {None})
+    if unread:
+        raise ValueError(f"compressed-tensors format {', '.join(unread)} is not supported; shoal reads "
+                         f"{', '.join(READ_COMPRESSED)}")
+    sparsity = q.get("sparsity_config") or {}
+    if not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense":
+        fmt = sparsity.get("format") if isinstance(sparsity, dict) else sparsity
+        raise ValueError(f"compressed-tensors checkpoint with sparsity_config format {fmt!r}: shoal reads dense "
+                         "weights only (not sparse-compressed ones)")
+    if q.get("transform_config"):
+        raise ValueError("compressed-tensors checkpoint with a transform_config (SpinQuant / QuIP rotations): "
+                         "shoal does not apply transforms, so its weights would compute nonsense")
+
+
 def fp8_block(q: dict) -> tuple[int, int] | None:
     """The weights' scale block of a block-wise FP8 checkpoint: transformers' `weight_block_size`,
     or compressed-tensors' `block_structure` with strategy "block" (LLM Compressor's FP8_BLOCK);
@@ -110,10 +133,7 @@ def check(cfg: dict, asked: str | None = None) -> None:
         raise ValueError(f"ModelOpt {q.get('quant_algo')} checkpoints are not supported; shoal reads ModelOpt's "
                          f"{', '.join(MODELOPT_ALGOS)}")
     if method == "compressed-tensors":
-        unread = sorted(str(f) for f in compressed_formats(q) - set(READ_COMPRESSED) - {None})
-        if unread:
-            raise ValueError(f"compressed-tensors format {', '.join(unread)} is not supported; shoal reads "
-                             f"{', '.join(READ_COMPRESSED)}")
+        check_compressed(q)
     if method in ("fp8", "compressed-tensors"):
         fp8_block(q)
     if (method == "modelopt" and modelopt_algo(q) in NVFP4_ALGOS) or \
