@@ -1,6 +1,6 @@
 """GGUF copies of the test checkpoints, written as llama.cpp's convert_hf_to_gguf.py writes them
 (its metadata keys, its tensor names from gguf-py's TensorNameMap, Llama's q / k rows permuted
-for its rotary, Gemma's norms stored + 1, experts stacked, Llama 3's rotary scaling as a
+for its rotary, Gemma's norms stored + 1, Qwen3.5's value heads tiled, experts stacked, Llama 3's rotary scaling as a
 `rope_freqs` tensor), with a float checkpoint of what the file's weights stand for beside it:
 the oracle a GGUF's reading is checked against."""
 from __future__ import annotations
@@ -14,7 +14,9 @@ import torch
 
 # transformers' model_type -> gguf-py's architecture
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
-         "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3"}
+         "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
+         "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE"}
+QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)
 
 
@@ -87,6 +89,16 @@ def _settings(writer, cfg: dict) -> None:
         writer.add_value_length(head_dim)
     if cfg["model_type"] in ("llama", "mistral"):
         writer.add_rope_dimension_count(head_dim)
+    if cfg["model_type"] in QWEN35:  # Qwen3_5TextModel: the gated delta net's sizes, the rotary's sections
+        rotated = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_full_attention_interval(cfg["layer_types"].index("full_attention") + 1)
+        writer.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(cfg["linear_key_head_dim"])
+        writer.add_ssm_group_count(cfg["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        writer.add_ssm_inner_size(cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"])
+        writer.add_rope_dimension_count(rotated)
+        writer.add_rope_dimension_sections([rotated // 2, 0, 0, 0])  # (text: one position stream)
     if cfg["model_type"] == "phi3":  # Phi3MiniModel.set_gguf_parameters
         writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // heads)
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -185,14 +197,20 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
             stored = w + 1
         if name.endswith("shared_expert_gate.weight"):
             stored = w.reshape(-1)  # (the converter writes Qwen2-MoE's [1, H] gate as a vector)
+        if kind in QWEN35:
+            stored = torch.from_numpy(_qwen35_stored(name, w.numpy(), cfg))
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if name.endswith("linear_attn.dt_bias"):  # (gguf-py's table has no entry for it)
+            new = name.replace("model.layers.", "blk.").replace("linear_attn.dt_bias", "ssm_dt.bias")
         assert new is not None, name
-        qtype = _type(types, new) if stored.dim() >= 2 else "F32"
+        qtype = _type(types, new) if stored.dim() >= 2 and "ssm_conv1d" not in new else "F32"  # (as the converter)
         data, decoded = _encode(stored.numpy(), qtype, rng)
         if qtype in ("F32", "F16"):
             writer.add_tensor(new, data)
         else:
             writer.add_tensor(new, data, raw_shape=data.shape, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
+        if kind in QWEN35:
+            decoded = _qwen35_weights(name, decoded, cfg)
         reference[name] = _undo(torch.from_numpy(decoded), name, kind, heads, kv_heads).reshape(w.shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -202,6 +220,55 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
     ref.mkdir(exist_ok=True)
     _write_copy(src, ref, _unstacked(reference), cfg)
     return file, ref
+
+
+def _tiled(cfg: dict, size: int) -> np.ndarray:
+    """Where each tiled row (value head v of key head k at v * keys + k, as llama.cpp's Qwen3.5
+    converter lays value heads out) comes from among transformers' grouped ones (k * per_key + v)."""
+    keys, per_key = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+    return np.arange(keys * per_key * size).reshape(keys, per_key, size).transpose(1, 0, 2).reshape(-1)
+
+
+def _qwen35_value_rows(name: str, cfg: dict) -> tuple[int, int] | None:
+    """(rows before the value part, rows a value head) of a tensor that produces value heads."""
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return 2 * cfg["linear_key_head_dim"] * cfg["linear_num_key_heads"], cfg["linear_value_head_dim"]
+    if name.endswith("in_proj_z.weight"):
+        return 0, cfg["linear_value_head_dim"]
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return 0, 1
+    return None
+
+
+def _qwen35_stored(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """A Qwen3.5 tensor as the converter stores it: norms + 1 (not the gated delta net's own),
+    -exp(A_log), conv1d squeezed, value heads tiled (rows, or out_proj's columns)."""
+    if name.endswith("norm.weight") and "linear_attn" not in name:
+        return w + np.float32(1)
+    if name.endswith("A_log"):
+        w = -np.exp(w)
+    if name.endswith("conv1d.weight"):
+        w = w[:, 0, :]
+    if (rows := _qwen35_value_rows(name, cfg)) is not None:
+        start, size = rows
+        return np.concatenate([w[:start], w[start:][_tiled(cfg, size)]])
+    if name.endswith("out_proj.weight"):
+        return w[:, _tiled(cfg, cfg["linear_value_head_dim"])]
+    return w
+
+
+def _qwen35_weights(name: str, stored: np.ndarray, cfg: dict) -> np.ndarray:
+    """The weight a stored Qwen3.5 tensor stands for (`_qwen35_stored` undone, in float32)."""
+    if name.endswith("norm.weight") and "linear_attn" not in name:
+        return stored - np.float32(1)
+    if (rows := _qwen35_value_rows(name, cfg)) is not None:
+        start, size = rows
+        stored = np.concatenate([stored[:start], stored[start:][np.argsort(_tiled(cfg, size))]])
+    elif name.endswith("out_proj.weight"):
+        stored = stored[:, np.argsort(_tiled(cfg, cfg["linear_value_head_dim"]))]
+    if name.endswith("A_log"):
+        stored = np.log(-stored)
+    return stored
 
 
 def _type(types, gguf_name: str) -> str:

@@ -8,7 +8,8 @@ it, for the block formats gguf-py writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F1
 (Q4_K, Q5_K, Q6_K), for Llama (q / k rows permuted, Llama 3's rotary as `rope_freqs`), Qwen2
 (biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert),
 Qwen3-MoE (stacked experts), Gemma 2 (norms stored + 1, soft-capping), Gemma 3 (a rotary by
-layer type) and Phi-3 (fused projections, longrope factors as tensors, a partial rotary); the
+layer type), Phi-3 (fused projections, longrope factors as tensors, a partial rotary) and Qwen3.5
+dense and MoE (gated delta nets: value heads tiled, A_log stored as -exp, norms + 1); the
 tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank holds its slices;
 `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal cannot read is refused
 in one line."""
@@ -54,6 +55,9 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
                             {"attn": "Q5_0", "*": "Q8_0"}),
     # Phi-4-mini's shape: q/k/v and gate/up fused, three quarters of each head rotated, longrope
     "phi3-longrope-partial": ("phi3", {}, {"attn_qkv": "Q8_0", "ffn_up": "Q4_1", "*": "F16"}),
+    # Qwen3.5: gated delta net layers (value heads tiled, -exp(A_log), norms + 1) and attention ones
+    "qwen3.5-hybrid": ("qwen3_5", {}, {"ssm_out": "Q4_0", "attn_qkv": "Q4_1", "*": "Q8_0"}),
+    "qwen3.5-moe": ("qwen3_5_moe", {}, {"exps": "Q8_0", "*": "BF16"}),
 }
 
 
@@ -93,6 +97,20 @@ def test_greedy_equals_transformers_on_the_weights_the_file_stands_for(case, cop
         assert_pool_free(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("case", ["qwen3.5-hybrid", "qwen3.5-moe"])
+def test_the_writer_lays_qwen3_5_out_as_transformers_reads_it(case, copies):
+    """transformers' own GGUF reading of Qwen3.5 (its conversion mapping, written apart from
+    ours) takes the file to the reference's weights: the writer's layout is the one it reads,
+    not only the one our reader undoes. A_log within float32's log rounding."""
+    from transformers import AutoModelForCausalLM
+
+    file, reference = copies(case)
+    theirs = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).state_dict()
+    for name, w in load_file(reference / "model.safetensors").items():
+        tolerance = 1e-7 if name.endswith("A_log") else 0.0
+        assert (theirs[name] - w).abs().max() <= tolerance, name
 
 
 def test_prompt_logprobs_and_the_rotary_scaling_the_file_keeps(copies):

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import NamedTuple
 
 FORMAT = 4  # of the converted directory: a change to what it holds gives it a new name
 TENSORS_FILE = "gguf_tensors.json"
@@ -264,18 +265,20 @@ def tensor_names(file: Path, config: dict, arch: str) -> dict[str, str]:
     kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(kind, config["num_hidden_layers"])
     processor, table = _processor(arch, config), {}
+    present = {t.name for t in _reader(str(file)).tensors}
     for hf_name in model.state_dict():
         name = processor.preprocess_name(hf_name)
         base, dot, suffix = name.rpartition(".") if name.endswith((".weight", ".bias")) else (name, "", "")
         found = name_map.get_name(base)
-        if found is None:
+        if found is None or not {found + dot + suffix, f"{found}.weight"} & present:  # (a fused name the file splits)
             processor.perform_fallback_tensor_mapping(table, dot + suffix, "", name)
         else:
             table[found + dot + suffix] = name
-    present = {t.name for t in _reader(str(file)).tensors}
     names = {g: h for g, h in table.items() if g in present or f"{g}.weight" in present}
     expert_parts = {g for g in present if _EXPERTS.search(g)}  # stacked: the processor names them (process)
-    missing = sorted(present - set(names) - expert_parts - IGNORED)
+    # llama.cpp writes a multi-token-prediction block as one more layer (Qwen3.5's nextn): not served
+    extra = {g for g in present if (m := re.match(r"blk\.(\d+)\.", g)) and int(m[1]) >= config["num_hidden_layers"]}
+    missing = sorted(present - set(names) - expert_parts - extra - IGNORED)
     if missing:
         raise ValueError(f"{file.name}: {len(missing)} tensors have no place in {config['architectures'][0]} "
                          f"(e.g. {', '.join(missing[:3])})")
@@ -297,8 +300,86 @@ IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.
 
 
 def _processor(arch: str, config: dict):
+    if arch in ("qwen35", "qwen35moe"):
+        return Qwen35Processor(config)
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+
+
+class Processed(NamedTuple):
+    weights: object
+    name: str | None
+
+
+class Qwen35Processor:
+    """Qwen3.5's files undone as transformers' GGUF conversion for it undoes them (its
+    integrations/gguf mapping, which transformers' older per-tensor processors lack):
+    - the zero-centred norms stored as w + 1 (all but the gated delta net's own, ssm_norm);
+    - ssm_a holds -exp(A_log);
+    - conv1d squeezed to [channels, kernel];
+    - value heads tiled (v0k0 v0k1 v1k0 ...) where transformers groups them by key head
+      (v0k0 v1k0 v0k1 ...): the rows of what produces values (the value part of in_proj_qkv and
+      conv1d, in_proj_z; and per head: in_proj_a / b, A_log, dt_bias), the columns of out_proj;
+    - the experts' gate and up stacked apart (joined as gate_up_proj), the shared expert's gate a
+      vector.
+    The same interface as transformers' TensorProcessor (preprocess_name, the fallback, process)."""
+
+    NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+             "output_norm.weight")
+
+    def __init__(self, config: dict):
+        import numpy as np
+
+        keys = config["linear_num_key_heads"]
+        per_key = config["linear_num_value_heads"] // keys
+        self.value_rows = self._grouped(keys, per_key, config["linear_value_head_dim"])
+        self.head_rows = self._grouped(keys, per_key, 1)
+        self.qk_rows = 2 * config["linear_key_head_dim"] * keys  # in_proj_qkv / conv1d: q and k before v
+        self.np = np
+
+    @staticmethod
+    def _grouped(keys: int, per_key: int, size: int):
+        """Indices that take tiled rows to grouped ones."""
+        import numpy as np
+        return np.argsort(np.arange(keys * per_key * size).reshape(keys, per_key, size).transpose(1, 0, 2).reshape(-1))
+
+    def preprocess_name(self, hf_name: str) -> str:
+        return hf_name
+
+    def perform_fallback_tensor_mapping(self, table: dict, suffix: str, qual_name: str, hf_name: str) -> None:
+        if m := re.fullmatch(r"model\.layers\.(\d+)\.linear_attn\.dt_bias", hf_name):
+            table[f"blk.{m[1]}.ssm_dt.bias"] = hf_name
+        elif m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj", hf_name):
+            table[f"blk.{m[1]}.ffn_gate_exps"] = table[f"blk.{m[1]}.ffn_up_exps"] = hf_name
+
+    def process(self, weights, name: str, tensor_key_mapping=None, parsed_parameters=None, **_) -> Processed:
+        np = self.np
+        w = np.asarray(weights, dtype=np.float32)
+        if name.endswith(self.NORMS):
+            w = w - np.float32(1)
+        elif re.search(r"\.ssm_a$", name):
+            w = np.log(-w)[self.head_rows]
+        elif name.endswith(("ssm_dt.bias", "ssm_alpha.weight", "ssm_beta.weight")):
+            w = w[self.head_rows]
+        elif name.endswith("attn_gate.weight"):
+            w = w[self.value_rows]
+        elif name.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):
+            w = np.concatenate([w[:self.qk_rows], w[self.qk_rows:][self.value_rows]])
+            if name.endswith("ssm_conv1d.weight"):
+                w = w[:, None, :]
+        elif name.endswith("ssm_out.weight"):
+            w = w[:, self.value_rows]
+        elif name.endswith("ffn_gate_inp_shexp.weight") and w.ndim == 1:
+            w = w[None, :]
+        elif m := re.fullmatch(r"(blk\.\d+)\.ffn_(gate|up)_exps\.weight", name):
+            target = tensor_key_mapping[f"{m[1]}.ffn_{m[2]}_exps"]
+            parts = parsed_parameters.setdefault("parts", {}).setdefault(target, {})
+            parts[m[2]] = w
+            if len(parts) == 2:  # gate first, up second along the rows of each expert
+                import torch
+                parsed_parameters["tensors"][target] = torch.from_numpy(np.concatenate([parts["gate"], parts["up"]], 1))
+            return Processed(w, None)
+        return Processed(w, name)
 
 
 @functools.lru_cache(maxsize=4)
@@ -385,4 +466,5 @@ class _Lazy:
 
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
+             "qwen35moe"}
