@@ -134,7 +134,10 @@ def end_of_generation(file: Path, config: dict, out: Path) -> list[int]:
                                            ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
                                            if k in reader.fields}
     vocab = json.loads((out / "tokenizer.json").read_text())
-    by_text = {**vocab["model"].get("vocab", {}), **{t["content"]: t["id"] for t in vocab.get("added_tokens", [])}}
+    model = vocab["model"].get("vocab") or {}
+    if isinstance(model, list):  # a Unigram model's [piece, score] pairs, by id
+        model = {piece: i for i, (piece, _) in enumerate(model)}
+    by_text = {**model, **{t["content"]: t["id"] for t in vocab.get("added_tokens", [])}}
     ids |= {by_text[t] for t in END_OF_TURN if isinstance(by_text.get(t), int)}
     tokens = len(reader.fields["tokenizer.ggml.tokens"].data)  # (transformers may add tokens past the file's)
     return sorted(i for i in ids if isinstance(i, int) and i < tokens)
