@@ -15,7 +15,7 @@ import torch
 # transformers' model_type -> gguf-py's architecture
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
          "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
-         "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE"}
+         "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2"}
 QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)
 
@@ -69,7 +69,7 @@ def _tokenizer_fields(writer, src: pathlib.Path, cfg: dict) -> None:
         writer.add_chat_template(tok.chat_template)
 
 
-def _settings(writer, cfg: dict) -> None:
+def _settings(writer, cfg: dict, tensors: dict) -> None:
     """TextModel.set_gguf_parameters (and the families' own) as the converter writes them."""
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -78,11 +78,17 @@ def _settings(writer, cfg: dict) -> None:
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg["model_type"] == "lfm2":  # LFM2Model: the width it ends with, kv heads 0 on convolution layers
+        writer.add_feed_forward_length(tensors["model.layers.0.feed_forward.w1.weight"].shape[0])
+        writer.add_head_count_kv([cfg["num_key_value_heads"] if t == "full_attention" else 0
+                                  for t in cfg["layer_types"]])
+        writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+    else:
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_layer_norm_rms_eps(cfg.get("norm_eps") if cfg["model_type"] == "lfm2" else cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
     if "head_dim" in cfg:
         writer.add_key_length(head_dim)
@@ -172,7 +178,7 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
     file = dst / f"{src.name}.gguf"
     writer = gguf.GGUFWriter(str(file), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(src.name)
-    _settings(writer, cfg)
+    _settings(writer, cfg, tensors)
     _tokenizer_fields(writer, src, cfg)
     reference = {}
     rope = cfg.get("rope_parameters") or {}
@@ -199,11 +205,13 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
             stored = w.reshape(-1)  # (the converter writes Qwen2-MoE's [1, H] gate as a vector)
         if kind in QWEN35:
             stored = torch.from_numpy(_qwen35_stored(name, w.numpy(), cfg))
+        if name.endswith("conv.conv.weight"):  # (LFM2's short convolution, squeezed to [channels, kernel])
+            stored = w[:, 0, :]
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if name.endswith("linear_attn.dt_bias"):  # (gguf-py's table has no entry for it)
             new = name.replace("model.layers.", "blk.").replace("linear_attn.dt_bias", "ssm_dt.bias")
         assert new is not None, name
-        qtype = _type(types, new) if stored.dim() >= 2 and "ssm_conv1d" not in new else "F32"  # (as the converter)
+        qtype = _type(types, new) if stored.dim() >= 2 and "conv.weight" not in new and "conv1d" not in new else "F32"
         data, decoded = _encode(stored.numpy(), qtype, rng)
         if qtype in ("F32", "F16"):
             writer.add_tensor(new, data)

@@ -9,7 +9,7 @@ it, for the block formats gguf-py writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F1
 (biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert),
 Qwen3-MoE (stacked experts), Gemma 2 (norms stored + 1, soft-capping), Gemma 3 (a rotary by
 layer type), Phi-3 (fused projections, longrope factors as tensors, a partial rotary) and Qwen3.5
-dense and MoE (gated delta nets: value heads tiled, A_log stored as -exp, norms + 1); the
+dense and MoE (gated delta nets: value heads tiled, A_log stored as -exp, norms + 1), LFM2; the
 tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank holds its slices;
 `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal cannot read is refused
 in one line."""
@@ -58,6 +58,8 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     # Qwen3.5: gated delta net layers (value heads tiled, -exp(A_log), norms + 1) and attention ones
     "qwen3.5-hybrid": ("qwen3_5", {}, {"ssm_out": "Q4_0", "attn_qkv": "Q4_1", "*": "Q8_0"}),
     "qwen3.5-moe": ("qwen3_5_moe", {}, {"exps": "Q8_0", "*": "BF16"}),
+    # LFM2: short convolutions (squeezed to [channels, kernel]) beside attention layers
+    "lfm2-short-convolutions": ("lfm2", {}, {"ffn": "Q4_0", "*": "Q8_0"}),
 }
 
 
@@ -99,10 +101,10 @@ def test_greedy_equals_transformers_on_the_weights_the_file_stands_for(case, cop
         llm.shutdown()
 
 
-@pytest.mark.parametrize("case", ["qwen3.5-hybrid", "qwen3.5-moe"])
-def test_the_writer_lays_qwen3_5_out_as_transformers_reads_it(case, copies):
-    """transformers' own GGUF reading of Qwen3.5 (its conversion mapping, written apart from
-    ours) takes the file to the reference's weights: the writer's layout is the one it reads,
+@pytest.mark.parametrize("case", ["qwen3.5-hybrid", "qwen3.5-moe", "lfm2-short-convolutions"])
+def test_the_writer_lays_the_newer_files_out_as_transformers_reads_them(case, copies):
+    """transformers' own GGUF reading of Qwen3.5 and LFM2 (its conversion mapping, written apart
+    from ours) takes the file to the reference's weights: the writer's layout is the one it reads,
     not only the one our reader undoes. A_log within float32's log rounding."""
     from transformers import AutoModelForCausalLM
 

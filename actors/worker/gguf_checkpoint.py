@@ -470,4 +470,4 @@ class _Lazy:
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
-             "qwen35moe"}
+             "qwen35moe", "lfm2"}

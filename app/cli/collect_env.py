@@ -161,8 +161,9 @@ def quantization() -> dict:
             "int8 checkpoints (compressed-tensors int-quantized)":
                 "their int8 layers on the checkpoint's codes and scales: W8A8 as w8a8_int8, W8A16 as int8 (above)",
             "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
-            "gguf files": "llama / qwen2 / qwen3 / qwen3.5 / their MoE / gemma2 / gemma3 / phi3 files, loaded as float "
-                          "(dequantised by gguf-py as they load); --quantization int8 / w8a8_int8 / fp8 on top",
+            "gguf files": "llama / qwen2 / qwen3 / qwen3.5 / their MoE / gemma2 / gemma3 / phi3 / lfm2 "
+                          "files, loaded as float (dequantised by gguf-py as they load); --quantization int8 / "
+                          "w8a8_int8 / fp8 on top",
             "nvfp4 checkpoints": "compressed-tensors nvfp4-pack-quantized, ModelOpt NVFP4 / W4A16_NVFP4: loaded "
                                  "as float (dequantised as they load); no FP4 matmuls",
             "gptq / awq / compressed-tensors int4 checkpoints":
