@@ -639,6 +639,19 @@ def _tokenizer():
     return _TOKENIZER
 
 
+def read_checkpoint(src: pathlib.Path) -> tuple[dict, dict]:
+    """(config.json, every tensor of the safetensors files) of checkpoint `src`: what the
+    quantized copies below start from."""
+    import json
+
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return json.loads((src / "config.json").read_text()), tensors
+
+
 def _write_copy(src: pathlib.Path, dst: pathlib.Path, tensors: dict, config: dict) -> pathlib.Path:
     """A checkpoint at `dst` of these tensors and config, with `src`'s other files (tokenizer,
     generation config, chat template)."""
@@ -711,9 +724,6 @@ def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathl
     quantized model should, in float32. At `tp` > 1 each rank quantizes its own shard, so a
     row-parallel layer's (o_proj, down_proj) input columns are quantized in `tp` parts. Written
     once per `dst`."""
-    import json
-
-    from safetensors.torch import load_file
 
     from kernels.quantization import dequantize, quantize
 
@@ -721,10 +731,7 @@ def quantized_reference_copy(src, dst, kind: str = "int8", tp: int = 1) -> pathl
     if (dst / "config.json").exists():
         return dst
     dst.mkdir(parents=True, exist_ok=True)
-    config = json.loads((src / "config.json").read_text())
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
+    config, tensors = read_checkpoint(src)
     embedding = next(n for n in EMBEDDINGS if n in tensors)
     head = "embed_out.weight" if "embed_out.weight" in tensors else "lm_head.weight"  # (GPT-NeoX's name)
     if head not in tensors:  # tied: the head gets its own copy
@@ -749,18 +756,12 @@ def fp8_copies(src, root, block=(48, 48)) -> dict[str, pathlib.Path]:
     strategy "block"), "channel": compressed-tensors' (`weight_scale` per output channel, with a
     static `input_scale` beside it), and "reference-block" / "reference-channel": the float
     checkpoints of the weights each stands for}. Written once per `root`."""
-    import json
-
-    from safetensors.torch import load_file
 
     src, root = pathlib.Path(src), pathlib.Path(root)
     paths = {kind: root / kind for kind in ("block", "ct-block", "channel", "reference-block", "reference-channel")}
     if (paths["reference-channel"] / "config.json").exists():
         return paths
-    config = json.loads((src / "config.json").read_text())
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
+    config, tensors = read_checkpoint(src)
     out = {kind: {} for kind in paths}
     fmax = torch.finfo(torch.float8_e4m3fn).max
     for name, w in tensors.items():
@@ -841,18 +842,12 @@ def int8_copy(src, dst, strategy: str = "channel", activations: str | None = "dy
     `W.input_scale` for static activations; the LM head left float (`ignore`). Returns (that
     checkpoint, the float checkpoint of the weights it stands for). `weights`: overrides of the
     weights' scheme (to write configs shoal refuses). Written once per `dst`."""
-    import json
-
-    from safetensors.torch import load_file
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     reference = dst.with_name(dst.name + "-reference")
     if (reference / "config.json").exists():
         return dst, reference
-    config = json.loads((src / "config.json").read_text())
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
+    config, tensors = read_checkpoint(src)
     out, ref = {}, {}
     for name, w in tensors.items():
         out[name] = ref[name] = w
@@ -1012,18 +1007,12 @@ def int4_copies(src, root, method: str, *, bits: int = 4, group_size: int = 32, 
     `float_modules` (and the LM head and embedding) stay float. Returns {"packed": the
     checkpoint, "reference": the float checkpoint of the weights it stands for}. Written once
     per `root`."""
-    import json
-
-    from safetensors.torch import load_file
 
     src, root = pathlib.Path(src), pathlib.Path(root)
     paths = {kind: root / kind for kind in ("packed", "reference")}
     if (paths["reference"] / "config.json").exists():
         return paths
-    config = json.loads((src / "config.json").read_text())
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
+    config, tensors = read_checkpoint(src)
     generator = torch.Generator().manual_seed(7)
     packed, reference = {}, {}
     for name, w in tensors.items():
@@ -1112,16 +1101,11 @@ def nvfp4_copies(src, root, writer: str, *, activations: bool = True, float_modu
     float checkpoint of the weights it stands for}. Written once per `root`."""
     import json
 
-    from safetensors.torch import load_file
-
     src, root = pathlib.Path(src), pathlib.Path(root)
     paths = {kind: root / kind for kind in ("packed", "reference")}
     if (paths["reference"] / "config.json").exists():
         return paths
-    config = json.loads((src / "config.json").read_text())
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
+    config, tensors = read_checkpoint(src)
     packed, reference = {}, {}
     for name, w in tensors.items():
         module = name.removesuffix(".weight")

@@ -157,16 +157,11 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
     gguf-py cannot quantize, are written as random valid blocks: the reference holds what they
     decode to."""
     import gguf
-    from safetensors.torch import load_file
-
-    from tests.checkpoints import _write_copy
+    from tests.checkpoints import _write_copy, read_checkpoint
 
     src, dst = pathlib.Path(src), pathlib.Path(dst)
-    cfg = json.loads((src / "config.json").read_text())
+    cfg, tensors = read_checkpoint(src)
     kind = cfg["model_type"]
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
     tensors = _stacked(tensors, cfg)
     arch = getattr(gguf.MODEL_ARCH, ARCHS[kind])
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
