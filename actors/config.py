@@ -22,6 +22,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp
 # `LLM(**options)` reads these (vLLM's `LLM(model=..., tensor_parallel_size=..., enforce_eager=...)`).
 ENGINE_ALIASES: dict[str, tuple[str, ...]] = {
     "model_path": ("model", "model_name_or_path"),
+    "tokenizer": ("tokenizer_path",),  # (SGLang's)
     "num_kv_blocks": ("num_gpu_blocks_override",),
     "gpu_memory_utilization": ("mem_fraction_static",),
     "max_num_batched_tokens": ("chunked_prefill_size",),
@@ -72,6 +73,7 @@ def engine_options(options: dict) -> dict:
 @dataclass
 class EngineConfig:
     model_path: str | None = None  # None: the bundled demo model
+    tokenizer: str | None = None  # vLLM's --tokenizer: another checkpoint's tokenizer; None: model_path's
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # int8 | fp8 | w8a8_int8: 8-bit linear layers, online (kernels/quantization.py); or the
     # checkpoint's own format by name (CHECKPOINT_FORMATS)

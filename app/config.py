@@ -329,7 +329,7 @@ def check_model_path(config: ShoalConfig, missing_ok: bool = False) -> None:
     left to the nodes the engines run on."""
     from actors.models import check_architecture
     from actors.worker import quantization_config
-    from actors.worker.checkpoint_files import read_config, resolve_model_path
+    from actors.worker.checkpoint_files import read_config, resolve_model_path, resolve_tokenizer_path
     try:
         path = resolve_model_path(config.engine.model_path)
     except FileNotFoundError:
@@ -339,6 +339,11 @@ def check_model_path(config: ShoalConfig, missing_ok: bool = False) -> None:
     hf = read_config(path)
     check_architecture((hf.get("architectures") or ["LlamaForCausalLM"])[0])
     quantization_config.check(hf, config.engine.quantization)
+    if config.engine.tokenizer and not missing_ok:
+        try:
+            resolve_tokenizer_path(config.engine.tokenizer, None)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"--tokenizer: {exc}") from None
     speculative = config.engine.speculative
     if speculative is not None and speculative.model and not missing_ok:  # a draft model
         try:

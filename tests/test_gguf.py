@@ -191,6 +191,25 @@ def test_a_cache_it_cannot_write_is_named_in_one_line(copies, tmp_path, monkeypa
         resolve_model_path(str(file))
 
 
+def test_the_tokenizer_option_takes_another_checkpoints_tokenizer(copies, tmp_path):
+    """vLLM's `tokenizer=`: the engine tokenizes and renders chats with that checkpoint's
+    tokenizer (here the source release's, its chat template changed), not the file's."""
+    file, reference = copies("qwen2-biases")
+    other = tmp_path / "tokenizer"
+    other.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(reference / name, other / name)
+    settings = json.loads((other / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(settings))
+    llm = LLM(str(file), tokenizer=str(other), dtype="float32", num_kv_blocks=64)
+    try:
+        out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=2))[0]
+        assert out.prompt == "<<hello>>" and out.prompt_token_ids == llm.tokenizer.encode("<<hello>>")
+    finally:
+        llm.shutdown()
+
+
 def test_int8_on_top_equals_the_int8_reference(copies, tmp_path):
     file, reference = copies("qwen2-biases")
     oracle = quantized_reference_copy(reference, tmp_path / "int8")
@@ -266,9 +285,11 @@ def test_a_file_shoal_cannot_read_is_refused_in_one_line(tmp_path):
 
 
 def test_shoal_serve_a_gguf_file(copies, tmp_path):
-    """`shoal serve --model-path model.gguf --quantization gguf`: the file's chat template
-    answers a chat, a completion of token ids is transformers' greedy text on the weights the
-    file stands for, an over-long prompt gets 400, SIGTERM leaves nothing running."""
+    """`shoal serve --model-path model.gguf --quantization gguf`, with vLLM's `--tokenizer` (the
+    release the file was made from) and `--chat-template` (a file): a completion of token ids is
+    transformers' greedy text on the weights the file stands for, a chat renders through the
+    given template (/tokenize) and answers, an over-long prompt gets 400, SIGTERM leaves nothing
+    running."""
     import subprocess
     import sys
     from pathlib import Path
@@ -280,11 +301,13 @@ def test_shoal_serve_a_gguf_file(copies, tmp_path):
 
     file, reference = copies("llama-legacy-blocks")
     repo = Path(__file__).resolve().parents[1]
-    port, log = free_port(), tmp_path / "serve.log"
+    port, log, template = free_port(), tmp_path / "serve.log", tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
     with log.open("w") as sink:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "shoal"), "serve", "--model-path", str(file),
                                  "--quantization", "gguf", "--dtype", "float32", "--host", "127.0.0.1", "--port",
-                                 str(port), "--eager-decode", "--max-model-len", "256"], cwd=repo,
+                                 str(port), "--eager-decode", "--max-model-len", "256", "--tokenizer", str(reference),
+                                 "--chat-template", str(template)], cwd=repo,
                                 env=loopback_env(PYTHONPATH=str(repo)), stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -295,9 +318,13 @@ def test_shoal_serve_a_gguf_file(copies, tmp_path):
         assert r.status_code == 200, r.text
         want = AutoTokenizer.from_pretrained(reference).decode(hf_greedy(reference, ids, 8))
         assert r.json()["choices"][0]["text"] == want
+        messages = [{"role": "user", "content": "hello"}]
+        rendered = httpx.post(f"{url}/tokenize", json={"model": str(file), "messages": messages}).json()["tokens"]
+        assert rendered == AutoTokenizer.from_pretrained(reference).encode("[user] hello\n[assistant]",
+                                                                          add_special_tokens=False)
         chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-            "model": str(file), "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
-        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1, chat.text
+            "model": str(file), "messages": messages, "max_tokens": 4})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(rendered), chat.text
         long = httpx.post(f"{url}/v1/completions", json={"model": str(file), "prompt": [5] * 300, "max_tokens": 4})
         assert long.status_code == 400 and long.json()["error"]["message"], long.text
     finally:

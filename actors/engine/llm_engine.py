@@ -41,7 +41,7 @@ from actors.pooling_params import PoolingParams
 from actors.request import EngineRequest, resolve_max_tokens
 from actors.sampling_params import SamplingParams
 from actors.worker.checkpoint_files import (declared_eos_id, load_tokenizer, remembered_tokenizer_class,
-                                           resolve_model_path, tokenizer_class_path)
+                                           resolve_model_path, resolve_tokenizer_path, tokenizer_class_path)
 from actors.worker.draft_model import DraftModel
 from actors.worker.loader import checkpoint_shapes
 from actors.worker.model_spec import resolve_model
@@ -56,14 +56,15 @@ class LLMEngine:
         config.validate()
         self.config = config
         path = resolve_model_path(config.model_path)
+        vocab = resolve_tokenizer_path(config.tokenizer, config.model_path)  # the tokenizer's files
         # The tokenizer loads beside the model (transformers' import and the tokenizer take ~1 s
         # of start-up): the engine needs it for requests, not to start. Its eos id comes from
         # its files where they state it.
         loading = ThreadPoolExecutor(1, thread_name_prefix="shoal-tokenizer")
-        self._tokenizer_class = remembered_tokenizer_class(path)  # (None: AutoTokenizer decides)
-        self._tokenizer = loading.submit(load_tokenizer, path, self._tokenizer_class)
+        self._tokenizer_class = remembered_tokenizer_class(vocab)  # (None: AutoTokenizer decides)
+        self._tokenizer = loading.submit(load_tokenizer, vocab, self._tokenizer_class)
         loading.shutdown(wait=False)  # (its thread ends with the load)
-        eos = declared_eos_id(path)
+        eos = declared_eos_id(vocab)
         self.spec = resolve_model(config, eos if eos is not None else self.tokenizer.eos_token_id)
         self.model_path, self.max_model_len, self.eos_ids = self.spec.path, self.spec.max_model_len, self.spec.eos_ids
         self.loras = self._lora_registry(config)  # before the weights: a bad adapter fails at once

@@ -40,6 +40,20 @@ def resolve_model_path(model: str | None) -> Path:
             f"(offline only: download it first, e.g. `huggingface-cli download {model}`)") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_tokenizer_path(tokenizer: str | None, model: str | None) -> Path:
+    """Where the tokenizer's files are: `tokenizer` (vLLM's --tokenizer: a folder of them, which
+    needs no config.json, or any checkpoint resolve_model_path finds), else the model's."""
+    if tokenizer is None:
+        return resolve_model_path(model)
+    path = Path(tokenizer).expanduser()
+    if path.is_dir() and any((path / name).exists() for name in TOKENIZER_FILES):
+        return path
+    return resolve_model_path(tokenizer)
+
+
 # Where older GPTQ / AWQ releases (AutoGPTQ, AutoAWQ) keep their quantization settings when
 # config.json has no quantization_config.
 LEGACY_QUANTIZATION_FILES = ("quantize_config.json", "quant_config.json")

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from actors.logs import setup_logging
-from actors.worker.checkpoint_files import load_tokenizer, resolve_model_path
+from actors.worker.checkpoint_files import load_tokenizer, resolve_model_path, resolve_tokenizer_path
 from app.api import (
     embedding_routes, lora_routes, metrics, openai_routes, ops_routes, responses_routes, scoring_routes,
     tokenize_routes, web,
@@ -79,7 +79,7 @@ class ApiHost:
         return attach(self.api, client, tokenizer, settings or self.settings)
 
     def load_tokenizer(self):
-        return load_tokenizer(resolve_model_path(self.settings.model_path))
+        return load_tokenizer(resolve_tokenizer_path(self.settings.tokenizer, self.settings.model_path))
 
     def __serve_build_asgi_app__(self):  # Ray Serve's hook for `@serve.ingress()` hosts
         return self.api
@@ -102,6 +102,8 @@ def attach(app: FastAPI, client: EngineClient, tokenizer, settings: ServerSettin
     if settings.max_model_len is None:
         settings = dataclasses.replace(settings, max_model_len=client.max_model_len)
     checkpoint = model_dir(settings.model_path)
+    if settings.chat_template is not None:  # --chat-template, in place of the tokenizer's
+        tokenizer.chat_template = settings.chat_template
     settings = with_model_parsers(settings, checkpoint)
     model = ServedModel(client, tokenizer, settings, model_sampling_defaults(checkpoint, settings.generation_config))
     app.state.models = getattr(app.state, "models", []) + [model]

@@ -14,6 +14,10 @@ DEMO_MODEL_NAME = "shoal-demo"  # the bundled model's name (as `shoal run-batch`
 @dataclass
 class ServerSettings:
     model_path: str | None = None  # None: the bundled demo model
+    tokenizer: str | None = None  # None: the checkpoint's own (vLLM's --tokenizer: another checkpoint's)
+    # vLLM's / SGLang's --chat-template: a file, or the template itself, in place of the
+    # tokenizer's (read once at start: replicas on other nodes get the text)
+    chat_template: str | None = None
     served_model_name: str | None = None  # None: the checkpoint directory's name
     api_key: str | None = None  # None: no authentication
     allowed_origins: list[str] = field(default_factory=list)  # empty: CORS off
@@ -52,6 +56,7 @@ class ServerSettings:
         if self.generation_config not in GENERATION_CONFIG_CHOICES:
             raise ValueError(f"--generation-config must be one of {', '.join(GENERATION_CONFIG_CHOICES)}, "
                              f"got {self.generation_config!r}")
+        self.chat_template = chat_template_text(self.chat_template)
         if self.default_max_tokens < 1:
             raise ValueError(f"--default-max-tokens must be positive, got {self.default_max_tokens}")
         for name in ("max_request_bytes", "max_n", "max_prompts", "max_messages", "max_input_chars",
@@ -77,6 +82,18 @@ def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) ->
             check(name)
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """--chat-template's template: a file's text, or the value itself where it is a Jinja
+    template (vLLM reads both); ValueError (one line) for anything else."""
+    if value is None or "{%" in value or "{{" in value:
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except OSError as exc:
+        raise ValueError(f"--chat-template: cannot read {value} ({exc.strerror}); give a template file "
+                         "or the template itself") from None
 
 
 def default_model_name(model_path: str | None) -> str:

@@ -48,6 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
     add("--model-path", metavar="DIR",
         help="Hugging Face checkpoint directory, or a llama.cpp .gguf file (default: the bundled demo model)")
+    add("--tokenizer", metavar="DIR",
+        help="the tokenizer of another checkpoint (a directory, a cached repo id or a .gguf), e.g. the "
+             "original release's beside a GGUF (default: the model's own)")
     add("--dtype", type=dtype_arg, choices=["auto", "float32", "bfloat16", "float16"],
         help=f"weight and activation dtype (also {', '.join(DTYPE_ALIASES)})")
     add("--quantization", choices=[*QUANTIZATIONS, *CHECKPOINT_FORMATS],

@@ -71,6 +71,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="split reasoning into reasoning_content: qwen3, deepseek_r1 (<think>), harmony "
              "(openai_gptoss: gpt-oss's analysis channel), gemma4 (its thought channel) or none (default: the "
              "model's config.json, else its family's: Qwen3 -> qwen3, gpt-oss -> harmony, Gemma 4 -> gemma4)")
+    add("--chat-template", metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) in place of the tokenizer's")
     add("--generation-config", choices=list(GENERATION_CONFIG_CHOICES),
         help="auto (default): requests that leave temperature, top_p, top_k, min_p or "
              "repetition_penalty unset get the model's generation_config.json values; vllm: not")

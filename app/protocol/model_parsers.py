@@ -72,7 +72,8 @@ def with_model_parsers(options, model_dir: Path | None):
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return options
-    found = model_parsers(config, Path(model_dir).name, chat_template_text(Path(model_dir)))
+    template = getattr(options, "chat_template", None) or chat_template_text(Path(model_dir))  # (--chat-template's)
+    found = model_parsers(config, Path(model_dir).name, template)
     silent = {f: v for f, v in found.items()
               if getattr(options, f) is None and known(f, v)}
     if silent:

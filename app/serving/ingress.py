@@ -14,7 +14,7 @@ import logging
 
 from ray import serve
 
-from actors.worker.checkpoint_files import engine_tokenizer, load_declared_tokenizer, resolve_model_path
+from actors.worker.checkpoint_files import engine_tokenizer, load_declared_tokenizer, resolve_tokenizer_path
 from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.llm_server import ServeEngineClient
@@ -38,7 +38,7 @@ class Ingress(ApiHost):
         # (transformers imported from two threads at once can fail halfway); each is kept if the
         # pool's engines chose the same class (actors/worker/checkpoint_files.py).
         try:
-            paths = [resolve_model_path(s.model_path) for _, s in models]
+            paths = [resolve_tokenizer_path(s.tokenizer, s.model_path) for _, s in models]
             declared = asyncio.create_task(asyncio.to_thread(lambda: [load_declared_tokenizer(p) for p in paths]))
             clients = await asyncio.gather(*(self._connect(pool, s.served_model_name, app_name, len(models) > 1)
                                              for pool, s in models))

@@ -21,7 +21,7 @@ from ray import serve
 
 from actors.config import EngineConfig
 from actors.request import EngineRequest
-from actors.worker.checkpoint_files import engine_tokenizer, load_declared_tokenizer, resolve_model_path
+from actors.worker.checkpoint_files import engine_tokenizer, load_declared_tokenizer, resolve_tokenizer_path
 from app.api.app import ApiHost
 from app.api.settings import ServerSettings
 from app.serving.app_replicas import AppReplicas
@@ -46,7 +46,7 @@ class ModelServer(ApiHost, ReplicaLifecycle):
         # Wait for the model: until then Serve routes no request here (a replica added by the
         # autoscaler takes traffic only once it can serve it). Meanwhile the tokenizer its files
         # declare loads; it is kept if the engine's AutoTokenizer chose the same class.
-        path = resolve_model_path(settings.model_path)
+        path = resolve_tokenizer_path(settings.tokenizer, settings.model_path)
         declared = asyncio.create_task(asyncio.to_thread(load_declared_tokenizer, path))
         client = await ReplicaEngineClient.create(self.engine, serve.get_replica_context().app_name)
         # (awaited first: transformers imported from two threads at once can fail halfway)
