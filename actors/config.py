@@ -17,6 +17,17 @@ DEFAULT_CPU_ITL_TARGET_MS = 75.0
 STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --mamba-cache-dtype / --mamba-ssm-cache-dtype
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's / SGLang's spellings; fp8 means e4m3 (kernels/kv_quant.py)
 
+# vLLM options whose only meaning in shoal is its own way: the values that ask for it, and why
+# another is refused
+VLLM_FIXED = {
+    "load_format": (("auto", "safetensors", "pt", "gguf"),
+                    "shoal reads the checkpoint's own files (safetensors, .bin, GGUF): auto, safetensors, pt or gguf"),
+    "tokenizer_mode": (("auto", "hf"), "shoal loads transformers' tokenizer for the checkpoint (auto or hf)"),
+    "enable_chunked_prefill": ((True,), "shoal always chunks prompts (--max-num-batched-tokens sets a step's budget)"),
+    "distributed_executor_backend": (("ray",), "shoal's shards are Ray actors (ray)"),
+    "cpu_offload_gb": ((0, 0.0), "shoal keeps the weights on the device (0)"),
+}
+
 # The engine options' other spellings (vLLM's, SGLang's), by canonical name. app/config.py adds
 # the serving options' to make the one table the CLI, YAML files and SHOAL_* variables read;
 # `LLM(**options)` reads these (vLLM's `LLM(model=..., tensor_parallel_size=..., enforce_eager=...)`).
@@ -146,6 +157,15 @@ class EngineConfig:
     metrics_ttft_buckets: list[float] | None = None  # time to first token
     metrics_itl_buckets: list[float] | None = None  # inter-token latency
     metrics_e2e_buckets: list[float] | None = None  # end-to-end request latency
+    # vLLM's options for what shoal always does one way (VLLM_FIXED): a vLLM command line or
+    # LLM(...) call runs unchanged; asking for another way is refused in one line.
+    trust_remote_code: bool = False  # a tokenizer's own code (transformers' trust_remote_code)
+    load_format: str = "auto"  # auto | safetensors | pt | gguf: the checkpoint's files decide
+    tokenizer_mode: str = "auto"  # auto | hf: transformers' tokenizer
+    enable_chunked_prefill: bool = True
+    distributed_executor_backend: str = "ray"
+    cpu_offload_gb: float = 0.0
+    swap_space: float = 4.0  # GiB of CPU swap a preempted request may use: none is (it is recomputed)
 
     def __post_init__(self):
         # Bucket options may come as "0.1,0.5" (CLI, environment): lists from here on, so
@@ -216,6 +236,9 @@ class EngineConfig:
             if getattr(self, option) not in STATE_DTYPES:
                 raise ValueError(f"--{option.replace('_', '-')} must be one of {', '.join(STATE_DTYPES)}, "
                                  f"got {getattr(self, option)!r}")
+        for option, (allowed, why) in VLLM_FIXED.items():
+            if getattr(self, option) not in allowed:
+                raise ValueError(f"--{option.replace('_', '-')} {getattr(self, option)!r}: {why}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

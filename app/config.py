@@ -91,6 +91,7 @@ SECTIONS = (EngineConfig, ServerSettings, DeployOptions)
 ALIASES: dict[str, tuple[str, ...]] = {
     **ENGINE_ALIASES,  # actors/config.py: the engine's options, which `LLM(...)` reads too
     "num_replicas": ("data_parallel_size", "dp_size", "dp"),
+    "max_top_logprobs": ("max_logprobs",),  # (vLLM's)
 }
 # (NEGATED_ALIASES: spellings of a boolean option that mean its opposite, `--disable-radix-cache`;
 # argparse's `--no-NAME` forms are command-line only: a file writes `NAME: false`. VALUE_ALIASES:

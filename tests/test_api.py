@@ -434,6 +434,20 @@ def test_request_id_prefixes_engine_ids_and_request_logs(stub, caplog):
     assert "The fox" in logged and "trace-7 output 1.0: 'ok!'" in logged
 
 
+def test_disable_log_requests_moves_each_requests_line_to_debug(stub, caplog):
+    app, http = stub
+    caplog.set_level(logging.INFO, logger="shoal.api")
+    settings = app.state.settings
+    app.state.settings = dataclasses.replace(settings, disable_log_requests=True)
+    try:
+        http.get("/v1/models", headers={"X-Request-Id": "quiet-1"})
+    finally:
+        app.state.settings = settings
+    http.get("/v1/models", headers={"X-Request-Id": "loud-1"})
+    logged = " ".join(rec.getMessage() for rec in caplog.records)
+    assert "loud-1" in logged and "quiet-1" not in logged
+
+
 def test_docs_and_probes(real):
     assert httpx.get(f"{real}/docs").status_code == 200
     paths = httpx.get(f"{real}/openapi.json").json()["paths"]

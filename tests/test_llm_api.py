@@ -77,7 +77,9 @@ def test_a_prompt_refused_by_the_engine_leaves_the_others_unqueued(llm):
 
 def test_vllm_option_names_build_the_same_engine(llama_ckpt):
     llm = LLM(model=str(llama_ckpt), enforce_eager=True, tensor_parallel_size=1, dtype="fp32",
-              disable_radix_cache=True, num_gpu_blocks_override=32, block_size=4)
+              disable_radix_cache=True, num_gpu_blocks_override=32, block_size=4,
+              # what vLLM scripts pass along, for what shoal always does
+              trust_remote_code=True, enable_chunked_prefill=True, swap_space=4, tokenizer=str(llama_ckpt))
     c = llm.config
     assert (c.model_path, c.eager_decode, c.tp_size, c.dtype, c.enable_prefix_caching, c.num_kv_blocks) == \
         (str(llama_ckpt), True, 1, "float32", False, 32)

@@ -19,6 +19,8 @@ from app.config import (
 # to pass validation (expert options need expert parallelism). Every table entry needs one.
 SAMPLES = {
     "model_path": ("ckpt/dir", {}),
+    "tokenizer": ("tok/dir", {}),
+    "max_top_logprobs": (5, {}),
     "num_kv_blocks": (64, {}),
     "gpu_memory_utilization": (0.5, {}),
     "max_num_batched_tokens": (64, {}),
@@ -112,6 +114,34 @@ def test_every_command_line_spelling_is_in_the_table():
                                                and flag.startswith("--no-")):
                     continue
                 assert spelling in table, f"{command} {flag} is not in app/config.py ALIASES"
+
+
+VLLM_COMMAND_LINE = ("--model ckpt/dir --tokenizer tok/dir --trust-remote-code --load-format safetensors "
+                     "--tokenizer-mode auto --enable-chunked-prefill --distributed-executor-backend ray "
+                     "--cpu-offload-gb 0 --swap-space 8 --disable-log-requests --disable-log-stats "
+                     "--max-logprobs 5 --chat-template {{messages}} --gpu-memory-utilization 0.8").split()
+
+
+def test_a_vllm_command_line_runs_unchanged():
+    """The options vLLM users carry in their command lines: what shoal does (tokenizer,
+    trust_remote_code, the logs, max_logprobs, chat template) takes effect; those naming what it
+    always does are accepted at that value."""
+    config = from_cli(VLLM_COMMAND_LINE)
+    assert (config.engine.tokenizer, config.server.tokenizer) == ("tok/dir", "tok/dir")
+    assert config.engine.trust_remote_code and config.server.trust_remote_code
+    assert config.server.disable_log_requests and config.server.max_top_logprobs == 5
+    assert config.server.chat_template == "{{messages}}" and config.engine.swap_space == 8
+
+
+@pytest.mark.parametrize("words, message", [
+    ("--no-enable-chunked-prefill", "--enable-chunked-prefill False: shoal always chunks prompts"),
+    ("--cpu-offload-gb 4", "--cpu-offload-gb 4.0: shoal keeps the weights on the device"),
+])
+def test_a_vllm_option_asking_for_what_shoal_does_not_do_is_refused(words, message):
+    with pytest.raises((ConfigError, ValueError), match=message):
+        from_cli(words.split())
+    with pytest.raises((ConfigError, ValueError), match="--load-format 'dummy'"):
+        load_config({"load_format": "dummy"}, environ={})
 
 
 def test_unknown_spelling_is_still_refused():

@@ -62,7 +62,7 @@ class LLMEngine:
         # its files where they state it.
         loading = ThreadPoolExecutor(1, thread_name_prefix="shoal-tokenizer")
         self._tokenizer_class = remembered_tokenizer_class(vocab)  # (None: AutoTokenizer decides)
-        self._tokenizer = loading.submit(load_tokenizer, vocab, self._tokenizer_class)
+        self._tokenizer = loading.submit(load_tokenizer, vocab, self._tokenizer_class, config.trust_remote_code)
         loading.shutdown(wait=False)  # (its thread ends with the load)
         eos = declared_eos_id(vocab)
         self.spec = resolve_model(config, eos if eos is not None else self.tokenizer.eos_token_id)

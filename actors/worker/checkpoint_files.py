@@ -184,7 +184,7 @@ def import_transformers(module: str):
         return importlib.import_module(module)
 
 
-def load_tokenizer(path: Path, class_path: str | None = None):
+def load_tokenizer(path: Path, class_path: str | None = None, trust_remote_code: bool = False):
     """The checkpoint's tokenizer, as AutoTokenizer loads it. class_path ("module:Class", see
     tokenizer_class_path): the class AutoTokenizer chose for these files in another process, the
     engine's. A Serve replica loads that class directly: AutoTokenizer's choice imports torch
@@ -200,7 +200,8 @@ def load_tokenizer(path: Path, class_path: str | None = None):
     if class_path is not None and class_path.startswith("transformers."):
         module, name = class_path.split(":")
         return getattr(import_transformers(module), name).from_pretrained(str(path))
-    tokenizer = import_transformers("transformers").AutoTokenizer.from_pretrained(str(path))
+    tokenizer = import_transformers("transformers").AutoTokenizer.from_pretrained(
+        str(path), trust_remote_code=trust_remote_code)  # (--trust-remote-code: a tokenizer's own code)
     remember_tokenizer_class(path, tokenizer_class_path(tokenizer))
     return tokenizer
 
@@ -262,12 +263,12 @@ def load_declared_tokenizer(path: Path):
         return None
 
 
-def engine_tokenizer(path: Path, class_path: str, declared=None):
+def engine_tokenizer(path: Path, class_path: str, declared=None, trust_remote_code: bool = False):
     """The tokenizer as the engine loaded it (class_path, see tokenizer_class_path): `declared`
     (load_declared_tokenizer's) where it is of that class, else loaded by that class."""
     if declared is not None and tokenizer_class_path(declared) == class_path:
         return declared
-    return load_tokenizer(path, class_path)
+    return load_tokenizer(path, class_path, trust_remote_code)
 
 
 def declared_eos_id(path: Path) -> int | None:

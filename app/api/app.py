@@ -79,7 +79,8 @@ class ApiHost:
         return attach(self.api, client, tokenizer, settings or self.settings)
 
     def load_tokenizer(self):
-        return load_tokenizer(resolve_tokenizer_path(self.settings.tokenizer, self.settings.model_path))
+        return load_tokenizer(resolve_tokenizer_path(self.settings.tokenizer, self.settings.model_path),
+                              trust_remote_code=self.settings.trust_remote_code)
 
     def __serve_build_asgi_app__(self):  # Ray Serve's hook for `@serve.ingress()` hosts
         return self.api

@@ -83,7 +83,8 @@ class RequestTracking:
         fields = {"request_id": request_id, "method": scope["method"], "path": path,
                   "status": status, "total_ms": 1000 * seconds,
                   **(summary.fields() if summary is not None else {})}
-        log.log(logging.DEBUG if path in PROBE_PATHS else logging.INFO, "request %s", logfmt(fields))
+        quiet = path in PROBE_PATHS or app_state.settings.disable_log_requests
+        log.log(logging.DEBUG if quiet else logging.INFO, "request %s", logfmt(fields))
 
 
 class BodySizeLimit:

@@ -18,6 +18,9 @@ class ServerSettings:
     # vLLM's / SGLang's --chat-template: a file, or the template itself, in place of the
     # tokenizer's (read once at start: replicas on other nodes get the text)
     chat_template: str | None = None
+    trust_remote_code: bool = False  # (the engine's too) a tokenizer's own code may run
+    disable_log_requests: bool = False  # vLLM's: the line each request logs goes to DEBUG
+    disable_log_stats: bool = False  # vLLM's, accepted: shoal logs no periodic stats (--decode-progress-interval-s)
     served_model_name: str | None = None  # None: the checkpoint directory's name
     api_key: str | None = None  # None: no authentication
     allowed_origins: list[str] = field(default_factory=list)  # empty: CORS off

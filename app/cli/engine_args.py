@@ -169,6 +169,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        ("end-to-end latency", "e2e")):
         add(f"--metrics-{name}-buckets", metavar="S,S,...",
             help=f"histogram buckets (seconds) of the {what} metric (default: built in)")
+    vllm = parser.add_argument_group("vLLM's options for what shoal does one way (a vLLM command line runs "
+                                     "unchanged; another value is refused)")
+    add_option(vllm, "--trust-remote-code", action="store_true",
+               help="let a tokenizer run its own code (shoal runs its own model code whatever the checkpoint says)")
+    add_option(vllm, "--load-format", choices=["auto", "safetensors", "pt", "gguf"],
+               help="accepted: the checkpoint's own files decide")
+    add_option(vllm, "--tokenizer-mode", choices=["auto", "hf"], help="accepted: transformers' tokenizer")
+    add_option(vllm, "--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+               help="accepted: prompts are always chunked")
+    add_option(vllm, "--distributed-executor-backend", choices=["ray"], help="accepted: shards are Ray actors")
+    add_option(vllm, "--cpu-offload-gb", type=float, metavar="GIB", help="accepted at 0: weights stay on the device")
+    add_option(vllm, "--swap-space", type=float, metavar="GIB",
+               help="accepted: a preempted request is recomputed, never swapped to CPU memory")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:

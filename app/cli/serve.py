@@ -73,6 +73,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
              "model's config.json, else its family's: Qwen3 -> qwen3, gpt-oss -> harmony, Gemma 4 -> gemma4)")
     add("--chat-template", metavar="FILE|TEMPLATE",
         help="a Jinja chat template (a file, or the template itself) in place of the tokenizer's")
+    add("--max-top-logprobs", type=int, metavar="N",
+        help="most alternatives a request may ask for per token (top_logprobs, logprobs; default 20)")
+    add("--disable-log-requests", action="store_true",
+        help="vLLM's: each request's log line at DEBUG instead of INFO")
+    add("--disable-log-stats", action="store_true",
+        help="vLLM's, accepted: no periodic stats are logged (see --decode-progress-interval-s)")
     add("--generation-config", choices=list(GENERATION_CONFIG_CHOICES),
         help="auto (default): requests that leave temperature, top_p, top_k, min_p or "
              "repetition_penalty unset get the model's generation_config.json values; vllm: not")

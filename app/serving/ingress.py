@@ -44,8 +44,8 @@ class Ingress(ApiHost):
                                              for pool, s in models))
             guesses = await declared
             tokenizers = await asyncio.to_thread(lambda: [
-                engine_tokenizer(path, client.tokenizer_class, guess)
-                for path, client, guess in zip(paths, clients, guesses)])
+                engine_tokenizer(path, client.tokenizer_class, guess, settings.trust_remote_code)
+                for path, client, guess, (_, settings) in zip(paths, clients, guesses, models)])
             for client, tokenizer, (_, settings) in zip(clients, tokenizers, models):
                 self.attach(client, tokenizer, settings)
                 log.info("ingress attached to the LLMServer pool of %s (max_model_len %d)",

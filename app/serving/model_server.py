@@ -50,7 +50,8 @@ class ModelServer(ApiHost, ReplicaLifecycle):
         declared = asyncio.create_task(asyncio.to_thread(load_declared_tokenizer, path))
         client = await ReplicaEngineClient.create(self.engine, serve.get_replica_context().app_name)
         # (awaited first: transformers imported from two threads at once can fail halfway)
-        self.attach(client, await asyncio.to_thread(engine_tokenizer, path, client.tokenizer_class, await declared))
+        self.attach(client, await asyncio.to_thread(engine_tokenizer, path, client.tokenizer_class, await declared,
+                                                    settings.trust_remote_code))
         self._pushing = asyncio.create_task(self._push_http_counts())
         self.http = None
         if listener is not None:
