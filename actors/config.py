@@ -36,7 +36,10 @@ ENGINE_ALIASES: dict[str, tuple[str, ...]] = {
     "tokenizer": ("tokenizer_path",),  # (SGLang's)
     "num_kv_blocks": ("num_gpu_blocks_override",),
     "gpu_memory_utilization": ("mem_fraction_static",),
-    "max_num_batched_tokens": ("chunked_prefill_size",),
+    "max_num_batched_tokens": ("chunked_prefill_size", "max_prefill_tokens"),
+    "max_model_len": ("context_length",),  # (SGLang's)
+    "seed": ("random_seed",),  # (SGLang's)
+    "scheduling_policy": ("schedule_policy",),  # (SGLang's; of its policies shoal has fcfs)
     "max_num_seqs": ("max_running_prompts", "max_running_requests"),
     "attn_backend": ("attention_backend",),
     "tp_size": ("tensor_parallel_size", "tp"),
@@ -53,6 +56,7 @@ ENGINE_ALIASES: dict[str, tuple[str, ...]] = {
 NEGATED_ALIASES: dict[str, tuple[str, ...]] = {
     "enable_prefix_caching": ("disable_radix_cache",),
     "async_scheduling": ("disable_overlap_schedule",),
+    "eager_decode": ("enable_torch_compile",),  # (SGLang's: compiled decode is shoal's default)
 }
 # Other spellings of values, by option: `bf16` means bfloat16.
 VALUE_ALIASES: dict[str, dict[str, str]] = {
