@@ -26,8 +26,8 @@ _NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The checkpoint's weight files: its safetensors (by their index where there is one), else
-    its PyTorch .bin files (likewise)."""
+    """The checkpoint's weight files: a GGUF file's directory's link to it (gguf_checkpoint), its
+    safetensors (by their index where there is one), else its PyTorch .bin files (likewise)."""
     if (path / gguf_checkpoint.TENSORS_FILE).exists():  # a GGUF file's directory
         return [path / gguf_checkpoint.LINK_NAME]
     for index, pattern in (("model.safetensors.index.json", "*.safetensors"),
