@@ -54,7 +54,7 @@ def test_vllm_names_and_serve_options_map(tmp_path):
 
 @pytest.mark.parametrize("llm_config, says", [
     ({"accelerator_type": "A10G"}, "llm_configs[0].accelerator_type is not supported"),
-    ({"engine_kwargs": {"trust_remote_code": True}}, "engine_kwargs.trust_remote_code is not supported"),
+    ({"engine_kwargs": {"enable_sleep_mode": True}}, "engine_kwargs.enable_sleep_mode is not supported"),
     ({"deployment_config": {"ray_actor_options": {}}}, "deployment_config.ray_actor_options"),
     ({"deployment_config": {"autoscaling_config": {"metrics_interval_s": 1}}}, "autoscaling_config.metrics_interval_s"),
     ({"model_loading_config": {"model_source": {"bucket_uri": "s3://x"}}}, "not a bucket"),
@@ -81,8 +81,8 @@ def test_several_models_share_the_options_outside_llm_configs(tmp_path, llama_ck
     assert (chat.engine.max_model_len, embed.engine.max_model_len) == (512, None)
     assert (chat.deploy.num_replicas, embed.deploy.num_replicas) == (None, 2)
     assert chat.deploy.replica_cpus == embed.deploy.replica_cpus == 0.25
-    with pytest.raises(ConfigError, match=r"llm_configs\[1\]\.engine_kwargs\.trust_remote_code"):
-        model_args({"llm_configs": [{}, {"engine_kwargs": {"trust_remote_code": True}}]})
+    with pytest.raises(ConfigError, match=r"llm_configs\[1\]\.engine_kwargs\.enable_sleep_mode"):
+        model_args({"llm_configs": [{}, {"engine_kwargs": {"enable_sleep_mode": True}}]})
     with pytest.raises(ConfigError, match="two models are served as 'same'"):
         load_configs({"llm_configs": [{"model_loading_config": {"model_id": "same", "model_source": str(llama_ckpt)}}] * 2})
 

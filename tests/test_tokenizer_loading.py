@@ -176,9 +176,9 @@ def test_the_engine_names_the_remembered_class_while_its_tokenizer_loads(llama_c
     assert chosen == tokenizer_class_path(first.tokenizer)
     release, real = threading.Event(), llm_engine.load_tokenizer
 
-    def held(path, class_path=None):
+    def held(*args):
         assert release.wait(60)
-        return real(path, class_path)
+        return real(*args)
     monkeypatch.setattr(llm_engine, "load_tokenizer", held)
     again = llm_engine.LLMEngine(EngineConfig(model_path=str(llama_ckpt), num_kv_blocks=32))
     assert again.tokenizer_class == chosen and not again._tokenizer.done()
