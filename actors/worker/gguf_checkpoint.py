@@ -190,7 +190,7 @@ def _stated_settings(reader, arch: str, config: dict) -> dict:
         f = reader.fields.get(f"{arch}.{key}")
         return None if f is None else f.contents()
 
-    stated = {hf: field(key) for key, hf in STATED.items() if field(key) is not None}
+    stated = {hf: value for key, hf in STATED.items() if (value := field(key)) is not None}
     pattern = field("attention.sliding_window_pattern")  # (newer converters: a flag a layer)
     if isinstance(pattern, list) and len(pattern) == config["num_hidden_layers"]:
         stated["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
@@ -430,7 +430,6 @@ class GgufWeights:
         import torch
         from gguf import dequantize
 
-        processor = self.processor
         parsed: dict = {"tensors": {}}
         table = {**{g: name for g in self.sources[name]},
                  **{g.removesuffix(".weight"): name for g in self.sources[name]}}
@@ -438,8 +437,8 @@ class GgufWeights:
         for g in self.sources[name]:
             start, size, kind, dtype, shape = self.where[g]
             data = self.bytes[start:start + size].view(np.dtype(dtype)).reshape(shape)
-            out = processor.process(weights=dequantize(data, kind), name=g,
-                                    tensor_key_mapping=table, parsed_parameters=parsed)
+            out = self.processor.process(weights=dequantize(data, kind), name=g,
+                                         tensor_key_mapping=table, parsed_parameters=parsed)
             if out.name is not None:
                 result = torch.from_numpy(np.array(out.weights, dtype=np.float32))  # (a copy: the map is read-only)
         if name in parsed["tensors"]:  # several of the file's tensors put together (stacked experts)
