@@ -15,7 +15,7 @@ import torch
 # transformers' model_type -> gguf-py's architecture
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
          "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
-         "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2"}
+         "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2", "gpt_oss": "GPT_OSS"}
 QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)
 
@@ -112,18 +112,23 @@ def _settings(writer, cfg: dict, tensors: dict) -> None:
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
         writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if cfg["model_type"] in GEMMA:
+        writer.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    if cfg["model_type"] in GEMMA + ("gpt_oss",):
         writer.add_sliding_window(cfg["sliding_window"])
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if cfg.get(key):
+            if cfg.get(key) and cfg["model_type"] in GEMMA:
                 getattr(writer, f"add_{key}")(cfg[key])
     if cfg.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if rope.get("rope_type") == "linear":
+    if rope.get("rope_type") in ("linear", "yarn"):  # (TextModel.set_gguf_parameters)
         import gguf
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key in ("beta_fast", "beta_slow"):
+            if key in rope:
+                getattr(writer, f"add_rope_scaling_yarn_{key}")(rope[key])
 
 
 def _stacked(tensors: dict, cfg: dict) -> dict:
@@ -132,7 +137,9 @@ def _stacked(tensors: dict, cfg: dict) -> dict:
     out, experts = {}, {}
     for name, t in tensors.items():
         parts = name.split(".")
-        if ".mlp.experts." in name and parts[parts.index("experts") + 1].isdigit():
+        if cfg["model_type"] == "gpt_oss" and ".mlp.experts." in name:  # GptOssModel.modify_tensors
+            out.update(_gpt_oss_stacked(name, t))
+        elif ".mlp.experts." in name and parts[parts.index("experts") + 1].isdigit():
             i = parts.index("experts")
             key = ".".join(parts[:i + 1] + parts[i + 2:])
             experts.setdefault(key, {})[int(parts[i + 1])] = t
@@ -146,6 +153,40 @@ def _stacked(tensors: dict, cfg: dict) -> dict:
             out[name] = t
     for key, by_index in experts.items():
         out[key] = torch.stack([by_index[e] for e in range(len(by_index))])
+    return out
+
+
+def _gpt_oss_stacked(name: str, t: torch.Tensor) -> dict:
+    """gpt-oss's experts (used as x @ W, gate and up columns interleaved) as the converter writes
+    them: matrices [E, out, in] and biases, gate and up apart."""
+    if name.endswith("gate_up_proj"):
+        return {name.replace("gate_up_proj", "gate_proj.weight"): t[..., 0::2].transpose(1, 2),
+                name.replace("gate_up_proj", "up_proj.weight"): t[..., 1::2].transpose(1, 2)}
+    if name.endswith("gate_up_proj_bias"):
+        return {name.replace("gate_up_proj_bias", "gate_proj.bias"): t[..., 0::2],
+                name.replace("gate_up_proj_bias", "up_proj.bias"): t[..., 1::2]}
+    if name.endswith("down_proj"):
+        return {name + ".weight": t.transpose(1, 2)}
+    return {name.replace("down_proj_bias", "down_proj.bias"): t}
+
+
+def _gpt_oss_unstacked(tensors: dict) -> dict:
+    """`_gpt_oss_stacked` undone."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_proj.weight"):
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            joined = torch.stack([t.transpose(1, 2), up.transpose(1, 2)], dim=-1)
+            out[name.replace("gate_proj.weight", "gate_up_proj")] = joined.flatten(-2).contiguous()
+        elif name.endswith("experts.gate_proj.bias"):
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            out[name.replace("gate_proj.bias", "gate_up_proj_bias")] = torch.stack([t, up], dim=-1).flatten(-2)
+        elif name.endswith("experts.down_proj.weight"):
+            out[name.removesuffix(".weight")] = t.transpose(1, 2).contiguous()
+        elif name.endswith("experts.down_proj.bias"):
+            out[name.replace("down_proj.bias", "down_proj_bias")] = t
+        elif not name.endswith(("experts.up_proj.weight", "experts.up_proj.bias")):
+            out[name] = t.contiguous()
     return out
 
 
@@ -205,6 +246,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if name.endswith("linear_attn.dt_bias"):  # (gguf-py's table has no entry for it)
             new = name.replace("model.layers.", "blk.").replace("linear_attn.dt_bias", "ssm_dt.bias")
+        if name.endswith("self_attn.sinks"):  # (GptOssModel.filter_tensors names gpt-oss's sinks as a weight)
+            new += ".weight"
         assert new is not None, name
         qtype = _type(types, new) if stored.dim() >= 2 and "conv.weight" not in new and "conv1d" not in new else "F32"
         data, decoded = _encode(stored.numpy(), qtype, rng)
@@ -221,7 +264,7 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
     writer.close()
     ref = dst / "reference"
     ref.mkdir(exist_ok=True)
-    _write_copy(src, ref, _unstacked(reference), cfg)
+    _write_copy(src, ref, _gpt_oss_unstacked(reference) if kind == "gpt_oss" else _unstacked(reference), cfg)
     return file, ref
 
 
@@ -289,7 +332,7 @@ def _encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, np.ndarray]:
     if qtype == "F16":
         return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
     kind = getattr(gguf.GGMLQuantizationType, qtype)
-    if qtype == "BF16" or qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    if qtype == "BF16" or qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"):
         data = gguf.quants.quantize(w, kind)
     else:  # a K-quant: random blocks whose f16 super-block scales are small and finite
         block, size = gguf.GGML_QUANT_SIZES[kind]

@@ -9,7 +9,8 @@ it, for the block formats gguf-py writes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F1
 (biases), Qwen3 (a head size that is not hidden / heads), Qwen2-MoE (shared expert),
 Qwen3-MoE (stacked experts), Gemma 2 (norms stored + 1, soft-capping), Gemma 3 (a rotary by
 layer type), Phi-3 (fused projections, longrope factors as tensors, a partial rotary) and Qwen3.5
-dense and MoE (gated delta nets: value heads tiled, A_log stored as -exp, norms + 1), LFM2; the
+dense and MoE (gated delta nets: value heads tiled, A_log stored as -exp, norms + 1), LFM2,
+gpt-oss (MXFP4 experts stored as matrices, gate and up apart; sinks; YaRN); the
 tokenizer, chat template and end-of-turn tokens come from the file; a tp=2 rank holds its slices;
 `--quantization int8` on top; `shoal serve` on a .gguf path; a file shoal cannot read is refused
 in one line."""
@@ -60,6 +61,9 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     "qwen3.5-moe": ("qwen3_5_moe", {}, {"exps": "Q8_0", "*": "BF16"}),
     # LFM2: short convolutions (squeezed to [channels, kernel]) beside attention layers
     "lfm2-short-convolutions": ("lfm2", {}, {"ffn": "Q4_0", "*": "Q8_0"}),
+    # gpt-oss: experts in MXFP4 as matrices, gate and up apart, biases beside them; sinks; YaRN.
+    # (Its SwiGLU limit is not in the file: llama.cpp's is the release's 7.)
+    "gpt-oss-mxfp4": ("gpt_oss", dict(swiglu_limit=7.0), {"exps.weight": "MXFP4", "exps.bias": "F32", "*": "Q8_0"}),
 }
 
 
@@ -137,6 +141,37 @@ def test_prompt_logprobs_and_the_rotary_scaling_the_file_keeps(copies):
     shutil.copytree(reference, plain, dirs_exist_ok=True)
     (plain / "config.json").write_text(json.dumps(unscaled))
     assert max(abs(g - w) for g, w in zip(got, hf_prompt_logprobs(plain, ids))) > 1e-3
+
+
+def test_gpt_oss_settings_come_from_its_file(copies):
+    """gpt-oss's settings are read from the file by shoal (transformers' reading of these files
+    fails on their YaRN fields): the checkpoint's own, its YaRN's unrounded range included."""
+    from transformers import AutoConfig
+
+    file, reference = copies("gpt-oss-mxfp4")
+    got = AutoConfig.from_pretrained(resolve_model_path(str(file))).to_dict()
+    want = AutoConfig.from_pretrained(reference).to_dict()
+    assert got["rope_parameters"] == want["rope_parameters"] and want["rope_parameters"]["truncate"] is False
+    for key in ("layer_types", "sliding_window", "head_dim", "num_local_experts", "num_experts_per_tok",
+                "intermediate_size", "num_key_value_heads", "vocab_size", "tie_word_embeddings", "eos_token_id"):
+        assert got[key] == want[key], key
+
+
+def test_a_harmony_file_ends_where_gpt_oss_ends(tmp_path):
+    """A gpt-oss file with harmony's tokens: generation ends at <|return|>, <|call|> and
+    <|endoftext|> (the release's generation_config.json), not at <|end|>, which ends the analysis
+    before the answer (llama.cpp drops it from its end tokens the same way); the template is the
+    file's."""
+    from harmony_checkpoint import GENERATION_EOS, make_harmony_checkpoint
+    from transformers import AutoTokenizer
+
+    source = make_harmony_checkpoint(tmp_path / "harmony", swiglu_limit=7.0)
+    file, _ = gguf_copy(source, tmp_path / "gguf", {"exps.weight": "MXFP4", "*": "Q8_0"})
+    path = resolve_model_path(str(file))
+    tok = AutoTokenizer.from_pretrained(source)
+    ends = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    assert ends == sorted(tok.convert_tokens_to_ids(GENERATION_EOS))
+    assert AutoTokenizer.from_pretrained(path).chat_template == tok.chat_template
 
 
 def test_tokenizer_chat_template_and_settings_come_from_the_file(copies, checkpoint_factory):
@@ -222,7 +257,7 @@ def test_int8_on_top_equals_the_int8_reference(copies, tmp_path):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("case", ["llama-legacy-blocks", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["llama-legacy-blocks", "qwen3-moe", "gpt-oss-mxfp4"])
 def test_tp2_ranks_hold_their_slices(case, copies):
     """Built in process: each tp=2 rank's parameters from the GGUF equal those it builds from
     the reference (column- and row-parallel slices; experts)."""

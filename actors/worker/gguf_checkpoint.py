@@ -105,7 +105,7 @@ def convert(file: Path, out: Path) -> None:
         raise ValueError(f"{file.name} is a GGUF checkpoint: reading it needs the gguf package "
                          "(`pip install gguf`)")
     config, arch = gguf_config(file)
-    _tokenizer(file).save_pretrained(out)
+    _tokenizer(file, arch).save_pretrained(out)
     # Loaded back as saved: a family's own class (Qwen2Tokenizer, say) would put its own split of
     # the text in place of the one the file states (tokenizer.ggml.pre)
     settings = json.loads((out / "tokenizer_config.json").read_text())
@@ -128,7 +128,8 @@ END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", 
 def end_of_generation(file: Path, config: dict, out: Path) -> list[int]:
     """The ids llama.cpp ends generation at: the file's eos, eot and eom tokens and END_OF_TURN's
     that its vocabulary holds (Llama 3's <|end_of_text|> and <|eot_id|>, Qwen's <|endoftext|>
-    and <|im_end|>, Phi-3's <|endoftext|> and <|end|>, as llama.cpp finds them in their files)."""
+    and <|im_end|>, Phi-3's <|endoftext|> and <|end|>, gpt-oss's <|return|> and <|call|>, as
+    llama.cpp finds them in their files)."""
     reader = _reader(str(file))
     ids = {config.get("eos_token_id")} | {reader.fields[k].contents() for k in
                                            ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -139,6 +140,9 @@ def end_of_generation(file: Path, config: dict, out: Path) -> list[int]:
         model = {piece: i for i, (piece, _) in enumerate(model)}
     by_text = {**model, **{t["content"]: t["id"] for t in vocab.get("added_tokens", [])}}
     ids |= {by_text[t] for t in END_OF_TURN if isinstance(by_text.get(t), int)}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= by_text.keys():
+        # harmony (gpt-oss): <|end|> ends a message, not the turn (the answer follows the analysis)
+        ids.discard(by_text["<|end|>"])
     tokens = len(reader.fields["tokenizer.ggml.tokens"].data)  # (transformers may add tokens past the file's)
     return sorted(i for i in ids if isinstance(i, int) and i < tokens)
 
@@ -158,7 +162,8 @@ def gguf_config(file: Path) -> tuple[dict, str]:
         raise ValueError(f"{file.name}: GGUF architecture {arch!r} is not one shoal reads; it reads "
                          f"{', '.join(sorted(SUPPORTED))}")
     try:
-        config = AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name).to_dict()
+        config = (_gpt_oss_config(reader) if arch == "gpt-oss"
+                  else AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name).to_dict())
     except (ValueError, KeyError) as exc:
         raise ValueError(f"{file.name}: transformers cannot read its settings ({str(exc).splitlines()[0]})") from None
     kind = config["model_type"]
@@ -175,6 +180,28 @@ def gguf_config(file: Path) -> tuple[dict, str]:
     return config, arch
 
 
+def _gpt_oss_config(reader) -> dict:
+    """gpt-oss's settings from its file (transformers 5.24's reading of these files fails on their
+    YaRN fields: it takes each field's length for its value). The rotary's scaling: _rotary."""
+    from transformers import GptOssConfig
+
+    def key(name):
+        return reader.fields[f"gpt-oss.{name}"].contents()
+
+    tokens = {k: reader.fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("bos", "eos", "padding")
+              if f"tokenizer.ggml.{k}_token_id" in reader.fields}
+    return GptOssConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=key("embedding_length"),
+        intermediate_size=key("expert_feed_forward_length"), num_hidden_layers=key("block_count"),
+        num_attention_heads=key("attention.head_count"), num_key_value_heads=key("attention.head_count_kv"),
+        head_dim=key("attention.key_length"), num_local_experts=key("expert_count"),
+        num_experts_per_tok=key("expert_used_count"), sliding_window=key("attention.sliding_window"),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon"), max_position_embeddings=key("context_length"),
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")},
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=tokens.get("bos"), eos_token_id=tokens.get("eos"), pad_token_id=tokens.get("padding")).to_dict()
+
+
 # Settings llama.cpp's converter writes that transformers' GGUF reading leaves at its config
 # class's defaults (one release's values: Qwen3's head_dim 128, Qwen3-MoE's expert width 768)
 STATED = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
@@ -182,6 +209,7 @@ STATED = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe
           "expert_weights_norm": "norm_topk_prob", "attn_logit_softcapping": "attn_logit_softcapping",
           "final_logit_softcapping": "final_logit_softcapping"}
 ROPE_SCALING = {"linear": "linear", "yarn": "yarn"}  # rope.scaling.type -> transformers' rope_type
+YARN = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
 
 
 def _stated_settings(reader, arch: str, config: dict) -> dict:
@@ -203,6 +231,9 @@ def _stated_settings(reader, arch: str, config: dict) -> dict:
     if arch == "phi3":  # 0: none (Phi-4), else Phi-3's window
         stated["sliding_window"] = field("attention.sliding_window") or None
     stated.update(_rotary(reader, field, config))
+    rope = stated.get("rope_parameters") or config.get("rope_parameters") or {}
+    if arch == "gpt-oss" and rope.get("rope_type") == "yarn":  # (its release's YaRN: the range not rounded)
+        stated["rope_parameters"] = {**rope, "truncate": False}
     return stated
 
 
@@ -221,6 +252,9 @@ def _rotary(reader, field, config: dict) -> dict:
         rope.update(rope_type=kind, factor=field("rope.scaling.factor"))
         if field("rope.scaling.original_context_length"):
             rope["original_max_position_embeddings"] = field("rope.scaling.original_context_length")
+        for key, hf in YARN.items():
+            if kind == "yarn" and field(f"rope.scaling.{key}") is not None:
+                rope[hf] = field(f"rope.scaling.{key}")
     tensors = {t.name: [float(x) for x in t.data] for t in reader.tensors
                if t.name in ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")}
     if "rope_freqs.weight" in tensors:
@@ -244,10 +278,13 @@ def _rotary(reader, field, config: dict) -> dict:
     return {"rope_parameters": rope} if rope != params else {}
 
 
-def _tokenizer(file: Path):
-    from transformers import AutoTokenizer
+def _tokenizer(file: Path, arch: str):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # (gpt-oss's own class; AutoTokenizer would read its settings as _gpt_oss_config says it can't)
+    kind = PreTrainedTokenizerFast if arch == "gpt-oss" else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        return kind.from_pretrained(str(file.parent), gguf_file=file.name)
     except (ValueError, KeyError) as exc:
         raise ValueError(f"{file.name}: transformers cannot build its tokenizer ({str(exc).splitlines()[0]})") from None
 
@@ -281,7 +318,8 @@ def tensor_names(file: Path, config: dict, arch: str) -> dict[str, str]:
     expert_parts = {g for g in present if _EXPERTS.search(g)}  # stacked: the processor names them (process)
     # llama.cpp writes a multi-token-prediction block as one more layer (Qwen3.5's nextn): not served
     extra = {g for g in present if (m := re.match(r"blk\.(\d+)\.", g)) and int(m[1]) >= config["num_hidden_layers"]}
-    missing = sorted(present - set(names) - expert_parts - extra - IGNORED)
+    named = set(names) | {f"{g}.weight" for g in names}  # (a parameter the file stores as a module's weight)
+    missing = sorted(present - named - expert_parts - extra - IGNORED)
     if missing:
         raise ValueError(f"{file.name}: {len(missing)} tensors have no place in {config['architectures'][0]} "
                          f"(e.g. {', '.join(missing[:3])})")
@@ -305,6 +343,8 @@ IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.
 def _processor(arch: str, config: dict):
     if arch in ("qwen35", "qwen35moe"):
         return Qwen35Processor(config)
+    if arch == "gpt-oss":
+        return GptOssProcessor()
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
 
@@ -385,6 +425,47 @@ class Qwen35Processor:
         return Processed(w, name)
 
 
+class GptOssProcessor:
+    """gpt-oss's files undone (convert_hf_to_gguf.py GptOssModel): transformers keeps each layer's
+    experts as gate_up_proj [E, H, 2I] (gate and up columns interleaved) and down_proj [E, I, H],
+    used as x @ W; the file stacks them as matrices, ffn_gate_exps / ffn_up_exps [E, I, H] and
+    ffn_down_exps [E, H, I], with biases beside them split the same way. (transformers' own
+    gpt-oss processor expects other names.)"""
+
+    EXPERTS = re.compile(r"(blk\.\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
+
+    def preprocess_name(self, hf_name: str) -> str:
+        return hf_name
+
+    def perform_fallback_tensor_mapping(self, table: dict, suffix: str, qual_name: str, hf_name: str) -> None:
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_bias)?", hf_name)
+        if m:
+            kind = ".bias" if m[3] else ".weight"
+            parts = ("gate", "up") if m[2] == "gate_up" else ("down",)
+            table.update({f"blk.{m[1]}.ffn_{p}_exps{kind}": hf_name for p in parts})
+
+    def process(self, weights, name: str, tensor_key_mapping=None, parsed_parameters=None, **_) -> Processed:
+        import numpy as np
+        import torch
+
+        m = self.EXPERTS.fullmatch(name)
+        if m is None:
+            return Processed(weights, name)
+        w = np.asarray(weights, dtype=np.float32)
+        if m[3] == "weight":
+            w = w.swapaxes(1, 2)  # [E, out, in] -> transformers' [E, in, out]
+        if m[2] == "down":
+            return Processed(w, name)
+        target = tensor_key_mapping[name]
+        parts = parsed_parameters.setdefault("parts", {}).setdefault(target, {})
+        parts[m[2]] = w
+        if len(parts) == 2:  # gate in the even columns, up in the odd ones
+            joined = np.empty((*w.shape[:-1], 2 * parts["gate"].shape[-1]), dtype=np.float32)
+            joined[..., 0::2], joined[..., 1::2] = parts["gate"], parts["up"]
+            parsed_parameters["tensors"][target] = torch.from_numpy(joined)
+        return Processed(w, None)
+
+
 @functools.lru_cache(maxsize=4)
 def _reader(file: str):
     """The file's header, parsed once while the file is converted."""
@@ -410,14 +491,11 @@ class GgufWeights:
         self.processor = _processor(self.arch, self.config)
         self.sources: dict[str, list[str]] = {}  # transformers' name -> the file's tensors making it
         for g in self.where:
-            hf = table["names"].get(g) or self._expert_target(g, table["names"])
+            # (a parameter, not a module's weight: stacked experts, gpt-oss's sinks; the table
+            # holds it without the `.weight` the file adds)
+            hf = table["names"].get(g) or table["names"].get(g.removesuffix(".weight"))
             if hf is not None:
                 self.sources.setdefault(hf, []).append(g)
-
-    def _expert_target(self, name: str, names: dict) -> str | None:
-        """Stacked experts (`blk.N.ffn_gate_exps.weight`): transformers' table holds them without
-        the `.weight` (its target is a stacked parameter, not a module's weight)."""
-        return names.get(name.removesuffix(".weight")) if _EXPERTS.search(name) else None
 
     def keys(self) -> list[str]:
         return list(self.sources)
@@ -469,4 +547,4 @@ class _Lazy:
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
-             "qwen35moe", "lfm2"}
+             "qwen35moe", "lfm2", "gpt-oss"}
