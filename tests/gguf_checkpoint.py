@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 
 import numpy as np
 import torch
@@ -15,7 +16,9 @@ import torch
 # transformers' model_type -> gguf-py's architecture
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
          "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
-         "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2", "gpt_oss": "GPT_OSS"}
+         "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2", "gpt_oss": "GPT_OSS",
+         "mixtral": "LLAMA"}
+LLAMA = ("llama", "mistral", "mixtral")  # q / k rows permuted for llama.cpp's rotary
 QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)
 
@@ -93,7 +96,7 @@ def _settings(writer, cfg: dict, tensors: dict) -> None:
     if "head_dim" in cfg:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if cfg["model_type"] in ("llama", "mistral"):
+    if cfg["model_type"] in LLAMA:
         writer.add_rope_dimension_count(head_dim)
     if cfg["model_type"] in QWEN35:  # Qwen3_5TextModel: the gated delta net's sizes, the rotary's sections
         rotated = int(head_dim * rope.get("partial_rotary_factor", 1.0))
@@ -131,11 +134,19 @@ def _settings(writer, cfg: dict, tensors: dict) -> None:
                 getattr(writer, f"add_rope_scaling_yarn_{key}")(rope[key])
 
 
+# Mixtral's release names -> transformers 5's (the converter reads either)
+MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", "block_sparse_moe.experts.": "mlp.experts.",
+                 ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = re.compile("|".join(re.escape(k) for k in MIXTRAL_NAMES))
+
+
 def _stacked(tensors: dict, cfg: dict) -> dict:
     """Per-expert tensors (mlp.experts.E.gate_proj.weight) stacked as the converter stacks them
     (mlp.experts.gate_proj.weight [E, I, H]); transformers 5's fused gate_up_proj cut apart."""
     out, experts = {}, {}
     for name, t in tensors.items():
+        if cfg["model_type"] == "mixtral":
+            name = _MIXTRAL_NAMES.sub(lambda m: MIXTRAL_NAMES[m[0]], name)
         parts = name.split(".")
         if cfg["model_type"] == "gpt_oss" and ".mlp.experts." in name:  # GptOssModel.modify_tensors
             out.update(_gpt_oss_stacked(name, t))
@@ -153,6 +164,18 @@ def _stacked(tensors: dict, cfg: dict) -> dict:
             out[name] = t
     for key, by_index in experts.items():
         out[key] = torch.stack([by_index[e] for e in range(len(by_index))])
+    return out
+
+
+def _one_an_expert(tensors: dict) -> dict:
+    """Stacked experts (mlp.experts.gate_proj.weight [E, I, H]) one tensor an expert
+    (mlp.experts.E.gate_proj.weight)."""
+    out = {}
+    for name, t in tensors.items():
+        if re.search(r"mlp\.experts\.(gate|up|down)_proj\.weight$", name):
+            out.update({name.replace("experts.", f"experts.{e}."): t[e] for e in range(t.shape[0])})
+        else:
+            out[name] = t
     return out
 
 
@@ -190,13 +213,15 @@ def _gpt_oss_unstacked(tensors: dict) -> dict:
     return out
 
 
-def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tuple[pathlib.Path, pathlib.Path]:
+def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32",
+              one_tensor_an_expert: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
     """(a GGUF of checkpoint `src`, a float checkpoint of the weights it stands for), both under
     `dst`. types: the ggml type of every matrix (norms, biases and other vectors stay F32, as the
     converter keeps them), or {GGUF name substring: type} with "*" for the rest, e.g.
     {"token_embd": "Q8_0", "ffn": "Q4_0", "*": "F16"}. K-quant types (Q4_K, Q6_K, ...), which
     gguf-py cannot quantize, are written as random valid blocks: the reference holds what they
-    decode to."""
+    decode to. one_tensor_an_expert: experts as files made before llama.cpp stacked them
+    (`blk.N.ffn_gate.E.weight`)."""
     import gguf
     from tests.checkpoints import _write_copy, read_checkpoint
 
@@ -204,6 +229,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
     cfg, tensors = read_checkpoint(src)
     kind = cfg["model_type"]
     tensors = _stacked(tensors, cfg)
+    if one_tensor_an_expert:
+        tensors = _one_an_expert(tensors)
     arch = getattr(gguf.MODEL_ARCH, ARCHS[kind])
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -231,9 +258,9 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
             continue  # (the converter writes a tied head once, as the embedding)
         w = w.float()
         stored = w
-        if kind in ("llama", "mistral") and name.endswith("q_proj.weight"):
+        if kind in LLAMA and name.endswith("q_proj.weight"):
             stored = _permute(w, heads, heads)
-        elif kind in ("llama", "mistral") and name.endswith("k_proj.weight"):
+        elif kind in LLAMA and name.endswith("k_proj.weight"):
             stored = _permute(w, heads, kv_heads)
         if kind in GEMMA and name.endswith("norm.weight"):
             stored = w + 1
@@ -246,6 +273,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
         new = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if name.endswith("linear_attn.dt_bias"):  # (gguf-py's table has no entry for it)
             new = name.replace("model.layers.", "blk.").replace("linear_attn.dt_bias", "ssm_dt.bias")
+        if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name):
+            new = f"blk.{m[1]}.ffn_{m[3]}.{m[2]}.weight"
         if name.endswith("self_attn.sinks"):  # (GptOssModel.filter_tensors names gpt-oss's sinks as a weight)
             new += ".weight"
         assert new is not None, name
@@ -264,6 +293,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32") -> tu
     writer.close()
     ref = dst / "reference"
     ref.mkdir(exist_ok=True)
+    if one_tensor_an_expert:
+        reference = _stacked(reference, cfg)
     _write_copy(src, ref, _gpt_oss_unstacked(reference) if kind == "gpt_oss" else _unstacked(reference), cfg)
     return file, ref
 
@@ -347,9 +378,9 @@ def _encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, np.ndarray]:
 
 def _undo(t: torch.Tensor, name: str, kind: str, heads: int, kv_heads: int) -> torch.Tensor:
     """The float weight a stored tensor stands for (the converter's changes undone)."""
-    if kind in ("llama", "mistral") and name.endswith("q_proj.weight"):
+    if kind in LLAMA and name.endswith("q_proj.weight"):
         return _unpermute(t, heads, heads)
-    if kind in ("llama", "mistral") and name.endswith("k_proj.weight"):
+    if kind in LLAMA and name.endswith("k_proj.weight"):
         return _unpermute(t, heads, kv_heads)
     if kind in GEMMA and name.endswith("norm.weight"):
         return t - 1

@@ -64,6 +64,10 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     # gpt-oss: experts in MXFP4 as matrices, gate and up apart, biases beside them; sinks; YaRN.
     # (Its SwiGLU limit is not in the file: llama.cpp's is the release's 7.)
     "gpt-oss-mxfp4": ("gpt_oss", dict(swiglu_limit=7.0), {"exps.weight": "MXFP4", "exps.bias": "F32", "*": "Q8_0"}),
+    # Mixtral: llama.cpp writes it as a Llama with experts, stacked, or in files made before it
+    # stacked them (early 2024), one tensor an expert
+    "mixtral": ("mixtral", {}, {"exps": "Q4_1", "*": "Q8_0"}),
+    "mixtral-one-tensor-an-expert": ("mixtral", {}, {"ffn": "Q5_0", "*": "Q8_0"}, {"one_tensor_an_expert": True}),
 }
 
 
@@ -73,8 +77,8 @@ def copies(checkpoint_factory, tmp_path_factory):
 
     def get(case):
         if case not in built:
-            family, overrides, types = CASES[case]
-            built[case] = gguf_copy(checkpoint_factory(family, **overrides), root / case, types)
+            family, overrides, types, *writer = CASES[case]
+            built[case] = gguf_copy(checkpoint_factory(family, **overrides), root / case, types, **(writer or [{}])[0])
         return built[case]
     return get
 
@@ -257,7 +261,7 @@ def test_int8_on_top_equals_the_int8_reference(copies, tmp_path):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("case", ["llama-legacy-blocks", "qwen3-moe", "gpt-oss-mxfp4"])
+@pytest.mark.parametrize("case", ["llama-legacy-blocks", "qwen3-moe", "gpt-oss-mxfp4", "mixtral-one-tensor-an-expert"])
 def test_tp2_ranks_hold_their_slices(case, copies):
     """Built in process: each tp=2 rank's parameters from the GGUF equal those it builds from
     the reference (column- and row-parallel slices; experts)."""

@@ -166,6 +166,8 @@ def gguf_config(file: Path) -> tuple[dict, str]:
                   else AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name).to_dict())
     except (ValueError, KeyError) as exc:
         raise ValueError(f"{file.name}: transformers cannot read its settings ({str(exc).splitlines()[0]})") from None
+    if arch == "llama" and (experts := reader.fields.get("llama.expert_count")) and experts.contents():
+        config = _mixtral_config(config, reader)
     kind = config["model_type"]
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{file.name}: no causal language model for model type {kind!r} in transformers")
@@ -200,6 +202,22 @@ def _gpt_oss_config(reader) -> dict:
         rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")},
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=tokens.get("bos"), eos_token_id=tokens.get("eos"), pad_token_id=tokens.get("padding")).to_dict()
+
+
+# What a Llama (or Mistral) config and a Mixtral one share
+MIXTRAL_KEPT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _mixtral_config(config: dict, reader) -> dict:
+    """llama.cpp writes Mixtral as a Llama with experts; transformers' reading keeps the Llama and
+    drops the experts."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{k: config[k] for k in MIXTRAL_KEPT if k in config}, sliding_window=None,
+                         num_local_experts=reader.fields["llama.expert_count"].contents(),
+                         num_experts_per_tok=reader.fields["llama.expert_used_count"].contents()).to_dict()
 
 
 # Settings llama.cpp's converter writes that transformers' GGUF reading leaves at its config
@@ -346,6 +364,9 @@ def _processor(arch: str, config: dict):
     if arch == "gpt-oss":
         return GptOssProcessor()
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    if arch == "llama" and config.get("num_local_experts"):
+        return MixtralProcessor(TENSOR_PROCESSORS["llama"](config=config), TENSOR_PROCESSORS["qwen2moe"](config=config),
+                                config["num_local_experts"])
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
 
 
@@ -423,6 +444,43 @@ class Qwen35Processor:
                 parsed_parameters["tensors"][target] = torch.from_numpy(np.concatenate([parts["gate"], parts["up"]], 1))
             return Processed(w, None)
         return Processed(w, name)
+
+
+class MixtralProcessor:
+    """Mixtral's files: Llama's permuted q / k rows, and experts stacked as Qwen2-MoE's are
+    (transformers' processors for each), or in the files made before llama.cpp stacked them
+    (early 2024), one tensor an expert (`blk.N.ffn_gate.E.weight`), stacked here."""
+
+    ONE_EXPERT = re.compile(r"(blk\.\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+
+    def __init__(self, llama, experts, count: int):
+        self.llama, self.experts, self.count = llama, experts, count
+
+    def preprocess_name(self, hf_name: str) -> str:
+        return self.experts.preprocess_name(hf_name)
+
+    def perform_fallback_tensor_mapping(self, table: dict, suffix: str, qual_name: str, hf_name: str) -> None:
+        self.experts.perform_fallback_tensor_mapping(table, suffix, qual_name, hf_name)
+        if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj", hf_name):
+            parts = ("gate", "up") if m[2] == "gate_up" else ("down",)
+            table.update({f"blk.{m[1]}.ffn_{p}.{e}.weight": hf_name for p in parts for e in range(self.count)})
+
+    def process(self, weights, name: str, tensor_key_mapping=None, parsed_parameters=None, **_) -> Processed:
+        if ".attn_q." in name or ".attn_k." in name:
+            return Processed(self.llama.process(weights, name).weights, name)
+        if (m := self.ONE_EXPERT.fullmatch(name)) is None:
+            out = self.experts.process(weights, name, tensor_key_mapping=tensor_key_mapping,
+                                       parsed_parameters=parsed_parameters)
+            return Processed(out.weights, out.name)
+        import torch
+        target = tensor_key_mapping[name]
+        parts = parsed_parameters.setdefault("parts", {}).setdefault(target, {})
+        parts[m[2], int(m[3])] = torch.from_numpy(weights.astype("float32"))
+        if len(parts) == self.count * (1 if m[2] == "down" else 2):  # gate before up in each expert's rows
+            parsed_parameters["tensors"][target] = torch.stack([
+                parts["down", e] if m[2] == "down" else torch.cat([parts["gate", e], parts["up", e]])
+                for e in range(self.count)])
+        return Processed(weights, None)
 
 
 class GptOssProcessor:
