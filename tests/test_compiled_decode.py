@@ -47,11 +47,14 @@ OPTIONS = dict(block_size=4, num_kv_blocks=128, max_num_seqs=8)
 REPO = Path(__file__).resolve().parent.parent
 
 
-def compiled_llm(path, wait: bool = True, **options) -> LLM:
+def compiled_llm(path, wait: bool = True, compile_at_start: bool = True, **options) -> LLM:
     """An engine that compiles its decode step (the suite's SHOAL_EAGER_DECODE=1 lifted);
-    wait: until its compiled step is in use."""
+    compile_at_start: its job starts as it loads (SHOAL_COMPILE_AFTER_S=0; by default an engine
+    waits for an idle moment or 10 s of eager decode); wait: until its compiled step is in use."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("SHOAL_EAGER_DECODE", raising=False)
+        if compile_at_start:
+            mp.setenv("SHOAL_COMPILE_AFTER_S", "0")
         llm = LLM(str(path), **{**OPTIONS, **options})
     if wait:
         llm.engine.executor.runner.finish_compiling(timeout=600)
@@ -184,6 +187,29 @@ def test_a_later_start_loads_the_artifact_when_idle(compiled):
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert runner.graph_replays > 0
     assert [o.outputs[0].token_ids for o in out] == [hf_greedy(path, p, 8) for p in prompts]
+
+
+def test_a_busy_first_start_starts_its_job_once_eager_steps_have_cost_enough(checkpoint_factory, tmp_path,
+                                                                             monkeypatch):
+    """The default: a run shorter than SHOAL_COMPILE_AFTER_S (10 s) of eager decode starts no
+    compile job (it would not live to use it: an offline batch, say); past it the job starts
+    mid-run; an idle engine starts it at once."""
+    monkeypatch.setenv("SHOAL_COMPILE_CACHE", str(tmp_path))
+    path = checkpoint_factory("llama")
+    prompts = prompts_of([5, 9], seed=8)
+    llm = compiled_llm(path, wait=False, compile_at_start=False)
+    runner = llm.engine.executor.runner
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in out] == [hf_greedy(path, p, 8) for p in prompts]
+    assert runner.pending_compile.job is None and runner.pending_compile.spec is not None
+    monkeypatch.setenv("SHOAL_COMPILE_AFTER_S", "1e-4")  # below any real eager step
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert runner.pending_compile.job is not None and runner.pending_compile.spec is None
+    monkeypatch.delenv("SHOAL_COMPILE_AFTER_S")
+    idle = compiled_llm(path, wait=False, compile_at_start=False).engine.executor.runner
+    assert idle.pending_compile.job is None
+    idle.idle()
+    assert idle.pending_compile.job is not None
 
 
 def test_a_busy_engine_swaps_it_in_once_eager_steps_have_cost_enough(compiled, monkeypatch):

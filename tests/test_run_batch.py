@@ -251,10 +251,15 @@ def test_the_models_sampling_defaults_apply(llama_ckpt, llm, tmp_path):
     assert row["response"]["body"]["choices"][0]["text"] == greedy(llm, PROMPT).text
 
 
-def test_a_compiled_run_exits_with_its_results_and_its_compile_job_stopped(llama_ckpt, llm, tmp_path):
-    """The default (compiled decode, its job in the background): a batch shorter than the compile
-    writes its results, exits 0 without the interpreter's teardown, and stops the job on the way."""
+@pytest.mark.parametrize("compile_after_s", [None, "0"])
+def test_a_compiled_run_exits_with_its_results_and_its_compile_job_stopped(compile_after_s, llama_ckpt, llm, tmp_path):
+    """The default (compiled decode): a batch shorter than 10 s of eager decode starts no compile
+    job (it would not live to use it). Started at once (SHOAL_COMPILE_AFTER_S=0), its job is
+    stopped on the way out of a batch shorter than the compile. Either writes its results and
+    exits 0 without the interpreter's teardown."""
     env = {k: v for k, v in os.environ.items() if k != "SHOAL_EAGER_DECODE"}
+    if compile_after_s is not None:
+        env["SHOAL_COMPILE_AFTER_S"] = compile_after_s
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(line("text", "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}) + "\n")
     proc = subprocess.run([SHOAL, "run-batch", "--model-path", str(llama_ckpt), "-i", str(src), "-o", str(dst), *ENGINE],
@@ -263,6 +268,10 @@ def test_a_compiled_run_exits_with_its_results_and_its_compile_job_stopped(llama
     (row,) = [json.loads(text) for text in dst.read_text().splitlines()]
     assert row["response"]["body"]["choices"][0]["text"] == greedy(llm, PROMPT).text
     job = re.search(r"compiling the decode step in the background \(pid (\d+)\)", proc.stderr)
+    assert "decode compiled" in proc.stderr, proc.stderr  # (not eager: the compiled kind, its job waiting)
+    if compile_after_s is None:
+        assert job is None and "once idle or after 10 s of eager decode" in proc.stderr, proc.stderr
+        return
     assert job, proc.stderr
     with pytest.raises(ProcessLookupError):
         os.kill(int(job.group(1)), 0)

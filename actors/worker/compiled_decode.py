@@ -74,6 +74,11 @@ MIN_ROWS = MIN_BLOCKS = 2  # below these torch.compile would specialise a second
 # it saves 10-25% of such steps and its load takes ~3 s (a ski-rental rule: load once the
 # eager steps have cost about what the load does). An idle engine loads it at once.
 SWAP_AFTER_S = 20.0
+# ... and before a busy engine starts its compile job: the job takes ~4% of the engine's steps
+# while it runs (under SCHED_IDLE; docs/benchmarks.md), so a run shorter than this (an offline
+# batch, say) never pays for a compile it would not live to use. An idle engine starts it at
+# once. SHOAL_COMPILE_AFTER_S sets it (0: at start).
+COMPILE_AFTER_S = 10.0
 FORMAT = "shoal-compiled-decode-2"  # bump when the artifact's contents change meaning
 # Token rows a step with chunks may have past --max-num-seqs, in buckets of MIXED_BUCKET: room
 # for the prompt chunk the pacer gives a step beside its decodes (~70-200 tokens on 2 cores).
@@ -154,17 +159,21 @@ def compilable(output, max_rows: int) -> bool:
 
 
 class PendingCompile:
-    """The compiled step before it is in use: its job running (`job`), or its artifact on disk.
-    The runner decodes eagerly meanwhile and counts what the compiled step would have taken
-    (`eager_seconds`) to choose when loading it pays."""
+    """The compiled step before it is in use: to compile (`spec`: its job not started yet), its
+    job running (`job`), or its artifact on disk. The runner decodes eagerly meanwhile and counts
+    what the compiled step would have taken (`eager_seconds`) to choose when starting the job
+    and loading the step pay."""
 
-    def __init__(self, path: Path, job=None):
-        self.path, self.job = path, job  # job: actors.worker.compile_job.BackgroundCompile
+    def __init__(self, path: Path, spec=None):
+        self.path, self.spec = path, spec  # spec: the model to compile, until its job starts
+        self.job = None  # actors.worker.compile_job.BackgroundCompile
         self.eager_seconds = 0.0
         self.failure: str | None = None  # why there is no artifact, once the job has ended
 
     def ready(self) -> bool:
-        """The job has ended (or there was none): the artifact, or `failure`, is there."""
+        """The job has ended (or there was none to run): the artifact, or `failure`, is there."""
+        if self.spec is not None:
+            return False
         if self.job is not None:
             if not self.job.done():
                 return False

@@ -26,7 +26,8 @@ from actors.models.layers import ColumnParallelLinear, ParallelLMHead, RowParall
 from actors.models.lora import attach_lora, load_adapter, lora_batch
 from actors.worker import compiled_decode, memory_profile
 from actors.worker.compile_job import BackgroundCompile
-from actors.worker.compiled_decode import MIXED_ROWS, SWAP_AFTER_S, CompiledDecode, PendingCompile, compilable
+from actors.worker.compiled_decode import (COMPILE_AFTER_S, MIXED_ROWS, SWAP_AFTER_S, CompiledDecode, PendingCompile,
+                                           compilable)
 from actors.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from actors.worker.expert_balancer import ExpertBalancer
 from actors.worker.input_batch import InputBatch, PendingTokens, pending_tokens
@@ -52,6 +53,14 @@ def pick_device(config: EngineConfig) -> torch.device:
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
     return torch.device(name)
+
+
+def compile_after_s() -> float:
+    """Eager decode seconds before a busy engine starts its compile job (COMPILE_AFTER_S)."""
+    try:
+        return float(os.environ.get("SHOAL_COMPILE_AFTER_S", COMPILE_AFTER_S))
+    except ValueError:
+        return COMPILE_AFTER_S
 
 
 class ModelRunner:
@@ -140,9 +149,10 @@ class ModelRunner:
         """The phases in one phrase, e.g. "weights 2.1 s, kernels 0.3 s, KV 0.0 s, decode 0.0 s
         (compiling in the background)"."""
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.startup.items())
-        state = ("compiling in the background" if self.pending_compile and self.pending_compile.job else
-                 "compiled step on disk, loaded when it pays" if self.pending_compile else
-                 self.kernels.decode)
+        pending = self.pending_compile
+        state = (f"compiled in the background once idle or after {compile_after_s():g} s of eager decode"
+                 if pending and pending.spec else "compiling in the background" if pending and pending.job else
+                 "compiled step on disk, loaded when it pays" if pending else self.kernels.decode)
         return f"{phases} ({state})"
 
     def block_bytes(self) -> int:
@@ -199,34 +209,49 @@ class ModelRunner:
             around_capture=self.experts.paused if self.experts is not None else contextlib.nullcontext)
 
     def _compile_decode(self, spec: ModelSpec) -> None:
-        """Decode eagerly until the compiled step pays for its load (actors/worker/compiled_decode.py)."""
+        """Decode eagerly until the compiled step pays for its compile and its load
+        (actors/worker/compiled_decode.py): its job starts when the engine is first idle, or
+        once eager steps have cost COMPILE_AFTER_S."""
         path = compiled_decode.artifact_path(spec, self.kernels, self.block_size)
-        try:
-            self.pending_compile = PendingCompile(path, None if path.exists() else
-                                                  BackgroundCompile(self.config, spec, self.block_size, path))
-        except OSError as e:  # a read-only cache, say
-            self._decode_eagerly(f"no compile job ({e})")
-            return
+        self.pending_compile = PendingCompile(path, None if path.exists() else spec)
+        if compile_after_s() <= 0:
+            self._start_compiling()
         if flag("SHOAL_COMPILE_WAIT", False):  # benchmarks of the compiled step
             self.finish_compiling()
 
+    def _start_compiling(self) -> None:
+        pending = self.pending_compile
+        if pending is None or pending.spec is None:
+            return
+        spec, pending.spec = pending.spec, None
+        try:
+            pending.job = BackgroundCompile(self.config, spec, self.block_size, pending.path)
+        except OSError as e:  # a read-only cache, say
+            self.pending_compile = None
+            self._decode_eagerly(f"no compile job ({e})")
+
     def finish_compiling(self, timeout: float | None = None) -> None:
-        """Wait for the compiled step and swap it in now (tests, SHOAL_COMPILE_WAIT=1)."""
+        """Compile (if not started yet), wait for the compiled step and swap it in now (tests,
+        SHOAL_COMPILE_WAIT=1)."""
+        self._start_compiling()
         if self.pending_compile is not None:
             self.pending_compile.wait(timeout)
             self._swap_in_compiled()
 
     def idle(self) -> None:
-        """The engine has had nothing to do for a while: a good moment to load the compiled
-        step, or to capture a decode bucket's CUDA graph."""
+        """The engine has had nothing to do for a while: a good moment to start compiling the
+        decode step or to load it, or to capture a decode bucket's CUDA graph."""
         if isinstance(self.graphs, DecodeGraphs):
             self.graphs.capture_next()
+        self._start_compiling()
         self._swap_in_compiled()
 
     def _eager_decode_took(self, seconds: float) -> None:
         """A decode step the compiled one could have run took `seconds` eagerly."""
         pending = self.pending_compile
         pending.eager_seconds += seconds
+        if pending.eager_seconds >= compile_after_s():
+            self._start_compiling()
         if pending.eager_seconds >= SWAP_AFTER_S:
             self._swap_in_compiled()
 
