@@ -17,8 +17,9 @@ import torch
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
          "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
          "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2", "gpt_oss": "GPT_OSS",
-         "mixtral": "LLAMA"}
+         "mixtral": "LLAMA", "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2"}
 LLAMA = ("llama", "mistral", "mixtral")  # q / k rows permuted for llama.cpp's rotary
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)
 
@@ -72,7 +73,7 @@ def _tokenizer_fields(writer, src: pathlib.Path, cfg: dict) -> None:
         writer.add_chat_template(tok.chat_template)
 
 
-def _settings(writer, cfg: dict, tensors: dict) -> None:
+def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
     """TextModel.set_gguf_parameters (and the families' own) as the converter writes them."""
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -86,6 +87,9 @@ def _settings(writer, cfg: dict, tensors: dict) -> None:
         writer.add_head_count_kv([cfg["num_key_value_heads"] if t == "full_attention" else 0
                                   for t in cfg["layer_types"]])
         writer.add_shortconv_l_cache(cfg["conv_L_cache"])
+    elif cfg["model_type"] in DEEPSEEK:
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        _deepseek_settings(writer, cfg, latent_split)
     else:
         writer.add_feed_forward_length(cfg["intermediate_size"])
         writer.add_head_count_kv(cfg["num_key_value_heads"])
@@ -93,7 +97,7 @@ def _settings(writer, cfg: dict, tensors: dict) -> None:
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg.get("norm_eps") if cfg["model_type"] == "lfm2" else cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    if "head_dim" in cfg:
+    if "head_dim" in cfg and cfg["model_type"] not in DEEPSEEK:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if cfg["model_type"] in LLAMA:
@@ -112,8 +116,8 @@ def _settings(writer, cfg: dict, tensors: dict) -> None:
         writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // heads)
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_sliding_window(cfg.get("sliding_window") or 0)
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    if experts := cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     if cfg["model_type"] in GEMMA + ("gpt_oss",):
@@ -138,6 +142,66 @@ def _settings(writer, cfg: dict, tensors: dict) -> None:
 MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", "block_sparse_moe.experts.": "mlp.experts.",
                  ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 _MIXTRAL_NAMES = re.compile("|".join(re.escape(k) for k in MIXTRAL_NAMES))
+
+
+def _deepseek_settings(writer, cfg: dict, latent_split: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters (and TextModel's MoE keys it relies on). latent_split:
+    as converters since mid-2025 write it (MQA over the latent: kv_b_proj cut into attn_k_b and
+    attn_v_b); else as older ones did (attn_kv_b, the heads' own sizes)."""
+    import gguf
+
+    rope, nope, v, latent = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    if latent_split:
+        writer.add_head_count_kv(1)
+        writer.add_key_length(latent + rope)
+        writer.add_value_length(latent)
+        writer.add_key_length_mla(nope + rope)
+        writer.add_value_length_mla(v)
+    else:
+        writer.add_head_count_kv(cfg["num_key_value_heads"])
+        writer.add_key_length(nope + rope)
+        writer.add_value_length(v)
+    writer.add_kv_lora_rank(latent)
+    if cfg.get("q_lora_rank"):
+        writer.add_q_lora_rank(cfg["q_lora_rank"])
+    writer.add_rope_dimension_count(rope)
+    writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    writer.add_expert_group_count(cfg["n_group"])
+    writer.add_expert_group_used_count(cfg["topk_group"])
+    v3 = cfg["model_type"] == "deepseek_v3"  # (its releases' scoring_func "sigmoid", V2's "softmax")
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if (mscale := (cfg.get("rope_parameters") or {}).get("mscale_all_dim")) is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * mscale)
+
+
+def _latent_split(tensors: dict, cfg: dict) -> dict:
+    """kv_b_proj [heads * (nope + v), latent] cut as DeepseekV2Model.modify_tensors cuts it:
+    k_b_proj [heads, latent, nope] (transposed) and v_b_proj [heads, v, latent]."""
+    out, heads, nope = {}, cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+    for name, t in tensors.items():
+        if name.endswith("kv_b_proj.weight"):
+            k, v = t.reshape(heads, -1, t.shape[-1]).split([nope, cfg["v_head_dim"]], dim=1)
+            out[name.replace("kv_b_proj", "k_b_proj")] = k.transpose(1, 2).contiguous()
+            out[name.replace("kv_b_proj", "v_b_proj")] = v.contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+def _latent_joined(tensors: dict) -> dict:
+    """`_latent_split` undone."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("k_b_proj.weight"):
+            v = tensors[name.replace("k_b_proj", "v_b_proj")]
+            out[name.replace("k_b_proj", "kv_b_proj")] = torch.cat([t.transpose(1, 2), v], 1).reshape(-1, t.shape[1])
+        elif not name.endswith("v_b_proj.weight"):
+            out[name] = t
+    return out
 
 
 def _stacked(tensors: dict, cfg: dict) -> dict:
@@ -213,15 +277,16 @@ def _gpt_oss_unstacked(tensors: dict) -> dict:
     return out
 
 
-def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32",
-              one_tensor_an_expert: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
+def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32", one_tensor_an_expert: bool = False,
+              latent_split: bool = True) -> tuple[pathlib.Path, pathlib.Path]:
     """(a GGUF of checkpoint `src`, a float checkpoint of the weights it stands for), both under
     `dst`. types: the ggml type of every matrix (norms, biases and other vectors stay F32, as the
     converter keeps them), or {GGUF name substring: type} with "*" for the rest, e.g.
     {"token_embd": "Q8_0", "ffn": "Q4_0", "*": "F16"}. K-quant types (Q4_K, Q6_K, ...), which
     gguf-py cannot quantize, are written as random valid blocks: the reference holds what they
     decode to. one_tensor_an_expert: experts as files made before llama.cpp stacked them
-    (`blk.N.ffn_gate.E.weight`)."""
+    (`blk.N.ffn_gate.E.weight`). latent_split: DeepSeek's kv_b_proj as newer converters write it
+    (`_deepseek_settings`)."""
     import gguf
     from tests.checkpoints import _write_copy, read_checkpoint
 
@@ -231,6 +296,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32",
     tensors = _stacked(tensors, cfg)
     if one_tensor_an_expert:
         tensors = _one_an_expert(tensors)
+    if kind in DEEPSEEK and latent_split:
+        tensors = _latent_split(tensors, cfg)
     arch = getattr(gguf.MODEL_ARCH, ARCHS[kind])
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -241,7 +308,7 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32",
     file = dst / f"{src.name}.gguf"
     writer = gguf.GGUFWriter(str(file), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(src.name)
-    _settings(writer, cfg, tensors)
+    _settings(writer, cfg, tensors, latent_split)
     _tokenizer_fields(writer, src, cfg)
     reference = {}
     rope = cfg.get("rope_parameters") or {}
@@ -275,6 +342,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32",
             new = name.replace("model.layers.", "blk.").replace("linear_attn.dt_bias", "ssm_dt.bias")
         if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name):
             new = f"blk.{m[1]}.ffn_{m[3]}.{m[2]}.weight"
+        if name.endswith("e_score_correction_bias"):  # (the converter's own rename: exp_probs_b.bias)
+            new = names.get_name(name.replace("_bias", ".bias"), try_suffixes=(".bias",))
         if name.endswith("self_attn.sinks"):  # (GptOssModel.filter_tensors names gpt-oss's sinks as a weight)
             new += ".weight"
         assert new is not None, name
@@ -295,6 +364,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32",
     ref.mkdir(exist_ok=True)
     if one_tensor_an_expert:
         reference = _stacked(reference, cfg)
+    if kind in DEEPSEEK and latent_split:
+        reference = _latent_joined(reference)
     _write_copy(src, ref, _gpt_oss_unstacked(reference) if kind == "gpt_oss" else _unstacked(reference), cfg)
     return file, ref
 

@@ -162,7 +162,7 @@ def gguf_config(file: Path) -> tuple[dict, str]:
         raise ValueError(f"{file.name}: GGUF architecture {arch!r} is not one shoal reads; it reads "
                          f"{', '.join(sorted(SUPPORTED))}")
     try:
-        config = (_gpt_oss_config(reader) if arch == "gpt-oss"
+        config = (OWN_SETTINGS[arch](reader) if arch in OWN_SETTINGS
                   else AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name).to_dict())
     except (ValueError, KeyError) as exc:
         raise ValueError(f"{file.name}: transformers cannot read its settings ({str(exc).splitlines()[0]})") from None
@@ -204,6 +204,49 @@ def _gpt_oss_config(reader) -> dict:
         bos_token_id=tokens.get("bos"), eos_token_id=tokens.get("eos"), pad_token_id=tokens.get("padding")).to_dict()
 
 
+def _deepseek_config(reader) -> dict:
+    """DeepSeek-V2 / V3's settings (transformers reads none of llama.cpp's deepseek2 files): V3 where
+    the router scores by sigmoid (or has a score bias), else V2. Latent attention's sizes as the
+    file states them: newer files store it as MQA over the latent (head_count_kv 1, key_length
+    kv_lora_rank + rope) with the heads' sizes in key_length_mla / value_length_mla; older ones
+    (a joined attn_kv_b) state the heads' sizes in key_length / value_length."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    def key(name, default=None):
+        f = reader.fields.get(f"deepseek2.{name}")
+        return default if f is None else f.contents()
+
+    tensors = {t.name for t in reader.tensors}
+    rope = key("rope.dimension_count")
+    head_k, head_v = key("attention.key_length_mla", key("attention.key_length")), key(
+        "attention.value_length_mla", key("attention.value_length"))
+    groups = key("expert_group_count", 1)
+    v3 = key("expert_gating_func") == 2 or any(n.endswith("exp_probs_b.bias") for n in tensors)
+    tokens = {k: reader.fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("bos", "eos", "padding")
+              if f"tokenizer.ggml.{k}_token_id" in reader.fields}
+    heads = key("attention.head_count")
+    settings = dict(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=key("embedding_length"),
+        intermediate_size=key("feed_forward_length"), moe_intermediate_size=key("expert_feed_forward_length"),
+        num_hidden_layers=key("block_count"), num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=key("context_length"), rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        q_lora_rank=key("attention.q_lora_rank") or None, kv_lora_rank=key("attention.kv_lora_rank"),
+        qk_rope_head_dim=rope, qk_nope_head_dim=head_k - rope, v_head_dim=head_v,
+        n_routed_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        n_shared_experts=key("expert_shared_count", 0), first_k_dense_replace=key("leading_dense_block_count", 0),
+        routed_scaling_factor=key("expert_weights_scale", 1.0), norm_topk_prob=bool(key("expert_weights_norm", False)),
+        n_group=groups, topk_group=key("expert_group_used_count", 1),
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)},
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=tokens.get("bos"), eos_token_id=tokens.get("eos"), pad_token_id=tokens.get("padding"))
+    if v3:
+        return DeepseekV3Config(**settings).to_dict()
+    return DeepseekV2Config(**settings, topk_method="group_limited_greedy" if groups > 1 else "greedy").to_dict()
+
+
+# Architectures whose settings shoal reads from the file itself
+OWN_SETTINGS = {"gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config}
+
 # What a Llama (or Mistral) config and a Mixtral one share
 MIXTRAL_KEPT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
@@ -237,6 +280,8 @@ def _stated_settings(reader, arch: str, config: dict) -> dict:
         return None if f is None else f.contents()
 
     stated = {hf: value for key, hf in STATED.items() if (value := field(key)) is not None}
+    if arch == "deepseek2":  # (its key_length is the latent's: _deepseek_config read the heads' sizes)
+        stated.pop("head_dim", None)
     pattern = field("attention.sliding_window_pattern")  # (newer converters: a flag a layer)
     if isinstance(pattern, list) and len(pattern) == config["num_hidden_layers"]:
         stated["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
@@ -252,6 +297,10 @@ def _stated_settings(reader, arch: str, config: dict) -> dict:
     rope = stated.get("rope_parameters") or config.get("rope_parameters") or {}
     if arch == "gpt-oss" and rope.get("rope_type") == "yarn":  # (its release's YaRN: the range not rounded)
         stated["rope_parameters"] = {**rope, "truncate": False}
+    if arch == "deepseek2" and rope.get("rope_type") == "yarn" and field("rope.scaling.yarn_log_multiplier"):
+        # the converter writes 0.1 * mscale_all_dim; DeepSeek's releases have mscale equal to it
+        scale = round(field("rope.scaling.yarn_log_multiplier") / 0.1, 6)
+        stated["rope_parameters"] = {**rope, "mscale": scale, "mscale_all_dim": scale}
     return stated
 
 
@@ -299,8 +348,8 @@ def _rotary(reader, field, config: dict) -> dict:
 def _tokenizer(file: Path, arch: str):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    # (gpt-oss's own class; AutoTokenizer would read its settings as _gpt_oss_config says it can't)
-    kind = PreTrainedTokenizerFast if arch == "gpt-oss" else AutoTokenizer
+    # (files whose settings shoal reads itself: AutoTokenizer would read them as transformers can't)
+    kind = PreTrainedTokenizerFast if arch in OWN_SETTINGS else AutoTokenizer
     try:
         return kind.from_pretrained(str(file.parent), gguf_file=file.name)
     except (ValueError, KeyError) as exc:
@@ -364,6 +413,8 @@ def _processor(arch: str, config: dict):
     if arch == "gpt-oss":
         return GptOssProcessor()
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    if arch == "deepseek2":
+        return DeepseekProcessor(TENSOR_PROCESSORS["qwen2moe"](config=config), config)
     if arch == "llama" and config.get("num_local_experts"):
         return MixtralProcessor(TENSOR_PROCESSORS["llama"](config=config), TENSOR_PROCESSORS["qwen2moe"](config=config),
                                 config["num_local_experts"])
@@ -480,6 +531,44 @@ class MixtralProcessor:
             parsed_parameters["tensors"][target] = torch.stack([
                 parts["down", e] if m[2] == "down" else torch.cat([parts["gate", e], parts["up", e]])
                 for e in range(self.count)])
+        return Processed(weights, None)
+
+
+class DeepseekProcessor:
+    """DeepSeek-V2 / V3's files: experts stacked as Qwen2-MoE's are (transformers' processor for
+    them), the router's score bias as `exp_probs_b.bias`, and, in newer files, kv_b_proj cut for
+    llama.cpp's absorbed attention into attn_k_b [heads, kv_lora_rank, nope] (transposed) and
+    attn_v_b [heads, v, kv_lora_rank], joined back here."""
+
+    LATENT = re.compile(r"(blk\.\d+)\.attn_([kv])_b\.weight")
+
+    def __init__(self, experts, config: dict):
+        self.experts, self.heads = experts, config["num_attention_heads"]
+
+    def preprocess_name(self, hf_name: str) -> str:
+        return self.experts.preprocess_name(hf_name)
+
+    def perform_fallback_tensor_mapping(self, table: dict, suffix: str, qual_name: str, hf_name: str) -> None:
+        self.experts.perform_fallback_tensor_mapping(table, suffix, qual_name, hf_name)
+        if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", hf_name):
+            table[f"blk.{m[1]}.attn_k_b.weight"] = table[f"blk.{m[1]}.attn_v_b.weight"] = hf_name
+        elif m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", hf_name):
+            table[f"blk.{m[1]}.exp_probs_b.bias"] = hf_name
+
+    def process(self, weights, name: str, tensor_key_mapping=None, parsed_parameters=None, **_) -> Processed:
+        if (m := self.LATENT.fullmatch(name)) is None:
+            out = self.experts.process(weights, name, tensor_key_mapping=tensor_key_mapping,
+                                       parsed_parameters=parsed_parameters)
+            return Processed(out.weights, out.name)
+        import numpy as np
+        import torch
+        target = tensor_key_mapping[name]
+        parts = parsed_parameters.setdefault("parts", {}).setdefault(target, {})
+        parts[m[2]] = np.asarray(weights, dtype=np.float32)
+        if len(parts) == 2:  # per head: its nope rows of k, then its v rows
+            k, v = parts["k"].swapaxes(1, 2), parts["v"]
+            joined = np.concatenate([k, v], axis=1).reshape(-1, k.shape[-1])
+            parsed_parameters["tensors"][target] = torch.from_numpy(joined)
         return Processed(weights, None)
 
 
@@ -605,4 +694,4 @@ class _Lazy:
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
-             "qwen35moe", "lfm2", "gpt-oss"}
+             "qwen35moe", "lfm2", "gpt-oss", "deepseek2"}
