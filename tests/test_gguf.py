@@ -331,6 +331,25 @@ def test_a_file_shoal_cannot_read_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+def test_a_deepseek2_file_with_settings_shoal_does_not_read_is_refused(tmp_path):
+    """Mistral 4's files (deepseek2, queries scaled by position) and a router gating function
+    other than softmax or sigmoid: refused in one line rather than served without them."""
+    for key, value, says in (("attention.temperature_scale", 0.1, "scaled by position"),
+                             ("expert_gating_func", 3, "gating function 3")):
+        file = tmp_path / f"{key}.gguf"
+        writer = gguf.GGUFWriter(str(file), "deepseek2")
+        writer.add_block_count(1)
+        writer.add_token_list(["a", "b"])
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"deepseek2.{key}", value)
+        writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+        for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+            write()
+        writer.close()
+        with pytest.raises(ValueError, match=f"shoal cannot read its settings: .*{says}") as raised:
+            resolve_model_path(str(file))
+        assert "\n" not in str(raised.value)
+
+
 def test_shoal_serve_a_gguf_file(copies, tmp_path):
     """`shoal serve --model-path model.gguf --quantization gguf`, with vLLM's `--tokenizer` (the
     release the file was made from) and `--chat-template` (a file): a completion of token ids is

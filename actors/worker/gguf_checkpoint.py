@@ -164,8 +164,11 @@ def gguf_config(file: Path) -> tuple[dict, str]:
     try:
         config = (OWN_SETTINGS[arch](reader) if arch in OWN_SETTINGS
                   else AutoConfig.from_pretrained(str(file.parent), gguf_file=file.name).to_dict())
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"{file.name}: transformers cannot read its settings ({str(exc).splitlines()[0]})") from None
+    except KeyError as exc:  # (a setting the file lacks)
+        raise ValueError(f"{file.name}: its settings cannot be read (no {exc})") from None
+    except ValueError as exc:
+        reader_name = "shoal" if arch in OWN_SETTINGS else "transformers"
+        raise ValueError(f"{file.name}: {reader_name} cannot read its settings: {str(exc).splitlines()[0]}") from None
     if arch == "llama" and (experts := reader.fields.get("llama.expert_count")) and experts.contents():
         config = _mixtral_config(config, reader)
     kind = config["model_type"]
@@ -216,6 +219,12 @@ def _deepseek_config(reader) -> dict:
         f = reader.fields.get(f"deepseek2.{name}")
         return default if f is None else f.contents()
 
+    if key("expert_gating_func", 1) not in (1, 2):
+        raise ValueError(f"its router scores by llama.cpp's gating function {key('expert_gating_func')}, "
+                         "which shoal does not read (softmax and sigmoid only)")
+    if key("attention.temperature_scale"):  # (Mistral 4's queries scaled by position)
+        raise ValueError("its queries are scaled by position (attention.temperature_scale), "
+                         "which shoal does not read from a GGUF file")
     tensors = {t.name for t in reader.tensors}
     rope = key("rope.dimension_count")
     head_k, head_v = key("attention.key_length_mla", key("attention.key_length")), key(
