@@ -17,7 +17,7 @@ import torch
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
          "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
          "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2", "gpt_oss": "GPT_OSS",
-         "mixtral": "LLAMA", "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2"}
+         "mixtral": "LLAMA", "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2", "glm4_moe": "GLM4_MOE"}
 LLAMA = ("llama", "mistral", "mixtral")  # q / k rows permuted for llama.cpp's rotary
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -75,13 +75,16 @@ def _tokenizer_fields(writer, src: pathlib.Path, cfg: dict) -> None:
 
 def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
     """TextModel.set_gguf_parameters (and the families' own) as the converter writes them."""
+    import gguf
+
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # (Gemma 3: the global layers' rotary; the local one is fixed)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
+    # (Glm4MoeModel: the multi-token-prediction layers counted, last)
+    writer.add_block_count(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0))
     if cfg["model_type"] == "lfm2":  # LFM2Model: the width it ends with, kv heads 0 on convolution layers
         writer.add_feed_forward_length(tensors["model.layers.0.feed_forward.w1.weight"].shape[0])
         writer.add_head_count_kv([cfg["num_key_value_heads"] if t == "full_attention" else 0
@@ -112,6 +115,16 @@ def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
         writer.add_ssm_inner_size(cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"])
         writer.add_rope_dimension_count(rotated)
         writer.add_rope_dimension_sections([rotated // 2, 0, 0, 0])  # (text: one position stream)
+    if cfg["model_type"] == "glm4_moe":  # Glm4MoeModel.set_gguf_parameters
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+        writer.add_expert_shared_count(cfg["n_shared_experts"])
+        writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        writer.add_expert_weights_norm(cfg["norm_topk_prob"])
+        writer.add_expert_group_count(cfg["n_group"])
+        writer.add_expert_group_used_count(cfg["topk_group"])
+        writer.add_nextn_predict_layers(cfg["num_nextn_predict_layers"])
     if cfg["model_type"] == "phi3":  # Phi3MiniModel.set_gguf_parameters
         writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // heads)
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -128,7 +141,6 @@ def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
     if cfg.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if rope.get("rope_type") in ("linear", "yarn"):  # (TextModel.set_gguf_parameters)
-        import gguf
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
         writer.add_rope_scaling_factor(rope["factor"])
     if rope.get("rope_type") == "yarn":
@@ -356,6 +368,11 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32", one_t
         if kind in QWEN35:
             decoded = _qwen35_weights(name, decoded, cfg)
         reference[name] = _undo(torch.from_numpy(decoded), name, kind, heads, kv_heads).reshape(w.shape)
+    for i in range(cfg.get("num_nextn_predict_layers", 0) if kind == "glm4_moe" else 0):
+        # a multi-token-prediction layer, as the converter writes one after the model's (not served)
+        layer, hidden = cfg["num_hidden_layers"] + i, cfg["hidden_size"]
+        writer.add_tensor(f"blk.{layer}.nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), dtype=np.float32))
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

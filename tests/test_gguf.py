@@ -75,6 +75,9 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     "deepseek-v3-latent-split": ("deepseek_v3", dict(rope_parameters=DEEPSEEK_YARN), {"exps": "Q8_0", "*": "F16"}),
     # DeepSeek-V2-Lite's shape (softmax routing, no q low-rank pair) as older files hold it: attn_kv_b whole
     "deepseek-v2-kv-b": ("deepseek_v2", {}, {"ffn": "Q4_0", "*": "F16"}, {"latent_split": False}),
+    # GLM-4.5: sigmoid routing with a score bias and groups, q / k norms and biases, half of each
+    # head rotated, a multi-token-prediction layer after the model's (read past)
+    "glm4-moe": ("glm4_moe", {}, {"exps": "Q8_0", "*": "F16"}),
 }
 
 

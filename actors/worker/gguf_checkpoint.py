@@ -253,8 +253,39 @@ def _deepseek_config(reader) -> dict:
     return DeepseekV2Config(**settings, topk_method="group_limited_greedy" if groups > 1 else "greedy").to_dict()
 
 
+def _glm4moe_config(reader) -> dict:
+    """GLM-4.5's settings (transformers reads none of llama.cpp's glm4moe files). The file counts
+    its multi-token-prediction layers in block_count (nextn_predict_layers of them, last)."""
+    from transformers import Glm4MoeConfig
+
+    def key(name, default=None):
+        f = reader.fields.get(f"glm4moe.{name}")
+        return default if f is None else f.contents()
+
+    tensors = {t.name for t in reader.tensors}
+    heads, hidden = key("attention.head_count"), key("embedding_length")
+    head_dim = key("attention.key_length", hidden // heads)
+    tokens = {k: reader.fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("bos", "eos", "padding")
+              if f"tokenizer.ggml.{k}_token_id" in reader.fields}
+    return Glm4MoeConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"), moe_intermediate_size=key("expert_feed_forward_length"),
+        num_hidden_layers=key("block_count") - key("nextn_predict_layers", 0), num_attention_heads=heads,
+        num_key_value_heads=key("attention.head_count_kv"), head_dim=head_dim,
+        max_position_embeddings=key("context_length"), rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0),
+                         "partial_rotary_factor": key("rope.dimension_count", head_dim // 2) / head_dim},
+        n_routed_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        n_shared_experts=key("expert_shared_count", 0), first_k_dense_replace=key("leading_dense_block_count", 0),
+        routed_scaling_factor=key("expert_weights_scale", 1.0), norm_topk_prob=bool(key("expert_weights_norm", False)),
+        n_group=key("expert_group_count", 1), topk_group=key("expert_group_used_count", 1),
+        use_qk_norm="blk.0.attn_q_norm.weight" in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
+        num_nextn_predict_layers=0, tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=tokens.get("bos"), eos_token_id=tokens.get("eos"), pad_token_id=tokens.get("padding")).to_dict()
+
+
 # Architectures whose settings shoal reads from the file itself
-OWN_SETTINGS = {"gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config}
+OWN_SETTINGS = {"gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config}
 
 # What a Llama (or Mistral) config and a Mixtral one share
 MIXTRAL_KEPT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -422,7 +453,7 @@ def _processor(arch: str, config: dict):
     if arch == "gpt-oss":
         return GptOssProcessor()
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-    if arch == "deepseek2":
+    if arch in ("deepseek2", "glm4moe"):
         return DeepseekProcessor(TENSOR_PROCESSORS["qwen2moe"](config=config), config)
     if arch == "llama" and config.get("num_local_experts"):
         return MixtralProcessor(TENSOR_PROCESSORS["llama"](config=config), TENSOR_PROCESSORS["qwen2moe"](config=config),
@@ -544,8 +575,9 @@ class MixtralProcessor:
 
 
 class DeepseekProcessor:
-    """DeepSeek-V2 / V3's files: experts stacked as Qwen2-MoE's are (transformers' processor for
-    them), the router's score bias as `exp_probs_b.bias`, and, in newer files, kv_b_proj cut for
+    """DeepSeek-V2 / V3's files (and GLM-4.5's, which share their MoE): experts stacked as
+    Qwen2-MoE's are (transformers' processor for them), the router's score bias as
+    `exp_probs_b.bias`, and, in DeepSeek's newer files, kv_b_proj cut for
     llama.cpp's absorbed attention into attn_k_b [heads, kv_lora_rank, nope] (transposed) and
     attn_v_b [heads, v, kv_lora_rank], joined back here."""
 
@@ -703,4 +735,4 @@ class _Lazy:
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
-             "qwen35moe", "lfm2", "gpt-oss", "deepseek2"}
+             "qwen35moe", "lfm2", "gpt-oss", "deepseek2", "glm4moe"}
