@@ -83,8 +83,8 @@ def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
     rope = rope.get("full_attention", rope)  # (Gemma 3: the global layers' rotary; the local one is fixed)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
-    # (Glm4MoeModel: the multi-token-prediction layers counted, last)
-    writer.add_block_count(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0))
+    # (Glm4MoeModel: the multi-token-prediction layers counted, last; DeepseekV2Model skips them)
+    writer.add_block_count(cfg["num_hidden_layers"] + _mtp_layers(cfg))
     if cfg["model_type"] == "lfm2":  # LFM2Model: the width it ends with, kv heads 0 on convolution layers
         writer.add_feed_forward_length(tensors["model.layers.0.feed_forward.w1.weight"].shape[0])
         writer.add_head_count_kv([cfg["num_key_value_heads"] if t == "full_attention" else 0
@@ -154,6 +154,11 @@ def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
 MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", "block_sparse_moe.experts.": "mlp.experts.",
                  ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 _MIXTRAL_NAMES = re.compile("|".join(re.escape(k) for k in MIXTRAL_NAMES))
+
+
+def _mtp_layers(cfg: dict) -> int:
+    """Multi-token-prediction layers the converter writes after the model's (GLM-4.5's)."""
+    return cfg.get("num_nextn_predict_layers", 0) if cfg["model_type"] == "glm4_moe" else 0
 
 
 def _deepseek_settings(writer, cfg: dict, latent_split: bool) -> None:
@@ -368,7 +373,7 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32", one_t
         if kind in QWEN35:
             decoded = _qwen35_weights(name, decoded, cfg)
         reference[name] = _undo(torch.from_numpy(decoded), name, kind, heads, kv_heads).reshape(w.shape)
-    for i in range(cfg.get("num_nextn_predict_layers", 0) if kind == "glm4_moe" else 0):
+    for i in range(_mtp_layers(cfg)):
         # a multi-token-prediction layer, as the converter writes one after the model's (not served)
         layer, hidden = cfg["num_hidden_layers"] + i, cfg["hidden_size"]
         writer.add_tensor(f"blk.{layer}.nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), dtype=np.float32))
