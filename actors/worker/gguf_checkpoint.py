@@ -185,26 +185,43 @@ def gguf_config(file: Path) -> tuple[dict, str]:
     return config, arch
 
 
+_REQUIRED = object()
+
+
+def _settings_of(reader, arch: str):
+    """key(name, default): the file's `{arch}.{name}` setting (KeyError where it has none and no
+    default is given)."""
+    def key(name, default=_REQUIRED):
+        f = reader.fields.get(f"{arch}.{name}")
+        if f is None and default is _REQUIRED:
+            raise KeyError(f"{arch}.{name}")
+        return default if f is None else f.contents()
+    return key
+
+
+def _common_settings(reader, key) -> dict:
+    """What every family whose settings shoal reads takes from its file alike."""
+    ids = {k: reader.fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("bos", "eos", "padding")
+           if f"tokenizer.ggml.{k}_token_id" in reader.fields}
+    return dict(vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=key("embedding_length"),
+                num_attention_heads=key("attention.head_count"), max_position_embeddings=key("context_length"),
+                rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
+                tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+                bos_token_id=ids.get("bos"), eos_token_id=ids.get("eos"), pad_token_id=ids.get("padding"))
+
+
 def _gpt_oss_config(reader) -> dict:
     """gpt-oss's settings from its file (transformers 5.24's reading of these files fails on their
     YaRN fields: it takes each field's length for its value). The rotary's scaling: _rotary."""
     from transformers import GptOssConfig
 
-    def key(name):
-        return reader.fields[f"gpt-oss.{name}"].contents()
-
-    tokens = {k: reader.fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("bos", "eos", "padding")
-              if f"tokenizer.ggml.{k}_token_id" in reader.fields}
+    key = _settings_of(reader, "gpt-oss")
     return GptOssConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=key("embedding_length"),
-        intermediate_size=key("expert_feed_forward_length"), num_hidden_layers=key("block_count"),
-        num_attention_heads=key("attention.head_count"), num_key_value_heads=key("attention.head_count_kv"),
+        **_common_settings(reader, key), intermediate_size=key("expert_feed_forward_length"),
+        num_hidden_layers=key("block_count"), num_key_value_heads=key("attention.head_count_kv"),
         head_dim=key("attention.key_length"), num_local_experts=key("expert_count"),
         num_experts_per_tok=key("expert_used_count"), sliding_window=key("attention.sliding_window"),
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon"), max_position_embeddings=key("context_length"),
-        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")},
-        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        bos_token_id=tokens.get("bos"), eos_token_id=tokens.get("eos"), pad_token_id=tokens.get("padding")).to_dict()
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")}).to_dict()
 
 
 def _deepseek_config(reader) -> dict:
@@ -215,39 +232,29 @@ def _deepseek_config(reader) -> dict:
     (a joined attn_kv_b) state the heads' sizes in key_length / value_length."""
     from transformers import DeepseekV2Config, DeepseekV3Config
 
-    def key(name, default=None):
-        f = reader.fields.get(f"deepseek2.{name}")
-        return default if f is None else f.contents()
-
+    key = _settings_of(reader, "deepseek2")
     if key("expert_gating_func", 1) not in (1, 2):
         raise ValueError(f"its router scores by llama.cpp's gating function {key('expert_gating_func')}, "
                          "which shoal does not read (softmax and sigmoid only)")
-    if key("attention.temperature_scale"):  # (Mistral 4's queries scaled by position)
+    if key("attention.temperature_scale", None):  # (Mistral 4's queries scaled by position)
         raise ValueError("its queries are scaled by position (attention.temperature_scale), "
                          "which shoal does not read from a GGUF file")
-    tensors = {t.name for t in reader.tensors}
     rope = key("rope.dimension_count")
-    head_k, head_v = key("attention.key_length_mla", key("attention.key_length")), key(
-        "attention.value_length_mla", key("attention.value_length"))
+    head_k, head_v = key("attention.key_length_mla", None) or key("attention.key_length"), key(
+        "attention.value_length_mla", None) or key("attention.value_length")
     groups = key("expert_group_count", 1)
-    v3 = key("expert_gating_func") == 2 or any(n.endswith("exp_probs_b.bias") for n in tensors)
-    tokens = {k: reader.fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("bos", "eos", "padding")
-              if f"tokenizer.ggml.{k}_token_id" in reader.fields}
-    heads = key("attention.head_count")
+    v3 = key("expert_gating_func", 1) == 2 or any(t.name.endswith("exp_probs_b.bias") for t in reader.tensors)
     settings = dict(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=key("embedding_length"),
-        intermediate_size=key("feed_forward_length"), moe_intermediate_size=key("expert_feed_forward_length"),
-        num_hidden_layers=key("block_count"), num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=key("context_length"), rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
-        q_lora_rank=key("attention.q_lora_rank") or None, kv_lora_rank=key("attention.kv_lora_rank"),
+        **_common_settings(reader, key), intermediate_size=key("feed_forward_length"),
+        moe_intermediate_size=key("expert_feed_forward_length"), num_hidden_layers=key("block_count"),
+        num_key_value_heads=key("attention.head_count"),  # (the heads' own; the file's 1 is the latent MQA's)
+        q_lora_rank=key("attention.q_lora_rank", None) or None, kv_lora_rank=key("attention.kv_lora_rank"),
         qk_rope_head_dim=rope, qk_nope_head_dim=head_k - rope, v_head_dim=head_v,
         n_routed_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
         n_shared_experts=key("expert_shared_count", 0), first_k_dense_replace=key("leading_dense_block_count", 0),
         routed_scaling_factor=key("expert_weights_scale", 1.0), norm_topk_prob=bool(key("expert_weights_norm", False)),
         n_group=groups, topk_group=key("expert_group_used_count", 1),
-        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)},
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=tokens.get("bos"), eos_token_id=tokens.get("eos"), pad_token_id=tokens.get("padding"))
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)})
     if v3:
         return DeepseekV3Config(**settings).to_dict()
     return DeepseekV2Config(**settings, topk_method="group_limited_greedy" if groups > 1 else "greedy").to_dict()
@@ -258,21 +265,14 @@ def _glm4moe_config(reader) -> dict:
     its multi-token-prediction layers in block_count (nextn_predict_layers of them, last)."""
     from transformers import Glm4MoeConfig
 
-    def key(name, default=None):
-        f = reader.fields.get(f"glm4moe.{name}")
-        return default if f is None else f.contents()
-
+    key = _settings_of(reader, "glm4moe")
     tensors = {t.name for t in reader.tensors}
-    heads, hidden = key("attention.head_count"), key("embedding_length")
-    head_dim = key("attention.key_length", hidden // heads)
-    tokens = {k: reader.fields[f"tokenizer.ggml.{k}_token_id"].contents() for k in ("bos", "eos", "padding")
-              if f"tokenizer.ggml.{k}_token_id" in reader.fields}
+    head_dim = key("attention.key_length", key("embedding_length") // key("attention.head_count"))
     return Glm4MoeConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"), moe_intermediate_size=key("expert_feed_forward_length"),
-        num_hidden_layers=key("block_count") - key("nextn_predict_layers", 0), num_attention_heads=heads,
+        **_common_settings(reader, key), intermediate_size=key("feed_forward_length"),
+        moe_intermediate_size=key("expert_feed_forward_length"),
+        num_hidden_layers=key("block_count") - key("nextn_predict_layers", 0),
         num_key_value_heads=key("attention.head_count_kv"), head_dim=head_dim,
-        max_position_embeddings=key("context_length"), rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
         rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0),
                          "partial_rotary_factor": key("rope.dimension_count", head_dim // 2) / head_dim},
         n_routed_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
@@ -280,8 +280,7 @@ def _glm4moe_config(reader) -> dict:
         routed_scaling_factor=key("expert_weights_scale", 1.0), norm_topk_prob=bool(key("expert_weights_norm", False)),
         n_group=key("expert_group_count", 1), topk_group=key("expert_group_used_count", 1),
         use_qk_norm="blk.0.attn_q_norm.weight" in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
-        num_nextn_predict_layers=0, tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=tokens.get("bos"), eos_token_id=tokens.get("eos"), pad_token_id=tokens.get("padding")).to_dict()
+        num_nextn_predict_layers=0).to_dict()
 
 
 # Architectures whose settings shoal reads from the file itself
@@ -315,9 +314,10 @@ YARN = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn
 
 def _stated_settings(reader, arch: str, config: dict) -> dict:
     """What the file states that transformers' reading of it missed (STATED; rotary scaling)."""
-    def field(key):
-        f = reader.fields.get(f"{arch}.{key}")
-        return None if f is None else f.contents()
+    setting = _settings_of(reader, arch)
+
+    def field(name):
+        return setting(name, None)
 
     stated = {hf: value for key, hf in STATED.items() if (value := field(key)) is not None}
     if arch == "deepseek2":  # (its key_length is the latent's: _deepseek_config read the heads' sizes)
@@ -454,7 +454,7 @@ def _processor(arch: str, config: dict):
         return GptOssProcessor()
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     if arch in ("deepseek2", "glm4moe"):
-        return DeepseekProcessor(TENSOR_PROCESSORS["qwen2moe"](config=config), config)
+        return DeepseekProcessor(TENSOR_PROCESSORS["qwen2moe"](config=config))
     if arch == "llama" and config.get("num_local_experts"):
         return MixtralProcessor(TENSOR_PROCESSORS["llama"](config=config), TENSOR_PROCESSORS["qwen2moe"](config=config),
                                 config["num_local_experts"])
@@ -583,8 +583,8 @@ class DeepseekProcessor:
 
     LATENT = re.compile(r"(blk\.\d+)\.attn_([kv])_b\.weight")
 
-    def __init__(self, experts, config: dict):
-        self.experts, self.heads = experts, config["num_attention_heads"]
+    def __init__(self, experts):
+        self.experts = experts
 
     def preprocess_name(self, hf_name: str) -> str:
         return self.experts.preprocess_name(hf_name)
