@@ -537,7 +537,26 @@ class Qwen35Processor:
         return Processed(w, name)
 
 
-class MixtralProcessor:
+class StackedExperts:
+    """A family's processor around transformers' Qwen2-MoE one, which joins the stacked experts
+    (ffn_gate_exps, ffn_up_exps) into gate_up_proj; subclasses add their own tensors."""
+
+    def __init__(self, experts):
+        self.experts = experts
+
+    def preprocess_name(self, hf_name: str) -> str:
+        return self.experts.preprocess_name(hf_name)
+
+    def perform_fallback_tensor_mapping(self, table: dict, suffix: str, qual_name: str, hf_name: str) -> None:
+        self.experts.perform_fallback_tensor_mapping(table, suffix, qual_name, hf_name)
+
+    def process(self, weights, name: str, tensor_key_mapping=None, parsed_parameters=None, **_) -> Processed:
+        out = self.experts.process(weights, name, tensor_key_mapping=tensor_key_mapping,
+                                   parsed_parameters=parsed_parameters)
+        return Processed(out.weights, out.name)
+
+
+class MixtralProcessor(StackedExperts):
     """Mixtral's files: Llama's permuted q / k rows, and experts stacked as Qwen2-MoE's are
     (transformers' processors for each), or in the files made before llama.cpp stacked them
     (early 2024), one tensor an expert (`blk.N.ffn_gate.E.weight`), stacked here."""
@@ -545,13 +564,11 @@ class MixtralProcessor:
     ONE_EXPERT = re.compile(r"(blk\.\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
     def __init__(self, llama, experts, count: int):
-        self.llama, self.experts, self.count = llama, experts, count
-
-    def preprocess_name(self, hf_name: str) -> str:
-        return self.experts.preprocess_name(hf_name)
+        super().__init__(experts)
+        self.llama, self.count = llama, count
 
     def perform_fallback_tensor_mapping(self, table: dict, suffix: str, qual_name: str, hf_name: str) -> None:
-        self.experts.perform_fallback_tensor_mapping(table, suffix, qual_name, hf_name)
+        super().perform_fallback_tensor_mapping(table, suffix, qual_name, hf_name)
         if m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj", hf_name):
             parts = ("gate", "up") if m[2] == "gate_up" else ("down",)
             table.update({f"blk.{m[1]}.ffn_{p}.{e}.weight": hf_name for p in parts for e in range(self.count)})
@@ -560,9 +577,7 @@ class MixtralProcessor:
         if ".attn_q." in name or ".attn_k." in name:
             return Processed(self.llama.process(weights, name).weights, name)
         if (m := self.ONE_EXPERT.fullmatch(name)) is None:
-            out = self.experts.process(weights, name, tensor_key_mapping=tensor_key_mapping,
-                                       parsed_parameters=parsed_parameters)
-            return Processed(out.weights, out.name)
+            return super().process(weights, name, tensor_key_mapping, parsed_parameters)
         import torch
         target = tensor_key_mapping[name]
         parts = parsed_parameters.setdefault("parts", {}).setdefault(target, {})
@@ -574,7 +589,7 @@ class MixtralProcessor:
         return Processed(weights, None)
 
 
-class DeepseekProcessor:
+class DeepseekProcessor(StackedExperts):
     """DeepSeek-V2 / V3's files (and GLM-4.5's, which share their MoE): experts stacked as
     Qwen2-MoE's are (transformers' processor for them), the router's score bias as
     `exp_probs_b.bias`, and, in DeepSeek's newer files, kv_b_proj cut for
@@ -583,14 +598,8 @@ class DeepseekProcessor:
 
     LATENT = re.compile(r"(blk\.\d+)\.attn_([kv])_b\.weight")
 
-    def __init__(self, experts):
-        self.experts = experts
-
-    def preprocess_name(self, hf_name: str) -> str:
-        return self.experts.preprocess_name(hf_name)
-
     def perform_fallback_tensor_mapping(self, table: dict, suffix: str, qual_name: str, hf_name: str) -> None:
-        self.experts.perform_fallback_tensor_mapping(table, suffix, qual_name, hf_name)
+        super().perform_fallback_tensor_mapping(table, suffix, qual_name, hf_name)
         if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", hf_name):
             table[f"blk.{m[1]}.attn_k_b.weight"] = table[f"blk.{m[1]}.attn_v_b.weight"] = hf_name
         elif m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", hf_name):
@@ -598,9 +607,7 @@ class DeepseekProcessor:
 
     def process(self, weights, name: str, tensor_key_mapping=None, parsed_parameters=None, **_) -> Processed:
         if (m := self.LATENT.fullmatch(name)) is None:
-            out = self.experts.process(weights, name, tensor_key_mapping=tensor_key_mapping,
-                                       parsed_parameters=parsed_parameters)
-            return Processed(out.weights, out.name)
+            return super().process(weights, name, tensor_key_mapping, parsed_parameters)
         import numpy as np
         import torch
         target = tensor_key_mapping[name]
