@@ -246,6 +246,7 @@ def test_collect_env(monkeypatch, capsys):
     assert ("packed at start" in w8a8) == (w8a8_cpu_kernel() == "onednn-packed")
     assert "dequantised as they load" in report["quantization"]["gptq / awq / compressed-tensors int4 checkpoints"]
     assert "no FP4 matmuls" in report["quantization"]["nvfp4 checkpoints"]
+    assert all(arch in report["quantization"]["gguf files"] for arch in ("gpt-oss", "deepseek2", "glm4moe", "qwen35"))
     assert report["quantization"]["fp8 KV cache"].startswith("--kv-cache-dtype fp8")
     assert report["ray_cluster"] == {"status": "unreachable", "address": "127.0.0.1:9"}
     assert main(["collect-env", "--ray-address", "none"]) == 0

@@ -134,6 +134,7 @@ def quantization() -> dict:
     try:
         import torch
 
+        from actors.worker import gguf_checkpoint
         from kernels.quantization import bf16_dot, w8a8_cpu_kernel
     except ImportError:
         return {}
@@ -161,8 +162,8 @@ def quantization() -> dict:
             "int8 checkpoints (compressed-tensors int-quantized)":
                 "their int8 layers on the checkpoint's codes and scales: W8A8 as w8a8_int8, W8A16 as int8 (above)",
             "mxfp4 checkpoints": "loaded as float (dequantised expert by expert); no MXFP4 matmuls yet",
-            "gguf files": "llama / qwen2 / qwen3 / qwen3.5 / their MoE / gemma2 / gemma3 / phi3 / lfm2 "
-                          "files, loaded as float (dequantised by gguf-py as they load); --quantization int8 / "
+            "gguf files": f"llama.cpp's {' / '.join(sorted(gguf_checkpoint.SUPPORTED))} files (Mixtral as llama), "
+                          "loaded as float (dequantised by gguf-py as they load); --quantization int8 / "
                           "w8a8_int8 / fp8 on top",
             "nvfp4 checkpoints": "compressed-tensors nvfp4-pack-quantized, ModelOpt NVFP4 / W4A16_NVFP4: loaded "
                                  "as float (dequantised as they load); no FP4 matmuls",
