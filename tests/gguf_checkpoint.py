@@ -295,7 +295,7 @@ def _gpt_oss_unstacked(tensors: dict) -> dict:
 
 
 def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32", one_tensor_an_expert: bool = False,
-              latent_split: bool = True) -> tuple[pathlib.Path, pathlib.Path]:
+              latent_split: bool = True, arch: str | None = None) -> tuple[pathlib.Path, pathlib.Path]:
     """(a GGUF of checkpoint `src`, a float checkpoint of the weights it stands for), both under
     `dst`. types: the ggml type of every matrix (norms, biases and other vectors stay F32, as the
     converter keeps them), or {GGUF name substring: type} with "*" for the rest, e.g.
@@ -303,7 +303,8 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32", one_t
     gguf-py cannot quantize, are written as random valid blocks: the reference holds what they
     decode to. one_tensor_an_expert: experts as files made before llama.cpp stacked them
     (`blk.N.ffn_gate.E.weight`). latent_split: DeepSeek's kv_b_proj as newer converters write it
-    (`_deepseek_settings`)."""
+    (`_deepseek_settings`). arch: gguf-py's architecture to write instead of the family's (QWEN3VL:
+    a Qwen3 checkpoint as Qwen3-VL's language model, Qwen3VLTextModel, with its M-RoPE sections)."""
     import gguf
     from tests.checkpoints import _write_copy, read_checkpoint
 
@@ -315,7 +316,7 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32", one_t
         tensors = _one_an_expert(tensors)
     if kind in DEEPSEEK and latent_split:
         tensors = _latent_split(tensors, cfg)
-    arch = getattr(gguf.MODEL_ARCH, ARCHS[kind])
+    arch = getattr(gguf.MODEL_ARCH, arch or ARCHS[kind])
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -326,6 +327,10 @@ def gguf_copy(src, dst: pathlib.Path, types: dict[str, str] | str = "F32", one_t
     writer = gguf.GGUFWriter(str(file), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(src.name)
     _settings(writer, cfg, tensors, latent_split)
+    if arch in (gguf.MODEL_ARCH.QWEN3VL, gguf.MODEL_ARCH.QWEN3VLMOE):  # Qwen3VLTextModel.set_gguf_parameters
+        half = head_dim // 2
+        writer.add_rope_dimension_sections([half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8, 0])
+        writer.add_num_deepstack_layers(3)
     _tokenizer_fields(writer, src, cfg)
     reference = {}
     rope = cfg.get("rope_parameters") or {}

@@ -78,6 +78,9 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     # GLM-4.5: sigmoid routing with a score bias and groups, q / k norms and biases, half of each
     # head rotated, a multi-token-prediction layer after the model's (read past)
     "glm4-moe": ("glm4_moe", {}, {"exps": "Q8_0", "*": "F16"}),
+    # Qwen3-VL's language model (its files hold no vision): Qwen3 / Qwen3-MoE with M-RoPE sections
+    "qwen3-vl": ("qwen3", dict(head_dim=32), "Q8_0", {"arch": "QWEN3VL"}),
+    "qwen3-vl-moe": ("qwen3_moe", {}, {"exps": "Q4_0", "*": "Q8_0"}, {"arch": "QWEN3VLMOE"}),
 }
 
 

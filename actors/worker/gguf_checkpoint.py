@@ -283,8 +283,28 @@ def _glm4moe_config(reader) -> dict:
         num_nextn_predict_layers=0).to_dict()
 
 
+def _qwen3vl_config(reader) -> dict:
+    """Qwen3-VL's language model (llama.cpp keeps its vision in a separate mmproj file) as Qwen3 or
+    Qwen3-MoE: on text, whose three position axes are equal, its interleaved M-RoPE is the plain
+    rotary, and DeepStack adds nothing without images. (transformers reads neither arch.)"""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    key = _settings_of(reader, arch)
+    settings = dict(**_common_settings(reader, key), intermediate_size=key("feed_forward_length"),
+                    num_hidden_layers=key("block_count"), num_key_value_heads=key("attention.head_count_kv"),
+                    head_dim=key("attention.key_length"),
+                    rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base")})
+    if arch == "qwen3vl":
+        return Qwen3Config(**settings).to_dict()
+    return Qwen3MoeConfig(**settings, num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                          moe_intermediate_size=key("expert_feed_forward_length"),
+                          norm_topk_prob=bool(key("expert_weights_norm", True))).to_dict()  # (as llama.cpp's Qwen3-MoE)
+
+
 # Architectures whose settings shoal reads from the file itself
-OWN_SETTINGS = {"gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config}
+OWN_SETTINGS = {"gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
+                "qwen3vl": _qwen3vl_config, "qwen3vlmoe": _qwen3vl_config}
 
 # What a Llama (or Mistral) config and a Mixtral one share
 MIXTRAL_KEPT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -458,6 +478,7 @@ def _processor(arch: str, config: dict):
     if arch == "llama" and config.get("num_local_experts"):
         return MixtralProcessor(TENSOR_PROCESSORS["llama"](config=config), TENSOR_PROCESSORS["qwen2moe"](config=config),
                                 config["num_local_experts"])
+    arch = {"qwen3vlmoe": "qwen3moe"}.get(arch, arch)  # (Qwen3-VL's language model: Qwen3-MoE's tensors)
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
 
 
@@ -742,4 +763,4 @@ class _Lazy:
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
-             "qwen35moe", "lfm2", "gpt-oss", "deepseek2", "glm4moe"}
+             "qwen35moe", "lfm2", "gpt-oss", "deepseek2", "glm4moe", "qwen3vl", "qwen3vlmoe"}
