@@ -17,8 +17,9 @@ import torch
 ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE",
          "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
          "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2", "gpt_oss": "GPT_OSS",
-         "mixtral": "LLAMA", "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2", "glm4_moe": "GLM4_MOE"}
-LLAMA = ("llama", "mistral", "mixtral")  # q / k rows permuted for llama.cpp's rotary
+         "mixtral": "LLAMA", "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2", "glm4_moe": "GLM4_MOE",
+         "granite": "GRANITE"}
+LLAMA = ("llama", "mistral", "mixtral", "granite")  # q / k rows permuted for llama.cpp's rotary
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)
@@ -100,7 +101,7 @@ def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(cfg.get("norm_eps") if cfg["model_type"] == "lfm2" else cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    if "head_dim" in cfg and cfg["model_type"] not in DEEPSEEK:
+    if "head_dim" in cfg and cfg["model_type"] not in DEEPSEEK + ("granite",):  # (GraniteModel drops head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if cfg["model_type"] in LLAMA:
@@ -115,6 +116,11 @@ def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
         writer.add_ssm_inner_size(cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"])
         writer.add_rope_dimension_count(rotated)
         writer.add_rope_dimension_sections([rotated // 2, 0, 0, 0])  # (text: one position stream)
+    if cfg["model_type"] == "granite":  # GraniteModel.set_gguf_parameters: the multipliers not 0
+        for hf, scale in (("attention_multiplier", "attention_scale"), ("embedding_multiplier", "embedding_scale"),
+                          ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
+            if cfg.get(hf):
+                getattr(writer, f"add_{scale}")(cfg[hf])
     if cfg["model_type"] == "glm4_moe":  # Glm4MoeModel.set_gguf_parameters
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
         writer.add_expert_shared_count(cfg["n_shared_experts"])

@@ -81,6 +81,8 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     # Qwen3-VL's language model (its files hold no vision): Qwen3 / Qwen3-MoE with M-RoPE sections
     "qwen3-vl": ("qwen3", dict(head_dim=32), "Q8_0", {"arch": "QWEN3VL"}),
     "qwen3-vl-moe": ("qwen3_moe", {}, {"exps": "Q4_0", "*": "Q8_0"}, {"arch": "QWEN3VLMOE"}),
+    # IBM Granite: Llama's block (q / k permuted) and its four multipliers
+    "granite": ("granite", {}, {"ffn": "Q5_1", "*": "Q8_0"}),
 }
 
 

@@ -302,8 +302,22 @@ def _qwen3vl_config(reader) -> dict:
                           norm_topk_prob=bool(key("expert_weights_norm", True))).to_dict()  # (as llama.cpp's Qwen3-MoE)
 
 
+def _granite_config(reader) -> dict:
+    """IBM Granite (3.x, dense): Llama's block and four multipliers, written as *_scale where they
+    are not 0. (transformers reads no granite file.)"""
+    from transformers import GraniteConfig
+
+    key = _settings_of(reader, "granite")
+    return GraniteConfig(
+        **_common_settings(reader, key), intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"), num_key_value_heads=key("attention.head_count_kv"),
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)},
+        attention_multiplier=key("attention.scale", 1.0), embedding_multiplier=key("embedding_scale", 1.0),
+        residual_multiplier=key("residual_scale", 1.0), logits_scaling=key("logit_scale", 1.0)).to_dict()
+
+
 # Architectures whose settings shoal reads from the file itself
-OWN_SETTINGS = {"gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
+OWN_SETTINGS = {"granite": _granite_config, "gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
                 "qwen3vl": _qwen3vl_config, "qwen3vlmoe": _qwen3vl_config}
 
 # What a Llama (or Mistral) config and a Mixtral one share
@@ -478,7 +492,8 @@ def _processor(arch: str, config: dict):
     if arch == "llama" and config.get("num_local_experts"):
         return MixtralProcessor(TENSOR_PROCESSORS["llama"](config=config), TENSOR_PROCESSORS["qwen2moe"](config=config),
                                 config["num_local_experts"])
-    arch = {"qwen3vlmoe": "qwen3moe"}.get(arch, arch)  # (Qwen3-VL's language model: Qwen3-MoE's tensors)
+    # (Qwen3-VL's language model: Qwen3-MoE's tensors; Granite's: Llama's, q / k rows permuted)
+    arch = {"qwen3vlmoe": "qwen3moe", "granite": "llama"}.get(arch, arch)
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
 
 
@@ -763,4 +778,5 @@ class _Lazy:
 # llama.cpp's architecture names whose files shoal reads: those transformers' GGUF support maps
 # (config, tokenizer, weights) whose model shoal runs.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
-             "qwen35moe", "lfm2", "gpt-oss", "deepseek2", "glm4moe", "qwen3vl", "qwen3vlmoe"}
+             "qwen35moe", "lfm2", "gpt-oss", "deepseek2", "glm4moe", "qwen3vl", "qwen3vlmoe",
+             "granite"}
