@@ -18,8 +18,8 @@ ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3
          "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
          "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2", "gpt_oss": "GPT_OSS",
          "mixtral": "LLAMA", "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2", "glm4_moe": "GLM4_MOE",
-         "granite": "GRANITE"}
-LLAMA = ("llama", "mistral", "mixtral", "granite")  # q / k rows permuted for llama.cpp's rotary
+         "granite": "GRANITE", "smollm3": "SMOLLM3"}
+LLAMA = ("llama", "mistral", "mixtral", "granite", "smollm3")  # q / k rows permuted for llama.cpp's rotary
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
 GEMMA = ("gemma2", "gemma3_text")  # norms stored + 1 (llama.cpp's RMSNorm multiplies by w alone)

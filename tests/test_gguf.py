@@ -83,6 +83,8 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     "qwen3-vl-moe": ("qwen3_moe", {}, {"exps": "Q4_0", "*": "Q8_0"}, {"arch": "QWEN3VLMOE"}),
     # IBM Granite: Llama's block (q / k permuted) and its four multipliers
     "granite": ("granite", {}, {"ffn": "Q5_1", "*": "Q8_0"}),
+    # SmolLM3: every fourth layer without rotary (NoPE), the pattern llama.cpp fixes for it
+    "smollm3-nope": ("smollm3", dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]), "Q8_0"),
 }
 
 

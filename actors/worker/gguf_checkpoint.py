@@ -316,8 +316,22 @@ def _granite_config(reader) -> dict:
         residual_multiplier=key("residual_scale", 1.0), logits_scaling=key("logit_scale", 1.0)).to_dict()
 
 
+def _smollm3_config(reader) -> dict:
+    """SmolLM3: Llama's block with every fourth layer's rotary off (NoPE), as llama.cpp fixes it
+    (the file states no pattern; its releases all have that one). (transformers reads no smollm3
+    file.)"""
+    from transformers import SmolLM3Config
+
+    key = _settings_of(reader, "smollm3")
+    return SmolLM3Config(
+        **_common_settings(reader, key), intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"), num_key_value_heads=key("attention.head_count_kv"),
+        rope_parameters={"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)},
+        no_rope_layer_interval=4, no_rope_layers=None).to_dict()
+
+
 # Architectures whose settings shoal reads from the file itself
-OWN_SETTINGS = {"granite": _granite_config, "gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
+OWN_SETTINGS = {"granite": _granite_config, "smollm3": _smollm3_config, "gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
                 "qwen3vl": _qwen3vl_config, "qwen3vlmoe": _qwen3vl_config}
 
 # What a Llama (or Mistral) config and a Mixtral one share
@@ -492,8 +506,8 @@ def _processor(arch: str, config: dict):
     if arch == "llama" and config.get("num_local_experts"):
         return MixtralProcessor(TENSOR_PROCESSORS["llama"](config=config), TENSOR_PROCESSORS["qwen2moe"](config=config),
                                 config["num_local_experts"])
-    # (Qwen3-VL's language model: Qwen3-MoE's tensors; Granite's: Llama's, q / k rows permuted)
-    arch = {"qwen3vlmoe": "qwen3moe", "granite": "llama"}.get(arch, arch)
+    # (Qwen3-VL's language model: Qwen3-MoE's tensors; Granite's and SmolLM3's: Llama's, q / k permuted)
+    arch = {"qwen3vlmoe": "qwen3moe", "granite": "llama", "smollm3": "llama"}.get(arch, arch)
     return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
 
 
@@ -779,4 +793,4 @@ class _Lazy:
 # (config, tokenizer, weights) whose model shoal runs.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
              "qwen35moe", "lfm2", "gpt-oss", "deepseek2", "glm4moe", "qwen3vl", "qwen3vlmoe",
-             "granite"}
+             "granite", "smollm3"}
