@@ -18,7 +18,7 @@ ARCHS = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3
          "qwen2_moe": "QWEN2MOE", "gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3",
          "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2": "LFM2", "gpt_oss": "GPT_OSS",
          "mixtral": "LLAMA", "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2", "glm4_moe": "GLM4_MOE",
-         "granite": "GRANITE", "smollm3": "SMOLLM3"}
+         "granite": "GRANITE", "smollm3": "SMOLLM3", "olmo2": "OLMO2", "olmo3": "OLMO2"}
 LLAMA = ("llama", "mistral", "mixtral", "granite", "smollm3")  # q / k rows permuted for llama.cpp's rotary
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -116,6 +116,11 @@ def _settings(writer, cfg: dict, tensors: dict, latent_split: bool) -> None:
         writer.add_ssm_inner_size(cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"])
         writer.add_rope_dimension_count(rotated)
         writer.add_rope_dimension_sections([rotated // 2, 0, 0, 0])  # (text: one position stream)
+    if cfg["model_type"] == "olmo3":  # Olmo2Model.set_gguf_parameters
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        if "attention_factor" in rope:
+            writer.add_rope_scaling_attn_factors(rope["attention_factor"])
     if cfg["model_type"] == "granite":  # GraniteModel.set_gguf_parameters: the multipliers not 0
         for hf, scale in (("attention_multiplier", "attention_scale"), ("embedding_multiplier", "embedding_scale"),
                           ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):

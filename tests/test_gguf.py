@@ -39,6 +39,9 @@ LLAMA3_ROPE = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0
                                    "original_max_position_embeddings": 64}}
 DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+OLMO3_YARN = {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+              "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "original_max_position_embeddings": 16, "attention_factor": 1.2}}
 K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     "llama-legacy-blocks": ("llama", {}, {"token_embd": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "Q4_1",
@@ -85,6 +88,10 @@ CASES = {  # name: (family, its overrides, the ggml type of each matrix)
     "granite": ("granite", {}, {"ffn": "Q5_1", "*": "Q8_0"}),
     # SmolLM3: every fourth layer without rotary (NoPE), the pattern llama.cpp fixes for it
     "smollm3-nope": ("smollm3", dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]), "Q8_0"),
+    # OLMo 2 (q / k norms over all heads, norms after attention and MLP), and OLMo 3: sliding
+    # layers and a global one whose rotary alone is YaRN-scaled
+    "olmo2": ("olmo2", {}, {"ffn": "Q4_1", "*": "Q8_0"}),
+    "olmo3-yarn": ("olmo3", dict(rope_parameters=OLMO3_YARN), "Q8_0"),
 }
 
 

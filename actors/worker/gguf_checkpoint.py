@@ -330,8 +330,25 @@ def _smollm3_config(reader) -> dict:
         no_rope_layer_interval=4, no_rope_layers=None).to_dict()
 
 
+def _olmo_config(reader) -> dict:
+    """OLMo 2, or OLMo 3 where the file states a sliding window (llama.cpp writes both as olmo2):
+    OLMo 3's rotary by layer type, its scaling (_rotary) on the global layers alone, as llama.cpp
+    runs it. (transformers reads no olmo2 file.)"""
+    from transformers import Olmo2Config, Olmo3Config
+
+    key = _settings_of(reader, "olmo2")
+    settings = dict(**_common_settings(reader, key), intermediate_size=key("feed_forward_length"),
+                    num_hidden_layers=key("block_count"), num_key_value_heads=key("attention.head_count_kv"))
+    rope = {"rope_type": "default", "rope_theta": key("rope.freq_base", 10000.0)}
+    if (window := key("attention.sliding_window", None)) is None:
+        return Olmo2Config(**settings, rope_parameters=rope).to_dict()
+    local = {**rope, "rope_theta": key("rope.freq_base_swa", rope["rope_theta"])}
+    return Olmo3Config(**settings, sliding_window=window,
+                       rope_parameters={"sliding_attention": local, "full_attention": rope}).to_dict()
+
+
 # Architectures whose settings shoal reads from the file itself
-OWN_SETTINGS = {"granite": _granite_config, "smollm3": _smollm3_config, "gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
+OWN_SETTINGS = {"granite": _granite_config, "smollm3": _smollm3_config, "olmo2": _olmo_config, "gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
                 "qwen3vl": _qwen3vl_config, "qwen3vlmoe": _qwen3vl_config}
 
 # What a Llama (or Mistral) config and a Mixtral one share
@@ -357,7 +374,8 @@ STATED = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe
           "expert_weights_norm": "norm_topk_prob", "attn_logit_softcapping": "attn_logit_softcapping",
           "final_logit_softcapping": "final_logit_softcapping"}
 ROPE_SCALING = {"linear": "linear", "yarn": "yarn"}  # rope.scaling.type -> transformers' rope_type
-YARN = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor"}
+YARN = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor",
+        "attn_factor": "attention_factor"}  # (OLMo 3's converter writes the latter)
 
 
 def _stated_settings(reader, arch: str, config: dict) -> dict:
@@ -793,4 +811,4 @@ class _Lazy:
 # (config, tokenizer, weights) whose model shoal runs.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "qwen35",
              "qwen35moe", "lfm2", "gpt-oss", "deepseek2", "glm4moe", "qwen3vl", "qwen3vlmoe",
-             "granite", "smollm3"}
+             "granite", "smollm3", "olmo2"}
