@@ -348,8 +348,9 @@ def _olmo_config(reader) -> dict:
 
 
 # Architectures whose settings shoal reads from the file itself
-OWN_SETTINGS = {"granite": _granite_config, "smollm3": _smollm3_config, "olmo2": _olmo_config, "gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
-                "qwen3vl": _qwen3vl_config, "qwen3vlmoe": _qwen3vl_config}
+OWN_SETTINGS = {"gpt-oss": _gpt_oss_config, "deepseek2": _deepseek_config, "glm4moe": _glm4moe_config,
+                "qwen3vl": _qwen3vl_config, "qwen3vlmoe": _qwen3vl_config, "granite": _granite_config,
+                "smollm3": _smollm3_config, "olmo2": _olmo_config}
 
 # What a Llama (or Mistral) config and a Mixtral one share
 MIXTRAL_KEPT = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
