@@ -36,6 +36,7 @@ FAMILIES = {  # family -> tests/checkpoints.py overrides
     "mixtral": {}, "deepseek_v3": {}, "deepseek_v2": {}, "glm4_moe": {}, "granite": {},
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]),  # (llama.cpp's NoPE pattern)
     "olmo2": {}, "qwen3_moe": {}, "llama": {},
+    "qwen3_vl": {}, "qwen3_vl_moe": {},  # (the converter writes their language model; vision goes to --mmproj)
 }
 CONVERT = """
 import sys
