@@ -202,8 +202,11 @@ def test_a_busy_first_start_starts_its_job_once_eager_steps_have_cost_enough(che
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in out] == [hf_greedy(path, p, 8) for p in prompts]
     assert runner.pending_compile.job is None and runner.pending_compile.spec is not None
-    monkeypatch.setenv("SHOAL_COMPILE_AFTER_S", "1e-4")  # below any real eager step
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    monkeypatch.setenv("SHOAL_COMPILE_AFTER_S", "1e-4")  # below any real eager step (read as an engine starts)
+    busy = compiled_llm(path, wait=False, compile_at_start=False)
+    runner = busy.engine.executor.runner
+    assert runner.pending_compile.job is None
+    busy.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert runner.pending_compile.job is not None and runner.pending_compile.spec is None
     monkeypatch.delenv("SHOAL_COMPILE_AFTER_S")
     idle = compiled_llm(path, wait=False, compile_at_start=False).engine.executor.runner

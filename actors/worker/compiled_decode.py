@@ -164,8 +164,9 @@ class PendingCompile:
     what the compiled step would have taken (`eager_seconds`) to choose when starting the job
     and loading the step pay."""
 
-    def __init__(self, path: Path, spec=None):
+    def __init__(self, path: Path, spec=None, start_after_s: float = COMPILE_AFTER_S):
         self.path, self.spec = path, spec  # spec: the model to compile, until its job starts
+        self.start_after_s = start_after_s  # eager decode seconds before a busy engine starts the job
         self.job = None  # actors.worker.compile_job.BackgroundCompile
         self.eager_seconds = 0.0
         self.failure: str | None = None  # why there is no artifact, once the job has ended

@@ -150,7 +150,7 @@ class ModelRunner:
         (compiling in the background)"."""
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.startup.items())
         pending = self.pending_compile
-        state = (f"compiled in the background once idle or after {compile_after_s():g} s of eager decode"
+        state = (f"compiled in the background once idle or after {pending.start_after_s:g} s of eager decode"
                  if pending and pending.spec else "compiling in the background" if pending and pending.job else
                  "compiled step on disk, loaded when it pays" if pending else self.kernels.decode)
         return f"{phases} ({state})"
@@ -213,8 +213,8 @@ class ModelRunner:
         (actors/worker/compiled_decode.py): its job starts when the engine is first idle, or
         once eager steps have cost COMPILE_AFTER_S."""
         path = compiled_decode.artifact_path(spec, self.kernels, self.block_size)
-        self.pending_compile = PendingCompile(path, None if path.exists() else spec)
-        if compile_after_s() <= 0:
+        self.pending_compile = PendingCompile(path, None if path.exists() else spec, compile_after_s())
+        if self.pending_compile.start_after_s <= 0:
             self._start_compiling()
         if flag("SHOAL_COMPILE_WAIT", False):  # benchmarks of the compiled step
             self.finish_compiling()
@@ -250,7 +250,7 @@ class ModelRunner:
         """A decode step the compiled one could have run took `seconds` eagerly."""
         pending = self.pending_compile
         pending.eager_seconds += seconds
-        if pending.eager_seconds >= compile_after_s():
+        if pending.eager_seconds >= pending.start_after_s:
             self._start_compiling()
         if pending.eager_seconds >= SWAP_AFTER_S:
             self._swap_in_compiled()
